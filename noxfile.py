@@ -1,0 +1,233 @@
+"""quantbridge's development workflow.
+
+    nox -s tests        every package's tests, then the cross-package tests in tests/
+    nox -s lint         ruff check + ruff format --check
+    nox -s typecheck    mypy --strict, one package at a time
+    nox -s build        wheels + sdists; each wheel installed alone in a fresh venv and imported
+    nox -s demo         the project's main job
+
+Every install goes through constraints.txt. Virtualenvs are reused, and a session skips pip
+entirely when nothing it installs from (constraints, pyproject files, its requirement list)
+has changed since the last run: packages are installed editable, so source edits need no
+reinstall.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import shutil
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+import nox
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - nox itself runs on 3.11 here
+    import tomli as tomllib
+
+ROOT = Path(__file__).parent
+CONSTRAINTS = ROOT / "constraints.txt"
+PACKAGES = ("patterns", "qconfig", "kernels", "fx_quant", "lowering")
+TEST_REQUIREMENTS = ("pytest", "hypothesis", "torch")
+
+nox.options.sessions = ["tests", "lint", "typecheck"]
+nox.options.reuse_venv = "yes"
+nox.options.error_on_missing_interpreters = True
+
+
+def _pyproject(package: str) -> dict:  # type: ignore[type-arg]
+    with open(ROOT / "packages" / package / "pyproject.toml", "rb") as f:
+        return tomllib.load(f)
+
+
+def _dist_name(package: str) -> str:
+    return str(_pyproject(package)["project"]["name"])
+
+
+_DIST_TO_PACKAGE = {_dist_name(p): p for p in PACKAGES}
+_REQ_NAME = re.compile(r"^\s*([A-Za-z0-9_.\-]+)")
+
+
+def _sibling_dependencies(package: str) -> list[str]:
+    """Sibling packages this package declares, directly or through other siblings."""
+    found: list[str] = []
+    todo = [package]
+    while todo:
+        current = todo.pop()
+        for requirement in _pyproject(current)["project"].get("dependencies", []):
+            match = _REQ_NAME.match(requirement)
+            sibling = _DIST_TO_PACKAGE.get(match.group(1)) if match else None
+            if sibling and sibling not in found:
+                found.append(sibling)
+                todo.append(sibling)
+    return found
+
+
+def _install(session: nox.Session, *requirements: str) -> None:
+    """pip install with the constraints, skipped when its inputs are unchanged."""
+    digest = hashlib.sha256(CONSTRAINTS.read_bytes())
+    digest.update("\0".join(requirements).encode())
+    for package in PACKAGES:
+        digest.update((ROOT / "packages" / package / "pyproject.toml").read_bytes())
+    stamp = Path(session.virtualenv.location) / ".quantbridge-install-stamp"
+    if stamp.exists() and stamp.read_text() == digest.hexdigest():
+        session.log("requirements unchanged since the last run: skipping pip")
+        return
+    session.install("-c", str(CONSTRAINTS), *requirements)
+    stamp.write_text(digest.hexdigest())
+
+
+def _editable(*packages: str) -> list[str]:
+    args: list[str] = []
+    for package in packages:
+        args += ["-e", str(ROOT / "packages" / package)]
+    return args
+
+
+@nox.session
+@nox.parametrize("package", [*PACKAGES, "integration"])
+def tests(session: nox.Session, package: str) -> None:
+    """One package's tests (with its siblings installed from source), or tests/ for integration."""
+    if package == "integration":
+        _install(session, *TEST_REQUIREMENTS, *_editable(*PACKAGES))
+        paths = [str(ROOT / "tests")]
+    else:
+        _install(session, *TEST_REQUIREMENTS, *_editable(package, *_sibling_dependencies(package)))
+        paths = [str(ROOT / "packages" / package / "tests")]
+    session.run("pytest", *paths, *session.posargs)
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """ruff check and ruff format --check over the whole tree."""
+    _install(session, "ruff")
+    session.run("ruff", "check", str(ROOT))
+    session.run("ruff", "format", "--check", str(ROOT))
+
+
+@nox.session
+@nox.parametrize("package", list(PACKAGES))
+def typecheck(session: nox.Session, package: str) -> None:
+    """mypy --strict on one package, with only its declared siblings importable."""
+    _install(session, "mypy", *_editable(package, *_sibling_dependencies(package)))
+    session.run(
+        "mypy",
+        "--config-file",
+        str(ROOT / "pyproject.toml"),
+        "-p",
+        f"quantbridge.{package}",
+    )
+
+
+def _check_independent_versions(session: nox.Session) -> dict[str, str]:
+    """Each package has its own version; every sibling range admits the sibling's version."""
+    from packaging.requirements import Requirement
+    from packaging.version import Version
+
+    versions = {p: str(_pyproject(p)["project"]["version"]) for p in PACKAGES}
+    for package in PACKAGES:
+        if "version" in _pyproject(package)["project"].get("dynamic", []):
+            session.error(f"packages/{package}: the version must be static in its pyproject")
+        for text in _pyproject(package)["project"].get("dependencies", []):
+            requirement = Requirement(text)
+            sibling = _DIST_TO_PACKAGE.get(requirement.name)
+            if sibling is None:
+                continue
+            if any(spec.operator in ("==", "===") for spec in requirement.specifier):
+                session.error(
+                    f"packages/{package}: pins sibling {requirement}; declare a range so the "
+                    "packages version independently"
+                )
+            if not requirement.specifier.contains(Version(versions[sibling])):
+                session.error(
+                    f"packages/{package}: requires {requirement} but packages/{sibling} "
+                    f"is {versions[sibling]}"
+                )
+    return versions
+
+
+def _wheel_requirements(wheel: Path) -> list[str]:
+    with zipfile.ZipFile(wheel) as archive:
+        name = next(n for n in archive.namelist() if n.endswith(".dist-info/METADATA"))
+        metadata = archive.read(name).decode()
+    return [
+        line.split(":", 1)[1].strip()
+        for line in metadata.splitlines()
+        if line.startswith("Requires-Dist:")
+    ]
+
+
+_IMPORT_EVERY_MODULE = """
+import importlib, pkgutil, sys
+root = importlib.import_module(sys.argv[1])
+names = [sys.argv[1]] + [m.name for m in pkgutil.walk_packages(root.__path__, sys.argv[1] + ".")]
+for name in names:
+    importlib.import_module(name)
+print(f"imported {len(names)} modules of {sys.argv[1]}")
+"""
+
+
+@nox.session
+def build(session: nox.Session) -> None:
+    """Build every wheel and sdist; install each wheel alone in a fresh venv and import it."""
+    _install(session, "build", "packaging")
+    versions = _check_independent_versions(session)
+    dist = ROOT / "dist"
+    shutil.rmtree(dist, ignore_errors=True)
+    for package in PACKAGES:
+        session.run(
+            "python", "-m", "build", "--outdir", str(dist), str(ROOT / "packages" / package)
+        )
+
+    from packaging.requirements import Requirement
+
+    wheels = {p: next(dist.glob(f"{_dist_name(p).replace('-', '_')}-*.whl")) for p in PACKAGES}
+    for package, wheel in wheels.items():
+        expected = f"-{versions[package]}-"
+        if expected not in wheel.name:
+            session.error(f"{wheel.name}: expected version {versions[package]}")
+
+    for package, wheel in wheels.items():
+        with tempfile.TemporaryDirectory(prefix=f"qb-{package}-") as tmp:
+            venv = Path(tmp) / "venv"
+            session.run("python", "-m", "venv", str(venv))
+            python = str(venv / "bin" / "python")
+            # Third-party requirements come from the index under the constraints; siblings
+            # only from dist/ (--no-index), so a same-named package on an index is never used.
+            third_party = sorted(
+                {
+                    req
+                    for p in (package, *_sibling_dependencies(package))
+                    for req in _wheel_requirements(wheels[p])
+                    if Requirement(req).name not in _DIST_TO_PACKAGE
+                }
+            )
+            if third_party:
+                session.run(
+                    python, "-m", "pip", "install", "-q", "-c", str(CONSTRAINTS), *third_party
+                )
+            session.run(
+                python,
+                "-m",
+                "pip",
+                "install",
+                "-q",
+                "--no-index",
+                "--find-links",
+                str(dist),
+                str(wheel),
+            )
+            session.run(python, "-c", _IMPORT_EVERY_MODULE, f"quantbridge.{package}")
+    session.log("versions: " + json.dumps(versions))
+
+
+@nox.session
+def demo(session: nox.Session) -> None:
+    """The main job: see examples/demo.py."""
+    _install(session, "torch", "scikit-learn", *_editable(*PACKAGES))
+    session.run("python", str(ROOT / "examples" / "demo.py"), *session.posargs)

@@ -1,0 +1,174 @@
+"""ARCHITECTURE.md rules 1 and 2, checked by reading every import and attribute in runtime code.
+
+Rule 1: imports only go down the layers; kernels imports neither torch nor a sibling.
+Rule 2: runtime code never imports torch.ao and never touches quantized tensor types or ops,
+except the torch_native comparison backend, isolated in one module of lowering.
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+import pytest
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("patterns", "qconfig", "kernels", "fx_quant", "lowering")
+
+# Which siblings each package may import (the layer diagram of ARCHITECTURE.md).
+ALLOWED_SIBLINGS: dict[str, set[str]] = {
+    "patterns": set(),
+    "qconfig": {"patterns"},
+    "kernels": set(),
+    "fx_quant": {"qconfig", "patterns"},
+    "lowering": {"fx_quant", "qconfig", "patterns", "kernels"},
+}
+# The only runtime module allowed to use torch's quantized engine (rule 2's exception).
+TORCH_NATIVE_MODULE = "quantbridge/lowering/_torch_native.py"
+
+FORBIDDEN_ATTRIBUTES = (
+    "torch.ao",
+    "torch.quint8",
+    "torch.qint8",
+    "torch.qint32",
+    "torch.quint4x2",
+    "torch.quint2x4",
+    "torch.quantize_per_tensor",
+    "torch.quantize_per_channel",
+    "torch.quantize_per_tensor_dynamic",
+    "torch.ops.quantized",
+    "torch.nn.quantized",
+    "torch.backends.quantized",
+    "torch.per_tensor_affine",  # qscheme objects belong to quantized tensors; use strings
+)
+
+
+def _runtime_files(package: str) -> list[Path]:
+    return sorted((ROOT / "packages" / package / "src").rglob("*.py"))
+
+
+def _imports(tree: ast.AST, module_name: str) -> list[tuple[int, str]]:
+    found: list[tuple[int, str]] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:  # relative import: resolve against the module's package
+                base = module_name.rsplit(".", node.level)[0]
+                name = f"{base}.{node.module}" if node.module else base
+            else:
+                name = node.module or ""
+            found.append((node.lineno, name))
+            found += [(node.lineno, f"{name}.{alias.name}") for alias in node.names]
+    return found
+
+
+def _dotted(node: ast.AST) -> str | None:
+    parts: list[str] = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if isinstance(node, ast.Name):
+        parts.append(node.id)
+        return ".".join(reversed(parts))
+    return None
+
+
+def _module_name(path: Path, package: str) -> str:
+    relative = path.relative_to(ROOT / "packages" / package / "src").with_suffix("")
+    return ".".join(relative.parts)
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_imports_go_down_the_layers(package: str) -> None:
+    violations = []
+    for path in _runtime_files(package):
+        tree = ast.parse(path.read_text(), str(path))
+        for lineno, name in _imports(tree, _module_name(path, package)):
+            parts = name.split(".")
+            if parts[0] == "quantbridge" and len(parts) > 1:
+                sibling = parts[1]
+                if sibling != package and sibling not in ALLOWED_SIBLINGS[package]:
+                    violations.append(f"{path.relative_to(ROOT)}:{lineno} imports {name}")
+            if package == "kernels" and parts[0] == "torch":
+                violations.append(f"{path.relative_to(ROOT)}:{lineno} imports torch")
+    assert not violations, "rule 1 (imports go down):\n" + "\n".join(violations)
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_no_torch_ao_or_quantized_tensors_in_runtime_code(package: str) -> None:
+    violations = []
+    for path in _runtime_files(package):
+        if path.as_posix().endswith(TORCH_NATIVE_MODULE):
+            continue
+        tree = ast.parse(path.read_text(), str(path))
+        for lineno, name in _imports(tree, _module_name(path, package)):
+            if name == "torch.ao" or name.startswith("torch.ao."):
+                violations.append(f"{path.relative_to(ROOT)}:{lineno} imports {name}")
+        for node in ast.walk(tree):
+            dotted = _dotted(node) if isinstance(node, ast.Attribute) else None
+            if dotted and any(
+                dotted == bad or dotted.startswith(bad + ".") for bad in FORBIDDEN_ATTRIBUTES
+            ):
+                violations.append(f"{path.relative_to(ROOT)}:{node.lineno} uses {dotted}")
+    assert not violations, "rule 2 (no torch.ao, no quantized tensors):\n" + "\n".join(
+        sorted(set(violations))
+    )
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_declared_dependencies_cover_sibling_imports(package: str) -> None:
+    with open(ROOT / "packages" / package / "pyproject.toml", "rb") as f:
+        declared = " ".join(tomllib.load(f)["project"].get("dependencies", []))
+    used = set()
+    for path in _runtime_files(package):
+        tree = ast.parse(path.read_text(), str(path))
+        for _, name in _imports(tree, _module_name(path, package)):
+            parts = name.split(".")
+            if parts[0] == "quantbridge" and len(parts) > 1 and parts[1] != package:
+                used.add(parts[1])
+    missing = [s for s in sorted(used) if f"quantbridge-{s.replace('_', '-')}" not in declared]
+    assert not missing, f"packages/{package} imports undeclared siblings: {missing}"
+
+
+def test_namespace_package_has_no_init() -> None:
+    stray = sorted(
+        str(p.relative_to(ROOT)) for p in ROOT.glob("packages/*/src/quantbridge/__init__.py")
+    )
+    assert not stray, f"quantbridge is a PEP 420 namespace; remove {stray}"
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_package_layout(package: str) -> None:
+    base = ROOT / "packages" / package
+    for required in ("pyproject.toml", "README.md", "CHANGELOG.md"):
+        assert (base / required).is_file(), f"packages/{package}/{required} is missing"
+    source = base / "src" / "quantbridge" / package
+    assert (source / "__init__.py").is_file()
+    assert (source / "py.typed").is_file()
+    init = ast.parse((source / "__init__.py").read_text())
+    exported = [
+        node
+        for node in init.body
+        if isinstance(node, ast.Assign)
+        and any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets)
+    ]
+    assert exported, f"quantbridge.{package}.__init__ must define __all__"
+
+
+def test_rule_checker_catches_violations(tmp_path: Path) -> None:
+    """The checks above must be able to fail: feed them a file that breaks both rules."""
+    source = "import torch\nfrom torch.ao.quantization import QConfig\nx = torch.quint8\n"
+    tree = ast.parse(source)
+    names = [name for _, name in _imports(tree, "quantbridge.kernels._bad")]
+    assert "torch.ao.quantization" in names
+    dotted = [_dotted(n) for n in ast.walk(tree) if isinstance(n, ast.Attribute)]
+    assert "torch.quint8" in dotted
+    relative = _imports(ast.parse("from ..qconfig import x\n"), "quantbridge.fx_quant._mod")
+    assert ("quantbridge.qconfig") in [name for _, name in relative]
