@@ -117,7 +117,10 @@ def main() -> None:
         weight_observers[name](layer.weight.detach())
 
     print()
-    header = f"{'tensor':<12}{'observer':<28}{'min':>10}{'max':>10}{'scale':>14}{'zero_point':>12}  torch.ao"
+    header = (
+        f"{'tensor':<12}{'observer':<28}{'min':>10}{'max':>10}{'scale':>14}{'zero_point':>12}"
+        "  torch.ao"
+    )
     print(header)
     print("-" * len(header))
     mismatches = 0
