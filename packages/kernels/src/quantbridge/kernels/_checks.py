@@ -52,16 +52,19 @@ def check_array(
 
 def check_scale(name: str, scale: float) -> float:
     """A quantization scale must be a finite positive number."""
-    value = float(scale)
-    if not math.isfinite(value) or value <= 0.0:
+    try:
+        value = float(scale)
+    except (TypeError, ValueError, OverflowError):
+        raise KernelError(f"{name}: scale must be a finite number > 0, got {scale!r}") from None
+    if isinstance(scale, bool) or not math.isfinite(value) or value <= 0.0:
         raise KernelError(f"{name}: scale must be finite and > 0, got {scale!r}")
     return value
 
 
 def check_zero_point(name: str, zero_point: int, qmin: int, qmax: int) -> int:
     """A zero point must be an integer inside the quantized range."""
-    value = int(zero_point)
-    if value != zero_point or not qmin <= value <= qmax:
+    value = check_int(name, zero_point)
+    if not qmin <= value <= qmax:
         raise KernelError(
             f"{name}: zero point must be an integer in [{qmin}, {qmax}], got {zero_point!r}"
         )
@@ -76,3 +79,58 @@ def check_accumulation_fits_int32(name: str, k: int, a_max: int = 255, b_max: in
             f"{name}: reduction length K={k} can overflow int32 accumulation "
             f"(K * {a_max} * {b_max} > 2**31 - 1); split the reduction (K <= {limit})"
         )
+
+
+def check_out(
+    out: object, shape: tuple[int, ...], dtype: npt.DTypeLike, *inputs: npt.NDArray[np.generic]
+) -> npt.NDArray[np.generic]:
+    """Validate a caller-provided ``out=`` array: exact shape and dtype, C-contiguous, writeable.
+
+    ``out`` may not overlap any of ``inputs`` unless it *is* that input (same buffer, same
+    layout), which elementwise kernels handle; pass no ``inputs`` to forbid any overlap check.
+    """
+    if not isinstance(out, np.ndarray):
+        raise KernelError(f"out: expected a numpy array, got {type(out).__name__}")
+    if out.dtype != np.dtype(dtype):
+        raise KernelError(f"out: expected dtype {np.dtype(dtype)}, got {out.dtype}")
+    if out.shape != shape:
+        raise KernelError(f"out: expected shape {shape}, got {out.shape}")
+    if not out.flags.c_contiguous or not out.flags.aligned:
+        raise KernelError("out: expected a C-contiguous, aligned array")
+    if not out.flags.writeable:
+        raise KernelError("out: array is read-only")
+    for array in inputs:
+        if np.may_share_memory(out, array) and not (
+            out.dtype == array.dtype
+            and out.shape == array.shape
+            and out.__array_interface__["data"][0] == array.__array_interface__["data"][0]
+        ):
+            raise KernelError(
+                "out: overlaps an input array in a way the kernel cannot handle; "
+                "pass a separate output array (or the input itself for in-place elementwise ops)"
+            )
+    return out
+
+
+def check_quant_range(
+    dtype: npt.DTypeLike, quant_min: int | None, quant_max: int | None
+) -> tuple[int, int]:
+    """Resolve ``quant_min``/``quant_max`` (default: the dtype's full range) and check them."""
+    info = np.iinfo(np.dtype(dtype))
+    lo = int(info.min) if quant_min is None else check_int("quant_min", quant_min)
+    hi = int(info.max) if quant_max is None else check_int("quant_max", quant_max)
+    if not int(info.min) <= lo <= hi <= int(info.max):
+        raise KernelError(
+            f"quant_min/quant_max: expected integers with {info.min} <= quant_min <= quant_max "
+            f"<= {info.max} for {np.dtype(dtype)}, got ({quant_min!r}, {quant_max!r})"
+        )
+    return lo, hi
+
+
+def check_int(name: str, value: object) -> int:
+    """An integer argument: a Python/numpy integer (not bool), or a float with integral value."""
+    if isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_)):
+        return int(value)
+    if isinstance(value, (float, np.floating)) and math.isfinite(value) and value == int(value):
+        return int(value)
+    raise KernelError(f"{name}: expected an integer, got {value!r}")
