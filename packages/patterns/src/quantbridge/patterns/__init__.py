@@ -1,11 +1,20 @@
 """quantbridge.patterns: the pattern language of BackendConfig, an FX matcher and a rewriter.
 
 Pattern forms (single operator, sequential tuple, reverse-nested complex form with
-``MatchAllNode``) and their conversions are here now; ``find_matches`` and the subgraph
-rewriter arrive with the patterns issue.
+``MatchAllNode``) and their conversions, ``find_matches`` (torch.ao's matching decisions with an
+anchor-indexed pattern table) and a subgraph rewriter for lowering passes.
 """
 
 from quantbridge.patterns._errors import PatternError
+from quantbridge.patterns._matcher import (
+    Match,
+    MatchMode,
+    NodePattern,
+    RootNodeGetter,
+    default_root_node_getter,
+    find_matches,
+    sort_patterns,
+)
 from quantbridge.patterns._forms import (
     MatchAllNode,
     Pattern,
@@ -19,14 +28,21 @@ from quantbridge.patterns._forms import (
 )
 
 __all__ = [
+    "Match",
     "MatchAllNode",
+    "MatchMode",
+    "NodePattern",
+    "RootNodeGetter",
     "Pattern",
     "PatternError",
     "check_complex_pattern",
     "check_sequential_pattern",
     "complex_to_sequential",
+    "default_root_node_getter",
     "describe_pattern_element",
+    "find_matches",
     "is_pattern_element",
     "pattern_operators",
     "sequential_to_complex",
+    "sort_patterns",
 ]
