@@ -168,7 +168,7 @@ def zoo() -> dict[str, GraphModule]:
 
 
 def chain_model(blocks: int) -> GraphModule:
-    """A long graph of repeated conv-bn-relu / linear-relu / add / method blocks (~20 nodes each)."""
+    """A long graph of repeated conv-bn-relu / add / method blocks (~20 nodes each)."""
     graph = torch.fx.Graph()
     root = nn.Module()
     x = graph.placeholder("x")

@@ -6,15 +6,6 @@ anchor-indexed pattern table) and a subgraph rewriter for lowering passes.
 """
 
 from quantbridge.patterns._errors import PatternError
-from quantbridge.patterns._matcher import (
-    Match,
-    MatchMode,
-    NodePattern,
-    RootNodeGetter,
-    default_root_node_getter,
-    find_matches,
-    sort_patterns,
-)
 from quantbridge.patterns._forms import (
     MatchAllNode,
     Pattern,
@@ -25,6 +16,15 @@ from quantbridge.patterns._forms import (
     is_pattern_element,
     pattern_operators,
     sequential_to_complex,
+)
+from quantbridge.patterns._matcher import (
+    Match,
+    MatchMode,
+    NodePattern,
+    RootNodeGetter,
+    default_root_node_getter,
+    find_matches,
+    sort_patterns,
 )
 
 __all__ = [

@@ -42,6 +42,8 @@ def is_pattern_element(element: object) -> bool:
         return bool(element)
     if isinstance(element, type):
         return issubclass(element, torch.nn.Module)
+    if isinstance(element, torch.nn.Module):
+        return False  # an instance; patterns name module classes
     if isinstance(element, _CALLABLE_KINDS):
         return True
     # functools.partial, boolean-dispatch wrappers and other callables that FX records as
@@ -64,6 +66,11 @@ def describe_pattern_element(element: object) -> str:
 
 def _element_error(element: object, where: str) -> PatternError:
     kind = type(element).__name__
+    if isinstance(element, torch.nn.Module):
+        return PatternError(
+            f"{where}: got an instance of {kind}; patterns name module classes, use {kind} "
+            "itself (type(module))"
+        )
     return PatternError(
         f"{where}: {element!r} (a {kind}) is not a pattern element; use an nn.Module subclass, "
         "a function or torch op, a method name string, or MatchAllNode"
@@ -155,6 +162,8 @@ def pattern_operators(pattern: Pattern) -> list[Pattern]:
         if isinstance(p, tuple):
             if p[0] is not MatchAllNode:
                 ops.append(p[0])
+            if p[0] is getattr:
+                return  # (getattr, "name"): the name is the attribute, not an operator
             for arg in p[1:]:
                 walk(arg)
         elif p is not MatchAllNode:

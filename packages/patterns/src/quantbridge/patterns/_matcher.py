@@ -201,7 +201,8 @@ def _matches(resolver: _Resolver, value: object, c: _Compiled, inner: bool) -> b
     node_args = value.args
     if len(args) != len(node_args):
         return False
-    for sub, arg in zip(args, node_args):
+    # A plain loop: measurably cheaper than all() over a generator on this hot path.
+    for sub, arg in zip(args, node_args, strict=True):  # noqa: SIM110
         if not _matches(resolver, arg, sub, True):
             return False
     return True
@@ -229,7 +230,7 @@ def _collect(
         return value
     below: list[Any] = []
     fused: list[Any] = [value]
-    for sub, arg in zip(c.args, value.args):
+    for sub, arg in zip(c.args, value.args, strict=True):
         fused.append(_collect(sub, arg, nodes, inputs, below))
     if len(below) > 1:
         if len(c.args) == 1:
