@@ -6,6 +6,7 @@ convert_fx with torch.ao 2.13's signatures, the quantize/dequantize ops in the
 BackendConfigs and the lowering registry. Only its exception class exists today.
 """
 
+from quantbridge.fx_quant import _ops  # noqa: F401  (registers torch.ops.quantbridge.*)
 from quantbridge.fx_quant._errors import FxQuantError
 
 __all__ = ["FxQuantError"]

@@ -1,0 +1,318 @@
+"""torch.ops.quantbridge quantize/dequantize ops: bit-identical to torch's quantized tensors."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import quantbridge.fx_quant  # noqa: F401  (registers the ops)
+from quantbridge.fx_quant import FxQuantError
+
+qb = torch.ops.quantbridge
+
+# (torch.ao quantized dtype name, plain dtype, quant_min, quant_max)
+DTYPES = [
+    ("quint8", torch.uint8, 0, 255),
+    ("qint8", torch.int8, -128, 127),
+    ("qint32", torch.int32, -(2**31), 2**31 - 1),
+]
+
+
+@pytest.fixture(autouse=True)
+def _quiet() -> None:
+    warnings.filterwarnings("ignore", message=".*quantize_per_tensor.*deprecated.*")
+    warnings.filterwarnings("ignore", message=".*quantized tensor.*")
+
+
+def _scales(gen: torch.Generator, n: int) -> list[float]:
+    """Random float scales plus powers of two, tiny and large ones."""
+    rand = (torch.rand(n, generator=gen, dtype=torch.float64) * 0.2 + 1e-5).tolist()
+    return [*rand, 1.0, 0.5, 2.0**-10, 1e-7, 3.7, 1e3, 0.1, 1 / 3]
+
+
+def _inputs(gen: torch.Generator, scale: float, zp: int) -> torch.Tensor:
+    """Gaussian values, exact half-way points (ties), huge values, infinities and NaN."""
+    s32 = torch.tensor(scale, dtype=torch.float32)
+    n = int(torch.randint(1, 700, (), generator=gen))
+    x = torch.randn(n, generator=gen) * s32 * 100
+    ties = (torch.randint(-300, 300, (n,), generator=gen).float() + 0.5 - zp) * s32
+    wide = torch.randn(n, generator=gen) * s32 * 1e6
+    pick = torch.randint(0, 3, (n,), generator=gen)
+    x = torch.where(pick == 0, x, torch.where(pick == 1, ties, wide))
+    special = torch.tensor([float("inf"), -float("inf"), 0.0, -0.0, 1e30, -1e30, 3e38])
+    return torch.cat([x, special])
+
+
+@pytest.mark.parametrize(("name", "dtype", "qmin", "qmax"), DTYPES)
+def test_quantize_dequantize_per_tensor_matches_torch(
+    name: str, dtype: torch.dtype, qmin: int, qmax: int
+) -> None:
+    pytest.importorskip("torch.ao.quantization")
+    qdtype = getattr(torch, name)
+    gen = torch.Generator().manual_seed(0)
+    checked = 0
+    for scale in _scales(gen, 40):
+        for zp in {qmin, qmax, 0, 1, 3, qmin + 77, (qmin + qmax) // 2} - {None}:
+            if name == "qint32" and abs(zp) > 2**20:
+                zp = 17 if zp > 0 else -19
+            x = _inputs(gen, scale, zp)
+            ref = torch.quantize_per_tensor(x, scale, zp, qdtype)
+            q = qb.quantize_per_tensor(x, scale, zp, qmin, qmax, dtype)
+            assert q.dtype == dtype
+            assert torch.equal(q, ref.int_repr()), (scale, zp)
+            deq = qb.dequantize_per_tensor(q, scale, zp, qmin, qmax, dtype)
+            assert torch.equal(deq, ref.dequantize()), (scale, zp)
+            # tensor-qparam overload (float32 scale buffer, as reference modules store it)
+            st = torch.tensor(scale, dtype=torch.float32)
+            zt = torch.tensor(zp)
+            ref_t = torch.quantize_per_tensor(x, st, zt, qdtype)
+            q_t = qb.quantize_per_tensor.tensor(x, st, zt, qmin, qmax, dtype)
+            assert torch.equal(q_t, ref_t.int_repr())
+            assert torch.equal(
+                qb.dequantize_per_tensor.tensor(q_t, st, zt, qmin, qmax, dtype),
+                ref_t.dequantize(),
+            )
+            checked += 1
+    assert checked > 200
+
+
+@pytest.mark.parametrize(("name", "dtype", "qmin", "qmax"), DTYPES)
+def test_nan_matches_torch(name: str, dtype: torch.dtype, qmin: int, qmax: int) -> None:
+    pytest.importorskip("torch.ao.quantization")
+    qdtype = getattr(torch, name)
+    x = torch.tensor([float("nan"), 1.0, float("nan")] * 5).reshape(3, 5)
+    ref = torch.quantize_per_tensor(x, 0.1, 3, qdtype).int_repr()
+    assert torch.equal(qb.quantize_per_tensor(x, 0.1, 3, qmin, qmax, dtype), ref)
+    scales = torch.tensor([0.1, 0.2, 0.3], dtype=torch.float64)
+    zps = torch.tensor([3, 0, 1])
+    ref_c = torch.quantize_per_channel(x, scales, zps, 0, qdtype).int_repr()
+    assert torch.equal(qb.quantize_per_channel(x, scales, zps, 0, qmin, qmax, dtype), ref_c)
+
+
+@pytest.mark.parametrize(("name", "dtype", "qmin", "qmax"), DTYPES)
+def test_quantize_dequantize_per_channel_matches_torch(
+    name: str, dtype: torch.dtype, qmin: int, qmax: int
+) -> None:
+    pytest.importorskip("torch.ao.quantization")
+    qdtype = getattr(torch, name)
+    gen = torch.Generator().manual_seed(1)
+    for trial in range(150):
+        ndim = int(torch.randint(1, 5, (), generator=gen))
+        shape = torch.randint(1, 7, (ndim,), generator=gen).tolist()
+        axis = int(torch.randint(0, ndim, (), generator=gen))
+        channels = shape[axis]
+        scales = torch.rand(channels, generator=gen, dtype=torch.float64) * 0.1 + 1e-4
+        if trial % 2:  # observers hand out float32 scales
+            scales = scales.float()
+        zlo, zhi = (qmin, qmax) if name != "qint32" else (-1000, 1000)
+        zps = torch.randint(zlo, zhi + 1, (channels,), generator=gen)
+        bshape = [1] * ndim
+        bshape[axis] = -1
+        s32 = scales.float().reshape(bshape)
+        ties = (torch.randint(-300, 300, shape, generator=gen).float() + 0.5) * s32
+        noise = torch.randn(shape, generator=gen) * 300 * s32
+        x = torch.where(torch.rand(shape, generator=gen) < 0.5, ties, noise)
+        if trial % 3 == 0 and x.dim() >= 2:
+            x = x.transpose(0, -1)  # non-contiguous input, axis moves accordingly
+            axis = {0: ndim - 1, ndim - 1: 0}.get(axis, axis)
+        ref = torch.quantize_per_channel(x, scales, zps, axis, qdtype)
+        q = qb.quantize_per_channel(x, scales, zps, axis, qmin, qmax, dtype)
+        assert torch.equal(q, ref.int_repr()), trial
+        deq = qb.dequantize_per_channel(q, scales, zps, axis, qmin, qmax, dtype)
+        assert torch.equal(deq, ref.dequantize()), trial
+
+
+def test_per_channel_float_qparams_matches_torch() -> None:
+    pytest.importorskip("torch.ao.quantization")
+    gen = torch.Generator().manual_seed(2)
+    for trial in range(100):
+        rows, cols = 7, int(torch.randint(1, 40, (), generator=gen))
+        w = torch.randn(rows, cols, generator=gen) * 3
+        scales = torch.rand(rows, generator=gen) * 0.1 + 1e-3
+        if trial % 4 == 1:
+            scales = scales.double()
+        zps = torch.randn(rows, generator=gen) * 5
+        if trial % 2:
+            half = torch.randint(-100, 100, (rows, cols), generator=gen).float() + 0.5
+            w = (half - zps[:, None]) * scales.float()[:, None]
+        ref = torch.quantize_per_channel(w, scales, zps, 0, torch.quint8)
+        q = qb.quantize_per_channel(w, scales, zps, 0, 0, 255, torch.uint8)
+        assert torch.equal(q, ref.int_repr()), trial
+        deq = qb.dequantize_per_channel(q, scales, zps, 0, 0, 255, torch.uint8)
+        assert torch.equal(deq, ref.dequantize()), trial
+
+
+@pytest.mark.parametrize(("name", "qmin", "qmax"), [("quint8", 0, 255), ("qint8", -128, 127)])
+@pytest.mark.parametrize("reduce_range", [False, True])
+def test_choose_qparams_matches_torch_dynamic(
+    name: str, qmin: int, qmax: int, reduce_range: bool
+) -> None:
+    pytest.importorskip("torch.ao.quantization")
+    qdtype = getattr(torch, name)
+    dtype = {"quint8": torch.uint8, "qint8": torch.int8}[name]
+    gen = torch.Generator().manual_seed(3)
+    for trial in range(400):
+        x = torch.randn(int(torch.randint(1, 60, (), generator=gen)), generator=gen)
+        kind = trial % 6
+        magnitude = 10.0 ** float(torch.randint(-10, 6, (), generator=gen))
+        if kind == 1:
+            x = x.abs() * magnitude
+        elif kind == 2:
+            x = -x.abs() * magnitude
+        elif kind == 3:
+            x = torch.zeros_like(x)
+        elif kind == 4:
+            x = x * magnitude
+        ref = torch.quantize_per_tensor_dynamic(x, qdtype, reduce_range)
+        scale, zp = qb.choose_qparams_per_tensor(x, qmin, qmax, reduce_range)
+        assert scale.item() == ref.q_scale(), trial
+        assert zp.item() == ref.q_zero_point(), trial
+        q = qb.quantize_per_tensor.tensor(x, scale, zp, qmin, qmax, dtype)
+        assert torch.equal(q, ref.int_repr()), trial
+
+
+def test_int16_follows_round_then_add() -> None:
+    x = torch.tensor([2.5, 3.5, -2.5, 1e9, -1e9, float("nan")])
+    # round(2.5)=2 (+7 = 9), round(3.5)=4 (+7 = 11): the zero point is added after rounding.
+    q = qb.quantize_per_tensor(x, 1.0, 7, -32768, 32767, torch.int16)
+    assert q.tolist()[:5] == [9, 11, 5, 32767, -32768]
+    assert q.dtype == torch.int16
+
+
+def test_quant_range_clamps() -> None:
+    x = torch.tensor([-10.0, 0.0, 10.0, 100.0])
+    q = qb.quantize_per_tensor(x, 1.0, 0, 0, 15, torch.uint8)
+    assert q.tolist() == [0, 0, 10, 15]
+
+
+def test_export_and_compile() -> None:
+    class QDQ(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("scale", torch.tensor(0.05))
+            self.register_buffer("zp", torch.tensor(3))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            q = qb.quantize_per_tensor(x, 0.1, 2, 0, 255, torch.uint8)
+            y = qb.dequantize_per_tensor(q, 0.1, 2, 0, 255, torch.uint8)
+            q2 = qb.quantize_per_tensor.tensor(y, self.scale, self.zp, -128, 127, torch.int8)
+            y2 = qb.dequantize_per_tensor.tensor(q2, self.scale, self.zp, -128, 127, torch.int8)
+            s, z = qb.choose_qparams_per_tensor(y2, 0, 255, False)
+            q3 = qb.quantize_per_tensor.tensor(y2, s, z, 0, 255, torch.uint8)
+            return qb.dequantize_per_tensor.tensor(q3, s, z, 0, 255, torch.uint8) * 2
+
+    x = torch.randn(4, 8)
+    model = QDQ()
+    expected = model(x)
+    exported = torch.export.export(model, (x,))
+    targets = {str(n.target) for n in exported.graph.nodes if n.op == "call_function"}
+    assert "quantbridge.quantize_per_tensor.default" in targets
+    assert "quantbridge.choose_qparams_per_tensor.default" in targets
+    assert torch.equal(exported.module()(x), expected)
+    compiled = torch.compile(model, backend="eager", fullgraph=True)
+    assert torch.equal(compiled(x), expected)
+
+
+def test_opcheck() -> None:
+    x = torch.randn(3, 4)
+    s = torch.tensor([0.1, 0.2, 0.3])
+    z = torch.tensor([0, 1, 2])
+    q = qb.quantize_per_channel(x, s, z, 0, -128, 127, torch.int8)
+    cases = [
+        (qb.quantize_per_tensor.default, (x, 0.1, 2, 0, 255, torch.uint8)),
+        (qb.quantize_per_channel.default, (x, s, z, 0, -128, 127, torch.int8)),
+        (qb.dequantize_per_channel.default, (q, s, z, 0, -128, 127, torch.int8)),
+        (qb.choose_qparams_per_tensor.default, (x, 0, 255, True)),
+    ]
+    for op, args in cases:
+        torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda x: qb.quantize_per_tensor(x, 0.0, 0, 0, 255, torch.uint8), "scale=0.0"),
+        (lambda x: qb.quantize_per_tensor(x, -1.0, 0, 0, 255, torch.uint8), "scale=-1.0"),
+        (lambda x: qb.quantize_per_tensor(x, 1e-50, 0, 0, 255, torch.uint8), "scale="),
+        (lambda x: qb.quantize_per_tensor(x, 0.1, 0, 0, 300, torch.uint8), "quant_max=300"),
+        (lambda x: qb.quantize_per_tensor(x, 0.1, 0, -1, 255, torch.uint8), "quant_min=-1"),
+        (lambda x: qb.quantize_per_tensor(x, 0.1, 0, 10, 5, torch.int8), "quant_min=10"),
+        (lambda x: qb.quantize_per_tensor(x, 0.1, 300, 0, 255, torch.uint8), "zero_point=300"),
+        (lambda x: qb.quantize_per_tensor(x, 0.1, 0, 0, 255, torch.float32), "float32"),
+        (lambda x: qb.quantize_per_tensor(x.int(), 0.1, 0, 0, 255, torch.uint8), "floating"),
+        (
+            lambda x: qb.dequantize_per_tensor(x.to(torch.int8), 0.1, 0, 0, 255, torch.uint8),
+            "torch.int8",
+        ),
+        (
+            lambda x: qb.quantize_per_tensor.tensor(
+                x, torch.tensor([0.1, 0.2]), torch.tensor(0), 0, 255, torch.uint8
+            ),
+            "one element",
+        ),
+        (
+            lambda x: qb.quantize_per_channel(
+                x,
+                torch.tensor([0.1] * 4),
+                torch.zeros(4, dtype=torch.long),
+                2,
+                0,
+                255,
+                torch.uint8,
+            ),
+            "axis=2",
+        ),
+        (
+            lambda x: qb.quantize_per_channel(
+                x,
+                torch.tensor([0.1] * 3),
+                torch.zeros(4, dtype=torch.long),
+                1,
+                0,
+                255,
+                torch.uint8,
+            ),
+            "scales has 3",
+        ),
+        (
+            lambda x: qb.quantize_per_channel(
+                x,
+                torch.tensor([0.1, 0.0, 0.1, 0.1]),
+                torch.zeros(4, dtype=torch.long),
+                1,
+                0,
+                255,
+                torch.uint8,
+            ),
+            "scales must be positive",
+        ),
+        (
+            lambda x: qb.quantize_per_channel(
+                x,
+                torch.tensor([0.1] * 4),
+                torch.tensor([0, 0, 999, 0]),
+                1,
+                0,
+                255,
+                torch.uint8,
+            ),
+            "zero_points",
+        ),
+        (lambda x: qb.choose_qparams_per_tensor(x[:0], 0, 255, False), "empty"),
+    ],
+)
+def test_bad_inputs_raise_fx_quant_error(call, message: str) -> None:  # type: ignore[no-untyped-def]
+    x = torch.randn(3, 4)
+    with pytest.raises(FxQuantError, match=message.replace("[", r"\[").replace(".", r"\.")):
+        call(x)
+
+
+def test_fake_kernel_validates_static_arguments() -> None:
+    class Bad(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return qb.quantize_per_tensor(x, 0.1, 0, 0, 1000, torch.uint8)
+
+    with pytest.raises(Exception, match="quant_max=1000"):
+        torch.export.export(Bad(), (torch.randn(2),))
