@@ -14,6 +14,10 @@ import numpy.typing as npt
 from quantbridge.kernels._errors import KernelError
 
 INT32_MAX = 2**31 - 1
+# (min, max) of the integer dtypes quantized values use; a dict lookup beats np.iinfo per call.
+INT_RANGES: dict[np.dtype[np.generic], tuple[int, int]] = {
+    np.dtype(t): (int(np.iinfo(t).min), int(np.iinfo(t).max)) for t in (np.uint8, np.int8, np.int32)
+}
 
 
 def check_array(
@@ -29,7 +33,7 @@ def check_array(
     if not isinstance(array, np.ndarray):
         raise KernelError(f"{name}: expected a numpy array, got {type(array).__name__}")
     dtypes = dtype if isinstance(dtype, tuple) else (dtype,)
-    if not any(array.dtype == np.dtype(d) for d in dtypes):
+    if array.dtype not in dtypes:
         wanted = " or ".join(str(np.dtype(d)) for d in dtypes)
         raise KernelError(f"{name}: expected dtype {wanted}, got {array.dtype}")
     if ndim is not None:
@@ -116,13 +120,13 @@ def check_quant_range(
     dtype: npt.DTypeLike, quant_min: int | None, quant_max: int | None
 ) -> tuple[int, int]:
     """Resolve ``quant_min``/``quant_max`` (default: the dtype's full range) and check them."""
-    info = np.iinfo(np.dtype(dtype))
-    lo = int(info.min) if quant_min is None else check_int("quant_min", quant_min)
-    hi = int(info.max) if quant_max is None else check_int("quant_max", quant_max)
-    if not int(info.min) <= lo <= hi <= int(info.max):
+    dmin, dmax = INT_RANGES[np.dtype(dtype)]
+    lo = dmin if quant_min is None else check_int("quant_min", quant_min)
+    hi = dmax if quant_max is None else check_int("quant_max", quant_max)
+    if not dmin <= lo <= hi <= dmax:
         raise KernelError(
-            f"quant_min/quant_max: expected integers with {info.min} <= quant_min <= quant_max "
-            f"<= {info.max} for {np.dtype(dtype)}, got ({quant_min!r}, {quant_max!r})"
+            f"quant_min/quant_max: expected integers with {dmin} <= quant_min <= quant_max "
+            f"<= {dmax} for {np.dtype(dtype)}, got ({quant_min!r}, {quant_max!r})"
         )
     return lo, hi
 

@@ -71,3 +71,22 @@ def resolve_target(target: str | None = None) -> str:
             f"this CPU lacks; available targets: {available_targets()}"
         )
     return target
+
+
+_VALIDATED: set[tuple[str, frozenset[str]]] = set()
+
+
+def check_target(target: str | None = None) -> None:
+    """Validate ``target`` exactly like resolve_target, cheaply enough for per-call use.
+
+    For kernels with one implementation for every target: nothing to select, but a bad or
+    unavailable target (argument or environment variable) must still raise. Names already
+    validated on this CPU are remembered, so the common path costs a dict lookup.
+    """
+    name = target if target is not None else (os.environ.get(ENV_VAR) or None)
+    if name is None:
+        return
+    key = (name, cpu_features())
+    if key not in _VALIDATED:
+        resolve_target(target)
+        _VALIDATED.add(key)

@@ -1,0 +1,228 @@
+"""Quantized add / mul (optionally fused with relu) on uint8 arrays with different qparams.
+
+Numerics reproduce torch's quantized CPU kernels (``torch.ops.quantized.add`` / ``add_relu`` /
+``mul`` / ``mul_relu``, the vectorised path that handles all but a short tail):
+
+* add: ``da = fma(scale_a, qa, scale_a * -zp_a)`` (likewise ``db``), ``c = da + db`` in float32,
+  ``c = max(c, 0)`` for add_relu, then ``clamp(rint(c * (1.0f / out_scale)) + out_zp, 0, 255)``;
+* mul: ``m = scale_a * scale_b * (1.0f / out_scale)`` in float32, ``p = (qa - zp_a) * (qb - zp_b)``
+  in int32, ``clamp(rint(float32(p) * m) + out_zp, 0, 255)``; mul_relu then takes
+  ``max(q, out_zp)``.
+
+Inputs must have the same shape (torch's quantized add/mul allocate the output with the first
+input's shape; we do not broadcast). One numba implementation serves every target.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+import numpy.typing as npt
+
+from quantbridge.kernels._checks import check_array, check_out, check_zero_point
+from quantbridge.kernels._errors import KernelError
+from quantbridge.kernels._fma import fma32
+from quantbridge.kernels._quantize import PARALLEL_MIN_ELEMENTS, f32_scale
+from quantbridge.kernels._targets import check_target
+
+U8 = npt.NDArray[np.uint8]
+_CHUNK = 1 << 14
+
+
+@numba.njit(cache=True)
+def _requant(t, zp):  # type: ignore[no-untyped-def]
+    # round half to even, then add the zero point and saturate to uint8 (torch's vector path)
+    r = np.rint(t) + zp
+    if r < 0.0:
+        return 0
+    if r > 255.0:
+        return 255
+    return np.int32(r)
+
+
+@numba.njit(cache=True)
+def _add_span(a, b, out, sa, pa, sb, pb, inv, zp, relu, start, stop):  # type: ignore[no-untyped-def]
+    zero = np.float32(0.0)
+    for i in range(start, stop):
+        c = fma32(sa, np.float32(a[i]), pa) + fma32(sb, np.float32(b[i]), pb)
+        if relu and c < zero:
+            c = zero
+        out[i] = _requant(c * inv, zp)
+
+
+@numba.njit(cache=True)
+def _add_params(a_scale, a_zp, b_scale, b_zp, out_scale, out_zp):  # type: ignore[no-untyped-def]
+    sa = np.float32(a_scale)
+    sb = np.float32(b_scale)
+    inv = np.float32(1.0) / np.float32(out_scale)
+    pa = sa * np.float32(-a_zp)
+    pb = sb * np.float32(-b_zp)
+    return sa, pa, sb, pb, inv, np.float32(out_zp)
+
+
+@numba.njit(cache=True)
+def _add(a, b, out, a_scale, a_zp, b_scale, b_zp, out_scale, out_zp, relu):  # type: ignore[no-untyped-def]
+    sa, pa, sb, pb, inv, zp = _add_params(a_scale, a_zp, b_scale, b_zp, out_scale, out_zp)
+    _add_span(a, b, out, sa, pa, sb, pb, inv, zp, relu, 0, a.size)
+
+
+@numba.njit(cache=True, parallel=True)
+def _add_par(a, b, out, a_scale, a_zp, b_scale, b_zp, out_scale, out_zp, relu):  # type: ignore[no-untyped-def]
+    sa, pa, sb, pb, inv, zp = _add_params(a_scale, a_zp, b_scale, b_zp, out_scale, out_zp)
+    n = a.size
+    for c in numba.prange((n + _CHUNK - 1) // _CHUNK):
+        lo = c * _CHUNK
+        _add_span(a, b, out, sa, pa, sb, pb, inv, zp, relu, lo, min(lo + _CHUNK, n))
+
+
+@numba.njit(cache=True)
+def _mul_span(a, b, out, za, zb, m, zp, relu, start, stop):  # type: ignore[no-untyped-def]
+    for i in range(start, stop):
+        p = (np.int32(a[i]) - za) * (np.int32(b[i]) - zb)
+        r = _requant(np.float32(p) * m, zp)
+        if relu and r < zp:
+            r = np.int32(zp)
+        out[i] = r
+
+
+@numba.njit(cache=True)
+def _mul_params(a_scale, b_scale, out_scale):  # type: ignore[no-untyped-def]
+    inv = np.float32(1.0) / np.float32(out_scale)
+    return np.float32(a_scale) * np.float32(b_scale) * inv
+
+
+@numba.njit(cache=True)
+def _mul(a, b, out, a_scale, a_zp, b_scale, b_zp, out_scale, out_zp, relu):  # type: ignore[no-untyped-def]
+    m = _mul_params(a_scale, b_scale, out_scale)
+    za, zb = np.int32(a_zp), np.int32(b_zp)
+    _mul_span(a, b, out, za, zb, m, np.float32(out_zp), relu, 0, a.size)
+
+
+@numba.njit(cache=True, parallel=True)
+def _mul_par(a, b, out, a_scale, a_zp, b_scale, b_zp, out_scale, out_zp, relu):  # type: ignore[no-untyped-def]
+    m = _mul_params(a_scale, b_scale, out_scale)
+    za, zb = np.int32(a_zp), np.int32(b_zp)
+    zp = np.float32(out_zp)
+    n = a.size
+    for c in numba.prange((n + _CHUNK - 1) // _CHUNK):
+        lo = c * _CHUNK
+        _mul_span(a, b, out, za, zb, m, zp, relu, lo, min(lo + _CHUNK, n))
+
+
+def _binary(
+    kind: str,
+    a: object,
+    a_scale: float,
+    a_zero_point: int,
+    b: object,
+    b_scale: float,
+    b_zero_point: int,
+    out_scale: float,
+    out_zero_point: int,
+    relu: bool,
+    out: U8 | None,
+    target: str | None,
+) -> U8:
+    check_target(target)
+    qa = check_array("a", a, np.uint8)
+    qb = check_array("b", b, np.uint8)
+    if qa.shape != qb.shape:
+        raise KernelError(
+            f"b: shape {qb.shape} differs from a's shape {qa.shape}; quantized {kind} needs "
+            "equal shapes (no broadcasting, like torch.ops.quantized.{kind})"
+        )
+    sa = f32_scale("a_scale", a_scale)
+    sb = f32_scale("b_scale", b_scale)
+    so = f32_scale("out_scale", out_scale)
+    za = check_zero_point("a_zero_point", a_zero_point, 0, 255)
+    zb = check_zero_point("b_zero_point", b_zero_point, 0, 255)
+    zo = check_zero_point("out_zero_point", out_zero_point, 0, 255)
+    if out is None:
+        out = np.empty(qa.shape, np.uint8)
+    else:
+        check_out(out, qa.shape, np.uint8, qa, qb)
+    big = qa.size >= PARALLEL_MIN_ELEMENTS
+    kernels = (_add, _add_par) if kind == "add" else (_mul, _mul_par)
+    kernel = kernels[1] if big else kernels[0]
+    kernel(qa.reshape(-1), qb.reshape(-1), out.reshape(-1), sa, za, sb, zb, so, zo, relu)
+    return out
+
+
+def add(
+    a: U8,
+    a_scale: float,
+    a_zero_point: int,
+    b: U8,
+    b_scale: float,
+    b_zero_point: int,
+    out_scale: float,
+    out_zero_point: int,
+    *,
+    out: U8 | None = None,
+    target: str | None = None,
+) -> U8:
+    """Quantized ``a + b`` (torch.ops.quantized.add numerics); ``out`` may be ``a`` or ``b``."""
+    return _binary(
+        "add", a, a_scale, a_zero_point, b, b_scale, b_zero_point, out_scale, out_zero_point,
+        False, out, target,
+    )  # fmt: skip
+
+
+def add_relu(
+    a: U8,
+    a_scale: float,
+    a_zero_point: int,
+    b: U8,
+    b_scale: float,
+    b_zero_point: int,
+    out_scale: float,
+    out_zero_point: int,
+    *,
+    out: U8 | None = None,
+    target: str | None = None,
+) -> U8:
+    """Quantized ``relu(a + b)`` (torch.ops.quantized.add_relu numerics)."""
+    return _binary(
+        "add", a, a_scale, a_zero_point, b, b_scale, b_zero_point, out_scale, out_zero_point,
+        True, out, target,
+    )  # fmt: skip
+
+
+def mul(
+    a: U8,
+    a_scale: float,
+    a_zero_point: int,
+    b: U8,
+    b_scale: float,
+    b_zero_point: int,
+    out_scale: float,
+    out_zero_point: int,
+    *,
+    out: U8 | None = None,
+    target: str | None = None,
+) -> U8:
+    """Quantized ``a * b`` (torch.ops.quantized.mul numerics); ``out`` may be ``a`` or ``b``."""
+    return _binary(
+        "mul", a, a_scale, a_zero_point, b, b_scale, b_zero_point, out_scale, out_zero_point,
+        False, out, target,
+    )  # fmt: skip
+
+
+def mul_relu(
+    a: U8,
+    a_scale: float,
+    a_zero_point: int,
+    b: U8,
+    b_scale: float,
+    b_zero_point: int,
+    out_scale: float,
+    out_zero_point: int,
+    *,
+    out: U8 | None = None,
+    target: str | None = None,
+) -> U8:
+    """Quantized ``relu(a * b)`` (torch.ops.quantized.mul_relu numerics)."""
+    return _binary(
+        "mul", a, a_scale, a_zero_point, b, b_scale, b_zero_point, out_scale, out_zero_point,
+        True, out, target,
+    )  # fmt: skip

@@ -1,0 +1,172 @@
+"""256-entry lookup tables: any elementwise function on uint8 activations, exact by construction.
+
+A table maps every input code ``q`` to ``quantize(f(dequantize(q)))`` computed once in float32
+with the same rules as ``quantize_per_tensor`` / ``dequantize_per_tensor``, so applying it gives
+exactly the float reference for every input. Applying is one gather per byte.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import numba
+import numpy as np
+import numpy.typing as npt
+
+from quantbridge.kernels._checks import check_array, check_out, check_quant_range, check_zero_point
+from quantbridge.kernels._errors import KernelError
+from quantbridge.kernels._quantize import (
+    PARALLEL_MIN_ELEMENTS,
+    _dequantize_flat,
+    _quantize_flat,
+    f32_scale,
+)
+from quantbridge.kernels._targets import check_target
+
+U8 = npt.NDArray[np.uint8]
+F32 = npt.NDArray[np.float32]
+_CHUNK = 1 << 15
+
+
+@numba.njit(cache=True)
+def _gather_span(q, table, out, start, stop):  # type: ignore[no-untyped-def]
+    for i in range(start, stop):
+        out[i] = table[q[i]]
+
+
+@numba.njit(cache=True)
+def _gather(q, table, out):  # type: ignore[no-untyped-def]
+    _gather_span(q, table, out, 0, q.size)
+
+
+@numba.njit(cache=True, parallel=True)
+def _gather_par(q, table, out):  # type: ignore[no-untyped-def]
+    n = q.size
+    for c in numba.prange((n + _CHUNK - 1) // _CHUNK):
+        _gather_span(q, table, out, c * _CHUNK, min(c * _CHUNK + _CHUNK, n))
+
+
+def apply_table(q: U8, table: U8, out: U8) -> None:
+    """Unchecked gather ``out = table[q]`` on validated contiguous uint8 arrays."""
+    kernel = _gather_par if q.size >= PARALLEL_MIN_ELEMENTS else _gather
+    kernel(q.reshape(-1), table, out.reshape(-1))
+
+
+# Float32 definitions of the named functions (each maps a float32 array to a float32 array).
+def _sigmoid(x: F32) -> F32:
+    return np.float32(1.0) / (np.float32(1.0) + np.exp(-x))
+
+
+def _hardsigmoid(x: F32) -> F32:
+    return np.clip(x + np.float32(3.0), np.float32(0.0), np.float32(6.0)) / np.float32(6.0)
+
+
+def _hardswish(x: F32) -> F32:
+    return x * np.clip(x + np.float32(3.0), np.float32(0.0), np.float32(6.0)) / np.float32(6.0)
+
+
+def _silu(x: F32) -> F32:
+    return x / (np.float32(1.0) + np.exp(-x))
+
+
+def _elu(x: F32) -> F32:
+    return np.where(x > 0, x, np.expm1(np.minimum(x, np.float32(0.0))))
+
+
+def _gelu_tanh(x: F32) -> F32:
+    c = np.float32(0.7978845608028654)  # sqrt(2 / pi)
+    inner = c * (x + np.float32(0.044715) * x * x * x)
+    return np.float32(0.5) * x * (np.float32(1.0) + np.tanh(inner))
+
+
+LUT_FUNCTIONS: dict[str, Callable[[F32], F32]] = {
+    "sigmoid": _sigmoid,
+    "tanh": np.tanh,
+    "hardsigmoid": _hardsigmoid,
+    "hardswish": _hardswish,
+    "silu": _silu,
+    "elu": _elu,
+    "gelu_tanh": _gelu_tanh,
+    "exp": np.exp,
+}
+
+
+def _build(
+    fn: Callable[[F32], object],
+    in_scale: float,
+    in_zero_point: int,
+    out_scale: float,
+    out_zero_point: int,
+    lo: int,
+    hi: int,
+) -> U8:
+    codes = np.arange(256, dtype=np.uint8)
+    real = np.empty(256, np.float32)
+    _dequantize_flat(codes, real, in_scale, in_zero_point)
+    real.flags.writeable = False  # a user function must not change the inputs it is given
+    with np.errstate(all="ignore"):
+        result = fn(real)
+    if not isinstance(result, np.ndarray) or result.shape != (256,):
+        raise KernelError(
+            "fn: must map a float32 array of shape (256,) to an array of the same shape, "
+            f"got {type(result).__name__} {getattr(result, 'shape', '')}"
+        )
+    try:
+        values = np.ascontiguousarray(result, dtype=np.float32)
+    except (TypeError, ValueError):
+        raise KernelError(f"fn: returned {result.dtype} values, not float32-convertible") from None
+    table = np.empty(256, np.uint8)
+    _quantize_flat(values, table, out_scale, out_zero_point, lo, hi)
+    table.flags.writeable = False
+    return table
+
+
+@functools.lru_cache(maxsize=256)
+def _named_table(
+    name: str, in_scale: float, in_zp: int, out_scale: float, out_zp: int, lo: int, hi: int
+) -> U8:
+    return _build(LUT_FUNCTIONS[name], in_scale, in_zp, out_scale, out_zp, lo, hi)
+
+
+def build_lut(
+    fn: str | Callable[[F32], object],
+    in_scale: float,
+    in_zero_point: int,
+    out_scale: float,
+    out_zero_point: int,
+    quant_min: int = 0,
+    quant_max: int = 255,
+) -> U8:
+    """The read-only uint8[256] table ``quantize(fn(dequantize(q)))`` for every code ``q``.
+
+    ``fn`` is a name from ``LUT_FUNCTIONS`` (tables for names are cached) or a callable taking
+    a float32 array of the 256 dequantized inputs and returning 256 values (cast to float32).
+    """
+    s_in = f32_scale("in_scale", in_scale)
+    s_out = f32_scale("out_scale", out_scale)
+    zp_in = check_zero_point("in_zero_point", in_zero_point, 0, 255)
+    lo, hi = check_quant_range(np.uint8, quant_min, quant_max)
+    zp_out = check_zero_point("out_zero_point", out_zero_point, lo, hi)
+    if isinstance(fn, str):
+        if fn not in LUT_FUNCTIONS:
+            raise KernelError(f"fn: unknown function {fn!r}; choose one of {sorted(LUT_FUNCTIONS)}")
+        return _named_table(fn, s_in, zp_in, s_out, zp_out, lo, hi)
+    if not callable(fn):
+        raise KernelError(f"fn: expected a function name or a callable, got {fn!r}")
+    return _build(fn, s_in, zp_in, s_out, zp_out, lo, hi)
+
+
+def apply_lut(q: U8, table: U8, *, out: U8 | None = None, target: str | None = None) -> U8:
+    """``table[q]`` elementwise for uint8 ``q`` and a uint8[256] ``table`` (see build_lut)."""
+    check_target(target)
+    q = check_array("q", q, np.uint8)
+    table = check_array("table", table, np.uint8, 1)
+    if table.shape[0] != 256:
+        raise KernelError(f"table: expected 256 entries, got {table.shape[0]}")
+    if out is None:
+        out = np.empty(q.shape, np.uint8)
+    else:
+        check_out(out, q.shape, np.uint8, q, table)
+    apply_table(q, table, out)
+    return out

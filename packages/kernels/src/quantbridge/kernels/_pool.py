@@ -1,0 +1,330 @@
+"""2-D pooling on NCHW (or CHW) uint8 activations.
+
+* max_pool2d: exact (a max of codes); padding never wins.
+* avg_pool2d: torch's quantized NCHW kernel bit for bit: ``s = sum(q) - n * zp_in`` in int32,
+  ``m = float32(float64(in_scale / out_scale) / divisor)``, output
+  ``clamp(rint(float32(s) * m + out_zp), 0, 255)`` with float32 arithmetic; ``divisor`` is
+  ``divisor_override``, else the window size including padding (``count_include_pad``) or the
+  number of in-bounds elements.
+* adaptive_avg_pool2d: torch's quantized NCHW kernel: window ``[floor(o*I/O), ceil((o+1)*I/O))``
+  with the divisions in float32, output ``rint(float32(sum(q)) * ((1 / kh) / kw))`` in float32,
+  qparams unchanged (the zero point cancels out of a mean).
+
+One numba implementation serves every target; planes (N*C) run in parallel for large inputs.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numba
+import numpy as np
+import numpy.typing as npt
+
+from quantbridge.kernels._checks import check_array, check_int, check_out, check_zero_point
+from quantbridge.kernels._errors import KernelError
+from quantbridge.kernels._quantize import PARALLEL_MIN_ELEMENTS, f32_scale
+from quantbridge.kernels._targets import check_target
+
+U8 = npt.NDArray[np.uint8]
+
+
+def _pair(name: str, value: object, *, minimum: int) -> tuple[int, int]:
+    if isinstance(value, (tuple, list)):
+        if len(value) == 1:
+            value = (value[0], value[0])
+        if len(value) != 2:
+            raise KernelError(f"{name}: expected an int or a pair of ints, got {value!r}")
+        pair = (check_int(name, value[0]), check_int(name, value[1]))
+    else:
+        v = check_int(name, value)
+        pair = (v, v)
+    if min(pair) < minimum:
+        raise KernelError(f"{name}: values must be >= {minimum}, got {pair}")
+    if max(pair) > 1 << 20:
+        raise KernelError(f"{name}: values must be <= {1 << 20}, got {pair}")
+    return pair
+
+
+def _out_size(size: int, k: int, pad: int, stride: int, dilation: int, ceil_mode: bool) -> int:
+    # torch's pooling_output_shape: floor or ceil division, and in ceil mode the last window
+    # must start inside the input or the left padding.
+    span = size + 2 * pad - dilation * (k - 1) - 1 + (stride - 1 if ceil_mode else 0)
+    out = span // stride + 1
+    if ceil_mode and (out - 1) * stride >= size + pad:
+        out -= 1
+    return out
+
+
+def _planes(name: str, x: object) -> tuple[U8, int, int, int]:
+    arr = check_array(name, x, np.uint8, (3, 4))
+    h, w = arr.shape[-2], arr.shape[-1]
+    return arr, math.prod(arr.shape[:-2]), h, w  # type: ignore[return-value]
+
+
+def _pool_geometry(
+    h: int,
+    w: int,
+    kernel_size: object,
+    stride: object,
+    padding: object,
+    dilation: object,
+    ceil_mode: object,
+    pad_limit_uses_dilation: bool,
+) -> tuple[int, int, int, int, int, int, int, int, int, int]:
+    kh, kw = _pair("kernel_size", kernel_size, minimum=1)
+    if stride is None or (isinstance(stride, (tuple, list)) and len(stride) == 0):
+        sh, sw = kh, kw
+    else:
+        sh, sw = _pair("stride", stride, minimum=1)
+    ph, pw = _pair("padding", padding, minimum=0)
+    dh, dw = _pair("dilation", dilation, minimum=1)
+    if not isinstance(ceil_mode, (bool, np.bool_)):
+        raise KernelError(f"ceil_mode: expected a bool, got {ceil_mode!r}")
+    eff_h = (kh - 1) * dh + 1 if pad_limit_uses_dilation else kh
+    eff_w = (kw - 1) * dw + 1 if pad_limit_uses_dilation else kw
+    if 2 * ph > eff_h or 2 * pw > eff_w:
+        raise KernelError(
+            f"padding: {(ph, pw)} must be at most half the (effective) kernel size "
+            f"{(eff_h, eff_w)}, as torch requires"
+        )
+    oh = _out_size(h, kh, ph, sh, dh, bool(ceil_mode))
+    ow = _out_size(w, kw, pw, sw, dw, bool(ceil_mode))
+    if oh < 1 or ow < 1:
+        raise KernelError(
+            f"kernel_size: a {(kh, kw)} window (dilation {(dh, dw)}, padding {(ph, pw)}) does not "
+            f"fit the {h}x{w} input; output would be {oh}x{ow}"
+        )
+    return kh, kw, sh, sw, ph, pw, dh, dw, oh, ow
+
+
+def _output(x: U8, oh: int, ow: int, out: U8 | None) -> U8:
+    shape = (*x.shape[:-2], oh, ow)
+    if out is None:
+        return np.empty(shape, np.uint8)
+    check_out(out, shape, np.uint8)
+    if np.may_share_memory(out, x):
+        raise KernelError("out: must not overlap the input x")
+    return out
+
+
+# --------------------------------------------------------------------------- max pool
+
+
+@numba.njit(cache=True)
+def _max_plane(x, out, p, kh, kw, sh, sw, ph, pw, dh, dw):  # type: ignore[no-untyped-def]
+    h, w = x.shape[1], x.shape[2]
+    for oy in range(out.shape[1]):
+        y0 = oy * sh - ph
+        for ox in range(out.shape[2]):
+            x0 = ox * sw - pw
+            best = 0
+            for i in range(kh):
+                y = y0 + i * dh
+                if y < 0 or y >= h:
+                    continue
+                for j in range(kw):
+                    xx = x0 + j * dw
+                    if 0 <= xx < w:
+                        v = x[p, y, xx]
+                        if v > best:
+                            best = v
+            out[p, oy, ox] = best
+
+
+@numba.njit(cache=True)
+def _max_pool(x, out, kh, kw, sh, sw, ph, pw, dh, dw):  # type: ignore[no-untyped-def]
+    for p in range(x.shape[0]):
+        _max_plane(x, out, p, kh, kw, sh, sw, ph, pw, dh, dw)
+
+
+@numba.njit(cache=True, parallel=True)
+def _max_pool_par(x, out, kh, kw, sh, sw, ph, pw, dh, dw):  # type: ignore[no-untyped-def]
+    for p in numba.prange(x.shape[0]):
+        _max_plane(x, out, p, kh, kw, sh, sw, ph, pw, dh, dw)
+
+
+def max_pool2d(
+    x: U8,
+    kernel_size: int | tuple[int, int],
+    stride: int | tuple[int, int] | None = None,
+    padding: int | tuple[int, int] = 0,
+    dilation: int | tuple[int, int] = 1,
+    ceil_mode: bool = False,
+    *,
+    out: U8 | None = None,
+    target: str | None = None,
+) -> U8:
+    """Max pooling over the last two axes of a CHW/NCHW uint8 array (qparams unchanged)."""
+    check_target(target)
+    arr, planes, h, w = _planes("x", x)
+    kh, kw, sh, sw, ph, pw, dh, dw, oh, ow = _pool_geometry(
+        h, w, kernel_size, stride, padding, dilation, ceil_mode, True
+    )
+    result = _output(arr, oh, ow, out)
+    kernel = _max_pool_par if arr.size >= PARALLEL_MIN_ELEMENTS and planes > 1 else _max_pool
+    kernel(
+        arr.reshape(planes, h, w), result.reshape(planes, oh, ow), kh, kw, sh, sw, ph, pw, dh, dw
+    )
+    return result
+
+
+# --------------------------------------------------------------------------- average pool
+
+
+@numba.njit(cache=True)
+def _avg_plane(x, out, p, kh, kw, sh, sw, ph, pw, include_pad, divisor, ratio, zp_in, zp_out):  # type: ignore[no-untyped-def]
+    h, w = x.shape[1], x.shape[2]
+    zpf = np.float32(zp_out)
+    for oy in range(out.shape[1]):
+        y0 = oy * sh - ph
+        y1 = min(y0 + kh, h + ph)
+        for ox in range(out.shape[2]):
+            x0 = ox * sw - pw
+            x1 = min(x0 + kw, w + pw)
+            pool = (y1 - y0) * (x1 - x0)
+            ya, yb = max(y0, 0), min(y1, h)
+            xa, xb = max(x0, 0), min(x1, w)
+            count = (yb - ya) * (xb - xa)
+            total = np.int32(0)
+            for y in range(ya, yb):
+                for xx in range(xa, xb):
+                    total += np.int32(x[p, y, xx])
+            total -= np.int32(count * zp_in)
+            if divisor > 0:
+                div = divisor
+            elif include_pad:
+                div = pool
+            else:
+                div = count
+            m = np.float32(ratio / div)
+            r = np.rint(np.float32(total) * m + zpf)
+            if r < 0.0:
+                r = 0.0
+            elif r > 255.0:
+                r = 255.0
+            out[p, oy, ox] = np.uint8(r)
+
+
+@numba.njit(cache=True)
+def _avg_pool(x, out, kh, kw, sh, sw, ph, pw, include_pad, divisor, ratio, zp_in, zp_out):  # type: ignore[no-untyped-def]
+    for p in range(x.shape[0]):
+        _avg_plane(x, out, p, kh, kw, sh, sw, ph, pw, include_pad, divisor, ratio, zp_in, zp_out)
+
+
+@numba.njit(cache=True, parallel=True)
+def _avg_pool_par(x, out, kh, kw, sh, sw, ph, pw, include_pad, divisor, ratio, zp_in, zp_out):  # type: ignore[no-untyped-def]
+    for p in numba.prange(x.shape[0]):
+        _avg_plane(x, out, p, kh, kw, sh, sw, ph, pw, include_pad, divisor, ratio, zp_in, zp_out)
+
+
+def avg_pool2d(
+    x: U8,
+    kernel_size: int | tuple[int, int],
+    stride: int | tuple[int, int] | None = None,
+    padding: int | tuple[int, int] = 0,
+    ceil_mode: bool = False,
+    count_include_pad: bool = True,
+    divisor_override: int | None = None,
+    *,
+    scale: float = 1.0,
+    zero_point: int,
+    out_scale: float | None = None,
+    out_zero_point: int | None = None,
+    out: U8 | None = None,
+    target: str | None = None,
+) -> U8:
+    """Average pooling of a CHW/NCHW uint8 array (torch's quantized avg_pool2d numerics).
+
+    The output qparams default to the input's (what torch does); only their ratio
+    ``scale / out_scale`` and the zero points enter the computation.
+    """
+    check_target(target)
+    arr, planes, h, w = _planes("x", x)
+    kh, kw, sh, sw, ph, pw, _, _, oh, ow = _pool_geometry(
+        h, w, kernel_size, stride, padding, 1, ceil_mode, False
+    )
+    if not isinstance(count_include_pad, (bool, np.bool_)):
+        raise KernelError(f"count_include_pad: expected a bool, got {count_include_pad!r}")
+    divisor = 0
+    if divisor_override is not None:
+        divisor = check_int("divisor_override", divisor_override)
+        if divisor <= 0:
+            raise KernelError(f"divisor_override: must be a positive integer, got {divisor}")
+    s_in = f32_scale("scale", scale)
+    s_out = s_in if out_scale is None else f32_scale("out_scale", out_scale)
+    zp_in = check_zero_point("zero_point", zero_point, 0, 255)
+    zp_out = (
+        zp_in
+        if out_zero_point is None
+        else check_zero_point("out_zero_point", out_zero_point, 0, 255)
+    )
+    if kh * kw > (1 << 23):
+        raise KernelError(f"kernel_size: window {(kh, kw)} too large for int32 sums")
+    result = _output(arr, oh, ow, out)
+    kernel = _avg_pool_par if arr.size >= PARALLEL_MIN_ELEMENTS and planes > 1 else _avg_pool
+    kernel(
+        arr.reshape(planes, h, w),
+        result.reshape(planes, oh, ow),
+        kh, kw, sh, sw, ph, pw,
+        bool(count_include_pad), divisor, s_in / s_out, zp_in, zp_out,
+    )  # fmt: skip
+    return result
+
+
+# --------------------------------------------------------------------------- adaptive average
+
+
+@numba.njit(cache=True)
+def _window(o, out_len, in_len):  # type: ignore[no-untyped-def]
+    # torch computes the bounds with float32 division
+    start = int(np.floor(np.float32(o * in_len) / np.float32(out_len)))
+    end = int(np.ceil(np.float32((o + 1) * in_len) / np.float32(out_len)))
+    return start, end
+
+
+@numba.njit(cache=True)
+def _adaptive_plane(x, out, p):  # type: ignore[no-untyped-def]
+    h, w = x.shape[1], x.shape[2]
+    oh, ow = out.shape[1], out.shape[2]
+    for oy in range(oh):
+        ya, yb = _window(oy, oh, h)
+        rh = np.float32(1.0) / np.float32(yb - ya)
+        for ox in range(ow):
+            xa, xb = _window(ox, ow, w)
+            r = rh / np.float32(xb - xa)
+            total = 0
+            for y in range(ya, yb):
+                for xx in range(xa, xb):
+                    total += np.int64(x[p, y, xx])
+            v = np.rint(np.float32(total) * r)
+            out[p, oy, ox] = np.uint8(min(v, 255.0))
+
+
+@numba.njit(cache=True)
+def _adaptive(x, out):  # type: ignore[no-untyped-def]
+    for p in range(x.shape[0]):
+        _adaptive_plane(x, out, p)
+
+
+@numba.njit(cache=True, parallel=True)
+def _adaptive_par(x, out):  # type: ignore[no-untyped-def]
+    for p in numba.prange(x.shape[0]):
+        _adaptive_plane(x, out, p)
+
+
+def adaptive_avg_pool2d(
+    x: U8,
+    output_size: int | tuple[int, int],
+    *,
+    out: U8 | None = None,
+    target: str | None = None,
+) -> U8:
+    """Adaptive average pooling of a CHW/NCHW uint8 array to ``output_size`` (qparams unchanged)."""
+    check_target(target)
+    arr, planes, h, w = _planes("x", x)
+    oh, ow = _pair("output_size", output_size, minimum=1)
+    result = _output(arr, oh, ow, out)
+    kernel = _adaptive_par if arr.size >= PARALLEL_MIN_ELEMENTS and planes > 1 else _adaptive
+    kernel(arr.reshape(planes, h, w), result.reshape(planes, oh, ow))
+    return result

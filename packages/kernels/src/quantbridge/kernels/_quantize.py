@@ -1,0 +1,416 @@
+"""Affine quantize / dequantize / requantize on numpy arrays, per tensor and per channel.
+
+Numerics follow PyTorch's CPU kernels (``torch.quantize_per_tensor`` / ``_per_channel`` and
+``Tensor.dequantize``) bit for bit:
+
+* quantize per tensor: ``q = clamp(rint(fma(x, 1.0f / float32(scale), zero_point)), quant_min,
+  quant_max)`` -- one float32 rounding of ``x * inv_scale + zero_point``, then round half to
+  even (fbgemm's vectorised quantizer that torch.quantize_per_tensor runs); NaN -> quant_max;
+* quantize per channel: ``q = clamp(rint(x * (1.0f / float32(scale[c]))) + zero_point[c], ...)``
+  -- the zero point is added *after* rounding (torch's scalar quantizer); NaN -> 0;
+* dequantize per tensor: ``float32(scale) * float32(q - zero_point)`` (one float32 rounding);
+* dequantize per channel: ``float32(float64(q - zero_point) * float64(scale[c]))`` (torch keeps
+  per-channel scales as float64 and rounds the product once to float32).
+
+One numba implementation serves every target: these loops are memory-bound and numba compiles
+them for the host CPU. Large inputs run as a parallel loop over chunks (numba's thread count).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import numba
+import numpy as np
+import numpy.typing as npt
+
+from quantbridge.kernels._checks import (
+    check_array,
+    check_int,
+    check_out,
+    check_quant_range,
+    check_scale,
+    check_zero_point,
+)
+from quantbridge.kernels._errors import KernelError
+from quantbridge.kernels._fma import fma32
+from quantbridge.kernels._targets import check_target
+
+# Inputs with at least this many elements use the multi-threaded loop (chunks of _CHUNK).
+PARALLEL_MIN_ELEMENTS = 1 << 16
+_CHUNK = 1 << 14
+_F32_MAX = float(np.finfo(np.float32).max)
+_F32_TINY = float(np.finfo(np.float32).tiny)
+_QDTYPES = (np.dtype(np.uint8), np.dtype(np.int8))
+
+U8 = npt.NDArray[np.uint8]
+F32 = npt.NDArray[np.float32]
+
+
+# --------------------------------------------------------------------------- argument helpers
+
+
+def f32_scale(name: str, scale: object) -> float:
+    """A valid scale (kernels round it to float32); refuse scales float32 cannot invert."""
+    value = check_scale(name, scale)  # type: ignore[arg-type]
+    if not _F32_TINY <= value <= _F32_MAX:
+        raise KernelError(
+            f"{name}: scale {value!r} is outside float32's normal range "
+            f"[{_F32_TINY:g}, {_F32_MAX:g}]; kernels compute in float32"
+        )
+    return value
+
+
+def quant_dtype(dtype: object) -> np.dtype[np.generic]:
+    """Resolve a quantized dtype argument (uint8 or int8)."""
+    try:
+        resolved = np.dtype(dtype)  # type: ignore[call-overload]
+    except (TypeError, ValueError):
+        raise KernelError(f"dtype: expected numpy uint8 or int8, got {dtype!r}") from None
+    if resolved not in _QDTYPES:
+        raise KernelError(f"dtype: expected numpy uint8 or int8, got {resolved}")
+    return resolved
+
+
+def check_axis(axis: object, ndim: int) -> int:
+    """A channel axis, negative values counted from the end."""
+    value = check_int("axis", axis)
+    if not -ndim <= value < ndim:
+        raise KernelError(f"axis: {value} is out of range for a {ndim}-D array")
+    return value % ndim
+
+
+def channel_params(
+    scales: object,
+    zero_points: object,
+    channels: int,
+    quant_min: int,
+    quant_max: int,
+) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.int32]]:
+    """Validate per-channel scales (float32/float64) and zero points (any integer dtype)."""
+    s = check_array("scales", scales, (np.float32, np.float64), 1, contiguous=False)
+    z = check_array(
+        "zero_points", zero_points, (np.int32, np.int64, np.uint8, np.int8), 1, contiguous=False
+    )
+    if s.shape[0] != channels or z.shape[0] != channels:
+        raise KernelError(
+            f"scales/zero_points: expected {channels} entries (the size of the channel axis), "
+            f"got {s.shape[0]} and {z.shape[0]}"
+        )
+    s64 = s.astype(np.float64)
+    s32 = s64.astype(np.float32)
+    if not (np.all(np.isfinite(s64)) and np.all(s64 <= _F32_MAX) and np.all(s32 >= _F32_TINY)):
+        raise KernelError(
+            "scales: every scale must be finite and inside float32's normal range "
+            f"[{_F32_TINY:g}, {_F32_MAX:g}]"
+        )
+    if np.any(z < quant_min) or np.any(z > quant_max):
+        raise KernelError(f"zero_points: every zero point must lie in [{quant_min}, {quant_max}]")
+    return s64, z.astype(np.int32)
+
+
+def as_3d(shape: tuple[int, ...], axis: int) -> tuple[int, int, int]:
+    """(outer, channels, inner) sizes of a C-contiguous array around ``axis``."""
+    outer = math.prod(shape[:axis])
+    inner = math.prod(shape[axis + 1 :])
+    return outer, shape[axis], inner
+
+
+# --------------------------------------------------------------------------- compiled kernels
+
+
+@numba.njit(cache=True)
+def _quantize_one(v: float, inv: float, zp: float, lo: float, hi: float) -> float:
+    # Per-tensor rule (fbgemm's vector quantizer): round(fma(x, 1/scale, zero_point)).
+    t = fma32(v, inv, zp)
+    if t != t:  # NaN saturates to quant_max, as torch's vector conversion does
+        return hi
+    r = np.rint(t)
+    if r < lo:
+        return lo
+    if r > hi:
+        return hi
+    return r
+
+
+@numba.njit(cache=True)
+def _quantize_one_pc(v: float, inv: float, zp: float, lo: float, hi: float) -> float:
+    # Per-channel rule (torch's scalar quantizer): round(x * (1/scale)) + zero_point.
+    t = v * inv
+    if t != t:  # NaN becomes 0 in torch's per-channel kernel
+        return min(max(np.float32(0.0), lo), hi)
+    r = np.rint(t) + zp
+    if r < lo:
+        return lo
+    if r > hi:
+        return hi
+    return r
+
+
+@numba.njit(cache=True)
+def _quantize_span(x, out, inv, zp, lo, hi, start, stop):  # type: ignore[no-untyped-def]
+    for i in range(start, stop):
+        out[i] = _quantize_one(x[i], inv, zp, lo, hi)
+
+
+@numba.njit(cache=True)
+def _f32_params(scale, zp, lo, hi):  # type: ignore[no-untyped-def]
+    # Scalars arrive as Python numbers (cheaper to pass); torch computes 1.0f / float(scale).
+    one = np.float32(1.0)
+    return one / np.float32(scale), np.float32(zp), np.float32(lo), np.float32(hi)
+
+
+@numba.njit(cache=True)
+def _quantize_flat(x, out, scale, zp, lo, hi):  # type: ignore[no-untyped-def]
+    inv, zpf, lof, hif = _f32_params(scale, zp, lo, hi)
+    _quantize_span(x, out, inv, zpf, lof, hif, 0, x.size)
+
+
+@numba.njit(cache=True, parallel=True)
+def _quantize_flat_par(x, out, scale, zp, lo, hi):  # type: ignore[no-untyped-def]
+    inv, zpf, lof, hif = _f32_params(scale, zp, lo, hi)
+    n = x.size
+    for c in numba.prange((n + _CHUNK - 1) // _CHUNK):
+        _quantize_span(x, out, inv, zpf, lof, hif, c * _CHUNK, min(c * _CHUNK + _CHUNK, n))
+
+
+@numba.njit(cache=True)
+def _quantize_rows(x, out, inv, zp, lo, hi, channels, start, stop):  # type: ignore[no-untyped-def]
+    for r in range(start, stop):
+        c = r % channels
+        for j in range(x.shape[1]):
+            out[r, j] = _quantize_one_pc(x[r, j], inv[c], zp[c], lo, hi)
+
+
+@numba.njit(cache=True)
+def _quantize_pc(x, out, inv, zp, lo, hi, channels):  # type: ignore[no-untyped-def]
+    lof, hif = np.float32(lo), np.float32(hi)
+    _quantize_rows(x, out, inv, zp, lof, hif, channels, 0, x.shape[0])
+
+
+@numba.njit(cache=True, parallel=True)
+def _quantize_pc_par(x, out, inv, zp, lo, hi, channels):  # type: ignore[no-untyped-def]
+    lof, hif = np.float32(lo), np.float32(hi)
+    rows = x.shape[0]
+    step = max(1, _CHUNK // max(1, x.shape[1]))
+    for c in numba.prange((rows + step - 1) // step):
+        _quantize_rows(x, out, inv, zp, lof, hif, channels, c * step, min(c * step + step, rows))
+
+
+@numba.njit(cache=True)
+def _dequantize_span(q, out, scale, zp, start, stop):  # type: ignore[no-untyped-def]
+    for i in range(start, stop):
+        out[i] = scale * np.float32(np.int32(q[i]) - zp)
+
+
+@numba.njit(cache=True)
+def _dequantize_flat(q, out, scale, zp):  # type: ignore[no-untyped-def]
+    _dequantize_span(q, out, np.float32(scale), np.int32(zp), 0, q.size)
+
+
+@numba.njit(cache=True, parallel=True)
+def _dequantize_flat_par(q, out, scale, zp):  # type: ignore[no-untyped-def]
+    s, z = np.float32(scale), np.int32(zp)
+    n = q.size
+    for c in numba.prange((n + _CHUNK - 1) // _CHUNK):
+        _dequantize_span(q, out, s, z, c * _CHUNK, min(c * _CHUNK + _CHUNK, n))
+
+
+@numba.njit(cache=True)
+def _dequantize_rows(q, out, scale, zp, channels, start, stop):  # type: ignore[no-untyped-def]
+    for r in range(start, stop):
+        c = r % channels
+        s = scale[c]
+        z = zp[c]
+        for j in range(q.shape[1]):
+            out[r, j] = np.float32(np.float64(np.int32(q[r, j]) - z) * s)
+
+
+@numba.njit(cache=True)
+def _dequantize_pc(q, out, scale, zp, channels):  # type: ignore[no-untyped-def]
+    _dequantize_rows(q, out, scale, zp, channels, 0, q.shape[0])
+
+
+@numba.njit(cache=True, parallel=True)
+def _dequantize_pc_par(q, out, scale, zp, channels):  # type: ignore[no-untyped-def]
+    rows = q.shape[0]
+    step = max(1, _CHUNK // max(1, q.shape[1]))
+    for c in numba.prange((rows + step - 1) // step):
+        _dequantize_rows(q, out, scale, zp, channels, c * step, min(c * step + step, rows))
+
+
+# --------------------------------------------------------------------------- public wrappers
+
+
+def quantize_per_tensor(
+    x: npt.NDArray[np.float32],
+    scale: float,
+    zero_point: int,
+    dtype: npt.DTypeLike = np.uint8,
+    quant_min: int | None = None,
+    quant_max: int | None = None,
+    *,
+    out: npt.NDArray[np.generic] | None = None,
+    target: str | None = None,
+) -> npt.NDArray[np.generic]:
+    """Quantize float32 ``x`` to ``dtype`` (uint8 or int8) with one scale and zero point.
+
+    ``quant_min``/``quant_max`` default to the dtype's full range (torch.quantize_per_tensor).
+    """
+    check_target(target)
+    qdtype = quant_dtype(dtype)
+    x = check_array("x", x, np.float32)
+    lo, hi = check_quant_range(qdtype, quant_min, quant_max)
+    s32 = f32_scale("scale", scale)
+    zp = check_zero_point("zero_point", zero_point, lo, hi)
+    if out is None:
+        out = np.empty(x.shape, qdtype)
+    else:
+        check_out(out, x.shape, qdtype, x)
+    kernel = _quantize_flat_par if x.size >= PARALLEL_MIN_ELEMENTS else _quantize_flat
+    kernel(x.reshape(-1), out.reshape(-1), s32, zp, lo, hi)
+    return out
+
+
+def quantize_per_channel(
+    x: npt.NDArray[np.float32],
+    scales: npt.NDArray[np.floating],
+    zero_points: npt.NDArray[np.integer],
+    axis: int,
+    dtype: npt.DTypeLike = np.uint8,
+    quant_min: int | None = None,
+    quant_max: int | None = None,
+    *,
+    out: npt.NDArray[np.generic] | None = None,
+    target: str | None = None,
+) -> npt.NDArray[np.generic]:
+    """Quantize float32 ``x`` with one scale/zero point per index along ``axis``.
+
+    ``scales`` (float32 or float64) are rounded to float32 and inverted in float32, like
+    torch.quantize_per_channel.
+    """
+    check_target(target)
+    qdtype = quant_dtype(dtype)
+    x = check_array("x", x, np.float32)
+    lo, hi = check_quant_range(qdtype, quant_min, quant_max)
+    ax = check_axis(axis, x.ndim)
+    outer, channels, inner = as_3d(x.shape, ax)
+    s64, z = channel_params(scales, zero_points, channels, lo, hi)
+    if out is None:
+        out = np.empty(x.shape, qdtype)
+    else:
+        check_out(out, x.shape, qdtype, x)
+    inv = np.float32(1.0) / s64.astype(np.float32)
+    kernel = _quantize_pc_par if x.size >= PARALLEL_MIN_ELEMENTS else _quantize_pc
+    kernel(
+        x.reshape(outer * channels, inner),
+        out.reshape(outer * channels, inner),
+        inv,
+        z.astype(np.float32),
+        lo,
+        hi,
+        channels,
+    )
+    return out
+
+
+def dequantize_per_tensor(
+    q: npt.NDArray[np.generic],
+    scale: float,
+    zero_point: int,
+    *,
+    out: F32 | None = None,
+    target: str | None = None,
+) -> F32:
+    """``float32(scale) * float32(q - zero_point)`` for uint8 or int8 ``q``."""
+    check_target(target)
+    q = check_array("q", q, _QDTYPES)
+    info = np.iinfo(q.dtype)
+    s32 = f32_scale("scale", scale)
+    zp = check_zero_point("zero_point", zero_point, int(info.min), int(info.max))
+    if out is None:
+        out = np.empty(q.shape, np.float32)
+    else:
+        check_out(out, q.shape, np.float32, q)
+    kernel = _dequantize_flat_par if q.size >= PARALLEL_MIN_ELEMENTS else _dequantize_flat
+    kernel(q.reshape(-1), out.reshape(-1), s32, zp)
+    return out
+
+
+def dequantize_per_channel(
+    q: npt.NDArray[np.generic],
+    scales: npt.NDArray[np.floating],
+    zero_points: npt.NDArray[np.integer],
+    axis: int,
+    *,
+    out: F32 | None = None,
+    target: str | None = None,
+) -> F32:
+    """Per-channel dequantize: ``float32(float64(q - zero_point[c]) * float64(scale[c]))``."""
+    check_target(target)
+    q = check_array("q", q, _QDTYPES)
+    info = np.iinfo(q.dtype)
+    ax = check_axis(axis, q.ndim)
+    outer, channels, inner = as_3d(q.shape, ax)
+    s64, z = channel_params(scales, zero_points, channels, int(info.min), int(info.max))
+    if out is None:
+        out = np.empty(q.shape, np.float32)
+    else:
+        check_out(out, q.shape, np.float32, q)
+    kernel = _dequantize_pc_par if q.size >= PARALLEL_MIN_ELEMENTS else _dequantize_pc
+    kernel(
+        q.reshape(outer * channels, inner),
+        out.reshape(outer * channels, inner),
+        s64,
+        z,
+        channels,
+    )
+    return out
+
+
+@functools.lru_cache(maxsize=512)
+def requantize_table(
+    in_scale: float, in_zero_point: int, out_scale: float, out_zero_point: int, lo: int, hi: int
+) -> U8:
+    """The 256-entry uint8 table ``quantize(dequantize(q))`` between two sets of qparams."""
+    codes = np.arange(256, dtype=np.uint8)
+    real = np.empty(256, np.float32)
+    _dequantize_flat(codes, real, in_scale, in_zero_point)
+    table = np.empty(256, np.uint8)
+    _quantize_flat(real, table, out_scale, out_zero_point, lo, hi)
+    table.flags.writeable = False
+    return table
+
+
+def requantize(
+    q: U8,
+    in_scale: float,
+    in_zero_point: int,
+    out_scale: float,
+    out_zero_point: int,
+    quant_min: int = 0,
+    quant_max: int = 255,
+    *,
+    out: U8 | None = None,
+    target: str | None = None,
+) -> U8:
+    """uint8 → uint8 between qparams: exactly ``quantize(dequantize(q))`` (via a 256-entry table).
+
+    Equals ``torch.quantize_per_tensor(qx.dequantize(), out_scale, out_zero_point, quint8)``.
+    """
+    from quantbridge.kernels._lut import apply_table  # deferred: _lut builds on this module
+
+    check_target(target)
+    q = check_array("q", q, np.uint8)
+    lo, hi = check_quant_range(np.uint8, quant_min, quant_max)
+    s_in = f32_scale("in_scale", in_scale)
+    s_out = f32_scale("out_scale", out_scale)
+    zp_in = check_zero_point("in_zero_point", in_zero_point, 0, 255)
+    zp_out = check_zero_point("out_zero_point", out_zero_point, lo, hi)
+    if out is None:
+        out = np.empty(q.shape, np.uint8)
+    else:
+        check_out(out, q.shape, np.uint8, q)
+    apply_table(q, requantize_table(s_in, zp_in, s_out, zp_out, lo, hi), out)
+    return out
