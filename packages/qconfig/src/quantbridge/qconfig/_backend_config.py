@@ -15,7 +15,7 @@ from __future__ import annotations
 import enum
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import IO, Any
 
@@ -206,6 +206,18 @@ class DTypeWithConstraints:
             self.zero_point_exact_match, f"{where}.zero_point_exact_match", integer=True
         )
         self.zero_point_exact_match = None if zp is None else int(zp)
+        if self.dtype is None:
+            # torch.ao ignores (and to_dict drops) constraints on a missing dtype; refuse them.
+            given = [
+                f.name
+                for f in fields(self)
+                if f.name != "dtype" and getattr(self, f.name) is not None
+            ]
+            if given:
+                raise QConfigError(
+                    f"{where}: {', '.join(given)} set without a dtype; constraints apply to a "
+                    "dtype, so pass dtype=... as well"
+                )
 
 
 def _dtype_with_constraints(value: object, where: str) -> DTypeWithConstraints:

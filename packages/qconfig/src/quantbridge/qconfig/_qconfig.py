@@ -64,7 +64,14 @@ def as_qconfig(value: object, where: str = "qconfig") -> QConfigAny:
     Other ``(activation, weight)`` named tuples, such as torch.ao's ``QConfig``, are converted;
     anything else raises QConfigError naming ``where``.
     """
-    if value is None or isinstance(value, QConfig):
+    if value is None:
+        return None
+    if isinstance(value, QConfig):
+        try:  # _replace() and _make() bypass __new__'s checks
+            _check_constructor(value.activation, "activation")
+            _check_constructor(value.weight, "weight")
+        except QConfigError as e:
+            raise QConfigError(f"{where}: {e}") from None
         return value
     if isinstance(value, tuple) and len(value) == 2 and hasattr(value, "activation"):
         try:

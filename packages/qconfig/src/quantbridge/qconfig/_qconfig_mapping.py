@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Literal, TypeAlias
 
+from quantbridge.patterns import describe_pattern_element
 from quantbridge.qconfig._errors import QConfigError
 from quantbridge.qconfig._qconfig import QConfigAny, as_qconfig
 
@@ -63,11 +64,9 @@ class QConfigMatch:
 def _describe_key(key: object) -> str:
     if isinstance(key, tuple):
         return "(" + ", ".join(_describe_key(k) for k in key) + ")"
-    if isinstance(key, (str, int)):
+    if isinstance(key, int):
         return repr(key)
-    module = getattr(key, "__module__", None)
-    name = getattr(key, "__qualname__", None) or getattr(key, "__name__", None)
-    return f"{module}.{name}" if module and name else repr(key)
+    return describe_pattern_element(key)
 
 
 def _check_object_type(object_type: object, where: str) -> None:
