@@ -31,6 +31,8 @@ NodePattern: TypeAlias = Any
 RootNodeGetter: TypeAlias = Callable[[Any], Any]
 MatchMode: TypeAlias = Literal["prepare", "fuse"]
 
+_UNSET = object()
+
 # Anchor kinds of the index.
 _MODULE = 0
 _FUNCTION = 1
@@ -95,6 +97,10 @@ class _Compiled:
         self.attr = attr
 
 
+# (priority, pattern, compiled pattern, key of the operator its first argument must be)
+_Entry: TypeAlias = tuple[int, Pattern, _Compiled, "tuple[int, object] | None"]
+
+
 def _element_key(element: Pattern) -> tuple[int, object]:
     if element is MatchAllNode:
         return (_ANY, None)
@@ -114,6 +120,11 @@ def _compile(pattern: Pattern) -> _Compiled:
         return _Compiled(kind, ident, None)
     op, *rest = pattern
     kind, ident = _element_key(op)
+    if kind == _ANY:
+        raise PatternError(
+            f"pattern {pattern!r}: MatchAllNode stands for one input and cannot take argument "
+            "patterns; put it in an argument position, e.g. (torch.add, nn.Conv2d, MatchAllNode)"
+        )
     if op is builtins.getattr:
         if len(pattern) != 2:
             raise PatternError(
@@ -157,7 +168,11 @@ class _Resolver:
                     "not have; the graph and its owning module are out of sync (recompile or "
                     "rebuild the GraphModule)"
                 )
-            cached = type_before_parametrizations(module)
+            # Only parametrized modules need the slower lookup of their original class.
+            if "parametrizations" in module._modules:
+                cached = type_before_parametrizations(module)
+            else:
+                cached = type(module)
             self.module_types[target] = cached
         return cached
 
@@ -323,18 +338,22 @@ def find_matches(
 
     # Anchor index: key -> [(priority, pattern, compiled)], wildcard anchors kept apart and
     # merged in priority order on first use of each key.
-    by_key: dict[tuple[int, object], list[tuple[int, Pattern, _Compiled]]] = {}
-    wildcard: list[tuple[int, Pattern, _Compiled]] = []
+    by_key: dict[tuple[int, object], list[_Entry]] = {}
+    wildcard: list[_Entry] = []
     for priority, pattern in enumerate(ordered):
         compiled = _compile(pattern)
-        entry = (priority, pattern, compiled)
+        # The operator required of the first argument, if any: a cheap pre-check that only
+        # rejects patterns the full check would reject too.
+        first = compiled.args[0] if compiled.args else None
+        first_key = None if first is None or first.kind == _ANY else (first.kind, first.ident)
+        entry = (priority, pattern, compiled, first_key)
         if compiled.kind == _ANY:
             wildcard.append(entry)
         else:
             by_key.setdefault((compiled.kind, compiled.ident), []).append(entry)
-    merged: dict[tuple[int, object] | None, list[tuple[int, Pattern, _Compiled]]] = {}
+    merged: dict[tuple[int, object] | None, list[_Entry]] = {}
 
-    def candidates(key: tuple[int, object] | None) -> list[tuple[int, Pattern, _Compiled]]:
+    def candidates(key: tuple[int, object] | None) -> list[_Entry]:
         found = merged.get(key)
         if found is None:
             own = by_key.get(key, []) if key is not None else []
@@ -351,7 +370,14 @@ def find_matches(
             continue
         if is_ignored is not None and is_ignored(node):
             continue
-        for priority, pattern, compiled in candidates(resolver.key(node)):
+        first_arg_key: object = _UNSET
+        for priority, pattern, compiled, first_key in candidates(resolver.key(node)):
+            if first_key is not None:
+                if first_arg_key is _UNSET:
+                    first_arg = node.args[0] if node.args else None
+                    first_arg_key = resolver.key(first_arg) if isinstance(first_arg, Node) else None
+                if first_arg_key != first_key:
+                    continue
             if not _matches(resolver, node, compiled, False):
                 continue
             nodes, inputs, prepare, fused = _record(compiled, node, pattern)
