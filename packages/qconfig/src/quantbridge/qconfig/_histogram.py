@@ -77,6 +77,7 @@ class HistogramObserver(UniformQuantizationObserverBase):
             **kwargs,
         )
         self._check_qscheme(per_channel=False)
+        self._check_symmetric_reduce_range()
         fk = buffer_kwargs(factory_kwargs)
         self.bins = bins
         self.register_buffer("histogram", torch.zeros(bins, **fk))
