@@ -67,6 +67,8 @@ def _at(path: str) -> str:
 
 
 def _join(path: str, key: str) -> str:
+    if not key:  # QConfigMapping's global entry has the key ""
+        return f'{path}[""]'
     return f"{path}.{key}" if path else key
 
 
