@@ -4,7 +4,26 @@ Depends on numpy and numba only. Target selection is here now; the kernels thems
 (GEMM, conv, elementwise, pools, lookup tables, embedding_bag) arrive with the kernels issue.
 """
 
+from quantbridge.kernels._activation import clamp, hardtanh, relu, relu6
+from quantbridge.kernels._elementwise import add, add_relu, mul, mul_relu
+from quantbridge.kernels._embedding import (
+    PackedEmbedding,
+    embedding_bag,
+    from_fused_rows,
+    pack_embedding_4bit,
+    pack_embedding_8bit,
+    to_fused_rows,
+)
 from quantbridge.kernels._errors import KernelError, TargetUnavailableError
+from quantbridge.kernels._lut import LUT_FUNCTIONS, apply_lut, build_lut
+from quantbridge.kernels._pool import adaptive_avg_pool2d, avg_pool2d, max_pool2d
+from quantbridge.kernels._quantize import (
+    dequantize_per_channel,
+    dequantize_per_tensor,
+    quantize_per_channel,
+    quantize_per_tensor,
+    requantize,
+)
 from quantbridge.kernels._targets import (
     ENV_VAR,
     TARGETS,
@@ -25,4 +44,30 @@ __all__ = [
     "cpu_features",
     "resolve_target",
     "target_supported",
+    # quantize / elementwise / pools / lookup tables / embedding_bag
+    "LUT_FUNCTIONS",
+    "PackedEmbedding",
+    "adaptive_avg_pool2d",
+    "add",
+    "add_relu",
+    "apply_lut",
+    "avg_pool2d",
+    "build_lut",
+    "clamp",
+    "dequantize_per_channel",
+    "dequantize_per_tensor",
+    "embedding_bag",
+    "from_fused_rows",
+    "hardtanh",
+    "max_pool2d",
+    "mul",
+    "mul_relu",
+    "pack_embedding_4bit",
+    "pack_embedding_8bit",
+    "quantize_per_channel",
+    "quantize_per_tensor",
+    "relu",
+    "relu6",
+    "requantize",
+    "to_fused_rows",
 ]

@@ -7,6 +7,7 @@ that names the argument, never a crash or an out-of-bounds access inside numba c
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -28,7 +29,7 @@ def check_array(
     *,
     contiguous: bool = True,
     allow_empty: bool = False,
-) -> npt.NDArray[np.generic]:
+) -> npt.NDArray[Any]:
     """Return ``array`` if it is an ndarray of the right dtype/rank/layout, else raise."""
     if not isinstance(array, np.ndarray):
         raise KernelError(f"{name}: expected a numpy array, got {type(array).__name__}")
@@ -87,7 +88,7 @@ def check_accumulation_fits_int32(name: str, k: int, a_max: int = 255, b_max: in
 
 def check_out(
     out: object, shape: tuple[int, ...], dtype: npt.DTypeLike, *inputs: npt.NDArray[np.generic]
-) -> npt.NDArray[np.generic]:
+) -> npt.NDArray[Any]:
     """Validate a caller-provided ``out=`` array: exact shape and dtype, C-contiguous, writeable.
 
     ``out`` may not overlap any of ``inputs`` unless it *is* that input (same buffer, same

@@ -9,7 +9,7 @@ call otherwise).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from llvmlite import ir
 from numba import types
@@ -17,7 +17,7 @@ from numba.core.extending import intrinsic
 
 
 @intrinsic
-def fma32(typingctx: Any, a: Any, b: Any, c: Any) -> Any:
+def _fma32(typingctx: Any, a: Any, b: Any, c: Any) -> Any:
     """float32 ``a * b + c`` with a single rounding (call from numba code only)."""
     if not all(isinstance(t, types.Float) for t in (a, b, c)):
         return None
@@ -33,3 +33,12 @@ def fma32(typingctx: Any, a: Any, b: Any, c: Any) -> Any:
         return builder.call(fn, values)
 
     return sig, codegen
+
+
+if TYPE_CHECKING:
+
+    def fma32(a: float, b: float, c: float) -> float:
+        """float32 ``a * b + c`` with a single rounding (numba code only)."""
+
+else:
+    fma32 = _fma32

@@ -55,29 +55,29 @@ def apply_table(q: U8, table: U8, out: U8) -> None:
 
 # Float32 definitions of the named functions (each maps a float32 array to a float32 array).
 def _sigmoid(x: F32) -> F32:
-    return np.float32(1.0) / (np.float32(1.0) + np.exp(-x))
+    return np.asarray(np.float32(1.0) / (np.float32(1.0) + np.exp(-x)), np.float32)
 
 
 def _hardsigmoid(x: F32) -> F32:
-    return np.clip(x + np.float32(3.0), np.float32(0.0), np.float32(6.0)) / np.float32(6.0)
+    return np.asarray(np.clip(x + np.float32(3.0), 0, 6) / np.float32(6.0), np.float32)
 
 
 def _hardswish(x: F32) -> F32:
-    return x * np.clip(x + np.float32(3.0), np.float32(0.0), np.float32(6.0)) / np.float32(6.0)
+    return np.asarray(x * np.clip(x + np.float32(3.0), 0, 6) / np.float32(6.0), np.float32)
 
 
 def _silu(x: F32) -> F32:
-    return x / (np.float32(1.0) + np.exp(-x))
+    return np.asarray(x / (np.float32(1.0) + np.exp(-x)), np.float32)
 
 
 def _elu(x: F32) -> F32:
-    return np.where(x > 0, x, np.expm1(np.minimum(x, np.float32(0.0))))
+    return np.asarray(np.where(x > 0, x, np.expm1(np.minimum(x, np.float32(0.0)))), np.float32)
 
 
 def _gelu_tanh(x: F32) -> F32:
     c = np.float32(0.7978845608028654)  # sqrt(2 / pi)
     inner = c * (x + np.float32(0.044715) * x * x * x)
-    return np.float32(0.5) * x * (np.float32(1.0) + np.tanh(inner))
+    return np.asarray(np.float32(0.5) * x * (np.float32(1.0) + np.tanh(inner)), np.float32)
 
 
 LUT_FUNCTIONS: dict[str, Callable[[F32], F32]] = {

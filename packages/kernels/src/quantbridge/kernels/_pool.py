@@ -59,7 +59,7 @@ def _out_size(size: int, k: int, pad: int, stride: int, dilation: int, ceil_mode
 def _planes(name: str, x: object) -> tuple[U8, int, int, int]:
     arr = check_array(name, x, np.uint8, (3, 4))
     h, w = arr.shape[-2], arr.shape[-1]
-    return arr, math.prod(arr.shape[:-2]), h, w  # type: ignore[return-value]
+    return arr, math.prod(arr.shape[:-2]), h, w
 
 
 def _pool_geometry(

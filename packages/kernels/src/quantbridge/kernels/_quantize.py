@@ -26,6 +26,7 @@ import numpy as np
 import numpy.typing as npt
 
 from quantbridge.kernels._checks import (
+    INT_RANGES,
     check_array,
     check_int,
     check_out,
@@ -65,7 +66,7 @@ def f32_scale(name: str, scale: object) -> float:
 def quant_dtype(dtype: object) -> np.dtype[np.generic]:
     """Resolve a quantized dtype argument (uint8 or int8)."""
     try:
-        resolved = np.dtype(dtype)  # type: ignore[call-overload]
+        resolved: np.dtype[np.generic] = np.dtype(dtype)  # type: ignore[call-overload]
     except (TypeError, ValueError):
         raise KernelError(f"dtype: expected numpy uint8 or int8, got {dtype!r}") from None
     if resolved not in _QDTYPES:
@@ -105,9 +106,10 @@ def channel_params(
             "scales: every scale must be finite and inside float32's normal range "
             f"[{_F32_TINY:g}, {_F32_MAX:g}]"
         )
-    if np.any(z < quant_min) or np.any(z > quant_max):
+    zi = z.astype(np.int64)
+    if np.any(zi < quant_min) or np.any(zi > quant_max):
         raise KernelError(f"zero_points: every zero point must lie in [{quant_min}, {quant_max}]")
-    return s64, z.astype(np.int32)
+    return s64, zi.astype(np.int32)
 
 
 def as_3d(shape: tuple[int, ...], axis: int) -> tuple[int, int, int]:
@@ -121,7 +123,7 @@ def as_3d(shape: tuple[int, ...], axis: int) -> tuple[int, int, int]:
 
 
 @numba.njit(cache=True)
-def _quantize_one(v: float, inv: float, zp: float, lo: float, hi: float) -> float:
+def _quantize_one(v, inv, zp, lo, hi):  # type: ignore[no-untyped-def]
     # Per-tensor rule (fbgemm's vector quantizer): round(fma(x, 1/scale, zero_point)).
     t = fma32(v, inv, zp)
     if t != t:  # NaN saturates to quant_max, as torch's vector conversion does
@@ -135,7 +137,7 @@ def _quantize_one(v: float, inv: float, zp: float, lo: float, hi: float) -> floa
 
 
 @numba.njit(cache=True)
-def _quantize_one_pc(v: float, inv: float, zp: float, lo: float, hi: float) -> float:
+def _quantize_one_pc(v, inv, zp, lo, hi):  # type: ignore[no-untyped-def]
     # Per-channel rule (torch's scalar quantizer): round(x * (1/scale)) + zero_point.
     t = v * inv
     if t != t:  # NaN becomes 0 in torch's per-channel kernel
@@ -326,9 +328,9 @@ def dequantize_per_tensor(
     """``float32(scale) * float32(q - zero_point)`` for uint8 or int8 ``q``."""
     check_target(target)
     q = check_array("q", q, _QDTYPES)
-    info = np.iinfo(q.dtype)
+    qmin, qmax = INT_RANGES[q.dtype]
     s32 = f32_scale("scale", scale)
-    zp = check_zero_point("zero_point", zero_point, int(info.min), int(info.max))
+    zp = check_zero_point("zero_point", zero_point, qmin, qmax)
     if out is None:
         out = np.empty(q.shape, np.float32)
     else:
@@ -350,10 +352,10 @@ def dequantize_per_channel(
     """Per-channel dequantize: ``float32(float64(q - zero_point[c]) * float64(scale[c]))``."""
     check_target(target)
     q = check_array("q", q, _QDTYPES)
-    info = np.iinfo(q.dtype)
+    qmin, qmax = INT_RANGES[q.dtype]
     ax = check_axis(axis, q.ndim)
     outer, channels, inner = as_3d(q.shape, ax)
-    s64, z = channel_params(scales, zero_points, channels, int(info.min), int(info.max))
+    s64, z = channel_params(scales, zero_points, channels, qmin, qmax)
     if out is None:
         out = np.empty(q.shape, np.float32)
     else:
