@@ -26,8 +26,22 @@ from quantbridge.patterns._matcher import (
     find_matches,
     sort_patterns,
 )
+from quantbridge.patterns._rewriter import (
+    ArgConstraint,
+    BuildCallback,
+    ReplacementPattern,
+    RewriteMatch,
+    find_rewrite_matches,
+    replace_pattern,
+)
 
 __all__ = [
+    "ArgConstraint",
+    "BuildCallback",
+    "ReplacementPattern",
+    "RewriteMatch",
+    "find_rewrite_matches",
+    "replace_pattern",
     "Match",
     "MatchAllNode",
     "MatchMode",

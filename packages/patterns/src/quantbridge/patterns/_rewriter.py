@@ -1,0 +1,556 @@
+"""Subgraph rewriter for lowering passes: find a pattern, put new nodes in its place.
+
+A pattern is either a complex-format pattern (the matcher's language; arguments bound by
+``MatchAllNode`` become the match's inputs) or a Python function traced with torch.fx (its
+parameters become the inputs; literals in it must be equal in the graph). Argument
+constraints narrow either form, e.g. "the dtype argument of this dequantize is uint8". The
+replacement is a function (traced and inlined, called with the inputs) or a callback that
+builds the new nodes itself and returns the one that takes the anchor's place.
+
+After rewriting, the replaced nodes and whatever only they used are erased, the graph is
+linted and the module recompiled; new nodes inherit the replaced anchor's meta.
+"""
+
+from __future__ import annotations
+
+import builtins
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeAlias
+
+import torch
+from torch.fx import Graph, GraphModule, Node, symbolic_trace
+
+from quantbridge.patterns._errors import PatternError
+from quantbridge.patterns._forms import MatchAllNode, Pattern, check_complex_pattern
+from quantbridge.patterns._matcher import _FUNCTION, _METHOD, _MODULE, _element_key, _Resolver
+
+_NO_VALUE: Any = object()
+
+# meta keys that describe a node's value: only the node that takes the anchor's place gets
+# them, other new nodes compute different values.
+_VALUE_META = frozenset({"val", "tensor_meta", "example_value", "type"})
+
+
+@dataclass(frozen=True)
+class ArgConstraint:
+    """A condition on one argument of one operator of a pattern.
+
+    ``op`` indexes the pattern's operators in pre-order, anchor first (``nodes`` of a
+    match). The argument is looked up by ``keyword`` in the node's kwargs first, then by
+    ``position`` in its args; when absent, ``default`` is used if given, else the constraint
+    fails. Give exactly one of ``equals`` (same type and equal) or ``predicate``.
+    """
+
+    position: int | None = None
+    keyword: str | None = None
+    equals: Any = _NO_VALUE
+    predicate: Callable[[Any], bool] | None = None
+    op: int = 0
+    default: Any = _NO_VALUE
+
+    def __post_init__(self) -> None:
+        if self.position is None and self.keyword is None:
+            raise PatternError(
+                "ArgConstraint needs position= or keyword= (or both) to find the argument"
+            )
+        if self.position is not None and self.position < 0:
+            raise PatternError(f"ArgConstraint position must be >= 0, got {self.position}")
+        if (self.equals is _NO_VALUE) == (self.predicate is None):
+            raise PatternError(
+                "ArgConstraint takes exactly one of equals= (a value) or predicate= "
+                "(a function of the argument returning bool)"
+            )
+        if self.op < 0:
+            raise PatternError(f"ArgConstraint op must be >= 0, got {self.op}")
+
+    def value_of(self, node: Node) -> Any:
+        """The constrained argument of ``node``, or the sentinel when absent."""
+        if self.keyword is not None and self.keyword in node.kwargs:
+            return node.kwargs[self.keyword]
+        if self.position is not None and self.position < len(node.args):
+            return node.args[self.position]
+        return self.default
+
+    def holds(self, node: Node) -> bool:
+        value = self.value_of(node)
+        if value is _NO_VALUE:
+            return False
+        if self.predicate is not None:
+            return bool(self.predicate(value))
+        expected = self.equals
+        return value is expected or (type(value) is type(expected) and bool(value == expected))
+
+
+@dataclass(frozen=True, eq=False)
+class RewriteMatch:
+    """One occurrence of a replacement pattern: operator nodes (pre-order, anchor first),
+    the anchor, and the values bound to the pattern's inputs (in input order)."""
+
+    rule: ReplacementPattern
+    nodes: tuple[Node, ...]
+    anchor: Node
+    inputs: tuple[Any, ...]
+
+
+BuildCallback: TypeAlias = Callable[[RewriteMatch, Graph], Any]
+
+
+@dataclass(frozen=True, eq=False)
+class ReplacementPattern:
+    """What to find and what to put in its place.
+
+    Give exactly one of ``pattern`` (complex format) or ``pattern_fn`` (a function or
+    GraphModule traced with torch.fx), and exactly one of ``replacement`` (a function or
+    GraphModule called with the match's inputs, inlined) or ``build`` (called as
+    ``build(match, graph)`` with insertion set before the anchor; returns the node that takes
+    the anchor's place). ``constraints`` and ``match_filter`` narrow the matches.
+    """
+
+    pattern: Pattern = None
+    pattern_fn: Callable[..., Any] | None = None
+    replacement: Callable[..., Any] | None = None
+    build: BuildCallback | None = None
+    constraints: Sequence[ArgConstraint] = ()
+    match_filter: Callable[[RewriteMatch], bool] | None = None
+    name: str = ""
+    _compiled: _ROp = field(init=False, repr=False, compare=False)
+    _num_inputs: int = field(init=False, repr=False, compare=False)
+    _num_ops: int = field(init=False, repr=False, compare=False)
+    _replacement_graph: Graph | None = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        label = self.name or "ReplacementPattern"
+        if (self.pattern is None) == (self.pattern_fn is None):
+            raise PatternError(
+                f"{label}: give exactly one of pattern= (complex format, e.g. "
+                "(torch.add, nn.Conv2d, MatchAllNode)) or pattern_fn= (a function to trace)"
+            )
+        if (self.replacement is None) == (self.build is None):
+            raise PatternError(
+                f"{label}: give exactly one of replacement= (a function to trace and inline) "
+                "or build= (a callback building the new nodes)"
+            )
+        if self.pattern is not None:
+            check_complex_pattern(self.pattern, where=f"{label}.pattern")
+            compiled, num_inputs = _compile_complex(self.pattern)
+        else:
+            assert self.pattern_fn is not None
+            compiled, num_inputs = _compile_traced(_trace(self.pattern_fn, label, "pattern_fn"))
+        num_ops = len(_operators(compiled))
+        for i, constraint in enumerate(self.constraints):
+            if not isinstance(constraint, ArgConstraint):
+                raise PatternError(
+                    f"{label}.constraints[{i}]: expected an ArgConstraint, got "
+                    f"{type(constraint).__name__}"
+                )
+            if constraint.op >= num_ops:
+                raise PatternError(
+                    f"{label}.constraints[{i}]: op={constraint.op} but the pattern has "
+                    f"{num_ops} operator(s) (indexed from 0, anchor first)"
+                )
+        replacement_graph = None
+        if self.replacement is not None:
+            traced = _trace(self.replacement, label, "replacement")
+            placeholders = [n for n in traced.graph.nodes if n.op == "placeholder"]
+            if len(placeholders) != num_inputs:
+                raise PatternError(
+                    f"{label}: the replacement takes {len(placeholders)} input(s) but the "
+                    f"pattern binds {num_inputs}; they are passed in order"
+                )
+            for node in traced.graph.nodes:
+                if node.op in ("get_attr", "call_module"):
+                    raise PatternError(
+                        f"{label}: the replacement uses {node.op} {node.target!r}; a "
+                        "replacement function may only call functions and methods, use "
+                        "build= to add modules or constants"
+                    )
+            replacement_graph = traced.graph
+        object.__setattr__(self, "_compiled", compiled)
+        object.__setattr__(self, "_num_inputs", num_inputs)
+        object.__setattr__(self, "_num_ops", num_ops)
+        object.__setattr__(self, "_replacement_graph", replacement_graph)
+
+
+# --- compiled rewrite patterns -----------------------------------------------------------
+
+
+class _RInput:
+    """Binds any value; the same input seen twice must bind the same value."""
+
+    __slots__ = ("index",)
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+
+class _RLiteral:
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+
+class _RSeq:
+    __slots__ = ("items", "kind")
+
+    def __init__(self, kind: type, items: tuple[_RArg, ...]) -> None:
+        self.kind = kind
+        self.items = items
+
+
+class _ROp:
+    """An operator node; ``args``/``kwargs`` None means "any"."""
+
+    __slots__ = ("args", "attr", "ident", "kind", "kwargs")
+
+    def __init__(
+        self,
+        kind: int,
+        ident: object,
+        args: tuple[_RArg, ...] | None,
+        kwargs: dict[str, _RArg] | None,
+    ) -> None:
+        self.kind = kind
+        self.ident = ident
+        self.args = args
+        self.kwargs = kwargs
+
+
+_RArg: TypeAlias = "_ROp | _RInput | _RLiteral | _RSeq"
+
+
+def _compile_complex(pattern: Pattern) -> tuple[_ROp, int]:
+    counter = [0]
+
+    def walk(p: Pattern) -> _RArg:
+        op = p[0] if isinstance(p, tuple) else p
+        if op is MatchAllNode:
+            if isinstance(p, tuple):
+                raise PatternError(f"{p!r}: MatchAllNode cannot take argument patterns")
+            counter[0] += 1
+            return _RInput(counter[0] - 1)
+        kind, ident = _element_key(op)
+        if not isinstance(p, tuple):
+            return _ROp(kind, ident, None, None)
+        if op is builtins.getattr:
+            return _ROp(kind, ident, (_RInput(-1), _RLiteral(p[1])), None)
+        return _ROp(kind, ident, tuple(walk(a) for a in p[1:]), None)
+
+    root = walk(pattern)
+    if not isinstance(root, _ROp):
+        raise PatternError("a rewrite pattern cannot be MatchAllNode alone: it would match all")
+    return root, counter[0]
+
+
+def _trace(fn: Callable[..., Any], label: str, what: str) -> GraphModule:
+    if isinstance(fn, GraphModule):
+        return fn
+    if not callable(fn):
+        raise PatternError(f"{label}.{what}: expected a function or GraphModule, got {fn!r}")
+    try:
+        return symbolic_trace(fn)
+    except Exception as exc:  # tracing errors come in many types
+        raise PatternError(
+            f"{label}.{what}: torch.fx could not trace {fn!r}: {exc}; write it with "
+            "traceable operations only (no data-dependent control flow)"
+        ) from exc
+
+
+def _compile_traced(gm: GraphModule) -> tuple[_ROp, int]:
+    placeholders = {n: i for i, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")}
+    outputs = [n for n in gm.graph.nodes if n.op == "output"]
+    result = outputs[0].args[0]
+    if not isinstance(result, Node) or result.op not in (
+        "call_function",
+        "call_method",
+        "call_module",
+    ):
+        raise PatternError(
+            "pattern_fn must return the result of one operation (a single output node); got "
+            f"{result!r}"
+        )
+    modules = dict(gm.named_modules())
+    memo: dict[Node, _ROp] = {}
+
+    def arg(value: Any) -> _RArg:
+        if isinstance(value, Node):
+            if value.op == "placeholder":
+                return _RInput(placeholders[value])
+            if value.op in ("call_function", "call_method", "call_module"):
+                return op(value)
+            raise PatternError(
+                f"pattern_fn: node {value.format_node()} ({value.op}) is not supported in a "
+                "pattern; pass tensors and constants as function parameters"
+            )
+        if isinstance(value, (tuple, list)):
+            return _RSeq(type(value), tuple(arg(v) for v in value))
+        return _RLiteral(value)
+
+    def op(node: Node) -> _ROp:
+        found = memo.get(node)
+        if found is not None:
+            return found
+        ident: object
+        if node.op == "call_module":
+            kind, ident = _MODULE, type(modules[str(node.target)])
+        elif node.op == "call_method":
+            kind, ident = _METHOD, node.target
+        else:
+            kind, ident = _FUNCTION, id(node.target)
+        compiled = _ROp(kind, ident, None, None)
+        memo[node] = compiled
+        compiled.args = tuple(arg(a) for a in node.args)
+        compiled.kwargs = {k: arg(v) for k, v in node.kwargs.items()}
+        return compiled
+
+    return op(result), len(placeholders)
+
+
+def _operators(root: _ROp) -> list[_ROp]:
+    seen: list[_ROp] = []
+
+    def walk(a: _RArg) -> None:
+        if isinstance(a, _ROp):
+            if any(a is s for s in seen):
+                return
+            seen.append(a)
+            for sub in a.args or ():
+                walk(sub)
+            for sub in (a.kwargs or {}).values():
+                walk(sub)
+        elif isinstance(a, _RSeq):
+            for sub in a.items:
+                walk(sub)
+
+    walk(root)
+    return seen
+
+
+class _Binder:
+    """State of one match attempt."""
+
+    def __init__(self, resolver: _Resolver) -> None:
+        self.resolver = resolver
+        self.inputs: dict[int, Any] = {}
+        self.ops: dict[int, Node] = {}  # id(_ROp) -> node
+        self.order: list[Node] = []
+
+    def match(self, value: Any, p: _RArg) -> bool:
+        if isinstance(p, _RInput):
+            if p.index < 0:
+                return True
+            if p.index in self.inputs:
+                bound = self.inputs[p.index]
+                return bound is value or (
+                    not isinstance(bound, Node)
+                    and not isinstance(value, Node)
+                    and type(bound) is type(value)
+                    and bool(bound == value)
+                )
+            self.inputs[p.index] = value
+            return True
+        if isinstance(p, _RLiteral):
+            if isinstance(value, Node):
+                return False
+            expected = p.value
+            return value is expected or (type(value) is type(expected) and bool(value == expected))
+        if isinstance(p, _RSeq):
+            return (
+                isinstance(value, (tuple, list))
+                and type(value) is p.kind
+                and len(value) == len(p.items)
+                and all(self.match(v, s) for v, s in zip(value, p.items, strict=True))
+            )
+        if not isinstance(value, Node):
+            return False
+        previous = self.ops.get(id(p))
+        if previous is not None:
+            return previous is value
+        if not self._fits(value, p):
+            return False
+        self.ops[id(p)] = value
+        self.order.append(value)
+        if p.args is not None:
+            if len(p.args) != len(value.args):
+                return False
+            for sub, a in zip(p.args, value.args, strict=True):
+                if not self.match(a, sub):
+                    return False
+        if p.kwargs is not None:
+            if set(p.kwargs) != set(value.kwargs):
+                return False
+            for key, sub in p.kwargs.items():
+                if not self.match(value.kwargs[key], sub):
+                    return False
+        return True
+
+    def _fits(self, node: Node, p: _ROp) -> bool:
+        if p.kind == _FUNCTION:
+            return node.op == "call_function" and id(node.target) == p.ident
+        if p.kind == _METHOD:
+            return node.op == "call_method" and node.target == p.ident
+        return node.op == "call_module" and self.resolver.module_type(node) is p.ident
+
+
+def _try(rule: ReplacementPattern, node: Node, resolver: _Resolver) -> RewriteMatch | None:
+    binder = _Binder(resolver)
+    if not binder.match(node, rule._compiled):
+        return None
+    nodes = tuple(binder.order)
+    # Inner nodes may only feed the pattern itself, or replacing the anchor would leave
+    # other users without their inputs.
+    inside = set(nodes)
+    for inner in nodes[1:]:
+        if any(user not in inside for user in inner.users):
+            return None
+    for constraint in rule.constraints:
+        if not constraint.holds(nodes[constraint.op]):
+            return None
+    inputs = tuple(binder.inputs.get(i) for i in range(rule._num_inputs))
+    found = RewriteMatch(rule=rule, nodes=nodes, anchor=node, inputs=inputs)
+    if rule.match_filter is not None and not rule.match_filter(found):
+        return None
+    return found
+
+
+def find_rewrite_matches(
+    graph_module: GraphModule, rules: ReplacementPattern | Sequence[ReplacementPattern]
+) -> list[RewriteMatch]:
+    """Non-overlapping occurrences of ``rules`` (earlier rules first), last anchor first."""
+    if not isinstance(graph_module, GraphModule):
+        raise PatternError(
+            f"expected a torch.fx.GraphModule, got {type(graph_module).__name__}; trace the "
+            "model first, e.g. torch.fx.symbolic_trace(model)"
+        )
+    rule_list = [rules] if isinstance(rules, ReplacementPattern) else list(rules)
+    for i, rule in enumerate(rule_list):
+        if not isinstance(rule, ReplacementPattern):
+            raise PatternError(
+                f"rules[{i}]: expected a ReplacementPattern, got {type(rule).__name__}"
+            )
+    by_key: dict[tuple[int, object], list[ReplacementPattern]] = {}
+    for rule in rule_list:
+        by_key.setdefault((rule._compiled.kind, rule._compiled.ident), []).append(rule)
+    resolver = _Resolver(graph_module)
+    claimed: set[Node] = set()
+    found: list[RewriteMatch] = []
+    for node in reversed(graph_module.graph.nodes):
+        if node in claimed:
+            continue
+        key = resolver.key(node)
+        if key is None:
+            continue
+        for rule in by_key.get(key, ()):
+            match = _try(rule, node, resolver)
+            if match is None or any(n in claimed for n in match.nodes):
+                continue
+            found.append(match)
+            claimed.update(match.nodes)
+            break
+    return found
+
+
+def _inline(graph: Graph, replacement: Graph, inputs: tuple[Any, ...]) -> Any:
+    env: dict[Node, Any] = {}
+    placeholders = iter(inputs)
+    result: Any = None
+    for node in replacement.nodes:
+        if node.op == "placeholder":
+            env[node] = next(placeholders)
+        elif node.op == "output":
+            result = torch.fx.node.map_arg(node.args[0], lambda n: env[n])
+        else:
+            env[node] = graph.node_copy(node, lambda n: env[n])
+    return result
+
+
+def _inherit_meta(result: Node, anchor: Node, original: set[Node]) -> None:
+    """Give the nodes a replacement created the anchor's meta (value meta: result only)."""
+    shared = {k: v for k, v in anchor.meta.items() if k not in _VALUE_META}
+    stack = [result]
+    seen: set[Node] = set()
+    while stack:
+        node = stack.pop()
+        if node in seen or node in original:
+            continue
+        seen.add(node)
+        source = anchor.meta if node is result else shared
+        for key, value in source.items():
+            node.meta.setdefault(key, value)
+        stack.extend(node.all_input_nodes)
+
+
+def _erase_matched(graph: Graph, matched: Sequence[Node], erased: set[Node]) -> None:
+    """Erase the replaced nodes; all their users were inside the match."""
+    pending = list(matched)
+    progress = True
+    while pending and progress:
+        progress = False
+        for node in list(pending):
+            if not node.users:
+                graph.erase_node(node)
+                erased.add(node)
+                pending.remove(node)
+                progress = True
+
+
+def _erase_unused(graph: Graph, candidates: Sequence[Any], erased: set[Node]) -> None:
+    """Erase what only replaced patterns used (constants, scale/zero-point getters, ...)."""
+    stack = [v for v in candidates if isinstance(v, Node)]
+    while stack:
+        node = stack.pop()
+        if node in erased or node.users or node.op in ("placeholder", "output"):
+            continue
+        if node.is_impure():
+            continue
+        parents = node.all_input_nodes
+        graph.erase_node(node)
+        erased.add(node)
+        stack.extend(parents)
+
+
+def replace_pattern(
+    graph_module: GraphModule, rules: ReplacementPattern | Sequence[ReplacementPattern]
+) -> list[RewriteMatch]:
+    """Rewrite every non-overlapping occurrence of ``rules`` in place; returns the matches.
+
+    Rules are tried in the order given at each node, nodes from the last to the first. The
+    graph is linted and ``graph_module`` recompiled afterwards.
+    """
+    matches = find_rewrite_matches(graph_module, rules)
+    graph = graph_module.graph
+    original = set(graph.nodes)
+    erased: set[Node] = set()
+    freed: list[Any] = []
+    for match in matches:
+        rule = match.rule
+        anchor = match.anchor
+        with graph.inserting_before(anchor):
+            if rule.build is not None:
+                result = rule.build(match, graph)
+            else:
+                assert rule._replacement_graph is not None
+                result = _inline(graph, rule._replacement_graph, match.inputs)
+        if not isinstance(result, Node):
+            raise PatternError(
+                f"{rule.name or 'ReplacementPattern'}: the replacement for "
+                f"{anchor.format_node()} produced {result!r}, not a graph node; return the "
+                "node that takes the anchor's place"
+            )
+        if result in match.nodes and result is not anchor:
+            raise PatternError(
+                f"{rule.name or 'ReplacementPattern'}: the replacement returned the matched "
+                f"node {result.name!r}, which is about to be erased"
+            )
+        if result is anchor:
+            continue  # the callback decided to keep the anchor: nothing to replace
+        _inherit_meta(result, anchor, original)
+        anchor.replace_all_uses_with(result)
+        _erase_matched(graph, match.nodes, erased)
+        freed.extend(match.inputs)
+    # Only now: an input of one match may be the anchor of another, still to be replaced.
+    _erase_unused(graph, freed, erased)
+    graph.lint()
+    graph_module.recompile()
+    return matches
