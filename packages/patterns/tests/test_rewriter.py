@@ -287,8 +287,8 @@ def test_errors() -> None:
         ReplacementPattern(
             pattern=(torch.relu, MatchAllNode), replacement=symbolic_trace(nn.Sequential(nn.ReLU()))
         )
+    rule = ReplacementPattern(pattern=torch.relu, build=_sigmoid_by_hand)
     with pytest.raises(PatternError, match="GraphModule"):
-        rule = ReplacementPattern(pattern=torch.relu, build=_sigmoid_by_hand)
         replace_pattern(nn.ReLU(), rule)  # type: ignore[arg-type]
     with pytest.raises(PatternError, match=r"single output|one operation"):
         ReplacementPattern(pattern_fn=lambda x: x, replacement=lambda x: x)
