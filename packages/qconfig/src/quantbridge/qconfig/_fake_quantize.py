@@ -151,8 +151,10 @@ class FakeQuantize(FakeQuantizeBase):
         if self.fake_quant_enabled[0] == 1:
             post = self.activation_post_process
             if self.is_per_channel:
+                # The aten op wants a non-negative axis; torch.ao passes -1 through and fails.
+                axis = self.ch_axis + x.dim() if self.ch_axis < 0 else self.ch_axis
                 x = torch.fake_quantize_per_channel_affine(
-                    x, self.scale, self.zero_point, self.ch_axis, post.quant_min, post.quant_max
+                    x, self.scale, self.zero_point, axis, post.quant_min, post.quant_max
                 )
             else:
                 x = torch.fake_quantize_per_tensor_affine(
@@ -262,7 +264,7 @@ class FusedMovingAvgObsFakeQuantize(FakeQuantize):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         post = self.activation_post_process
-        return torch.fused_moving_avg_obs_fake_quant(
+        out = torch.fused_moving_avg_obs_fake_quant(
             x,
             self.observer_enabled,
             self.fake_quant_enabled,
@@ -277,6 +279,18 @@ class FusedMovingAvgObsFakeQuantize(FakeQuantize):
             self.is_per_channel,
             self.is_symmetric_quant,
         )
+        # The fused op would carry NaN/inf into scale and zero point silently; the unfused
+        # observers refuse them in calculate_qparams, so refuse them here too (O(C) check).
+        if self.observer_enabled[0] == 1 and not bool(
+            torch.isfinite(post.min_val).all() and torch.isfinite(post.max_val).all()
+        ):
+            raise QConfigError(
+                f"FusedMovingAvgObsFakeQuantize: the observed range is not finite "
+                f"(min_val={post.min_val.tolist()}, max_val={post.max_val.tolist()}); the "
+                "input contained NaN or inf. Find its source; reset the observer "
+                "(activation_post_process.reset_min_max_vals()) before continuing."
+            )
+        return out
 
 
 def _switch(module: nn.Module, method: str) -> None:
