@@ -1,0 +1,38 @@
+"""Batch norm plumbing shared by the BN-folding QAT modules (per-rank or synchronized BN)."""
+
+from __future__ import annotations
+
+from torch import nn
+
+
+def make_bn(
+    kind: type[nn.Module], num_features: int, eps: float, momentum: float | None
+) -> nn.Module:
+    """An affine, statistics-tracking batch norm of ``kind``."""
+    return kind(num_features, eps, momentum, True, True)
+
+
+def adopt_bn(qat: nn.Module, bn: nn.Module) -> None:
+    """Share ``bn``'s parameters and statistics with ``qat.bn``.
+
+    A SyncBatchNorm source keeps its kind (and process group), so statistics stay
+    synchronized across ranks after the swap to QAT.
+    """
+    if isinstance(bn, nn.SyncBatchNorm) and not isinstance(qat.bn, nn.SyncBatchNorm):
+        current = qat.bn
+        sync = nn.SyncBatchNorm(
+            current.num_features,  # type: ignore[arg-type]
+            current.eps,  # type: ignore[arg-type]
+            current.momentum,  # type: ignore[arg-type]
+            True,
+            True,
+            process_group=bn.process_group,
+        )
+        sync.training = current.training
+        qat.bn = sync
+    target = qat.bn
+    target.weight = bn.weight
+    target.bias = bn.bias
+    target.running_mean = bn.running_mean
+    target.running_var = bn.running_var
+    target.num_batches_tracked = bn.num_batches_tracked

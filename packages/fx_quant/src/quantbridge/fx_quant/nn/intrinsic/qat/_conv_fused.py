@@ -1,0 +1,321 @@
+"""QAT convolutions fused with batch norm and/or ReLU.
+
+``ConvBn*`` fold batch norm into the weight the quantizer sees: with the per-channel factor
+``s = bn.weight / sqrt(bn.running_var + bn.eps)`` the forward is
+``bn(conv(x, fq(W * s), 0) / s + b)``. The convolution thus runs on the weight inference will
+use, while ``bn`` still normalizes with batch statistics during training (and updates its
+running statistics unless frozen with :meth:`freeze_bn_stats`). ``to_float`` folds the running
+statistics into a plain conv. This is torch.ao's "approximate" single-pass scheme.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn import init
+from torch.nn.modules.utils import _pair, _single, _triple
+from torch.nn.utils.fusion import fuse_conv_bn_weights
+
+from quantbridge.fx_quant.nn import intrinsic as nni
+from quantbridge.fx_quant.nn import qat as nnqat
+from quantbridge.fx_quant.nn.intrinsic.qat._bn import adopt_bn, make_bn
+from quantbridge.fx_quant.nn.intrinsic.qat._linear_bn import LinearBn1d
+from quantbridge.fx_quant.nn.qat._common import (
+    build_weight_fake_quant,
+    float_module_qconfig,
+    require_qconfig,
+)
+
+__all__ = [
+    "ConvBn1d",
+    "ConvBn2d",
+    "ConvBn3d",
+    "ConvBnReLU1d",
+    "ConvBnReLU2d",
+    "ConvBnReLU3d",
+    "ConvReLU1d",
+    "ConvReLU2d",
+    "ConvReLU3d",
+    "freeze_bn_stats",
+    "update_bn_stats",
+]
+
+_TUPLE = {1: _single, 2: _pair, 3: _triple}
+
+
+class _ConvBnNd(nn.modules.conv._ConvNd, nni.FusedModule):  # type: ignore[misc]
+    _version = 2
+    _DIM: ClassVar[int]
+    _FLOAT_MODULE: ClassVar[type[nn.Module]]
+    _FLOAT_CONV_MODULE: ClassVar[type[nn.modules.conv._ConvNd]]
+    _FLOAT_BN_MODULE: ClassVar[type[nn.Module]]
+    _FLOAT_RELU_MODULE: ClassVar[type[nn.Module] | None] = None
+    _FUSED_FLOAT_MODULE: ClassVar[type[nn.Module] | None] = None
+
+    def __init__(
+        self,
+        in_channels: int,
+        out_channels: int,
+        kernel_size: Any,
+        stride: Any = 1,
+        padding: Any = 0,
+        dilation: Any = 1,
+        groups: int = 1,
+        bias: bool | None = None,
+        padding_mode: Any = "zeros",
+        eps: float = 1e-05,
+        momentum: float | None = 0.1,
+        freeze_bn: bool = False,
+        qconfig: Any = None,
+    ) -> None:
+        to_tuple = _TUPLE[self._DIM]
+        nn.modules.conv._ConvNd.__init__(
+            self,
+            in_channels,
+            out_channels,
+            to_tuple(kernel_size),
+            to_tuple(stride),
+            padding if isinstance(padding, str) else to_tuple(padding),
+            to_tuple(dilation),
+            False,
+            to_tuple(0),
+            groups,
+            False,  # the conv bias is kept apart: it is added after undoing the BN scale
+            padding_mode,
+        )
+        self.qconfig = require_qconfig(qconfig, f"qat.{type(self).__name__}")
+        self.freeze_bn = freeze_bn if self.training else True
+        self.bn: nn.Module = make_bn(self._FLOAT_BN_MODULE, out_channels, eps, momentum)
+        self.weight_fake_quant = build_weight_fake_quant(qconfig, None, None)
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_channels))
+        else:
+            self.register_parameter("bias", None)
+        self.reset_bn_parameters()
+        if self.training and not freeze_bn:
+            self.update_bn_stats()
+        else:
+            self.freeze_bn_stats()
+
+    def reset_running_stats(self) -> None:
+        self.bn.reset_running_stats()  # type: ignore[operator]
+
+    def reset_bn_parameters(self) -> None:
+        self.reset_running_stats()
+        init.uniform_(self.bn.weight)
+        init.zeros_(self.bn.bias)
+        if self.bias is not None:  # the conv bias, initialised like nn.Conv's
+            fan_in, _ = init._calculate_fan_in_and_fan_out(self.weight)
+            bound = 1 / math.sqrt(fan_in)
+            init.uniform_(self.bias, -bound, bound)
+
+    def update_bn_stats(self) -> _ConvBnNd:
+        """Let batch norm learn running statistics again (it trains with the module)."""
+        self.freeze_bn = False
+        self.bn.training = True
+        return self
+
+    def freeze_bn_stats(self) -> _ConvBnNd:
+        """Freeze batch norm: running statistics stop changing, even in train mode."""
+        self.freeze_bn = True
+        self.bn.training = False
+        return self
+
+    def _forward(self, input: torch.Tensor) -> torch.Tensor:
+        assert self.bn.running_var is not None
+        running_std = torch.sqrt(self.bn.running_var + self.bn.eps)
+        scale_factor = self.bn.weight / running_std
+        ndim = self.weight.dim()
+        weight_shape = [-1] + [1] * (ndim - 1)
+        channel_shape = [1, -1] + [1] * (ndim - 2)
+        scaled_weight = self.weight_fake_quant(self.weight * scale_factor.reshape(weight_shape))
+        zero_bias = (
+            torch.zeros_like(self.bias, dtype=input.dtype)
+            if self.bias is not None
+            else torch.zeros(self.out_channels, device=scaled_weight.device, dtype=input.dtype)
+        )
+        conv = self._conv_forward(input, scaled_weight, zero_bias)
+        conv_orig = conv / scale_factor.reshape(channel_shape)
+        if self.bias is not None:
+            conv_orig = conv_orig + self.bias.reshape(channel_shape)
+        result: torch.Tensor = self.bn(conv_orig)
+        return result
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return self._forward(input)
+
+    def train(self, mode: bool = True) -> _ConvBnNd:
+        # A frozen batch norm keeps its eval behaviour whatever mode the model is put in.
+        self.training = mode
+        if not self.freeze_bn:
+            for module in self.children():
+                module.train(mode)
+        return self
+
+    @classmethod
+    def from_float(cls, mod: nn.Module, use_precomputed_fake_quant: bool = False) -> Any:
+        """QAT module for a fused float ConvBn(ReLU) (parameters and BN statistics shared)."""
+        qconfig = float_module_qconfig(mod, (cls._FLOAT_MODULE,), f"qat.{cls.__name__}")
+        conv, bn = mod[0], mod[1]  # type: ignore[index]
+        qat = cls(
+            conv.in_channels,
+            conv.out_channels,
+            conv.kernel_size,
+            conv.stride,
+            conv.padding,
+            conv.dilation,
+            conv.groups,
+            conv.bias is not None,
+            conv.padding_mode,
+            bn.eps,
+            bn.momentum,
+            False,
+            qconfig,
+        )
+        qat.weight = conv.weight
+        qat.bias = conv.bias
+        adopt_bn(qat, bn)
+        return qat
+
+    def to_float(self) -> nn.Module:
+        """A float conv with the running BN statistics folded in (plus ReLU if fused)."""
+        conv = self._FLOAT_CONV_MODULE(  # type: ignore[call-arg]
+            self.in_channels,
+            self.out_channels,
+            self.kernel_size,
+            self.stride,
+            self.padding,
+            self.dilation,
+            self.groups,
+            self.bias is not None,
+            self.padding_mode,
+        )
+        conv.weight = nn.Parameter(self.weight.detach())
+        if self.bias is not None:
+            conv.bias = nn.Parameter(self.bias.detach())
+        assert self.bn.running_mean is not None
+        assert self.bn.running_var is not None
+        conv.weight, conv.bias = fuse_conv_bn_weights(
+            conv.weight,
+            conv.bias,
+            self.bn.running_mean,
+            self.bn.running_var,
+            self.bn.eps,
+            self.bn.weight,
+            self.bn.bias,
+        )
+        if self._FLOAT_RELU_MODULE is not None and self._FUSED_FLOAT_MODULE is not None:
+            fused = self._FUSED_FLOAT_MODULE(conv, self._FLOAT_RELU_MODULE())
+            fused.train(self.training)
+            return fused
+        conv.train(self.training)
+        return conv
+
+
+class ConvBn1d(_ConvBnNd, nn.Conv1d):  # type: ignore[misc]
+    """QAT ``Conv1d -> BatchNorm1d`` with BN folded into the fake-quantized weight."""
+
+    _DIM = 1
+    _FLOAT_MODULE = nni.ConvBn1d
+    _FLOAT_CONV_MODULE = nn.Conv1d
+    _FLOAT_BN_MODULE = nn.BatchNorm1d
+
+
+class ConvBn2d(_ConvBnNd, nn.Conv2d):  # type: ignore[misc]
+    """QAT ``Conv2d -> BatchNorm2d`` with BN folded into the fake-quantized weight."""
+
+    _DIM = 2
+    _FLOAT_MODULE = nni.ConvBn2d
+    _FLOAT_CONV_MODULE = nn.Conv2d
+    _FLOAT_BN_MODULE = nn.BatchNorm2d
+
+
+class ConvBn3d(_ConvBnNd, nn.Conv3d):  # type: ignore[misc]
+    """QAT ``Conv3d -> BatchNorm3d`` with BN folded into the fake-quantized weight."""
+
+    _DIM = 3
+    _FLOAT_MODULE = nni.ConvBn3d
+    _FLOAT_CONV_MODULE = nn.Conv3d
+    _FLOAT_BN_MODULE = nn.BatchNorm3d
+
+
+class ConvBnReLU1d(ConvBn1d):
+    """QAT ``Conv1d -> BatchNorm1d -> ReLU``."""
+
+    _FLOAT_MODULE = nni.ConvBnReLU1d
+    _FLOAT_RELU_MODULE = nn.ReLU
+    _FUSED_FLOAT_MODULE = nni.ConvReLU1d
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return F.relu(self._forward(input))
+
+
+class ConvBnReLU2d(ConvBn2d):
+    """QAT ``Conv2d -> BatchNorm2d -> ReLU``."""
+
+    _FLOAT_MODULE = nni.ConvBnReLU2d
+    _FLOAT_RELU_MODULE = nn.ReLU
+    _FUSED_FLOAT_MODULE = nni.ConvReLU2d
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return F.relu(self._forward(input))
+
+
+class ConvBnReLU3d(ConvBn3d):
+    """QAT ``Conv3d -> BatchNorm3d -> ReLU``."""
+
+    _FLOAT_MODULE = nni.ConvBnReLU3d
+    _FLOAT_RELU_MODULE = nn.ReLU
+    _FUSED_FLOAT_MODULE = nni.ConvReLU3d
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return F.relu(self._forward(input))
+
+
+class ConvReLU1d(nnqat.Conv1d, nni.FusedModule):  # type: ignore[misc]
+    """QAT ``Conv1d -> ReLU``."""
+
+    _FLOAT_MODULE = (nni.ConvReLU1d,)
+    _FLOAT_RELU_MODULE = nn.ReLU
+    _FUSED_FLOAT_MODULE = nni.ConvReLU1d
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return F.relu(self._conv_forward(input, self.weight_fake_quant(self.weight), self.bias))
+
+
+class ConvReLU2d(nnqat.Conv2d, nni.FusedModule):  # type: ignore[misc]
+    """QAT ``Conv2d -> ReLU``."""
+
+    _FLOAT_MODULE = (nni.ConvReLU2d,)
+    _FLOAT_RELU_MODULE = nn.ReLU
+    _FUSED_FLOAT_MODULE = nni.ConvReLU2d
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return F.relu(self._conv_forward(input, self.weight_fake_quant(self.weight), self.bias))
+
+
+class ConvReLU3d(nnqat.Conv3d, nni.FusedModule):  # type: ignore[misc]
+    """QAT ``Conv3d -> ReLU``."""
+
+    _FLOAT_MODULE = (nni.ConvReLU3d,)
+    _FLOAT_RELU_MODULE = nn.ReLU
+    _FUSED_FLOAT_MODULE = nni.ConvReLU3d
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return F.relu(self._conv_forward(input, self.weight_fake_quant(self.weight), self.bias))
+
+
+def update_bn_stats(mod: nn.Module) -> None:
+    """``model.apply(update_bn_stats)``: unfreeze batch norm in every BN-folding QAT module."""
+    if isinstance(mod, (_ConvBnNd, LinearBn1d)):
+        mod.update_bn_stats()
+
+
+def freeze_bn_stats(mod: nn.Module) -> None:
+    """``model.apply(freeze_bn_stats)``: freeze batch norm in every BN-folding QAT module."""
+    if isinstance(mod, (_ConvBnNd, LinearBn1d)):
+        mod.freeze_bn_stats()

@@ -1,0 +1,201 @@
+"""QAT Conv1d/2d/3d: the convolution runs on ``weight_fake_quant(weight)``."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+from torch.nn.modules.utils import _pair, _single, _triple
+
+from quantbridge.fx_quant.nn.intrinsic import FusedModule
+from quantbridge.fx_quant.nn.qat._common import (
+    build_weight_fake_quant,
+    float_module_qconfig,
+    require_qconfig,
+)
+
+__all__ = ["Conv1d", "Conv2d", "Conv3d"]
+
+
+class _ConvNd(nn.modules.conv._ConvNd):
+    # Float module types from_float accepts, and what to_float builds.
+    _FLOAT_MODULE: ClassVar[tuple[type[nn.Module], ...]]
+    _FLOAT_CONV_MODULE: ClassVar[type[nn.modules.conv._ConvNd]]
+    _FLOAT_RELU_MODULE: ClassVar[type[nn.Module] | None] = None
+    # The fused float module to_float rebuilds when a ReLU follows.
+    _FUSED_FLOAT_MODULE: ClassVar[type[nn.Module] | None] = None
+
+    weight_fake_quant: nn.Module
+
+    def _setup_qat(self, qconfig: Any, device: Any, dtype: Any) -> None:
+        self.qconfig = require_qconfig(qconfig, type(self).__name__)
+        self.weight_fake_quant = build_weight_fake_quant(qconfig, device, dtype)
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return self._conv_forward(input, self.weight_fake_quant(self.weight), self.bias)
+
+    @classmethod
+    def from_float(cls, mod: nn.Module, use_precomputed_fake_quant: bool = False) -> Any:
+        """The QAT module for float ``mod`` (sharing its parameters), using ``mod.qconfig``."""
+        qconfig = float_module_qconfig(mod, cls._FLOAT_MODULE, f"qat.{cls.__name__}")
+        conv = mod[0] if isinstance(mod, FusedModule) else mod
+        assert isinstance(conv, nn.modules.conv._ConvNd)
+        qat = cls(  # type: ignore[call-arg]
+            conv.in_channels,
+            conv.out_channels,
+            conv.kernel_size,
+            stride=conv.stride,
+            padding=conv.padding,
+            dilation=conv.dilation,
+            groups=conv.groups,
+            bias=conv.bias is not None,
+            padding_mode=conv.padding_mode,
+            qconfig=qconfig,
+        )
+        qat.weight = conv.weight
+        qat.bias = conv.bias
+        return qat
+
+    def to_float(self) -> nn.Module:
+        """The float conv (or fused conv-relu) with copies of this module's parameters."""
+        conv = self._FLOAT_CONV_MODULE(  # type: ignore[call-arg]
+            self.in_channels,
+            self.out_channels,
+            self.kernel_size,
+            self.stride,
+            self.padding,
+            self.dilation,
+            self.groups,
+            self.bias is not None,
+            self.padding_mode,
+        )
+        conv.weight = nn.Parameter(self.weight.detach())
+        if self.bias is not None:
+            conv.bias = nn.Parameter(self.bias.detach())
+        if self._FLOAT_RELU_MODULE is not None and self._FUSED_FLOAT_MODULE is not None:
+            fused = self._FUSED_FLOAT_MODULE(conv, self._FLOAT_RELU_MODULE())
+            fused.train(self.training)
+            return fused
+        conv.train(self.training)
+        return conv
+
+
+class Conv1d(_ConvNd, nn.Conv1d):
+    """QAT Conv1d."""
+
+    _FLOAT_MODULE = (nn.Conv1d,)
+    _FLOAT_CONV_MODULE = nn.Conv1d
+
+    def __init__(
+        self,
+        in_channels: int,
+        out_channels: int,
+        kernel_size: Any,
+        stride: Any = 1,
+        padding: Any = 0,
+        dilation: Any = 1,
+        groups: int = 1,
+        bias: bool = True,
+        padding_mode: Any = "zeros",
+        qconfig: Any = None,
+        device: Any = None,
+        dtype: Any = None,
+    ) -> None:
+        nn.modules.conv._ConvNd.__init__(
+            self,
+            in_channels,
+            out_channels,
+            _single(kernel_size),
+            _single(stride),
+            padding if isinstance(padding, str) else _single(padding),
+            _single(dilation),
+            False,
+            _single(0),
+            groups,
+            bias,
+            padding_mode,
+            device=device,
+            dtype=dtype,
+        )
+        self._setup_qat(qconfig, device, dtype)
+
+
+class Conv2d(_ConvNd, nn.Conv2d):
+    """QAT Conv2d."""
+
+    _FLOAT_MODULE = (nn.Conv2d,)
+    _FLOAT_CONV_MODULE = nn.Conv2d
+
+    def __init__(
+        self,
+        in_channels: int,
+        out_channels: int,
+        kernel_size: Any,
+        stride: Any = 1,
+        padding: Any = 0,
+        dilation: Any = 1,
+        groups: int = 1,
+        bias: bool = True,
+        padding_mode: Any = "zeros",
+        qconfig: Any = None,
+        device: Any = None,
+        dtype: Any = None,
+    ) -> None:
+        nn.modules.conv._ConvNd.__init__(
+            self,
+            in_channels,
+            out_channels,
+            _pair(kernel_size),
+            _pair(stride),
+            padding if isinstance(padding, str) else _pair(padding),
+            _pair(dilation),
+            False,
+            _pair(0),
+            groups,
+            bias,
+            padding_mode,
+            device=device,
+            dtype=dtype,
+        )
+        self._setup_qat(qconfig, device, dtype)
+
+
+class Conv3d(_ConvNd, nn.Conv3d):
+    """QAT Conv3d."""
+
+    _FLOAT_MODULE = (nn.Conv3d,)
+    _FLOAT_CONV_MODULE = nn.Conv3d
+
+    def __init__(
+        self,
+        in_channels: int,
+        out_channels: int,
+        kernel_size: Any,
+        stride: Any = 1,
+        padding: Any = 0,
+        dilation: Any = 1,
+        groups: int = 1,
+        bias: bool = True,
+        padding_mode: Any = "zeros",
+        qconfig: Any = None,
+        device: Any = None,
+        dtype: Any = None,
+    ) -> None:
+        nn.modules.conv._ConvNd.__init__(
+            self,
+            in_channels,
+            out_channels,
+            _triple(kernel_size),
+            _triple(stride),
+            padding if isinstance(padding, str) else _triple(padding),
+            _triple(dilation),
+            False,
+            _triple(0),
+            groups,
+            bias,
+            padding_mode,
+            device=device,
+            dtype=dtype,
+        )
+        self._setup_qat(qconfig, device, dtype)

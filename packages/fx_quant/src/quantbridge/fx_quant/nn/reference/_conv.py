@@ -1,0 +1,290 @@
+"""Reference quantized convolutions (plain and transposed, 1d/2d/3d)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from quantbridge.fx_quant.nn.reference._base import ReferenceQuantizedModule
+
+__all__ = [
+    "Conv1d",
+    "Conv2d",
+    "Conv3d",
+    "ConvTranspose1d",
+    "ConvTranspose2d",
+    "ConvTranspose3d",
+]
+
+
+class _ConvNd(ReferenceQuantizedModule):
+    """Convolution on the round-tripped weight; padding_mode is honoured."""
+
+    _IS_REFERENCE = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # _conv_forward applies non-zero padding modes; with "zeros" it is the plain F.convNd
+        # call torch.ao's reference convs make.
+        result: torch.Tensor = self._conv_forward(x, self.get_weight(), self.bias)  # type: ignore[attr-defined]
+        return result
+
+    @classmethod
+    def from_float(cls, float_conv: nn.Module, weight_qparams: Mapping[str, Any]) -> Any:
+        """A reference conv with ``float_conv``'s parameters (detached) and these qparams."""
+        conv: Any = float_conv
+        ref: Any = cls(  # type: ignore[call-arg]
+            conv.in_channels,
+            conv.out_channels,
+            conv.kernel_size,
+            conv.stride,
+            conv.padding,
+            conv.dilation,
+            conv.groups,
+            conv.bias is not None,
+            conv.padding_mode,
+            device=conv.weight.device,
+            dtype=conv.weight.dtype,
+            weight_qparams=weight_qparams,
+        )
+        ref.weight = nn.Parameter(conv.weight.detach())
+        if conv.bias is not None:
+            ref.bias = nn.Parameter(conv.bias.detach())
+        ref._check_weight_qparams()
+        return ref
+
+
+def _conv_init(
+    self: Any,
+    base: type[nn.Module],
+    args: tuple[Any, ...],
+    device: Any,
+    dtype: Any,
+    weight_qparams: Mapping[str, Any] | None,
+) -> None:
+    base.__init__(self, *args, device=device, dtype=dtype)
+    self._init_weight_qparams(weight_qparams, device)
+
+
+class Conv1d(_ConvNd, nn.Conv1d):
+    """Reference quantized Conv1d."""
+
+    def __init__(
+        self,
+        in_channels: int,
+        out_channels: int,
+        kernel_size: Any,
+        stride: Any = 1,
+        padding: Any = 0,
+        dilation: Any = 1,
+        groups: int = 1,
+        bias: bool = True,
+        padding_mode: Any = "zeros",
+        device: Any = None,
+        dtype: Any = None,
+        weight_qparams: Mapping[str, Any] | None = None,
+    ) -> None:
+        args = (in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias,
+                padding_mode)  # fmt: skip
+        _conv_init(self, nn.Conv1d, args, device, dtype, weight_qparams)
+
+    def _get_name(self) -> str:
+        return "QuantizedConv1d(Reference)"
+
+
+class Conv2d(_ConvNd, nn.Conv2d):
+    """Reference quantized Conv2d."""
+
+    def __init__(
+        self,
+        in_channels: int,
+        out_channels: int,
+        kernel_size: Any,
+        stride: Any = 1,
+        padding: Any = 0,
+        dilation: Any = 1,
+        groups: int = 1,
+        bias: bool = True,
+        padding_mode: Any = "zeros",
+        device: Any = None,
+        dtype: Any = None,
+        weight_qparams: Mapping[str, Any] | None = None,
+    ) -> None:
+        args = (in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias,
+                padding_mode)  # fmt: skip
+        _conv_init(self, nn.Conv2d, args, device, dtype, weight_qparams)
+
+    def _get_name(self) -> str:
+        return "QuantizedConv2d(Reference)"
+
+
+class Conv3d(_ConvNd, nn.Conv3d):
+    """Reference quantized Conv3d."""
+
+    def __init__(
+        self,
+        in_channels: int,
+        out_channels: int,
+        kernel_size: Any,
+        stride: Any = 1,
+        padding: Any = 0,
+        dilation: Any = 1,
+        groups: int = 1,
+        bias: bool = True,
+        padding_mode: Any = "zeros",
+        device: Any = None,
+        dtype: Any = None,
+        weight_qparams: Mapping[str, Any] | None = None,
+    ) -> None:
+        args = (in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias,
+                padding_mode)  # fmt: skip
+        _conv_init(self, nn.Conv3d, args, device, dtype, weight_qparams)
+
+    def _get_name(self) -> str:
+        return "QuantizedConv3d(Reference)"
+
+
+class _ConvTransposeNd(ReferenceQuantizedModule):
+    """Transposed convolution on the round-tripped weight (quantized along its own axes)."""
+
+    _IS_REFERENCE = True
+    _DIM: int
+
+    def forward(self, x: torch.Tensor, output_size: list[int] | None = None) -> torch.Tensor:
+        mod: Any = self
+        output_padding = mod._output_padding(
+            x, output_size, mod.stride, mod.padding, mod.kernel_size, self._DIM, mod.dilation
+        )
+        fn = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}[self._DIM]
+        result: torch.Tensor = fn(
+            x, self.get_weight(), mod.bias, mod.stride, mod.padding, output_padding, mod.groups,
+            mod.dilation,
+        )  # fmt: skip
+        return result
+
+    @classmethod
+    def from_float(cls, float_conv: nn.Module, weight_qparams: Mapping[str, Any]) -> Any:
+        """A reference transposed conv with ``float_conv``'s parameters and these qparams."""
+        conv: Any = float_conv
+        ref: Any = cls(  # type: ignore[call-arg]
+            conv.in_channels,
+            conv.out_channels,
+            conv.kernel_size,
+            conv.stride,
+            conv.padding,
+            conv.output_padding,
+            conv.groups,
+            conv.bias is not None,
+            conv.dilation,
+            conv.padding_mode,
+            device=conv.weight.device,
+            dtype=conv.weight.dtype,
+            weight_qparams=weight_qparams,
+        )
+        ref.weight = nn.Parameter(conv.weight.detach())
+        if conv.bias is not None:
+            ref.bias = nn.Parameter(conv.bias.detach())
+        ref._check_weight_qparams()
+        return ref
+
+
+def _transpose_init(
+    self: Any,
+    base: type[nn.Module],
+    args: tuple[Any, ...],
+    device: Any,
+    dtype: Any,
+    weight_qparams: Mapping[str, Any] | None,
+) -> None:
+    base.__init__(self, *args, device=device, dtype=dtype)
+    self._init_weight_qparams(weight_qparams, device)
+
+
+class ConvTranspose1d(_ConvTransposeNd, nn.ConvTranspose1d):
+    """Reference quantized ConvTranspose1d."""
+
+    _DIM = 1
+
+    def __init__(
+        self,
+        in_channels: int,
+        out_channels: int,
+        kernel_size: Any,
+        stride: Any = 1,
+        padding: Any = 0,
+        output_padding: Any = 0,
+        groups: int = 1,
+        bias: bool = True,
+        dilation: Any = 1,
+        padding_mode: Any = "zeros",
+        device: Any = None,
+        dtype: Any = None,
+        weight_qparams: Mapping[str, Any] | None = None,
+    ) -> None:
+        args = (in_channels, out_channels, kernel_size, stride, padding, output_padding, groups,
+                bias, dilation, padding_mode)  # fmt: skip
+        _transpose_init(self, nn.ConvTranspose1d, args, device, dtype, weight_qparams)
+
+    def _get_name(self) -> str:
+        return "QuantizedConvTranspose1d(Reference)"
+
+
+class ConvTranspose2d(_ConvTransposeNd, nn.ConvTranspose2d):
+    """Reference quantized ConvTranspose2d."""
+
+    _DIM = 2
+
+    def __init__(
+        self,
+        in_channels: int,
+        out_channels: int,
+        kernel_size: Any,
+        stride: Any = 1,
+        padding: Any = 0,
+        output_padding: Any = 0,
+        groups: int = 1,
+        bias: bool = True,
+        dilation: Any = 1,
+        padding_mode: Any = "zeros",
+        device: Any = None,
+        dtype: Any = None,
+        weight_qparams: Mapping[str, Any] | None = None,
+    ) -> None:
+        args = (in_channels, out_channels, kernel_size, stride, padding, output_padding, groups,
+                bias, dilation, padding_mode)  # fmt: skip
+        _transpose_init(self, nn.ConvTranspose2d, args, device, dtype, weight_qparams)
+
+    def _get_name(self) -> str:
+        return "QuantizedConvTranspose2d(Reference)"
+
+
+class ConvTranspose3d(_ConvTransposeNd, nn.ConvTranspose3d):
+    """Reference quantized ConvTranspose3d."""
+
+    _DIM = 3
+
+    def __init__(
+        self,
+        in_channels: int,
+        out_channels: int,
+        kernel_size: Any,
+        stride: Any = 1,
+        padding: Any = 0,
+        output_padding: Any = 0,
+        groups: int = 1,
+        bias: bool = True,
+        dilation: Any = 1,
+        padding_mode: Any = "zeros",
+        device: Any = None,
+        dtype: Any = None,
+        weight_qparams: Mapping[str, Any] | None = None,
+    ) -> None:
+        args = (in_channels, out_channels, kernel_size, stride, padding, output_padding, groups,
+                bias, dilation, padding_mode)  # fmt: skip
+        _transpose_init(self, nn.ConvTranspose3d, args, device, dtype, weight_qparams)
+
+    def _get_name(self) -> str:
+        return "QuantizedConvTranspose3d(Reference)"
