@@ -1,8 +1,8 @@
 """relu / relu6 / hardtanh / clamp directly on uint8 codes (output qparams = input qparams).
 
 Each is a clamp of codes between two bounds: relu uses the zero point as lower bound; the
-others quantize the float bounds first with torch's scalar rule (``rint(b * (1.0f / scale)) +
-zero_point``, saturated to [0, 255]), as torch's quantized clamp/hardtanh do. Exact; one numba
+others quantize the float bounds first with torch's scalar rule (``rint(float32(float32(b *
+(1.0f / scale)) + zero_point))``, saturated to [0, 255]), as torch's quantized clamp/hardtanh do. Exact; one numba
 implementation serves every target.
 """
 
@@ -51,10 +51,10 @@ def _clamp_par(q, out, lo, hi):  # type: ignore[no-untyped-def]
 @functools.lru_cache(maxsize=1024)
 def quantize_bound(value: float, scale: float, zero_point: int) -> int:
     """A float bound as a uint8 code: torch's scalar quantizer, saturated to [0, 255]."""
-    t = np.float32(value) * (np.float32(1.0) / np.float32(scale))
+    t = np.float32(value) * (np.float32(1.0) / np.float32(scale)) + np.float32(zero_point)
     if math.isnan(t):
         return 0
-    return int(min(max(float(np.rint(t)) + zero_point, 0.0), 255.0))
+    return int(min(max(float(np.rint(t)), 0.0), 255.0))
 
 
 def _bound(name: str, value: object) -> float:

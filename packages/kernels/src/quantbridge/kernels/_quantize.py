@@ -6,8 +6,9 @@ Numerics follow PyTorch's CPU kernels (``torch.quantize_per_tensor`` / ``_per_ch
 * quantize per tensor: ``q = clamp(rint(fma(x, 1.0f / float32(scale), zero_point)), quant_min,
   quant_max)`` -- one float32 rounding of ``x * inv_scale + zero_point``, then round half to
   even (fbgemm's vectorised quantizer that torch.quantize_per_tensor runs); NaN -> quant_max;
-* quantize per channel: ``q = clamp(rint(x * (1.0f / float32(scale[c]))) + zero_point[c], ...)``
-  -- the zero point is added *after* rounding (torch's scalar quantizer); NaN -> 0;
+* quantize per channel: ``q = clamp(rint(float32(float32(x * inv_scale[c]) + zero_point[c])),
+  ...)`` -- the same order but two float32 roundings and no FMA (torch's scalar quantizer, used
+  for per-channel tensors); NaN -> 0;
 * dequantize per tensor: ``float32(scale) * float32(q - zero_point)`` (one float32 rounding);
 * dequantize per channel: ``float32(float64(q - zero_point) * float64(scale[c]))`` (torch keeps
   per-channel scales as float64 and rounds the product once to float32).
@@ -138,11 +139,12 @@ def _quantize_one(v, inv, zp, lo, hi):  # type: ignore[no-untyped-def]
 
 @numba.njit(cache=True)
 def _quantize_one_pc(v, inv, zp, lo, hi):  # type: ignore[no-untyped-def]
-    # Per-channel rule (torch's scalar quantizer): round(x * (1/scale)) + zero_point.
-    t = v * inv
+    # Per-channel rule (torch's scalar quantizer): round(float32(float32(x * (1/scale)) + zp)),
+    # two float32 roundings, no FMA.
+    t = v * inv + zp
     if t != t:  # NaN becomes 0 in torch's per-channel kernel
         return min(max(np.float32(0.0), lo), hi)
-    r = np.rint(t) + zp
+    r = np.rint(t)
     if r < lo:
         return lo
     if r > hi:
