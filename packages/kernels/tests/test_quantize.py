@@ -1,4 +1,4 @@
-"""quantize / dequantize / requantize against numpy references written here, plus argument checks."""
+"""quantize / dequantize / requantize against numpy references written here; argument checks."""
 
 from __future__ import annotations
 
@@ -150,30 +150,35 @@ def test_out_argument_is_used_and_checked():
         qk.dequantize_per_tensor(buffer.view(np.uint8)[:8], 0.1, 0, out=buffer)
 
 
+F32 = np.zeros(3, np.float32)
+F32_2D = np.zeros((2, 3), np.float32)
+I64_2 = np.zeros(2, np.int64)
+
+
 @pytest.mark.parametrize(
     ("call", "message"),
     [
-        (lambda: qk.quantize_per_tensor(np.zeros(3, np.float64), 0.1, 0), "x: expected dtype float32"),
-        (lambda: qk.quantize_per_tensor(np.zeros(3, np.float32), 0.0, 0), "scale"),
-        (lambda: qk.quantize_per_tensor(np.zeros(3, np.float32), float("nan"), 0), "scale"),
-        (lambda: qk.quantize_per_tensor(np.zeros(3, np.float32), 1e-45, 0), "scale"),
-        (lambda: qk.quantize_per_tensor(np.zeros(3, np.float32), 0.1, 256), "zero_point"),
-        (lambda: qk.quantize_per_tensor(np.zeros(3, np.float32), 0.1, 1.5), "zero_point"),
-        (lambda: qk.quantize_per_tensor(np.zeros(3, np.float32), 0.1, 0, np.int16), "dtype"),
-        (lambda: qk.quantize_per_tensor(np.zeros(3, np.float32), 0.1, 0, quant_min=9, quant_max=3), "quant_min"),
-        (lambda: qk.quantize_per_tensor(np.zeros((3, 4), np.float32)[:, ::2], 0.1, 0), "C-contiguous"),
+        (lambda: qk.quantize_per_tensor(np.zeros(3, np.float64), 0.1, 0), "x: expected dtype"),
+        (lambda: qk.quantize_per_tensor(F32, 0.0, 0), "scale"),
+        (lambda: qk.quantize_per_tensor(F32, float("nan"), 0), "scale"),
+        (lambda: qk.quantize_per_tensor(F32, 1e-45, 0), "scale"),
+        (lambda: qk.quantize_per_tensor(F32, 0.1, 256), "zero_point"),
+        (lambda: qk.quantize_per_tensor(F32, 0.1, 1.5), "zero_point"),
+        (lambda: qk.quantize_per_tensor(F32, 0.1, 0, np.int16), "dtype"),
+        (lambda: qk.quantize_per_tensor(F32, 0.1, 0, quant_min=9, quant_max=3), "quant_min"),
+        (lambda: qk.quantize_per_tensor(F32_2D[:, ::2], 0.1, 0), "C-contiguous"),
         (lambda: qk.quantize_per_tensor(np.zeros(0, np.float32), 0.1, 0), "zero-size"),
         (lambda: qk.quantize_per_tensor([1.0, 2.0], 0.1, 0), "numpy array"),
-        (lambda: qk.quantize_per_channel(np.zeros((2, 3), np.float32), np.ones(2), np.zeros(2, np.int64), 1), "scales/zero_points"),
-        (lambda: qk.quantize_per_channel(np.zeros((2, 3), np.float32), np.ones(2), np.zeros(2, np.int64), 2), "axis"),
-        (lambda: qk.quantize_per_channel(np.zeros((2, 3), np.float32), -np.ones(2), np.zeros(2, np.int64), 0), "scales"),
-        (lambda: qk.quantize_per_channel(np.zeros((2, 3), np.float32), np.ones(2), np.full(2, 300), 0), "zero_points"),
+        (lambda: qk.quantize_per_channel(F32_2D, np.ones(2), I64_2, 1), "scales/zero_points"),
+        (lambda: qk.quantize_per_channel(F32_2D, np.ones(2), I64_2, 2), "axis"),
+        (lambda: qk.quantize_per_channel(F32_2D, -np.ones(2), I64_2, 0), "scales"),
+        (lambda: qk.quantize_per_channel(F32_2D, np.ones(2), np.full(2, 300), 0), "zero_points"),
         (lambda: qk.dequantize_per_tensor(np.zeros(3, np.int32), 0.1, 0), "q: expected dtype"),
         (lambda: qk.dequantize_per_tensor(np.zeros(3, np.int8), 0.1, 200), "zero_point"),
         (lambda: qk.requantize(np.zeros(3, np.int8), 0.1, 0, 0.1, 0), "q: expected dtype"),
         (lambda: qk.requantize(np.zeros(3, np.uint8), 0.1, 0, "x", 0), "out_scale"),
     ],
-)  # fmt: skip
+)
 def test_bad_input_raises_kernel_error_naming_the_argument(call, message):
     with pytest.raises(KernelError, match=message):
         call()

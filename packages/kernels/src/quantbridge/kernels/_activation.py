@@ -1,9 +1,9 @@
 """relu / relu6 / hardtanh / clamp directly on uint8 codes (output qparams = input qparams).
 
 Each is a clamp of codes between two bounds: relu uses the zero point as lower bound; the
-others quantize the float bounds first with torch's scalar rule (``rint(float32(float32(b *
-(1.0f / scale)) + zero_point))``, saturated to [0, 255]), as torch's quantized clamp/hardtanh do. Exact; one numba
-implementation serves every target.
+others first quantize the float bounds with torch's scalar rule
+``rint(float32(float32(b * (1.0f / scale)) + zero_point))`` saturated to [0, 255], as torch's
+quantized clamp/hardtanh do. Exact; one numba implementation serves every target.
 """
 
 from __future__ import annotations
