@@ -21,13 +21,18 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
+from quantbridge.qconfig._errors import QConfigError
+
 
 class PartialWrapper:
     """A module factory: ``factory()`` builds a new instance with the stored arguments."""
 
     def __init__(self, p: functools.partial[Any]) -> None:
         if not isinstance(p, functools.partial):
-            raise TypeError(f"PartialWrapper needs a functools.partial, got {type(p).__name__}")
+            raise QConfigError(
+                f"PartialWrapper needs a functools.partial, got {type(p).__name__}; build "
+                "factories with Observer.with_args(...)"
+            )
         self.p: functools.partial[Any] = p
         self.callable_args: dict[str, Callable[[], Any]] = {}
 
