@@ -40,7 +40,8 @@ def _run_pair(ours: nn.Module, theirs: nn.Module, make_input: Any, steps: int = 
         ga = torch.randn(ya.shape, generator=gen)
         ya.backward(ga)
         yb.backward(ga)
-        assert xa.grad is not None and xb.grad is not None
+        assert xa.grad is not None
+        assert xb.grad is not None
         assert torch.equal(xa.grad, xb.grad), f"input grad differs at step {step}"
         named_b = dict(theirs.named_parameters())
         for name, p in ours.named_parameters():

@@ -45,6 +45,11 @@ _CONV_RELU: dict[type[nn.Module], type[nn.Module]] = {
 }
 
 
+def _any(module: nn.Module) -> Any:
+    """torch's fusion helpers are typed for concrete layer classes; ours are checked above."""
+    return module
+
+
 def _same_mode(where: str, *modules: nn.Module) -> None:
     if len({m.training for m in modules}) > 1:
         modes = ", ".join(
@@ -84,7 +89,8 @@ def fuse_conv_bn(is_qat: bool, conv: nn.Module, bn: nn.Module) -> nn.Module:
         _check_bn("fuse_conv_bn", bn, conv.out_channels)  # type: ignore[arg-type]
         result: nn.Module = fused(conv, bn)
         return result
-    return fuse_conv_bn_eval(conv, bn)  # type: ignore[arg-type]
+    folded: nn.Module = fuse_conv_bn_eval(_any(conv), _any(bn))
+    return folded
 
 
 def fuse_conv_bn_relu(is_qat: bool, conv: nn.Module, bn: nn.Module, relu: nn.Module) -> nn.Module:
@@ -96,7 +102,7 @@ def fuse_conv_bn_relu(is_qat: bool, conv: nn.Module, bn: nn.Module, relu: nn.Mod
         result: nn.Module = fused(conv, bn, relu)
         return result
     fused = _lookup("fuse_conv_bn_relu", _CONV_RELU, conv)
-    result = fused(fuse_conv_bn_eval(conv, bn), relu)  # type: ignore[arg-type]
+    result = fused(fuse_conv_bn_eval(_any(conv), _any(bn)), relu)
     return result
 
 
@@ -106,7 +112,8 @@ def fuse_linear_bn(is_qat: bool, linear: nn.Module, bn: nn.Module) -> nn.Module:
     if is_qat:
         _check_bn("fuse_linear_bn", bn, linear.out_features)  # type: ignore[arg-type]
         return nni.LinearBn1d(linear, bn)
-    return fuse_linear_bn_eval(linear, bn)  # type: ignore[arg-type]
+    folded: nn.Module = fuse_linear_bn_eval(_any(linear), _any(bn))
+    return folded
 
 
 def fuse_convtranspose_bn(is_qat: bool, convt: nn.Module, bn: nn.Module) -> nn.Module:
@@ -117,7 +124,8 @@ def fuse_convtranspose_bn(is_qat: bool, convt: nn.Module, bn: nn.Module) -> nn.M
             "fuse_convtranspose_bn: ConvTranspose + BatchNorm cannot be fused for QAT (there "
             "is no QAT ConvTransposeBn module); leave the pair unfused in the BackendConfig"
         )
-    return fuse_conv_bn_eval(convt, bn, transpose=True)  # type: ignore[arg-type]
+    folded: nn.Module = fuse_conv_bn_eval(_any(convt), _any(bn), transpose=True)
+    return folded
 
 
 def sequential_wrapper2(sequential: type[nn.Module]) -> FuserMethod:

@@ -59,7 +59,8 @@ class _ConvNd(nn.modules.conv._ConvNd):
 
     def to_float(self) -> nn.Module:
         """The float conv (or fused conv-relu) with copies of this module's parameters."""
-        conv = self._FLOAT_CONV_MODULE(  # type: ignore[call-arg]
+        float_cls: Any = self._FLOAT_CONV_MODULE
+        conv: nn.Module = float_cls(
             self.in_channels,
             self.out_channels,
             self.kernel_size,
@@ -84,7 +85,7 @@ class _ConvNd(nn.modules.conv._ConvNd):
 class Conv1d(_ConvNd, nn.Conv1d):
     """QAT Conv1d."""
 
-    _FLOAT_MODULE = (nn.Conv1d,)
+    _FLOAT_MODULE: ClassVar[tuple[type[nn.Module], ...]] = (nn.Conv1d,)
     _FLOAT_CONV_MODULE = nn.Conv1d
 
     def __init__(
@@ -124,7 +125,7 @@ class Conv1d(_ConvNd, nn.Conv1d):
 class Conv2d(_ConvNd, nn.Conv2d):
     """QAT Conv2d."""
 
-    _FLOAT_MODULE = (nn.Conv2d,)
+    _FLOAT_MODULE: ClassVar[tuple[type[nn.Module], ...]] = (nn.Conv2d,)
     _FLOAT_CONV_MODULE = nn.Conv2d
 
     def __init__(
@@ -164,7 +165,7 @@ class Conv2d(_ConvNd, nn.Conv2d):
 class Conv3d(_ConvNd, nn.Conv3d):
     """QAT Conv3d."""
 
-    _FLOAT_MODULE = (nn.Conv3d,)
+    _FLOAT_MODULE: ClassVar[tuple[type[nn.Module], ...]] = (nn.Conv3d,)
     _FLOAT_CONV_MODULE = nn.Conv3d
 
     def __init__(

@@ -29,14 +29,15 @@ class _ConvNd(ReferenceQuantizedModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # _conv_forward applies non-zero padding modes; with "zeros" it is the plain F.convNd
         # call torch.ao's reference convs make.
-        result: torch.Tensor = self._conv_forward(x, self.get_weight(), self.bias)  # type: ignore[attr-defined]
+        mod: Any = self
+        result: torch.Tensor = mod._conv_forward(x, self.get_weight(), mod.bias)
         return result
 
     @classmethod
     def from_float(cls, float_conv: nn.Module, weight_qparams: Mapping[str, Any]) -> Any:
         """A reference conv with ``float_conv``'s parameters (detached) and these qparams."""
         conv: Any = float_conv
-        ref: Any = cls(  # type: ignore[call-arg]
+        ref: Any = cls(
             conv.in_channels,
             conv.out_channels,
             conv.kernel_size,
@@ -169,7 +170,7 @@ class _ConvTransposeNd(ReferenceQuantizedModule):
     def from_float(cls, float_conv: nn.Module, weight_qparams: Mapping[str, Any]) -> Any:
         """A reference transposed conv with ``float_conv``'s parameters and these qparams."""
         conv: Any = float_conv
-        ref: Any = cls(  # type: ignore[call-arg]
+        ref: Any = cls(
             conv.in_channels,
             conv.out_channels,
             conv.kernel_size,

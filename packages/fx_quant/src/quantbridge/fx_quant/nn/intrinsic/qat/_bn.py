@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from torch import nn
 
 
@@ -12,7 +14,7 @@ def make_bn(
     return kind(num_features, eps, momentum, True, True)
 
 
-def adopt_bn(qat: nn.Module, bn: nn.Module) -> None:
+def adopt_bn(qat: Any, bn: Any) -> None:
     """Share ``bn``'s parameters and statistics with ``qat.bn``.
 
     A SyncBatchNorm source keeps its kind (and process group), so statistics stay
@@ -21,9 +23,9 @@ def adopt_bn(qat: nn.Module, bn: nn.Module) -> None:
     if isinstance(bn, nn.SyncBatchNorm) and not isinstance(qat.bn, nn.SyncBatchNorm):
         current = qat.bn
         sync = nn.SyncBatchNorm(
-            current.num_features,  # type: ignore[arg-type]
-            current.eps,  # type: ignore[arg-type]
-            current.momentum,  # type: ignore[arg-type]
+            current.num_features,
+            current.eps,
+            current.momentum,
             True,
             True,
             process_group=bn.process_group,

@@ -47,7 +47,7 @@ __all__ = [
 _TUPLE = {1: _single, 2: _pair, 3: _triple}
 
 
-class _ConvBnNd(nn.modules.conv._ConvNd, nni.FusedModule):  # type: ignore[misc]
+class _ConvBnNd(nn.modules.conv._ConvNd, nni.FusedModule):
     _version = 2
     _DIM: ClassVar[int]
     _FLOAT_MODULE: ClassVar[type[nn.Module]]
@@ -55,6 +55,8 @@ class _ConvBnNd(nn.modules.conv._ConvNd, nni.FusedModule):  # type: ignore[misc]
     _FLOAT_BN_MODULE: ClassVar[type[nn.Module]]
     _FLOAT_RELU_MODULE: ClassVar[type[nn.Module] | None] = None
     _FUSED_FLOAT_MODULE: ClassVar[type[nn.Module] | None] = None
+
+    bn: Any  # BatchNormNd or SyncBatchNorm
 
     def __init__(
         self,
@@ -89,7 +91,7 @@ class _ConvBnNd(nn.modules.conv._ConvNd, nni.FusedModule):  # type: ignore[misc]
         )
         self.qconfig = require_qconfig(qconfig, f"qat.{type(self).__name__}")
         self.freeze_bn = freeze_bn if self.training else True
-        self.bn: nn.Module = make_bn(self._FLOAT_BN_MODULE, out_channels, eps, momentum)
+        self.bn = make_bn(self._FLOAT_BN_MODULE, out_channels, eps, momentum)
         self.weight_fake_quant = build_weight_fake_quant(qconfig, None, None)
         if bias:
             self.bias = nn.Parameter(torch.empty(out_channels))
@@ -102,7 +104,7 @@ class _ConvBnNd(nn.modules.conv._ConvNd, nni.FusedModule):  # type: ignore[misc]
             self.freeze_bn_stats()
 
     def reset_running_stats(self) -> None:
-        self.bn.reset_running_stats()  # type: ignore[operator]
+        self.bn.reset_running_stats()
 
     def reset_bn_parameters(self) -> None:
         self.reset_running_stats()
@@ -183,7 +185,8 @@ class _ConvBnNd(nn.modules.conv._ConvNd, nni.FusedModule):  # type: ignore[misc]
 
     def to_float(self) -> nn.Module:
         """A float conv with the running BN statistics folded in (plus ReLU if fused)."""
-        conv = self._FLOAT_CONV_MODULE(  # type: ignore[call-arg]
+        float_cls: Any = self._FLOAT_CONV_MODULE
+        conv: Any = float_cls(
             self.in_channels,
             self.out_channels,
             self.kernel_size,
@@ -213,32 +216,33 @@ class _ConvBnNd(nn.modules.conv._ConvNd, nni.FusedModule):  # type: ignore[misc]
             fused.train(self.training)
             return fused
         conv.train(self.training)
-        return conv
+        result: nn.Module = conv
+        return result
 
 
-class ConvBn1d(_ConvBnNd, nn.Conv1d):  # type: ignore[misc]
+class ConvBn1d(_ConvBnNd, nn.Conv1d):
     """QAT ``Conv1d -> BatchNorm1d`` with BN folded into the fake-quantized weight."""
 
     _DIM = 1
-    _FLOAT_MODULE = nni.ConvBn1d
+    _FLOAT_MODULE: ClassVar[type[nn.Module]] = nni.ConvBn1d
     _FLOAT_CONV_MODULE = nn.Conv1d
     _FLOAT_BN_MODULE = nn.BatchNorm1d
 
 
-class ConvBn2d(_ConvBnNd, nn.Conv2d):  # type: ignore[misc]
+class ConvBn2d(_ConvBnNd, nn.Conv2d):
     """QAT ``Conv2d -> BatchNorm2d`` with BN folded into the fake-quantized weight."""
 
     _DIM = 2
-    _FLOAT_MODULE = nni.ConvBn2d
+    _FLOAT_MODULE: ClassVar[type[nn.Module]] = nni.ConvBn2d
     _FLOAT_CONV_MODULE = nn.Conv2d
     _FLOAT_BN_MODULE = nn.BatchNorm2d
 
 
-class ConvBn3d(_ConvBnNd, nn.Conv3d):  # type: ignore[misc]
+class ConvBn3d(_ConvBnNd, nn.Conv3d):
     """QAT ``Conv3d -> BatchNorm3d`` with BN folded into the fake-quantized weight."""
 
     _DIM = 3
-    _FLOAT_MODULE = nni.ConvBn3d
+    _FLOAT_MODULE: ClassVar[type[nn.Module]] = nni.ConvBn3d
     _FLOAT_CONV_MODULE = nn.Conv3d
     _FLOAT_BN_MODULE = nn.BatchNorm3d
 
@@ -246,7 +250,7 @@ class ConvBn3d(_ConvBnNd, nn.Conv3d):  # type: ignore[misc]
 class ConvBnReLU1d(ConvBn1d):
     """QAT ``Conv1d -> BatchNorm1d -> ReLU``."""
 
-    _FLOAT_MODULE = nni.ConvBnReLU1d
+    _FLOAT_MODULE: ClassVar[type[nn.Module]] = nni.ConvBnReLU1d
     _FLOAT_RELU_MODULE = nn.ReLU
     _FUSED_FLOAT_MODULE = nni.ConvReLU1d
 
@@ -257,7 +261,7 @@ class ConvBnReLU1d(ConvBn1d):
 class ConvBnReLU2d(ConvBn2d):
     """QAT ``Conv2d -> BatchNorm2d -> ReLU``."""
 
-    _FLOAT_MODULE = nni.ConvBnReLU2d
+    _FLOAT_MODULE: ClassVar[type[nn.Module]] = nni.ConvBnReLU2d
     _FLOAT_RELU_MODULE = nn.ReLU
     _FUSED_FLOAT_MODULE = nni.ConvReLU2d
 
@@ -268,7 +272,7 @@ class ConvBnReLU2d(ConvBn2d):
 class ConvBnReLU3d(ConvBn3d):
     """QAT ``Conv3d -> BatchNorm3d -> ReLU``."""
 
-    _FLOAT_MODULE = nni.ConvBnReLU3d
+    _FLOAT_MODULE: ClassVar[type[nn.Module]] = nni.ConvBnReLU3d
     _FLOAT_RELU_MODULE = nn.ReLU
     _FUSED_FLOAT_MODULE = nni.ConvReLU3d
 
@@ -276,10 +280,10 @@ class ConvBnReLU3d(ConvBn3d):
         return F.relu(self._forward(input))
 
 
-class ConvReLU1d(nnqat.Conv1d, nni.FusedModule):  # type: ignore[misc]
+class ConvReLU1d(nnqat.Conv1d, nni.FusedModule):
     """QAT ``Conv1d -> ReLU``."""
 
-    _FLOAT_MODULE = (nni.ConvReLU1d,)
+    _FLOAT_MODULE: ClassVar[tuple[type[nn.Module], ...]] = (nni.ConvReLU1d,)
     _FLOAT_RELU_MODULE = nn.ReLU
     _FUSED_FLOAT_MODULE = nni.ConvReLU1d
 
@@ -287,10 +291,10 @@ class ConvReLU1d(nnqat.Conv1d, nni.FusedModule):  # type: ignore[misc]
         return F.relu(self._conv_forward(input, self.weight_fake_quant(self.weight), self.bias))
 
 
-class ConvReLU2d(nnqat.Conv2d, nni.FusedModule):  # type: ignore[misc]
+class ConvReLU2d(nnqat.Conv2d, nni.FusedModule):
     """QAT ``Conv2d -> ReLU``."""
 
-    _FLOAT_MODULE = (nni.ConvReLU2d,)
+    _FLOAT_MODULE: ClassVar[tuple[type[nn.Module], ...]] = (nni.ConvReLU2d,)
     _FLOAT_RELU_MODULE = nn.ReLU
     _FUSED_FLOAT_MODULE = nni.ConvReLU2d
 
@@ -298,10 +302,10 @@ class ConvReLU2d(nnqat.Conv2d, nni.FusedModule):  # type: ignore[misc]
         return F.relu(self._conv_forward(input, self.weight_fake_quant(self.weight), self.bias))
 
 
-class ConvReLU3d(nnqat.Conv3d, nni.FusedModule):  # type: ignore[misc]
+class ConvReLU3d(nnqat.Conv3d, nni.FusedModule):
     """QAT ``Conv3d -> ReLU``."""
 
-    _FLOAT_MODULE = (nni.ConvReLU3d,)
+    _FLOAT_MODULE: ClassVar[tuple[type[nn.Module], ...]] = (nni.ConvReLU3d,)
     _FLOAT_RELU_MODULE = nn.ReLU
     _FUSED_FLOAT_MODULE = nni.ConvReLU3d
 

@@ -21,13 +21,15 @@ from quantbridge.fx_quant.nn.qat._common import (
 __all__ = ["LinearBn1d"]
 
 
-class LinearBn1d(nn.Linear, nni.FusedModule):  # type: ignore[misc]
+class LinearBn1d(nn.Linear, nni.FusedModule):
     """``Linear -> BatchNorm1d`` for QAT, folding BN's scale into the weight before fake-quant.
 
     Forward: with ``s = bn.weight / sqrt(running_var + eps)``, compute
     ``linear(x, fq(W * s), 0) / s + b`` and feed it to ``bn`` (which updates its statistics
     while training and not frozen). The weight the quantizer sees is the one inference uses.
     """
+
+    bn: Any  # BatchNorm1d or SyncBatchNorm
 
     def __init__(
         self,
@@ -42,7 +44,7 @@ class LinearBn1d(nn.Linear, nni.FusedModule):  # type: ignore[misc]
         nn.Linear.__init__(self, in_features, out_features, bias)
         self.qconfig = require_qconfig(qconfig, "qat.LinearBn1d")
         self.freeze_bn = freeze_bn if self.training else True
-        self.bn: nn.Module = make_bn(nn.BatchNorm1d, out_features, eps, momentum)
+        self.bn = make_bn(nn.BatchNorm1d, out_features, eps, momentum)
         self.weight_fake_quant = build_weight_fake_quant(qconfig, None, None)
         self.reset_bn_parameters()
         if self.training and not freeze_bn:
@@ -51,7 +53,7 @@ class LinearBn1d(nn.Linear, nni.FusedModule):  # type: ignore[misc]
             self.freeze_bn_stats()
 
     def reset_running_stats(self) -> None:
-        self.bn.reset_running_stats()  # type: ignore[operator]
+        self.bn.reset_running_stats()
 
     def reset_bn_parameters(self) -> None:
         self.reset_running_stats()

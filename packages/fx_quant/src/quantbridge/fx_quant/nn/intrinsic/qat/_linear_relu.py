@@ -14,7 +14,7 @@ from quantbridge.fx_quant.nn.qat import Linear
 __all__ = ["LinearReLU"]
 
 
-class LinearReLU(Linear, nni.FusedModule):  # type: ignore[misc]
+class LinearReLU(Linear, nni.FusedModule):
     """QAT version of the fused ``Linear -> ReLU``."""
 
     _FLOAT_MODULE: ClassVar[tuple[type[nn.Module], ...]] = (nni.LinearReLU,)
