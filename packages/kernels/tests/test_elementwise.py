@@ -60,7 +60,8 @@ def test_matches_reference(op, ref, relu):
         a = rng.integers(0, 256, shape).astype(np.uint8)
         b = rng.integers(0, 256, shape).astype(np.uint8)
         got = op(a, sa, za, b, sb, zb, so, zo)
-        assert got.shape == shape and got.dtype == np.uint8
+        assert got.shape == shape
+        assert got.dtype == np.uint8
         np.testing.assert_array_equal(got, ref(a, sa, za, b, sb, zb, so, zo, relu))
 
 
