@@ -285,6 +285,8 @@ def _backend_document(fuser: str) -> str:
         ("torch.os.system", "module 'os'"),  # reachable by getattr from torch: still refused
         ("torch.nn.functional.Callable", "its defining module 'collections.abc'"),
         ("config_backend_helpers_evil.fuse", "it"),  # a prefix only matches whole components
+        ("torch.nn.Module.__init__.__globals__", "names with dunder components"),
+        ("operator.__builtins__", "names with dunder components"),
     ],
 )
 def test_names_outside_the_allow_list_are_refused(name: str, what: str) -> None:
@@ -514,6 +516,8 @@ def test_missing_file_and_bad_prefixes(tmp_path: Path) -> None:
         QConfigError, match=r"allowed_prefixes must be a tuple .* write \('my_backend',\)"
     ):
         QConfigMapping.from_json(_doc(), allowed_prefixes="my_backend")  # type: ignore[arg-type]
+    with pytest.raises(QConfigError, match=r"must be a tuple of module prefixes such as"):
+        QConfigMapping.from_json(_doc(), allowed_prefixes=None)  # type: ignore[arg-type]
     with pytest.raises(QConfigError, match=r"allowed_prefixes: 'my backend' is not a dotted"):
         QConfigMapping.from_json(_doc(), allowed_prefixes=("my backend",))
 

@@ -80,10 +80,15 @@ def _is_allowed(name: str, prefixes: tuple[str, ...]) -> bool:
 
 
 def _check_prefixes(allowed_prefixes: object) -> tuple[str, ...]:
-    if isinstance(allowed_prefixes, str) or not isinstance(allowed_prefixes, (tuple, list)):
+    if isinstance(allowed_prefixes, str):
         raise QConfigError(
             f"allowed_prefixes must be a tuple of module prefixes, got the string "
             f"{allowed_prefixes!r}; write ({allowed_prefixes!r},)"
+        )
+    if not isinstance(allowed_prefixes, (tuple, list)):
+        raise QConfigError(
+            f"allowed_prefixes must be a tuple of module prefixes such as ('my_backend',), "
+            f"got {allowed_prefixes!r}"
         )
     for p in allowed_prefixes:
         if not isinstance(p, str) or not _DOTTED_NAME.match(p):
@@ -113,13 +118,21 @@ def resolve_name(name: str, allowed_prefixes: tuple[str, ...] | None, where: str
 
     if allowed_prefixes is not None and not _is_allowed(name, allowed_prefixes):
         raise refuse("it")
+    if allowed_prefixes is not None and any(
+        part.startswith("__") and part.endswith("__") for part in name.split(".")
+    ):
+        # Dunder attributes (__globals__, __subclasses__, ...) lead out of the allowed modules.
+        raise QConfigError(
+            f"{_at(where)}: refusing to load {name!r}: names with dunder components are not "
+            "resolved"
+        )
     parts = name.split(".")
     obj: Any = None
     found = 0
     for i in range(len(parts), 0, -1):
         module_name = ".".join(parts[:i])
         if allowed_prefixes is not None and not _is_allowed(module_name, allowed_prefixes):
-            continue  # never import outside the allow-list, not even a parent package
+            continue  # never import a module outside the allow-list
         if module_name in sys.modules:
             obj, found = sys.modules[module_name], i
             break
