@@ -6,6 +6,7 @@ paused during each run); the table reports the best and the median of each and t
 It first checks that both assign every node to the same pattern.
 
     python packages/patterns/bench/bench_matcher.py [--nodes 20000] [--repeat 5] [--json]
+    python packages/patterns/bench/bench_matcher.py --scaling 2500,5000,10000,20000,40000
 """
 
 from __future__ import annotations
@@ -118,16 +119,46 @@ def run_ours(gm: GraphModule, patterns: list[Any]) -> dict[str, tuple[str, Any]]
     return out
 
 
+def _timed(fn: Any, *fn_args: Any) -> float:
+    # Same conditions for every run: a clean heap and no collector pauses inside the run.
+    gc.collect()
+    gc.disable()
+    try:
+        t0 = time.perf_counter()
+        fn(*fn_args)
+        return time.perf_counter() - t0
+    finally:
+        gc.enable()
+
+
+def scaling(patterns: list[Any], sizes: list[int], repeat: int) -> None:
+    print("| nodes | best (ms) | best per node (us) |")
+    print("| ---: | ---: | ---: |")
+    for size in sizes:
+        gm = build_graph(size)
+        best = min(_timed(run_ours, gm, patterns) for _ in range(repeat))
+        n = len(gm.graph.nodes)
+        print(f"| {n} | {best * 1e3:.1f} | {best / n * 1e6:.2f} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nodes", type=int, default=20000)
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--json", action="store_true")
+    parser.add_argument(
+        "--scaling",
+        default="",
+        help="comma-separated graph sizes: time quantbridge alone at each (linear cost check)",
+    )
     args = parser.parse_args()
     warnings.filterwarnings("ignore", category=DeprecationWarning)
+    ao_patterns, patterns = native_patterns()
+    if args.scaling:
+        scaling(patterns, [int(n) for n in args.scaling.split(",")], args.repeat)
+        return
 
     gm = build_graph(args.nodes)
-    ao_patterns, patterns = native_patterns()
     index = {id(p): q for p, q in zip(ao_patterns, patterns, strict=True)}
     # Same decisions first: a speed ratio between different answers means nothing.
     ao_map = {k: (a, index[id(p)]) for k, (a, p) in run_ao(gm, ao_patterns).items()}
@@ -140,15 +171,7 @@ def main() -> None:
             ("torch.ao", run_ao, ao_patterns),
             ("quantbridge", run_ours, patterns),
         ):
-            # Same conditions for both: a clean heap and no collector pauses inside the run.
-            gc.collect()
-            gc.disable()
-            try:
-                t0 = time.perf_counter()
-                fn(gm, pats)
-                times[name].append(time.perf_counter() - t0)
-            finally:
-                gc.enable()
+            times[name].append(_timed(fn, gm, pats))
 
     best = {k: min(v) for k, v in times.items()}
     median = {k: statistics.median(v) for k, v in times.items()}

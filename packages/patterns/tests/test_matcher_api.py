@@ -171,6 +171,15 @@ def test_errors() -> None:
         find_matches(gm, nn.ReLU)  # type: ignore[arg-type]
     with pytest.raises(PatternError, match="mode"):
         find_matches(gm, [nn.ReLU], mode="train")  # type: ignore[arg-type]
+
+    class Unhashable:
+        __hash__ = None  # type: ignore[assignment]
+
+        def __call__(self, x: object) -> object:
+            return x
+
+    with pytest.raises(PatternError, match=r"patterns\[0\].*not hashable"):
+        find_matches(gm, [(nn.ReLU, Unhashable())])
     with pytest.raises(PatternError, match="getattr"):
         find_matches(gm, [(getattr, "a", "b")])
     del gm.relu  # the graph still calls it

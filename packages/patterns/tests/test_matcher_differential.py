@@ -55,6 +55,11 @@ def test_prepare_mode_node_pattern_like_torch_ao(graph_name: str, set_name: str)
         assert anchor is match.anchor
         assert pattern == match.pattern
         assert node_pattern == match.node_pattern
+        if match.pattern not in getters:
+            # torch.ao's QuantizeHandler default root, computed from its own record
+            from torch.ao.quantization.fx.quantize_handler import _default_root_node_getter
+
+            assert match.root is _default_root_node_getter(node_pattern)
 
 
 @pytest.mark.parametrize("graph_name", sorted(GRAPHS))

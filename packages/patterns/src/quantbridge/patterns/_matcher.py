@@ -285,6 +285,13 @@ def _normalize_patterns(patterns: Iterable[Pattern] | Mapping[Pattern, Any]) -> 
     seen: set[Pattern] = set()
     for i, pattern in enumerate(patterns):
         check_complex_pattern(pattern, where=f"patterns[{i}]")
+        try:
+            hash(pattern)
+        except TypeError:
+            raise PatternError(
+                f"patterns[{i}]: {pattern!r} is not hashable; pattern operators must be "
+                "hashable (module classes, functions, torch ops, strings)"
+            ) from None
         if pattern in seen:
             continue  # the first registration of a pattern wins, as with dict keys
         seen.add(pattern)
