@@ -183,7 +183,7 @@ class DTypeWithConstraints:
         if qmin is not None and qmax is not None and qmin >= qmax:
             raise QConfigError(
                 f"{where}: quant_min_lower_bound={qmin!r} is not below "
-                f"quant_max_upper_bound={qmax!r}; swap them"
+                f"quant_max_upper_bound={qmax!r}; the lower bound must be the smaller one"
             )
         self.quant_min_lower_bound, self.quant_max_upper_bound = qmin, qmax
         smin = _optional_number(self.scale_min_lower_bound, f"{where}.scale_min_lower_bound")
