@@ -6,6 +6,8 @@ import warnings
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import quantbridge.fx_quant  # noqa: F401  (registers the ops)
 from quantbridge.fx_quant import FxQuantError
@@ -316,3 +318,31 @@ def test_fake_kernel_validates_static_arguments() -> None:
 
     with pytest.raises(Exception, match="quant_max=1000"):
         torch.export.export(Bad(), (torch.randn(2),))
+
+
+def _f32(bits: int) -> float:
+    import struct
+
+    return float(struct.unpack("<f", struct.pack("<I", bits))[0])
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    bits=st.lists(st.integers(0, 2**32 - 1), min_size=1, max_size=40),
+    scale_bits=st.integers(0x33800000, 0x447A0000),  # float32 scales in ~[6e-8, 1000]
+    zp_frac=st.floats(0.0, 1.0),
+    unsigned=st.booleans(),
+)
+def test_per_tensor_matches_torch_on_arbitrary_float_bits(
+    bits: list[int], scale_bits: int, zp_frac: float, unsigned: bool
+) -> None:
+    """Any float32 bit pattern as input (NaN, inf, subnormals included)."""
+    pytest.importorskip("torch.ao.quantization")
+    name, dtype, qmin, qmax = DTYPES[0] if unsigned else DTYPES[1]
+    scale = _f32(scale_bits)
+    zp = qmin + round(zp_frac * (qmax - qmin))
+    x = torch.tensor([_f32(b) for b in bits], dtype=torch.float32)
+    ref = torch.quantize_per_tensor(x, scale, zp, getattr(torch, name))
+    q = qb.quantize_per_tensor(x, scale, zp, qmin, qmax, dtype)
+    assert torch.equal(q, ref.int_repr())
+    assert torch.equal(qb.dequantize_per_tensor(q, scale, zp, qmin, qmax, dtype), ref.dequantize())
