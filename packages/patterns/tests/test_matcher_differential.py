@@ -111,3 +111,27 @@ def test_zoo_exercises_the_cases_the_brief_lists() -> None:
     names = {n.name: m.pattern for m in find_matches(gm, native) for n in m.nodes}
     # conv and bn each have two users, so conv-bn-relu cannot swallow them
     assert names["conv"] is not names["relu"]
+
+
+def test_match_all_node_bound_to_a_list_claims_the_nodes_inside() -> None:
+    """torch.ao records the nodes inside a list bound by MatchAllNode (e.g. torch.cat's)."""
+    import torch
+    from torch import nn
+    from torch.fx import Graph
+
+    from quantbridge.patterns import MatchAllNode
+
+    graph = Graph()
+    x = graph.placeholder("x")
+    a = graph.call_function(torch.relu, (x,))
+    b = graph.call_function(torch.sigmoid, (x,))
+    graph.output(graph.call_function(torch.cat, ([a, b],)))
+    gm = GraphModule(nn.Module(), graph)
+    patterns = [(torch.cat, MatchAllNode), torch.relu, torch.sigmoid]
+    expected = ao_prepare_map(gm, patterns)
+    matches = find_matches(gm, patterns)
+    assert our_prepare_map(matches) == expected
+    assert [m.anchor.name for m in matches] == ["cat"]
+    assert set(expected) == {"cat", "relu", "sigmoid"}
+    fuse = find_matches(gm, patterns, mode="fuse")
+    assert [m.anchor.name for m in fuse] == ["cat", "sigmoid", "relu"]

@@ -63,8 +63,18 @@ class Match:
 
     @property
     def claimed(self) -> tuple[Node, ...]:
-        """Nodes this match records in a node-name map (operators, then MatchAllNode nodes)."""
-        return self.nodes + tuple(n for n in self.inputs if isinstance(n, Node))
+        """Nodes this match records in a node-name map: the operators, then the nodes bound
+        by MatchAllNode (including nodes inside a bound list or tuple, as torch.ao does)."""
+        return self.nodes + tuple(_nodes_in(self.inputs))
+
+
+def _nodes_in(value: Any) -> list[Node]:
+    """Nodes in a value, looking inside (nested) lists and tuples."""
+    if isinstance(value, Node):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [n for item in value for n in _nodes_in(item)]
+    return []
 
 
 def default_root_node_getter(node_pattern: NodePattern) -> Any:
@@ -407,7 +417,7 @@ def find_matches(
                 )
             )
             claimed.update(nodes)
-            if claim_inputs:
-                claimed.update(n for n in inputs if isinstance(n, Node))
+            if claim_inputs and inputs:
+                claimed.update(_nodes_in(inputs))
             break
     return matches
