@@ -560,3 +560,80 @@ def test_dtype_config_json_round_trip(c: DTypeConfig) -> None:
     again = DTypeConfig.from_json(text)
     assert again == c
     assert again.to_json(indent=None) == text
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        ({"": {"$float": "1e400"}}, r"expected 'inf', '-inf' or 'nan', got '1e400'"),
+        ({"": {"$dict": [[1]]}}, r"expected a \[key, value\] pair, got \[1\]"),
+        ({"": {"$tuple": {"a": 1}}}, r"expected an array"),
+        (
+            {"object_type": [{"$tuple": ["relu", {"$qconfig": {"activation": 1, "weight": 2}}]}]},
+            r"object_type\[0\]\[1\]: QConfig.activation: 1 \(a int\) is not an observer",
+        ),
+        (
+            {
+                "": {
+                    "$qconfig": {
+                        "activation": {"$with_args": {"class": "torch.nn.Identity"}},
+                        "weight": {"$ref": "torch.nn.Identity"},
+                    }
+                }
+            },
+            r'\[""\]\.activation\.class: .*has no with_args\(\)',
+        ),
+        (
+            {
+                "": {
+                    "$qconfig": {
+                        "activation": {"$partial": {"func": "os.getcwd"}},
+                        "weight": {"$ref": "torch.nn.Identity"},
+                    }
+                }
+            },
+            r'\[""\]\.activation\.func: refusing to load \'os.getcwd\'',
+        ),
+    ],
+)
+def test_bad_tagged_values(data: Any, message: str) -> None:
+    with pytest.raises(QConfigError, match=message):
+        QConfigMapping.from_json(_doc(data=data))
+
+
+def test_bad_dtype_with_constraints_field_and_non_object_data() -> None:
+    doc = json.loads(DTypeConfig(input_dtype=torch.uint8).to_json())
+    doc["data"]["input_dtype"]["$dtype_with_constraints"]["qmin"] = 0
+    with pytest.raises(
+        QConfigError, match=r"input_dtype: unknown DTypeWithConstraints field 'qmin'"
+    ):
+        DTypeConfig.from_json(json.dumps(doc))
+    doc["data"] = [1]
+    with pytest.raises(QConfigError, match=r"'data' must be an object"):
+        DTypeConfig.from_json(json.dumps(doc))
+
+
+def test_allowed_prefix_without_a_module_and_binary_files(tmp_path: Path) -> None:
+    with pytest.raises(QConfigError, match=r"fuser_method: no importable module in 'qb_nowhere.f'"):
+        BackendConfig.from_json(_backend_document("qb_nowhere.f"), allowed_prefixes=("qb_nowhere",))
+    path = tmp_path / "m.json"
+    path.write_text(_doc())
+    with open(path, "rb") as binary, pytest.raises(QConfigError, match="opened in text mode"):
+        QConfigMapping.from_json(binary)  # type: ignore[arg-type]
+    with open(path) as text:
+        assert QConfigMapping.from_json(text).to_dict() == QConfigMapping().to_dict()
+
+
+def test_broken_module_under_an_allowed_prefix(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "qb_json_broken.py").write_text("import qb_json_missing_dependency\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(
+        QConfigError,
+        match=r"fuser_method: importing 'qb_json_broken' failed: No module named "
+        r"'qb_json_missing_dependency'",
+    ):
+        BackendConfig.from_json(
+            _backend_document("qb_json_broken.fuse"), allowed_prefixes=("qb_json_broken",)
+        )
