@@ -631,7 +631,7 @@ def test_broken_module_under_an_allowed_prefix(
     monkeypatch.syspath_prepend(str(tmp_path))
     with pytest.raises(
         QConfigError,
-        match=r"fuser_method: importing 'qb_json_broken' failed: No module named "
+        match=r"fuser_method: importing 'qb_json_broken.fuse' failed: No module named "
         r"'qb_json_missing_dependency'",
     ):
         BackendConfig.from_json(
