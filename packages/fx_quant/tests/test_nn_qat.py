@@ -356,3 +356,26 @@ def test_mappings_cover_every_qat_module() -> None:
         assert callable(getattr(dst, "from_float", None))
     assert DEFAULT_QAT_MODULE_MAPPINGS[nni.ConvBnReLU2d] is nniqat.ConvBnReLU2d
     assert DEFAULT_REFERENCE_MODULE_MAPPINGS[nn.ConvTranspose2d].__name__ == "ConvTranspose2d"
+
+
+@pytest.mark.parametrize("dim", [1, 2])
+@pytest.mark.parametrize("bias", [False, True])
+def test_qat_conv_bn_slow_path_matches_torch_ao(dim: int, bias: bool) -> None:
+    ao_nni, ao_nniqat, _, _ = _ao()
+    ours_qc, ao_qc = _qconfigs(True)
+    torch.manual_seed(30 + dim)
+    conv, bn = _conv(dim, bias=bias), _bn(dim)
+    ours_fused = {1: nni.ConvBnReLU1d, 2: nni.ConvBnReLU2d}[dim]
+    ao_fused = {1: ao_nni.ConvBnReLU1d, 2: ao_nni.ConvBnReLU2d}[dim]
+    ours = getattr(nniqat, ours_fused.__name__).from_float(
+        _with_qconfig(ours_fused(copy.deepcopy(conv), copy.deepcopy(bn), nn.ReLU()), ours_qc)
+    )
+    theirs = getattr(ao_nniqat, ao_fused.__name__).from_float(
+        _with_qconfig(ao_fused(copy.deepcopy(conv), copy.deepcopy(bn), nn.ReLU()), ao_qc)
+    )
+    ours._enable_slow_path_for_better_numerical_stability = True
+    theirs._enable_slow_path_for_better_numerical_stability = True
+    _run_pair(ours, theirs, _input(dim))
+    ours.eval()
+    theirs.eval()
+    _run_pair(ours, theirs, _input(dim), steps=1)

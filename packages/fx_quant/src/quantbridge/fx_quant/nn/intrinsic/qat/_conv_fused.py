@@ -102,6 +102,8 @@ class _ConvBnNd(nn.modules.conv._ConvNd, nni.FusedModule):
             self.update_bn_stats()
         else:
             self.freeze_bn_stats()
+        # torch.ao's switch for the two-pass forward (exact with bn.weight == 0).
+        self._enable_slow_path_for_better_numerical_stability = False
 
     def reset_running_stats(self) -> None:
         self.bn.reset_running_stats()
@@ -127,14 +129,28 @@ class _ConvBnNd(nn.modules.conv._ConvNd, nni.FusedModule):
         self.bn.training = False
         return self
 
-    def _forward(self, input: torch.Tensor) -> torch.Tensor:
-        assert self.bn.running_var is not None
+    def _shapes(self) -> tuple[list[int], list[int]]:
+        """Broadcast shapes of a per-output-channel vector: over the weight, over the output."""
+        ndim = self.weight.dim()
+        return [-1] + [1] * (ndim - 1), [1, -1] + [1] * (ndim - 2)
+
+    def _scaled_weight(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(fake-quantized W * s, s, running std) with s = bn.weight / running std."""
+        weight_shape, _ = self._shapes()
         running_std = torch.sqrt(self.bn.running_var + self.bn.eps)
         scale_factor = self.bn.weight / running_std
-        ndim = self.weight.dim()
-        weight_shape = [-1] + [1] * (ndim - 1)
-        channel_shape = [1, -1] + [1] * (ndim - 2)
-        scaled_weight = self.weight_fake_quant(self.weight * scale_factor.reshape(weight_shape))
+        scaled = self.weight_fake_quant(self.weight * scale_factor.reshape(weight_shape))
+        return scaled, scale_factor, running_std
+
+    def _forward(self, input: torch.Tensor) -> torch.Tensor:
+        if self._enable_slow_path_for_better_numerical_stability:
+            return self._forward_slow(input)
+        return self._forward_approximate(input)
+
+    def _forward_approximate(self, input: torch.Tensor) -> torch.Tensor:
+        """One pass: undo the BN scale after the conv and let ``bn`` normalise."""
+        _, channel_shape = self._shapes()
+        scaled_weight, scale_factor, _ = self._scaled_weight()
         zero_bias = (
             torch.zeros_like(self.bias, dtype=input.dtype)
             if self.bias is not None
@@ -146,6 +162,40 @@ class _ConvBnNd(nn.modules.conv._ConvNd, nni.FusedModule):
             conv_orig = conv_orig + self.bias.reshape(channel_shape)
         result: torch.Tensor = self.bn(conv_orig)
         return result
+
+    def _forward_slow(self, input: torch.Tensor) -> torch.Tensor:
+        """Two passes (Krishnamoorthi 2018, sec. 3.2): fold with running statistics, then
+        rescale to batch statistics while training. Well defined when bn.weight is 0."""
+        _, channel_shape = self._shapes()
+        zero_bias = torch.zeros(self.out_channels, device=self.weight.device, dtype=input.dtype)
+        if self.bn.training:
+            # Float conv to get the batch statistics (and update the running ones).
+            conv_out = self._conv_forward(input, self.weight, zero_bias)
+            with torch.no_grad():
+                biased = (
+                    conv_out if self.bias is None else conv_out + self.bias.reshape(channel_shape)
+                )
+                self.bn(biased)
+            scaled_weight, _, running_std = self._scaled_weight()
+            conv_bn = self._conv_forward(input, scaled_weight, zero_bias)
+            dims = [0, *range(2, self.weight.dim())]
+            batch_mean = conv_out.mean(dims)
+            batch_var = torch.square(conv_out - batch_mean.reshape(channel_shape)).mean(dims)
+            batch_std = torch.sqrt(batch_var + self.bn.eps)
+            # conv(x, r W / running_std) * (running_std / batch_std) = conv(x, r W / batch_std)
+            conv_bn *= (running_std / batch_std).reshape(channel_shape)
+            fused_mean, fused_std = batch_mean, batch_std
+        else:
+            scaled_weight, _, running_std = self._scaled_weight()
+            conv_bn = self._conv_forward(input, scaled_weight, zero_bias)
+            fused_mean = self.bn.running_mean - (self.bias if self.bias is not None else 0)
+            fused_std = running_std
+        fused_bias = self.bn.bias - self.bn.weight * fused_mean / fused_std
+        conv_bn += fused_bias.reshape(channel_shape)
+        if self.bias is not None:
+            # Keep the conv bias in the autograd graph (DDP expects every parameter used).
+            conv_bn += (self.bias - self.bias).reshape(channel_shape)
+        return conv_bn
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         return self._forward(input)
