@@ -49,7 +49,7 @@ def train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, epochs: int) -> No
             loss = loss_fn(model(x[idx]), y[idx])
             loss.backward()
             optimizer.step()
-            total += float(loss) * len(idx)
+            total += float(loss.detach()) * len(idx)
         if epoch % 10 == 0 or epoch == epochs:
             print(f"  epoch {epoch:3d}/{epochs}  loss {total / len(x):.4f}", flush=True)
 
@@ -118,7 +118,7 @@ def main() -> None:
 
     print()
     header = (
-        f"{'tensor':<12}{'observer':<28}{'min':>10}{'max':>10}{'scale':>14}{'zero_point':>12}"
+        f"{'tensor':<12}{'observer':<28}{'min':>10}{'max':>10}{'scale':>22}{'zero_point':>12}"
         "  torch.ao"
     )
     print(header)
@@ -140,7 +140,7 @@ def main() -> None:
         obs = act_observers[name]
         print(
             f"{name + '.input':<12}{'HistogramObserver(uint8)':<28}{float(obs.min_val):>10.4f}"
-            f"{float(obs.max_val):>10.4f}{float(act_scale):>14.6g}{int(act_zp):>12}  {verdict}"
+            f"{float(obs.max_val):>10.4f}{float(act_scale):>22.6g}{int(act_zp):>12}  {verdict}"
         )
         verdict = "n/a (torch.ao gone)"
         if oracle:
@@ -154,8 +154,8 @@ def main() -> None:
         print(
             f"{name + '.weight':<12}{'PerChannelMinMax(int8,sym)':<28}"
             f"{float(w_obs.min_val.min()):>10.4f}{float(w_obs.max_val.max()):>10.4f}"
-            f"{f'{float(w_scale.min()):.3g}..{float(w_scale.max()):.3g}':>14}"
-            f"{f'{int(w_zp.min())}..{int(w_zp.max())}':>12}  {verdict}"
+            f"{f'{float(w_scale.min()):.3g} .. {float(w_scale.max()):.3g}':>22}"
+            f"{f'{int(w_zp.min())} .. {int(w_zp.max())}':>12}  {verdict}"
         )
 
     def quantized_forward(x: torch.Tensor) -> torch.Tensor:
