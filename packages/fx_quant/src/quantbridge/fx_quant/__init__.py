@@ -7,6 +7,35 @@ BackendConfigs and the lowering registry. Only its exception class exists today.
 """
 
 from quantbridge.fx_quant import _ops  # noqa: F401  (registers torch.ops.quantbridge.*)
+from quantbridge.fx_quant._backend_configs import (
+    backend_config_names,
+    get_backend_config,
+    get_executorch_backend_config,
+    get_fbgemm_backend_config,
+    get_native_backend_config,
+    get_native_backend_config_dict,
+    get_onednn_backend_config,
+    get_qnnpack_backend_config,
+    get_tensorrt_backend_config,
+    get_tensorrt_backend_config_dict,
+    get_x86_backend_config,
+    register_backend_config,
+)
 from quantbridge.fx_quant._errors import FxQuantError
 
-__all__ = ["FxQuantError"]
+__all__ = [
+    "FxQuantError",
+    # built-in BackendConfigs
+    "backend_config_names",
+    "get_backend_config",
+    "get_executorch_backend_config",
+    "get_fbgemm_backend_config",
+    "get_native_backend_config",
+    "get_native_backend_config_dict",
+    "get_onednn_backend_config",
+    "get_qnnpack_backend_config",
+    "get_tensorrt_backend_config",
+    "get_tensorrt_backend_config_dict",
+    "get_x86_backend_config",
+    "register_backend_config",
+]
