@@ -15,6 +15,7 @@ from quantbridge.kernels._embedding import (
     to_fused_rows,
 )
 from quantbridge.kernels._errors import KernelError, TargetUnavailableError
+from quantbridge.kernels._linear import PackedLinearWeight, linear, linear_dynamic
 from quantbridge.kernels._lut import LUT_FUNCTIONS, apply_lut, build_lut
 from quantbridge.kernels._pool import adaptive_avg_pool2d, avg_pool2d, max_pool2d
 from quantbridge.kernels._quantize import (
@@ -33,6 +34,7 @@ from quantbridge.kernels._targets import (
     resolve_target,
     target_supported,
 )
+from quantbridge.kernels._threads import get_num_threads, set_num_threads
 
 __all__ = [
     "ENV_VAR",
@@ -44,6 +46,12 @@ __all__ = [
     "cpu_features",
     "resolve_target",
     "target_supported",
+    # GEMM family (linear, dynamic linear, conv, matmul) and threads
+    "PackedLinearWeight",
+    "get_num_threads",
+    "linear",
+    "linear_dynamic",
+    "set_num_threads",
     # quantize / elementwise / pools / lookup tables / embedding_bag
     "LUT_FUNCTIONS",
     "PackedEmbedding",

@@ -1,0 +1,48 @@
+"""The ``generic`` target: portable numba loops over the same packed data as ``avx512_vnni``.
+
+Correctness first: no intrinsics, int64 accumulation (wrapped to int32 at the end, which is
+exact because the wrappers refuse reductions whose true sum could leave int32), and the same
+float32 requantization sequence as the vector kernels, so every target is bit-identical.
+"""
+
+# ruff: noqa: N803
+# mypy: ignore-errors
+
+import numpy as np
+from numba import njit, prange
+
+
+@njit(cache=True, parallel=True, nogil=True)
+def drive_generic(
+    a, rowoffs, m, koffs, nk, bp, npanels, c, ldc, colcorr, wzp, rowsum, biasq, mult, ozp,
+    qmin, qmax, mchunk, f32_out,
+):
+    nmc = (m + mchunk - 1) // mchunk
+    panel = nk * 128
+    for t in prange(npanels * nmc):
+        p = t // nmc
+        start = (t % nmc) * mchunk
+        end = min(m, start + mchunk)
+        boff = p * panel
+        for i in range(start, end):
+            rbase = rowoffs[i]
+            for jj in range(32):
+                acc = 0
+                for s in range(nk):
+                    off = rbase + koffs[s]
+                    bo = boff + s * 128 + jj * 4
+                    for u in range(4):
+                        acc += np.int64(a[off + u]) * np.int64(bp[bo + u])
+                j = p * 32 + jj
+                v = np.int32(
+                    np.int64(np.int32(acc)) + colcorr[j] - np.int64(wzp[j]) * rowsum[i]
+                )
+                fv = np.float32(v)
+                if f32_out:
+                    c[i * ldc + j] = fv * mult[j] + biasq[j]
+                else:
+                    x = np.rint((fv + biasq[j]) * mult[j])
+                    x = min(max(x, np.float32(-1.0e9)), np.float32(1.0e9))
+                    q = np.int64(x) + ozp
+                    q = min(max(q, qmin), qmax)
+                    c[i * ldc + j] = q

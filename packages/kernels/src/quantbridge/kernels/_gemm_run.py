@@ -1,0 +1,76 @@
+"""Dispatch one packed GEMM to the target's tile driver, with padding and thread setup."""
+
+from __future__ import annotations
+
+import numpy as np
+import numpy.typing as npt
+
+from quantbridge.kernels._gemm import drive_generic
+from quantbridge.kernels._gemm_simd import (
+    drive_avx2_f32,
+    drive_avx2_u8,
+    drive_vnni_f32,
+    drive_vnni_u8,
+)
+from quantbridge.kernels._pack import layout, round_up
+
+_DRIVERS = {
+    ("avx512_vnni", "u8"): drive_vnni_u8,
+    ("avx512_vnni", "f32"): drive_vnni_f32,
+    ("avx2", "u8"): drive_avx2_u8,
+    ("avx2", "f32"): drive_avx2_f32,
+}
+
+
+def _row_chunk(m: int, npanels: int, threads: int) -> int:
+    """Rows per tile: whole M when panels alone keep every thread busy, else split M."""
+    if threads == 1 or npanels >= 4 * threads:
+        return max(m, 1)
+    chunks = -(-4 * threads // npanels)
+    return max(8, round_up(-(-m // chunks), 8))
+
+
+def run_gemm(
+    target: str,
+    a: npt.NDArray[np.uint8],
+    rowoffs: npt.NDArray[np.int64],
+    koffs: npt.NDArray[np.int64],
+    bp: npt.NDArray[np.integer],
+    n: int,
+    colcorr: npt.NDArray[np.int32],
+    wzp: npt.NDArray[np.int32],
+    rowsum: npt.NDArray[np.int32],
+    biasq: npt.NDArray[np.float32],
+    mult: npt.NDArray[np.float32],
+    out_zero_point: int,
+    qmin: int,
+    f32_out: bool,
+    threads: int,
+) -> npt.NDArray[np.generic]:
+    """C[M, n] for activations addressed by ``rowoffs``/``koffs`` and packed B ``bp``.
+
+    ``a`` is flat uint8; every address the kernels form stays inside it (checked by the
+    callers' construction of ``rowoffs`` and ``koffs``).
+    """
+    nr, kstep, _ = layout(target)
+    m = rowoffs.shape[0]
+    nk = koffs.shape[0]
+    np_ = colcorr.shape[0]
+    npanels = np_ // nr
+    dtype = np.float32 if f32_out else np.uint8
+    direct = np_ == n
+    out = np.empty((m, np_), dtype)
+    c = out.reshape(-1)
+    mchunk = _row_chunk(m, npanels, threads)
+    if target == "generic":
+        drive_generic(
+            a, rowoffs, m, koffs, nk, bp, npanels, c, np_, colcorr, wzp, rowsum, biasq, mult,
+            out_zero_point, qmin, 255, mchunk, f32_out,
+        )
+    else:
+        drv = _DRIVERS[(target, "f32" if f32_out else "u8")]
+        drv(
+            a, rowoffs, m, koffs, nk, bp, npanels, c, np_, colcorr, wzp, rowsum, biasq, mult,
+            out_zero_point, qmin, 255, mchunk,
+        )
+    return out if direct else np.ascontiguousarray(out[:, :n])

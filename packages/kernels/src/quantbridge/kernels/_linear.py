@@ -1,0 +1,246 @@
+"""Quantized linear (static, +relu) and dynamic linear on prepacked int8 weights.
+
+``linear``: uint8 activations [..., K] (per-tensor scale/zero point) times int8 weights
+[N, K] (per-tensor or per-channel scales, any zero points), int32 accumulation, float bias
+added before requantization (the rule in ``_requant.py``), uint8 output [..., N].
+
+``linear_dynamic``: float32 in and out. The activation is quantized per call with torch's
+dynamic rule (uint8, reduce_range=False, range [min(x, 0), max(x, 0)]), then the int32
+accumulator becomes ``float(acc) * (act_scale * w_scale[j]) + bias[j]`` in float32.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from quantbridge.kernels._checks import (
+    check_accumulation_fits_int32,
+    check_array,
+    check_scale,
+    check_zero_point,
+)
+from quantbridge.kernels._errors import KernelError
+from quantbridge.kernels._gemm_run import run_gemm
+from quantbridge.kernels._pack import (
+    K_ALIGN,
+    layout,
+    pack_b,
+    round_up,
+    weight_scales,
+    weight_zero_points,
+)
+from quantbridge.kernels._requant import multipliers, scaled_bias
+from quantbridge.kernels._targets import resolve_target
+from quantbridge.kernels._threads import apply_num_threads
+
+_CACHE_LIMIT = 64
+
+
+class PackedLinearWeight:
+    """An int8 weight [N, K] packed once for one target, with its scales and zero points.
+
+    Args:
+        weight: int8 array [N, K] (out_features x in_features, torch's layout).
+        scale: float (per-tensor) or float array [N] (per-channel, axis 0).
+        zero_point: int or int array [N], each in [-128, 127].
+        bias: optional float32 array [N], in output float units.
+        target: kernel target (see ``resolve_target``); None picks the default.
+    """
+
+    def __init__(
+        self,
+        weight: npt.NDArray[np.int8],
+        scale: float | npt.ArrayLike,
+        zero_point: int | npt.ArrayLike = 0,
+        bias: npt.NDArray[np.float32] | None = None,
+        target: str | None = None,
+    ) -> None:
+        w = check_array("weight", weight, np.int8, 2, contiguous=False)
+        self.target = resolve_target(target)
+        self.n, self.k = int(w.shape[0]), int(w.shape[1])
+        nr, kstep, _ = layout(self.target)
+        self.n_padded = round_up(self.n, nr)
+        self.k_padded = round_up(self.k, K_ALIGN)
+        self.scales, self.per_channel = weight_scales(scale, self.n, "weight scale")
+        self.zero_points = weight_zero_points(zero_point, self.n, self.n_padded, "weight")
+        self.has_weight_zp = bool(np.any(self.zero_points != 0))
+        if bias is not None:
+            bias = check_array("bias", bias, np.float32, 1, contiguous=False)
+            if bias.shape[0] != self.n:
+                raise KernelError(f"bias: expected shape ({self.n},), got {bias.shape}")
+            if not np.all(np.isfinite(bias)):
+                raise KernelError("bias: must be finite")
+            bias = np.ascontiguousarray(bias)
+        self.bias = bias
+        wide = w.astype(np.int64) - self.zero_points[: self.n, None]
+        b_max = int(np.abs(wide).max())
+        check_accumulation_fits_int32("weight", self.k, 255, max(b_max, 1))
+        self.weight = np.ascontiguousarray(w)
+        self.packed = pack_b(self.weight, self.target)
+        colsum = np.zeros(self.n_padded, np.int64)
+        colsum[: self.n] = w.astype(np.int64).sum(axis=1)
+        self.colsum = colsum
+        # activation offsets per k step; padded steps read offset 0 against zero weights
+        nk = self.k_padded // kstep
+        steps = np.arange(nk, dtype=np.int64) * kstep
+        self.koffs = np.where(steps < self.k, steps, 0).astype(np.int64)
+        self.lda = round_up(self.k, 4)
+        self._colcorr: dict[int, npt.NDArray[np.int32]] = {}
+        self._requant: dict[tuple[float, float | None, bool], Any] = {}
+
+    def colcorr(self, act_zero_point: int) -> npt.NDArray[np.int32]:
+        """``-a_zp * colsum[j] + K * a_zp * w_zp[j]`` as wrapped int32, cached per a_zp."""
+        got = self._colcorr.get(act_zero_point)
+        if got is None:
+            v = -act_zero_point * self.colsum + self.k * act_zero_point * self.zero_points.astype(
+                np.int64
+            )
+            got = v.astype(np.int32)
+            if len(self._colcorr) < _CACHE_LIMIT:
+                self._colcorr[act_zero_point] = got
+        return got
+
+    def epilogue(
+        self, act_scale: float, out_scale: float | None
+    ) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.float32]]:
+        """``(biasq, mult)`` for the u8 rule (out_scale given) or float output (None)."""
+        key = (act_scale, out_scale, True)
+        got = self._requant.get(key)
+        if got is None:
+            atws, mult = multipliers(act_scale, self.scales, out_scale)
+            m = np.zeros(self.n_padded, np.float32)
+            m[: self.n] = mult
+            if out_scale is None:
+                bq = np.zeros(self.n_padded, np.float32)
+                if self.bias is not None:
+                    bq[: self.n] = self.bias
+            else:
+                bq = scaled_bias(self.bias, atws, self.per_channel, self.n_padded)
+            got = (bq, m)
+            if len(self._requant) < _CACHE_LIMIT:
+                self._requant[key] = got
+        return got  # type: ignore[no-any-return]
+
+    def __repr__(self) -> str:
+        kind = "per-channel" if self.per_channel else "per-tensor"
+        return f"PackedLinearWeight(N={self.n}, K={self.k}, {kind}, target={self.target!r})"
+
+
+def _activation_rows(
+    x: npt.NDArray[np.uint8], packed: PackedLinearWeight, name: str
+) -> tuple[npt.NDArray[np.uint8], int, tuple[int, ...]]:
+    if x.shape[-1] != packed.k:
+        raise KernelError(
+            f"{name}: last dimension {x.shape[-1]} does not match the weight's K={packed.k}"
+        )
+    lead = tuple(int(s) for s in x.shape[:-1])
+    m = math.prod(lead)
+    a = x.reshape(m, packed.k)
+    if packed.lda != packed.k:  # 4-byte loads need rows padded to a multiple of 4
+        padded = np.zeros((m, packed.lda), np.uint8)
+        padded[:, : packed.k] = a
+        a = padded
+    return a.reshape(-1), m, lead
+
+
+def _rowsum(a_flat: npt.NDArray[np.uint8], m: int, lda: int, needed: bool) -> npt.NDArray[np.int32]:
+    if not needed:
+        return np.zeros(m, np.int32)
+    return a_flat.reshape(m, lda).sum(axis=1, dtype=np.int64).astype(np.int32)
+
+
+def linear(
+    x: npt.NDArray[np.uint8],
+    packed: PackedLinearWeight,
+    x_scale: float,
+    x_zero_point: int,
+    out_scale: float,
+    out_zero_point: int,
+    *,
+    relu: bool = False,
+    num_threads: int | None = None,
+) -> npt.NDArray[np.uint8]:
+    """Quantized ``x @ W.T + bias`` requantized to uint8 [..., N] (relu fused if asked)."""
+    if not isinstance(packed, PackedLinearWeight):
+        raise KernelError(f"packed: expected a PackedLinearWeight, got {type(packed).__name__}")
+    xa = check_array("x", x, np.uint8, None)
+    if xa.ndim < 1:
+        raise KernelError("x: expected at least 1 dimension [..., K]")
+    a_s = check_scale("x_scale", x_scale)
+    a_zp = check_zero_point("x_zero_point", x_zero_point, 0, 255)
+    o_s = check_scale("out_scale", out_scale)
+    o_zp = check_zero_point("out_zero_point", out_zero_point, 0, 255)
+    threads = apply_num_threads(num_threads, "linear")
+    a, m, lead = _activation_rows(xa, packed, "x")
+    rowoffs = np.arange(m, dtype=np.int64) * packed.lda
+    biasq, mult = packed.epilogue(a_s, o_s)
+    out = run_gemm(
+        packed.target, a, rowoffs, packed.koffs, packed.packed, packed.n,
+        packed.colcorr(a_zp), packed.zero_points,
+        _rowsum(a, m, packed.lda, packed.has_weight_zp), biasq, mult,
+        o_zp, o_zp if relu else 0, False, threads,
+    )
+    return out.reshape((*lead, packed.n))  # type: ignore[return-value]
+
+
+def choose_dynamic_qparams(x: npt.NDArray[np.float32]) -> tuple[float, int]:
+    """torch's dynamic activation qparams: uint8 [0, 255], range widened to include 0."""
+    lo = min(float(x.min()), 0.0)
+    hi = max(float(x.max()), 0.0)
+    qmin, qmax = 0, 255
+    scale = (hi - lo) / (qmax - qmin)
+    if float(np.float32(scale)) == 0.0 or math.isinf(1.0 / float(np.float32(scale))):
+        scale = 0.1
+    scale = float(np.float32(scale))
+    zp_from_min = qmin - lo / scale
+    zp_from_max = qmax - hi / scale
+    err_min = abs(qmin) - abs(lo / scale)
+    err_max = abs(qmax) - abs(hi / scale)
+    initial = zp_from_min if err_min < err_max else zp_from_max
+    if initial < qmin:
+        zp = qmin
+    elif initial > qmax:
+        zp = qmax
+    else:
+        zp = int(np.rint(initial))
+    return scale, zp
+
+
+def quantize_activation(x: npt.NDArray[np.float32], scale: float, zero_point: int) -> npt.NDArray[np.uint8]:
+    """uint8 ``clamp(rint(x * (1/scale)) + zp)`` in float32, as fbgemm quantizes."""
+    inv = np.float32(np.float32(1.0) / np.float32(scale))
+    q = np.rint(x * inv) + np.float32(zero_point)
+    return np.clip(q, 0, 255).astype(np.uint8)
+
+
+def linear_dynamic(
+    x: npt.NDArray[np.float32],
+    packed: PackedLinearWeight,
+    *,
+    num_threads: int | None = None,
+) -> npt.NDArray[np.float32]:
+    """Float ``x @ W.T + bias`` with per-call uint8 quantization of ``x`` (torch's rule)."""
+    if not isinstance(packed, PackedLinearWeight):
+        raise KernelError(f"packed: expected a PackedLinearWeight, got {type(packed).__name__}")
+    xf = check_array("x", x, np.float32, None)
+    if xf.ndim < 1:
+        raise KernelError("x: expected at least 1 dimension [..., K]")
+    if not np.all(np.isfinite(xf)):
+        raise KernelError("x: contains NaN or infinity; dynamic quantization needs finite input")
+    threads = apply_num_threads(num_threads, "linear_dynamic")
+    a_s, a_zp = choose_dynamic_qparams(xf)
+    xq = quantize_activation(xf, a_s, a_zp)
+    a, m, lead = _activation_rows(xq, packed, "x")
+    rowoffs = np.arange(m, dtype=np.int64) * packed.lda
+    biasq, mult = packed.epilogue(a_s, None)
+    out = run_gemm(
+        packed.target, a, rowoffs, packed.koffs, packed.packed, packed.n,
+        packed.colcorr(a_zp), packed.zero_points,
+        _rowsum(a, m, packed.lda, packed.has_weight_zp), biasq, mult,
+        0, 0, True, threads,
+    )
+    return out.reshape((*lead, packed.n))  # type: ignore[return-value]

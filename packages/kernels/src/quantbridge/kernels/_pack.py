@@ -1,0 +1,82 @@
+"""Weight packing: int8 weights -> per-target panel layouts, once, with zero-point sums.
+
+Layouts (``Np``: N rounded up to the panel width, ``Kp``: K rounded up to 16; padding is 0):
+
+* ``avx512_vnni`` and ``generic``: int8 ``[Np/32][Kp/4][32][4]`` — panel p, k-step s, column
+  jj, byte u holds ``w[32p + jj, 4s + u]``.
+* ``avx2``: int16 ``[Np/16][Kp/2][16][2]`` — ``w[16p + jj, 2s + u]`` widened to int16.
+
+Zero-point corrections use ``colsum[j] = sum_k w[j, k]`` (computed here) and, when any weight
+zero point is non-zero, the per-call activation row sums.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import numpy.typing as npt
+
+from quantbridge.kernels._errors import KernelError
+
+K_ALIGN = 16
+
+# target -> (panel width, k values per step, packed dtype)
+_LAYOUT: dict[str, tuple[int, int, type[np.integer]]] = {
+    "avx512_vnni": (32, 4, np.int8),
+    "generic": (32, 4, np.int8),
+    "avx2": (16, 2, np.int16),
+}
+
+
+def layout(target: str) -> tuple[int, int, type[np.integer]]:
+    """``(panel width, k per step, packed dtype)`` of ``target``."""
+    return _LAYOUT[target]
+
+
+def round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def pack_b(w: npt.NDArray[np.int8], target: str) -> npt.NDArray[np.integer]:
+    """Pack ``w`` ([N, K] int8, output channel major) for ``target``; returns a flat array."""
+    nr, ks, dt = _LAYOUT[target]
+    n, k = w.shape
+    np_, kp = round_up(n, nr), round_up(k, K_ALIGN)
+    full = np.zeros((np_, kp), dt)
+    full[:n, :k] = w
+    packed = full.reshape(np_ // nr, nr, kp // ks, ks).transpose(0, 2, 1, 3)
+    return np.ascontiguousarray(packed).reshape(-1)
+
+
+def weight_zero_points(
+    zero_point: int | npt.ArrayLike, n: int, n_padded: int, name: str
+) -> npt.NDArray[np.int32]:
+    """Per-channel int32 weight zero points padded to ``n_padded`` (scalar broadcast)."""
+    zp = np.asarray(zero_point)
+    if zp.ndim == 0:
+        zp = np.full(n, int(zp), np.int64)
+    if zp.shape != (n,) or not np.issubdtype(zp.dtype, np.integer):
+        raise KernelError(
+            f"{name}: weight zero point must be an int or an integer array of shape ({n},), "
+            f"got {zp.dtype} {zp.shape}"
+        )
+    if zp.min() < -128 or zp.max() > 127:
+        raise KernelError(f"{name}: weight zero points must lie in [-128, 127] for int8 weights")
+    out = np.zeros(n_padded, np.int32)
+    out[:n] = zp
+    return out
+
+
+def weight_scales(scale: float | npt.ArrayLike, n: int, name: str) -> tuple[npt.NDArray[np.float32], bool]:
+    """``(float32 scales of shape [n], per_channel)``; refuses non-finite or non-positive."""
+    s = np.asarray(scale, dtype=np.float64)
+    per_channel = s.ndim == 1
+    if s.ndim == 0:
+        s = np.full(n, float(s))
+    if s.shape != (n,):
+        raise KernelError(f"{name}: weight scale must be a float or shape ({n},), got {s.shape}")
+    if not np.all(np.isfinite(s)) or np.any(s <= 0):
+        raise KernelError(f"{name}: weight scales must be finite and > 0")
+    s32 = s.astype(np.float32)
+    if np.any(s32 <= 0) or not np.all(np.isfinite(s32)):
+        raise KernelError(f"{name}: weight scales underflow/overflow float32")
+    return s32, per_channel

@@ -1,0 +1,229 @@
+"""Register-blocked int8 GEMM micro-kernels, emitted as LLVM IR through numba ``@intrinsic``.
+
+Plain numba loops never make LLVM emit ``vpdpbusd`` or ``vpmaddubsw``, so the inner kernels
+are written as IR: one intrinsic per (target, rows, output mode) computes an ``MR x NR`` block
+of C over the whole reduction in vector registers and requantizes it in registers before the
+single store (a separate requantization pass costs ~20 %).
+
+Targets and packed-B layouts (``_pack.py`` builds them):
+
+* ``avx512_vnni``: B is int8 ``[Np/32][Kp/4][32][4]``; one step consumes 4 k values:
+  ``acc(16 x i32) = vpdpbusd(acc, broadcast(a[k:k+4] as i32), b_panel[step][16 cols][4])``.
+  u8 x s8 products summed in int32 without saturation.
+* ``avx2``: B is int16 ``[Np/16][Kp/2][16][2]``; one step consumes 2 k values:
+  ``acc(8 x i32) += vpmaddwd(broadcast(zext(a[k:k+2]) as 2 x i16), b_panel[step][8 cols][2])``.
+  Widening to 16 bits keeps every product and pair sum exact (|255 * 128 * 2| < 2**31), which
+  ``vpmaddubsw`` (int16 saturation at 32767) would not.
+
+A row's activations are addressed as ``a[rowoffs[r] + koffs[step] + 0..KSTEP-1]``; linear
+uses ``rowoffs = i * K`` and ``koffs = KSTEP * step``, conv uses pixel offsets into padded
+NHWC input and per-tap offsets (implicit im2col). Rows past ``mvalid`` recompute the last
+valid row (never read out of bounds) and are not stored.
+
+Epilogue per output element (the rule in ``_requant.py``):
+``v = acc + colcorr[j] - wzp[j] * rowsum[i]``; mode ``u8``:
+``clamp(rint((float(v) + biasq[j]) * mult[j]) + ozp, qmin, qmax)``; mode ``f32``:
+``float(v) * mult[j] + biasq[j]`` (two roundings, no FMA).
+
+Intrinsics are module-level names so numba's ``cache=True`` can reload callers.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+I8 = ir.IntType(8)
+I16 = ir.IntType(16)
+I32 = ir.IntType(32)
+I64 = ir.IntType(64)
+F32T = ir.FloatType()
+
+# target -> (vector lanes of i32, vectors per block row, k values per step, B element type)
+_SPEC: dict[str, tuple[int, int, int, ir.Type]] = {
+    "avx512_vnni": (16, 2, 4, I8),
+    "avx2": (8, 2, 2, I16),
+}
+
+
+def block_cols(target: str) -> int:
+    """Columns one micro-kernel call produces (the packed panel width NR)."""
+    lanes, nvec, _, _ = _SPEC[target]
+    return lanes * nvec
+
+
+def k_step(target: str) -> int:
+    """k values consumed per step (the koffs granularity)."""
+    return _SPEC[target][2]
+
+
+def _vec_broadcast(builder: ir.IRBuilder, scalar: ir.Value, lanes: int) -> ir.Value:
+    vt = ir.VectorType(scalar.type, lanes)
+    v = builder.insert_element(ir.Constant(vt, ir.Undefined), scalar, ir.Constant(I32, 0))
+    mask = ir.Constant(ir.VectorType(I32, lanes), [0] * lanes)
+    return builder.shuffle_vector(v, ir.Constant(vt, ir.Undefined), mask)
+
+
+def _load_vec(builder: ir.IRBuilder, ptr: ir.Value, vt: ir.VectorType) -> ir.Value:
+    v = builder.load(builder.bitcast(ptr, vt.as_pointer()))
+    v.align = 1
+    return v
+
+
+def _store_vec(builder: ir.IRBuilder, value: ir.Value, ptr: ir.Value) -> None:
+    st = builder.store(value, builder.bitcast(ptr, value.type.as_pointer()))
+    st.align = 1
+
+
+def _make_kernel(target: str, mr: int, ku: int, mode: str) -> Any:
+    """Build the intrinsic for an ``mr x NR`` block, ``ku`` interleaved k accumulators."""
+    lanes, nvec, kstep, belt = _SPEC[target]
+    nr = lanes * nvec
+    vi32 = ir.VectorType(I32, lanes)
+    vf32 = ir.VectorType(F32T, lanes)
+    bvt = ir.VectorType(belt, lanes * kstep)  # one vector of packed B: lanes cols x kstep
+
+    def codegen(context: Any, builder: ir.IRBuilder, sig: Any, args: Any) -> ir.Value:
+        (a, rowoffs, r0, koffs, nk, bp, boff, c, ldc, mvalid) = args[:10]
+        (colcorr, wzp, rowsum, biasq, mult, j0, ozp, qmin, qmax) = args[10:]
+        aty = sig.args
+
+        def data(i: int, v: ir.Value) -> ir.Value:
+            return context.make_array(aty[i])(context, builder, v).data
+
+        a_p, ro_p, ko_p, b_p, c_p = (
+            data(0, a),
+            data(1, rowoffs),
+            data(3, koffs),
+            data(5, bp),
+            data(7, c),
+        )
+        cc_p, wz_p, rs_p, bq_p, mu_p = (
+            data(10, colcorr),
+            data(11, wzp),
+            data(12, rowsum),
+            data(13, biasq),
+            data(14, mult),
+        )
+        mod = builder.module
+        if target == "avx512_vnni":
+            fn = cgutils.get_or_insert_function(
+                mod, ir.FunctionType(vi32, [vi32, vi32, vi32]), "llvm.x86.avx512.vpdpbusd.512"
+            )
+        else:
+            fn = cgutils.get_or_insert_function(
+                mod, ir.FunctionType(vi32, [bvt, bvt]), "llvm.x86.avx2.pmadd.wd"
+            )
+        rint = cgutils.get_or_insert_function(
+            mod, ir.FunctionType(vf32, [vf32]), f"llvm.rint.v{lanes}f32"
+        )
+        # row base offsets, duplicating the last valid row for rows past mvalid
+        last = builder.sub(mvalid, ir.Constant(I64, 1))
+        rbase = []
+        for r in range(mr):
+            rr = ir.Constant(I64, r)
+            ridx = builder.select(builder.icmp_signed("<", rr, last), rr, last)
+            rbase.append(builder.load(builder.gep(ro_p, [builder.add(r0, ridx)])))
+        zero = ir.Constant(vi32, [0] * lanes)
+        accs = [[[cgutils.alloca_once_value(builder, zero) for _ in range(nvec)]
+                 for _ in range(ku)] for _ in range(mr)]
+        panel_elems = ir.Constant(I64, nr * kstep)
+        nouter = builder.sdiv(nk, ir.Constant(I64, ku))
+        with cgutils.for_range(builder, nouter) as loop:
+            for u in range(ku):
+                step = builder.add(builder.mul(loop.index, ir.Constant(I64, ku)), ir.Constant(I64, u))
+                koff = builder.load(builder.gep(ko_p, [step]))
+                bbase = builder.add(boff, builder.mul(step, panel_elems))
+                bvecs = [
+                    _load_vec(builder, builder.gep(b_p, [builder.add(bbase, ir.Constant(I64, v * lanes * kstep))]), bvt)
+                    for v in range(nvec)
+                ]
+                for r in range(mr):
+                    aptr = builder.gep(a_p, [builder.add(rbase[r], koff)])
+                    if target == "avx512_vnni":
+                        word = builder.load(builder.bitcast(aptr, I32.as_pointer()))
+                        word.align = 1
+                        abc = _vec_broadcast(builder, word, lanes)
+                        for v in range(nvec):
+                            slot = accs[r][u][v]
+                            bw = builder.bitcast(bvecs[v], vi32)
+                            builder.store(builder.call(fn, [builder.load(slot), abc, bw]), slot)
+                    else:
+                        pair = builder.load(builder.bitcast(aptr, ir.VectorType(I8, 2).as_pointer()))
+                        pair.align = 1
+                        wide = builder.bitcast(builder.zext(pair, ir.VectorType(I16, 2)), I32)
+                        abc = builder.bitcast(_vec_broadcast(builder, wide, lanes), bvt)
+                        for v in range(nvec):
+                            slot = accs[r][u][v]
+                            prod = builder.call(fn, [abc, bvecs[v]])
+                            builder.store(builder.add(builder.load(slot), prod), slot)
+        # epilogue, in registers
+        for v in range(nvec):
+            jv = builder.add(j0, ir.Constant(I64, v * lanes))
+            cc = _load_vec(builder, builder.gep(cc_p, [jv]), vi32)
+            wz = _load_vec(builder, builder.gep(wz_p, [jv]), vi32)
+            bq = _load_vec(builder, builder.gep(bq_p, [jv]), vf32)
+            mu = _load_vec(builder, builder.gep(mu_p, [jv]), vf32)
+            for r in range(mr):
+                acc = builder.load(accs[r][0][v])
+                for u in range(1, ku):
+                    acc = builder.add(acc, builder.load(accs[r][u][v]))
+                ridx = builder.add(r0, ir.Constant(I64, r))
+                rs = builder.load(builder.gep(rs_p, [builder.select(
+                    builder.icmp_signed("<", ir.Constant(I64, r), mvalid), ridx, r0)]))
+                val = builder.sub(builder.add(acc, cc), builder.mul(wz, _vec_broadcast(builder, rs, lanes)))
+                fv = builder.sitofp(val, vf32)
+                col = builder.add(j0, ir.Constant(I64, v * lanes))
+                cidx = builder.add(builder.mul(ridx, ldc), col)
+                do_store = builder.icmp_signed("<", ir.Constant(I64, r), mvalid)
+                if mode == "u8":
+                    x = builder.fmul(builder.fadd(fv, bq), mu)
+                    x = builder.call(rint, [x])
+                    lim = ir.Constant(vf32, [1.0e9] * lanes)
+                    x = builder.select(builder.fcmp_ordered(">", x, lim), lim, x)
+                    nlim = ir.Constant(vf32, [-1.0e9] * lanes)
+                    x = builder.select(builder.fcmp_ordered("<", x, nlim), nlim, x)
+                    q = builder.add(builder.fptosi(x, vi32), _vec_broadcast(builder, builder.trunc(ozp, I32), lanes))
+                    lo = _vec_broadcast(builder, builder.trunc(qmin, I32), lanes)
+                    hi = _vec_broadcast(builder, builder.trunc(qmax, I32), lanes)
+                    q = builder.select(builder.icmp_signed("<", q, lo), lo, q)
+                    q = builder.select(builder.icmp_signed(">", q, hi), hi, q)
+                    outv = builder.trunc(q, ir.VectorType(I8, lanes))
+                else:
+                    outv = builder.fadd(builder.fmul(fv, mu), bq)
+                with builder.if_then(do_store):
+                    _store_vec(builder, outv, builder.gep(c_p, [cidx]))
+        return context.get_dummy_value()
+
+    def typer(typingctx: Any, a, rowoffs, r0, koffs, nk, bp, boff, c, ldc, mvalid,  # type: ignore[no-untyped-def]
+              colcorr, wzp, rowsum, biasq, mult, j0, ozp, qmin, qmax):
+        sig = types.void(a, rowoffs, r0, koffs, nk, bp, boff, c, ldc, mvalid,
+                         colcorr, wzp, rowsum, biasq, mult, j0, ozp, qmin, qmax)
+        return sig, codegen
+
+    typer.__name__ = f"mk_{target}_{mr}_{mode}"
+    return intrinsic(typer)
+
+
+# Module-level instances (cache=True needs importable names). Rows per block: 8 fills 16 of
+# the 32 zmm registers for VNNI; AVX2 has 16 ymm registers, so 6 rows (12 accumulators).
+# The 1-row kernels split k over 4 accumulator sets to hide the 4-cycle latency.
+vnni_u8_8 = _make_kernel("avx512_vnni", 8, 1, "u8")
+vnni_u8_4 = _make_kernel("avx512_vnni", 4, 2, "u8")
+vnni_u8_1 = _make_kernel("avx512_vnni", 1, 4, "u8")
+vnni_f32_8 = _make_kernel("avx512_vnni", 8, 1, "f32")
+vnni_f32_4 = _make_kernel("avx512_vnni", 4, 2, "f32")
+vnni_f32_1 = _make_kernel("avx512_vnni", 1, 4, "f32")
+avx2_u8_6 = _make_kernel("avx2", 6, 1, "u8")
+avx2_u8_3 = _make_kernel("avx2", 3, 2, "u8")
+avx2_u8_1 = _make_kernel("avx2", 1, 4, "u8")
+avx2_f32_6 = _make_kernel("avx2", 6, 1, "f32")
+avx2_f32_3 = _make_kernel("avx2", 3, 2, "f32")
+avx2_f32_1 = _make_kernel("avx2", 1, 4, "f32")
+
+# k steps are padded so every kernel's accumulator interleave divides them
+K_UNROLL = 4
