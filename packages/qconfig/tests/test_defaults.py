@@ -311,3 +311,23 @@ def test_default_factories_are_flat_partials() -> None:
     assert factory.p.keywords["observer"] is qc.MovingAverageMinMaxObserver
     assert factory.p.keywords["reduce_range"] is True
     assert factory.callable_args == {}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("qat", [False, True])
+def test_default_mappings_survive_json(backend: str, qat: bool) -> None:
+    """The default mappings serialize with the package's JSON and load back to
+    constructors that build the same modules (the factory contract the JSON code uses)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if qat:
+            mapping = qc.get_default_qat_qconfig_mapping(backend)
+        else:
+            mapping = qc.get_default_qconfig_mapping(backend)
+    loaded = QConfigMapping.from_json(mapping.to_json())
+    assert qc.qconfig_equals(loaded.global_qconfig, mapping.global_qconfig)
+    assert list(loaded.object_type_qconfigs) == list(mapping.object_type_qconfigs)
+    for key, qconfig in mapping.object_type_qconfigs.items():
+        assert qc.qconfig_equals(loaded.object_type_qconfigs[key], qconfig), key
+    assert loaded.global_qconfig is not None
+    assert_same_constructor(loaded.global_qconfig.activation, mapping.global_qconfig.activation)

@@ -463,3 +463,29 @@ def test_loaded_state_is_not_shared_with_the_state_dict() -> None:
     dst(torch.tensor([-100.0, 100.0]))
     assert torch.equal(state["min_val"], before)
     assert float(dst.min_val) == -100.0
+
+
+@pytest.mark.parametrize("input_dtype", [torch.float16, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize(
+    ("cls_name", "qscheme", "extra"),
+    [
+        ("MinMaxObserver", "per_tensor_affine", {}),
+        ("MovingAverageMinMaxObserver", "per_tensor_symmetric", {}),
+        ("PerChannelMinMaxObserver", "per_channel_affine", {"ch_axis": 1}),
+        ("MovingAveragePerChannelMinMaxObserver", "per_channel_symmetric", {}),
+        ("HistogramObserver", "per_tensor_affine", {"bins": 16}),
+    ],
+)
+def test_non_float32_inputs(
+    input_dtype: torch.dtype, cls_name: str, qscheme: str, extra: dict[str, Any]
+) -> None:
+    pair = build_pair(cls_name, "int8", qscheme, False, False, **extra)
+    assert pair is not None
+    g = _gen(18)
+    batches = [(torch.randn(5, 10, generator=g) * s).to(input_dtype) for s in (1.0, 3.0)]
+    run(*pair, batches)
+
+
+def test_histogram_integer_input_raises() -> None:
+    with pytest.raises(QConfigError, match="not a floating-point dtype"):
+        qc.HistogramObserver(bins=8)(torch.arange(10, dtype=torch.int32))

@@ -94,6 +94,11 @@ class HistogramObserver(UniformQuantizationObserverBase):
         if x_orig.numel() == 0:
             return x_orig
         x = x_orig.detach()
+        if not x.is_floating_point():
+            raise QConfigError(
+                f"HistogramObserver: input dtype {x.dtype} is not a floating-point dtype; "
+                "observe the float tensor (torch.histc has no integer kernel)"
+            )
         x_min, x_max = torch.aminmax(x)
         if bool(torch.isnan(x_min)) or bool(torch.isnan(x_max)):
             raise QConfigError(
