@@ -14,48 +14,22 @@ dtype's full range, which is what torch.ao's reference modules clamp to).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch import nn
 
 from quantbridge.fx_quant._errors import FxQuantError
-from quantbridge.qconfig._dtypes import (
-    QScheme,
-    canonical_dtype,
-    canonical_qscheme,
-    natural_quant_range,
+from quantbridge.fx_quant.nn.reference._weight_qparams import (
+    QuantizedWeight,
+    check_weight_qparams,
+    fake_quantize_weight,
+    parse_weight_qparams,
+    quantize_weight,
 )
+from quantbridge.qconfig._dtypes import QScheme, canonical_dtype
 
 __all__ = ["QuantizedWeight", "ReferenceQuantizedModule"]
-
-_ops = torch.ops.quantbridge
-
-# Symmetric schemes store the same qparams as their affine counterparts (zero point fixed).
-_AS_AFFINE = {
-    QScheme.PER_TENSOR_SYMMETRIC: QScheme.PER_TENSOR_AFFINE,
-    QScheme.PER_CHANNEL_SYMMETRIC: QScheme.PER_CHANNEL_AFFINE,
-}
-_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-_DEFAULT_QPARAMS: dict[str, Any] = {
-    "qscheme": QScheme.PER_TENSOR_AFFINE,
-    "dtype": torch.uint8,
-    "scale": 1.0,
-    "zero_point": 0,
-}
-
-
-class QuantizedWeight(NamedTuple):
-    """A weight as plain integers plus what is needed to read it back as floats."""
-
-    values: torch.Tensor  # uint8/int8/int32 tensor, same shape as the float weight
-    scale: torch.Tensor
-    zero_point: torch.Tensor
-    axis: int | None  # the channel axis for per-channel schemes
-    quant_min: int
-    quant_max: int
-    dtype: torch.dtype
-    qscheme: QScheme
 
 
 def _where(module: nn.Module) -> str:
@@ -84,152 +58,52 @@ class ReferenceQuantizedModule(nn.Module):
     def _init_weight_qparams(
         self, weight_qparams: Mapping[str, Any] | None, device: torch.device | str | None
     ) -> None:
-        where = _where(self)
-        qparams = dict(_DEFAULT_QPARAMS if weight_qparams is None else weight_qparams)
-        if "dtype" not in qparams or "qscheme" not in qparams:
-            raise FxQuantError(
-                f"{where}: weight_qparams needs 'qscheme' and 'dtype' keys, got {sorted(qparams)}"
-            )
-        raw_dtype = qparams["dtype"]
-        qscheme = None
-        if qparams["qscheme"] is not None:
-            try:
-                qscheme = canonical_qscheme(
-                    qparams["qscheme"], f"{where}: weight_qparams['qscheme']"
-                )
-            except ValueError as e:
-                raise FxQuantError(str(e)) from None
-            qscheme = _AS_AFFINE.get(qscheme, qscheme)
-        try:
-            dtype = canonical_dtype(raw_dtype, f"{where}: weight_qparams['dtype']")
-        except ValueError as e:
-            raise FxQuantError(str(e)) from None
-        self.weight_qscheme = qscheme
-        self.weight_dtype = dtype
-        quantized = qscheme is not None and dtype not in _FLOAT_DTYPES
-        if quantized:
-            low, high = natural_quant_range(raw_dtype)
-            qmin = qparams.get("quant_min")
-            qmax = qparams.get("quant_max")
-            self.weight_quant_min = low if qmin is None else int(qmin)
-            self.weight_quant_max = high if qmax is None else int(qmax)
-            if not low <= self.weight_quant_min <= self.weight_quant_max <= high:
-                raise FxQuantError(
-                    f"{where}: weight_qparams quant range [{qmin}, {qmax}] does not fit dtype "
-                    f"{raw_dtype} ([{low}, {high}])"
-                )
-            for key in ("scale", "zero_point"):
-                if key not in qparams:
-                    raise FxQuantError(f"{where}: weight_qparams is missing {key!r}")
-            scale = _as_tensor(qparams["scale"], torch.float32, device)
-            zp_default = (
-                torch.float32
-                if qscheme is QScheme.PER_CHANNEL_AFFINE_FLOAT_QPARAMS
-                else torch.int32
-            )
-            zero_point = _as_tensor(qparams["zero_point"], zp_default, device)
-            if qscheme is not None and qscheme.is_per_channel:
-                if qparams.get("axis") is None:
-                    raise FxQuantError(
-                        f"{where}: weight_qparams for {qscheme.value} needs an 'axis'"
-                    )
-                axis = _as_tensor(qparams["axis"], torch.int32, device)
-            else:
-                axis = torch.tensor(0, dtype=torch.int32, device=device)
-        else:
-            self.weight_quant_min, self.weight_quant_max = 0, 0
-            scale = torch.tensor(1.0, dtype=torch.float32, device=device)
-            zero_point = torch.tensor(0, dtype=torch.int32, device=device)
-            axis = torch.tensor(0, dtype=torch.int32, device=device)
-        self.register_buffer("weight_scale", scale)
-        self.register_buffer("weight_zero_point", zero_point)
-        self.register_buffer("weight_axis", axis)
-        self.weight_axis_int = int(axis.item())
-        if quantized:
-            self._check_weight_qparams()
+        parsed = parse_weight_qparams(weight_qparams, _where(self), device)
+        self.weight_qscheme = parsed.qscheme
+        self.weight_dtype = parsed.dtype
+        self.weight_quant_min, self.weight_quant_max = parsed.quant_min, parsed.quant_max
+        self.register_buffer("weight_scale", parsed.scale)
+        self.register_buffer("weight_zero_point", parsed.zero_point)
+        self.register_buffer("weight_axis", parsed.axis)
+        self.weight_axis_int = int(parsed.axis.item())
+        self._check_weight_qparams()
 
     def _check_weight_qparams(self) -> None:
-        where = _where(self)
-        qscheme = self.weight_qscheme
-        if qscheme is None or not qscheme.is_per_channel:
-            if self.weight_scale.numel() != 1 or self.weight_zero_point.numel() != 1:
-                raise FxQuantError(
-                    f"{where}: per-tensor weight_qparams need one scale and one zero_point, "
-                    f"got {self.weight_scale.numel()} and {self.weight_zero_point.numel()}"
-                )
-            return
-        ndim = self.weight.dim()
-        axis = self.weight_axis_int
-        if not -ndim <= axis < ndim:
-            raise FxQuantError(
-                f"{where}: weight_qparams axis={axis} is out of range for a {ndim}-d weight"
-            )
-        channels = self.weight.shape[axis]
-        if self.weight_scale.numel() != channels or self.weight_zero_point.numel() != channels:
-            raise FxQuantError(
-                f"{where}: weight has {channels} channels along axis {axis} but weight_qparams "
-                f"has {self.weight_scale.numel()} scales and {self.weight_zero_point.numel()} "
-                "zero points"
-            )
+        check_weight_qparams(
+            self.weight,
+            self.weight_qscheme,
+            self.weight_dtype,
+            self.weight_scale,
+            self.weight_zero_point,
+            self.weight_axis_int,
+            _where(self),
+        )
 
     def get_weight(self) -> torch.Tensor:
         """The weight after quantize -> dequantize with the weight qparams (float)."""
-        qscheme = self.weight_qscheme
-        if qscheme is None or self.weight_dtype == torch.float32:
-            return self.weight
-        if self.weight_dtype in _FLOAT_DTYPES:
-            return self.weight.to(self.weight_dtype).to(self.weight.dtype)
-        args = (self.weight_quant_min, self.weight_quant_max, self.weight_dtype)
-        if qscheme.is_per_channel:
-            axis = self.weight_axis_int
-            q = _ops.quantize_per_channel(
-                self.weight, self.weight_scale, self.weight_zero_point, axis, *args
-            )
-            result: torch.Tensor = _ops.dequantize_per_channel(
-                q, self.weight_scale, self.weight_zero_point, axis, *args
-            )
-            return result
-        q = _ops.quantize_per_tensor.tensor(
-            self.weight, self.weight_scale, self.weight_zero_point, *args
+        return fake_quantize_weight(
+            self.weight,
+            self.weight_qscheme,
+            self.weight_dtype,
+            self.weight_quant_min,
+            self.weight_quant_max,
+            self.weight_scale,
+            self.weight_zero_point,
+            self.weight_axis_int,
         )
-        result = _ops.dequantize_per_tensor.tensor(
-            q, self.weight_scale, self.weight_zero_point, *args
-        )
-        return result
 
     def get_quantized_weight(self) -> QuantizedWeight:
         """The weight as a plain integer tensor with its qparams (no quantized tensor types)."""
-        qscheme = self.weight_qscheme
-        if qscheme is None or self.weight_dtype in _FLOAT_DTYPES:
-            raise FxQuantError(
-                f"{_where(self)}: weight dtype {self.weight_dtype} (qscheme {qscheme}) has no "
-                "integer form; use get_weight()"
-            )
-        args = (self.weight_quant_min, self.weight_quant_max, self.weight_dtype)
-        with torch.no_grad():
-            if qscheme.is_per_channel:
-                values = _ops.quantize_per_channel(
-                    self.weight,
-                    self.weight_scale,
-                    self.weight_zero_point,
-                    self.weight_axis_int,
-                    *args,
-                )
-                axis: int | None = self.weight_axis_int
-            else:
-                values = _ops.quantize_per_tensor.tensor(
-                    self.weight, self.weight_scale, self.weight_zero_point, *args
-                )
-                axis = None
-        return QuantizedWeight(
-            values,
-            self.weight_scale,
-            self.weight_zero_point,
-            axis,
+        return quantize_weight(
+            self.weight,
+            self.weight_qscheme,
+            self.weight_dtype,
             self.weight_quant_min,
             self.weight_quant_max,
-            self.weight_dtype,
-            qscheme,
+            self.weight_scale,
+            self.weight_zero_point,
+            self.weight_axis_int,
+            _where(self),
         )
 
     # --- serialization: qparam buffers may change shape; scheme and dtype are extra state --
