@@ -364,6 +364,7 @@ def test_fake_quant_disabled_is_identity() -> None:
             "outside the range",
         ),
         (lambda: qc.FixedQParamsFakeQuantize(observer=qc.MinMaxObserver), "FixedQParamsObserver"),
+        (lambda: qc.FakeQuantize(observer=lambda **kw: qc.NoopObserver()), "no quantization"),
         (lambda: qc.FusedMovingAvgObsFakeQuantize(observer=qc.MinMaxObserver), "MovingAverage"),
         (lambda: qc.FusedMovingAvgObsFakeQuantize(observer=qc.HistogramObserver), "MovingAverage"),
     ],

@@ -118,6 +118,11 @@ class FakeQuantize(FakeQuantizeBase):
         observer_kwargs["is_dynamic"] = is_dynamic
         self.activation_post_process = observer(**observer_kwargs)
         post = self.activation_post_process
+        if not isinstance(getattr(post, "qscheme", None), QScheme):
+            raise QConfigError(
+                f"{name}: observer {type(post).__name__} has no quantization scheme; use a "
+                "quantbridge observer that computes qparams (e.g. MovingAverageMinMaxObserver)"
+            )
         self.quant_min = post.quant_min
         self.quant_max = post.quant_max
         self.is_dynamic = post.is_dynamic
