@@ -433,6 +433,19 @@ def test_torch_qscheme_objects_load_as_qscheme() -> None:
     assert loaded.global_qconfig.activation.keywords["qscheme"] is QScheme.PER_TENSOR_SYMMETRIC  # type: ignore[union-attr]
 
 
+def test_qconfig_with_a_none_field_round_trips() -> None:
+    mapping = QConfigMapping().set_object_type(
+        "relu", QConfig(activation=MinMaxObserver.with_args(quant_max=127), weight=None)
+    )
+    text = mapping.to_json()
+    assert json.loads(text)["data"]["object_type"][0]["$tuple"][1]["$qconfig"]["weight"] is None
+    loaded = QConfigMapping.from_json(text)
+    q = loaded.object_type_qconfigs["relu"]
+    assert q is not None
+    assert q.weight is None
+    assert qconfig_equals(q, mapping.object_type_qconfigs["relu"])
+
+
 def test_non_finite_floats_are_tagged() -> None:
     odd = functools.partial(helpers.DummyObserver, eps=math.inf, quant_min=None)
     mapping = QConfigMapping().set_global(QConfig(odd, odd))

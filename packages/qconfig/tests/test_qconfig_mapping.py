@@ -46,7 +46,13 @@ def test_qconfig_rejects_observer_instances_like_torch_ao() -> None:
         QConfig(activation=DummyObserver, weight=DummyWeightObserver())
 
 
-@pytest.mark.parametrize("bad", [None, 3, "MinMaxObserver"])
+def test_qconfig_allows_none_like_torch_ao() -> None:
+    q = QConfig(activation=DummyObserver, weight=None)
+    assert q.weight is None
+    assert QConfigMapping().set_global(q).global_qconfig is q
+
+
+@pytest.mark.parametrize("bad", [3, "MinMaxObserver", 1.5])
 def test_qconfig_rejects_non_callables(bad: Any) -> None:
     with pytest.raises(QConfigError, match=r"QConfig.weight: .* is not an observer constructor"):
         QConfig(activation=DummyObserver, weight=bad)

@@ -229,6 +229,8 @@ def _encode_kwargs(kwargs: dict[str, Any], path: str) -> dict[str, Any]:
 
 
 def _encode_constructor(value: Any, path: str) -> Any:
+    if value is None:
+        return None
     partial = getattr(value, "p", None)
     if isinstance(partial, functools.partial):
         callable_args = getattr(value, "callable_args", None)

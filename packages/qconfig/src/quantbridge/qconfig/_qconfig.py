@@ -20,6 +20,8 @@ ObserverConstructor: TypeAlias = Callable[..., Any]
 
 
 def _check_constructor(value: object, field: str) -> None:
+    if value is None:  # allowed, as in torch.ao: e.g. no weight observer for weightless ops
+        return
     if isinstance(value, torch.nn.Module):
         raise QConfigError(
             f"QConfig.{field}: got an observer instance ({type(value).__name__}); QConfig needs "
@@ -31,25 +33,28 @@ def _check_constructor(value: object, field: str) -> None:
         raise QConfigError(
             f"QConfig.{field}: {value!r} (a {type(value).__name__}) is not an observer "
             "constructor; pass an observer or fake-quantize class, Observer.with_args(...), "
-            "or a functools.partial"
+            "a functools.partial, or None"
         )
 
 
 class _QConfigFields(NamedTuple):
-    activation: ObserverConstructor
-    weight: ObserverConstructor
+    activation: ObserverConstructor | None
+    weight: ObserverConstructor | None
 
 
 class QConfig(_QConfigFields):
     """Observer constructors for a layer's activations and weight: ``QConfig(activation, weight)``.
 
-    A named tuple like torch.ao's ``QConfig``; observer instances and non-callables are
+    A named tuple like torch.ao's ``QConfig``. Either field may be None (torch.ao uses
+    ``weight=None`` for weightless operators); observer instances and other non-callables are
     rejected with :class:`QConfigError` (a ``ValueError``, as torch.ao raises).
     """
 
     __slots__ = ()
 
-    def __new__(cls, activation: ObserverConstructor, weight: ObserverConstructor) -> QConfig:
+    def __new__(
+        cls, activation: ObserverConstructor | None, weight: ObserverConstructor | None
+    ) -> QConfig:
         _check_constructor(activation, "activation")
         _check_constructor(weight, "weight")
         return super().__new__(cls, activation, weight)
