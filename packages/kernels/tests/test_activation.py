@@ -55,12 +55,11 @@ def test_large_input_threads_and_targets(threads, target):
     if threads > numba.config.NUMBA_NUM_THREADS:
         pytest.skip("numba runs with fewer threads on this machine")
     x = np.random.default_rng(1).integers(0, 256, 300_001).astype(np.uint8)
-    previous = numba.get_num_threads()
-    numba.set_num_threads(threads)
+    qk.set_num_threads(threads)
     try:
         got = qk.clamp(x, 0.05, 20, -0.5, 4.0, target=target)
     finally:
-        numba.set_num_threads(previous)
+        qk.set_num_threads(None)
     np.testing.assert_array_equal(got, np.clip(x, 10, 100))
 
 

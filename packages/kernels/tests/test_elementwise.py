@@ -131,10 +131,9 @@ def test_large_inputs_every_target_and_thread_count(op, ref, relu, threads, targ
     rng = np.random.default_rng(2)
     a = rng.integers(0, 256, (3, 70_001)).astype(np.uint8)
     b = rng.integers(0, 256, (3, 70_001)).astype(np.uint8)
-    previous = numba.get_num_threads()
-    numba.set_num_threads(threads)
+    qk.set_num_threads(threads)
     try:
         got = op(a, 0.03, 120, b, 0.05, 7, 0.08, 64, target=target)
     finally:
-        numba.set_num_threads(previous)
+        qk.set_num_threads(None)
     np.testing.assert_array_equal(got, ref(a, 0.03, 120, b, 0.05, 7, 0.08, 64, relu))

@@ -190,14 +190,13 @@ def test_large_inputs_threads_and_targets(threads, target):
     if threads > numba.config.NUMBA_NUM_THREADS:
         pytest.skip("numba runs with fewer threads on this machine")
     x = np.random.default_rng(3).integers(0, 256, (2, 16, 48, 48)).astype(np.uint8)
-    previous = numba.get_num_threads()
-    numba.set_num_threads(threads)
+    qk.set_num_threads(threads)
     try:
         mx = qk.max_pool2d(x, 3, 2, 1, target=target)
         av = qk.avg_pool2d(x, 3, 2, 1, scale=0.1, zero_point=10, target=target)
         ad = qk.adaptive_avg_pool2d(x, (5, 7), target=target)
     finally:
-        numba.set_num_threads(previous)
+        qk.set_num_threads(None)
     np.testing.assert_array_equal(mx, ref_max_pool(x, (3, 3), (2, 2), (1, 1), (1, 1), False))
     want = ref_avg_pool(x, (3, 3), (2, 2), (1, 1), False, True, None, 0.1, 10, 0.1, 10)
     np.testing.assert_array_equal(av, want)

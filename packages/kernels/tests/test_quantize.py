@@ -220,8 +220,7 @@ def test_parallel_path_matches_serial_reference(threads):
         pytest.skip("numba runs with fewer threads on this machine")
     rng = np.random.default_rng(9)
     x = _tie_data(rng, 7 * 30_011, 0.05).reshape(7, -1)
-    previous = numba.get_num_threads()
-    numba.set_num_threads(threads)
+    qk.set_num_threads(threads)
     try:
         got = qk.quantize_per_tensor(x, 0.05, 128)
         deq = qk.dequantize_per_tensor(got, 0.05, 128)
@@ -231,7 +230,7 @@ def test_parallel_path_matches_serial_reference(threads):
         dpc = qk.dequantize_per_channel(pc, scales, zps, 0)
         rq = qk.requantize(got, 0.05, 128, 0.1, 5)
     finally:
-        numba.set_num_threads(previous)
+        qk.set_num_threads(None)
     np.testing.assert_array_equal(
         got.astype(np.int64), ref_quantize_per_tensor(x, 0.05, 128, 0, 255)
     )

@@ -17,7 +17,7 @@ import numpy.typing as npt
 
 from quantbridge.kernels._checks import check_array, check_out, check_zero_point
 from quantbridge.kernels._errors import KernelError
-from quantbridge.kernels._quantize import PARALLEL_MIN_ELEMENTS, f32_scale
+from quantbridge.kernels._quantize import f32_scale, use_parallel
 from quantbridge.kernels._targets import check_target
 
 U8 = npt.NDArray[np.uint8]
@@ -72,7 +72,7 @@ def _run(q: object, lo: int, hi: int, out: U8 | None) -> U8:
         out = np.empty(arr.shape, np.uint8)
     else:
         check_out(out, arr.shape, np.uint8, arr)
-    kernel = _clamp_par if arr.size >= PARALLEL_MIN_ELEMENTS else _clamp
+    kernel = _clamp_par if use_parallel(arr.size, "clamp") else _clamp
     kernel(arr.reshape(-1), out.reshape(-1), lo, hi)
     return out
 

@@ -22,7 +22,7 @@ import numpy.typing as npt
 from quantbridge.kernels._checks import check_array, check_out, check_zero_point
 from quantbridge.kernels._errors import KernelError
 from quantbridge.kernels._fma import fma32
-from quantbridge.kernels._quantize import PARALLEL_MIN_ELEMENTS, f32_scale
+from quantbridge.kernels._quantize import f32_scale, use_parallel
 from quantbridge.kernels._targets import check_target
 
 U8 = npt.NDArray[np.uint8]
@@ -141,7 +141,7 @@ def _binary(
         out = np.empty(qa.shape, np.uint8)
     else:
         check_out(out, qa.shape, np.uint8, qa, qb)
-    big = qa.size >= PARALLEL_MIN_ELEMENTS
+    big = use_parallel(qa.size, kind)
     kernels = (_add, _add_par) if kind == "add" else (_mul, _mul_par)
     kernel = kernels[1] if big else kernels[0]
     kernel(qa.reshape(-1), qb.reshape(-1), out.reshape(-1), sa, za, sb, zb, so, zo, relu)

@@ -28,12 +28,12 @@ import numpy.typing as npt
 from quantbridge.kernels._checks import check_array, check_out
 from quantbridge.kernels._errors import KernelError
 from quantbridge.kernels._fma import fma32
+from quantbridge.kernels._quantize import use_parallel
 from quantbridge.kernels._targets import check_target
 
 U8 = npt.NDArray[np.uint8]
 F32 = npt.NDArray[np.float32]
 _MODES = {"sum": 0, "mean": 1, "max": 2}
-_PARALLEL_MIN_WORK = 1 << 15
 _FP16_MAX = 65504.0
 
 
@@ -298,7 +298,8 @@ def embedding_bag(
                 raise KernelError(f"out: must not overlap {name}")
     if not n_idx:
         idx = np.zeros(1, idx.dtype)  # give the compiled loop a non-empty array to type on
-    kernel = _lookup_par if n_idx * dim >= _PARALLEL_MIN_WORK and bags > 1 else _lookup
+    par = bags > 1 and use_parallel(n_idx * dim, "embedding_bag")
+    kernel = _lookup_par if par else _lookup
     offsets_used = offs[:bags] if last else offs
     kernel(data, scale, bias, bits, dim, idx, offsets_used, n_idx, weights, has_w,
            _MODES[mode], out)  # fmt: skip

@@ -17,10 +17,10 @@ import numpy.typing as npt
 from quantbridge.kernels._checks import check_array, check_out, check_quant_range, check_zero_point
 from quantbridge.kernels._errors import KernelError
 from quantbridge.kernels._quantize import (
-    PARALLEL_MIN_ELEMENTS,
     _dequantize_flat,
     _quantize_flat,
     f32_scale,
+    use_parallel,
 )
 from quantbridge.kernels._targets import check_target
 
@@ -49,7 +49,7 @@ def _gather_par(q, table, out):  # type: ignore[no-untyped-def]
 
 def apply_table(q: U8, table: U8, out: U8) -> None:
     """Unchecked gather ``out = table[q]`` on validated contiguous uint8 arrays."""
-    kernel = _gather_par if q.size >= PARALLEL_MIN_ELEMENTS else _gather
+    kernel = _gather_par if use_parallel(q.size, "apply_lut") else _gather
     kernel(q.reshape(-1), table, out.reshape(-1))
 
 
@@ -112,10 +112,9 @@ def _build(
             "fn: must map a float32 array of shape (256,) to an array of the same shape, "
             f"got {type(result).__name__} {getattr(result, 'shape', '')}"
         )
-    try:
-        values = np.ascontiguousarray(result, dtype=np.float32)
-    except (TypeError, ValueError):
-        raise KernelError(f"fn: returned {result.dtype} values, not float32-convertible") from None
+    if result.dtype.kind not in "fiu":
+        raise KernelError(f"fn: returned {result.dtype} values; expected real numbers")
+    values = np.ascontiguousarray(result, dtype=np.float32)
     table = np.empty(256, np.uint8)
     _quantize_flat(values, table, out_scale, out_zero_point, lo, hi)
     table.flags.writeable = False

@@ -23,7 +23,7 @@ import numpy.typing as npt
 
 from quantbridge.kernels._checks import check_array, check_int, check_out, check_zero_point
 from quantbridge.kernels._errors import KernelError
-from quantbridge.kernels._quantize import PARALLEL_MIN_ELEMENTS, f32_scale
+from quantbridge.kernels._quantize import f32_scale, use_parallel
 from quantbridge.kernels._targets import check_target
 
 U8 = npt.NDArray[np.uint8]
@@ -162,7 +162,8 @@ def max_pool2d(
         h, w, kernel_size, stride, padding, dilation, ceil_mode, True
     )
     result = _output(arr, oh, ow, out)
-    kernel = _max_pool_par if arr.size >= PARALLEL_MIN_ELEMENTS and planes > 1 else _max_pool
+    par = planes > 1 and use_parallel(arr.size, "max_pool2d")
+    kernel = _max_pool_par if par else _max_pool
     kernel(
         arr.reshape(planes, h, w), result.reshape(planes, oh, ow), kh, kw, sh, sw, ph, pw, dh, dw
     )
@@ -262,7 +263,8 @@ def avg_pool2d(
     if kh * kw > (1 << 23):
         raise KernelError(f"kernel_size: window {(kh, kw)} too large for int32 sums")
     result = _output(arr, oh, ow, out)
-    kernel = _avg_pool_par if arr.size >= PARALLEL_MIN_ELEMENTS and planes > 1 else _avg_pool
+    par = planes > 1 and use_parallel(arr.size, "avg_pool2d")
+    kernel = _avg_pool_par if par else _avg_pool
     kernel(
         arr.reshape(planes, h, w),
         result.reshape(planes, oh, ow),
@@ -325,6 +327,7 @@ def adaptive_avg_pool2d(
     arr, planes, h, w = _planes("x", x)
     oh, ow = _pair("output_size", output_size, minimum=1)
     result = _output(arr, oh, ow, out)
-    kernel = _adaptive_par if arr.size >= PARALLEL_MIN_ELEMENTS and planes > 1 else _adaptive
+    par = planes > 1 and use_parallel(arr.size, "adaptive_avg_pool2d")
+    kernel = _adaptive_par if par else _adaptive
     kernel(arr.reshape(planes, h, w), result.reshape(planes, oh, ow))
     return result

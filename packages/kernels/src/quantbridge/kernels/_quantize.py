@@ -38,9 +38,21 @@ from quantbridge.kernels._checks import (
 from quantbridge.kernels._errors import KernelError
 from quantbridge.kernels._fma import fma32
 from quantbridge.kernels._targets import check_target
+from quantbridge.kernels._threads import apply_num_threads
 
 # Inputs with at least this many elements use the multi-threaded loop (chunks of _CHUNK).
 PARALLEL_MIN_ELEMENTS = 1 << 16
+
+
+def use_parallel(work: int, where: str) -> bool:
+    """True if ``work`` is big enough to split and more than one thread is configured.
+
+    Applies the package thread setting (``quantbridge.kernels.set_num_threads``) to numba's
+    parallel loops, like the GEMM kernels do.
+    """
+    return work >= PARALLEL_MIN_ELEMENTS and apply_num_threads(None, where) > 1
+
+
 _CHUNK = 1 << 14
 _F32_MAX = float(np.finfo(np.float32).max)
 _F32_TINY = float(np.finfo(np.float32).tiny)
@@ -272,7 +284,7 @@ def quantize_per_tensor(
         out = np.empty(x.shape, qdtype)
     else:
         check_out(out, x.shape, qdtype, x)
-    kernel = _quantize_flat_par if x.size >= PARALLEL_MIN_ELEMENTS else _quantize_flat
+    kernel = _quantize_flat_par if use_parallel(x.size, "quantize_per_tensor") else _quantize_flat
     kernel(x.reshape(-1), out.reshape(-1), s32, zp, lo, hi)
     return out
 
@@ -306,7 +318,7 @@ def quantize_per_channel(
     else:
         check_out(out, x.shape, qdtype, x)
     inv = np.float32(1.0) / s64.astype(np.float32)
-    kernel = _quantize_pc_par if x.size >= PARALLEL_MIN_ELEMENTS else _quantize_pc
+    kernel = _quantize_pc_par if use_parallel(x.size, "quantize_per_channel") else _quantize_pc
     kernel(
         x.reshape(outer * channels, inner),
         out.reshape(outer * channels, inner),
@@ -337,7 +349,8 @@ def dequantize_per_tensor(
         out = np.empty(q.shape, np.float32)
     else:
         check_out(out, q.shape, np.float32, q)
-    kernel = _dequantize_flat_par if q.size >= PARALLEL_MIN_ELEMENTS else _dequantize_flat
+    par = use_parallel(q.size, "dequantize_per_tensor")
+    kernel = _dequantize_flat_par if par else _dequantize_flat
     kernel(q.reshape(-1), out.reshape(-1), s32, zp)
     return out
 
@@ -362,7 +375,8 @@ def dequantize_per_channel(
         out = np.empty(q.shape, np.float32)
     else:
         check_out(out, q.shape, np.float32, q)
-    kernel = _dequantize_pc_par if q.size >= PARALLEL_MIN_ELEMENTS else _dequantize_pc
+    par = use_parallel(q.size, "dequantize_per_channel")
+    kernel = _dequantize_pc_par if par else _dequantize_pc
     kernel(
         q.reshape(outer * channels, inner),
         out.reshape(outer * channels, inner),
