@@ -11,6 +11,10 @@ from quantbridge.kernels._gemm_simd import (
     drive_avx2_u8,
     drive_vnni_f32,
     drive_vnni_u8,
+    serial_avx2_f32,
+    serial_avx2_u8,
+    serial_vnni_f32,
+    serial_vnni_u8,
 )
 from quantbridge.kernels._pack import layout, round_up
 
@@ -20,6 +24,16 @@ _DRIVERS = {
     ("avx2", "u8"): drive_avx2_u8,
     ("avx2", "f32"): drive_avx2_f32,
 }
+# one thread: plain loops, no parallel-region launch (it costs ~20 us per call)
+_SERIAL = {
+    ("avx512_vnni", "u8"): serial_vnni_u8,
+    ("avx512_vnni", "f32"): serial_vnni_f32,
+    ("avx2", "u8"): serial_avx2_u8,
+    ("avx2", "f32"): serial_avx2_f32,
+}
+
+
+_NR = {t: layout(t)[0] for t in ("avx512_vnni", "avx2", "generic")}
 
 
 def _row_chunk(m: int, npanels: int, threads: int) -> int:
@@ -52,25 +66,23 @@ def run_gemm(
     ``a`` is flat uint8; every address the kernels form stays inside it (checked by the
     callers' construction of ``rowoffs`` and ``koffs``).
     """
-    nr, kstep, _ = layout(target)
     m = rowoffs.shape[0]
     nk = koffs.shape[0]
     np_ = colcorr.shape[0]
-    npanels = np_ // nr
-    dtype = np.float32 if f32_out else np.uint8
-    direct = np_ == n
-    out = np.empty((m, np_), dtype)
+    npanels = np_ // _NR[target]
+    out = np.empty((m, np_), np.float32 if f32_out else np.uint8)
     c = out.reshape(-1)
-    mchunk = _row_chunk(m, npanels, threads)
+    mchunk = m if threads == 1 else _row_chunk(m, npanels, threads)
     if target == "generic":
         drive_generic(
             a, rowoffs, m, koffs, nk, bp, npanels, c, np_, colcorr, wzp, rowsum, biasq, mult,
             out_zero_point, qmin, 255, mchunk, f32_out,
         )
     else:
-        drv = _DRIVERS[(target, "f32" if f32_out else "u8")]
+        table = _SERIAL if threads == 1 else _DRIVERS
+        drv = table[(target, "f32" if f32_out else "u8")]
         drv(
             a, rowoffs, m, koffs, nk, bp, npanels, c, np_, colcorr, wzp, rowsum, biasq, mult,
             out_zero_point, qmin, 255, mchunk,
         )
-    return out if direct else np.ascontiguousarray(out[:, :n])
+    return out if np_ == n else np.ascontiguousarray(out[:, :n])

@@ -28,11 +28,36 @@ from quantbridge.kernels._vnni import (
 )
 
 
+
 @njit(cache=True, parallel=True, nogil=True)
 def drive_vnni_u8(a, rowoffs, m, koffs, nk, bp, npanels, c, ldc, colcorr, wzp, rowsum, biasq, mult, ozp, qmin, qmax, mchunk):  # noqa: E501
     nmc = (m + mchunk - 1) // mchunk
     panel = nk * 128
     for t in prange(npanels * nmc):
+        p = t // nmc
+        start = (t % nmc) * mchunk
+        end = min(m, start + mchunk)
+        boff = p * panel
+        j0 = p * 32
+        i = start
+        while i < end:
+            left = end - i
+            if left > 4:
+                vnni_u8_8(a, rowoffs, i, koffs, nk, bp, boff, c, ldc, min(left, 8), colcorr, wzp, rowsum, biasq, mult, j0, ozp, qmin, qmax)  # noqa: E501
+                i += 8
+            elif left > 1:
+                vnni_u8_4(a, rowoffs, i, koffs, nk, bp, boff, c, ldc, left, colcorr, wzp, rowsum, biasq, mult, j0, ozp, qmin, qmax)  # noqa: E501
+                i += 4
+            else:
+                vnni_u8_1(a, rowoffs, i, koffs, nk, bp, boff, c, ldc, 1, colcorr, wzp, rowsum, biasq, mult, j0, ozp, qmin, qmax)  # noqa: E501
+                i += 1
+
+
+@njit(cache=True, nogil=True)
+def serial_vnni_u8(a, rowoffs, m, koffs, nk, bp, npanels, c, ldc, colcorr, wzp, rowsum, biasq, mult, ozp, qmin, qmax, mchunk):  # noqa: E501
+    nmc = (m + mchunk - 1) // mchunk
+    panel = nk * 128
+    for t in range(npanels * nmc):
         p = t // nmc
         start = (t % nmc) * mchunk
         end = min(m, start + mchunk)
@@ -76,6 +101,30 @@ def drive_vnni_f32(a, rowoffs, m, koffs, nk, bp, npanels, c, ldc, colcorr, wzp, 
                 i += 1
 
 
+@njit(cache=True, nogil=True)
+def serial_vnni_f32(a, rowoffs, m, koffs, nk, bp, npanels, c, ldc, colcorr, wzp, rowsum, biasq, mult, ozp, qmin, qmax, mchunk):  # noqa: E501
+    nmc = (m + mchunk - 1) // mchunk
+    panel = nk * 128
+    for t in range(npanels * nmc):
+        p = t // nmc
+        start = (t % nmc) * mchunk
+        end = min(m, start + mchunk)
+        boff = p * panel
+        j0 = p * 32
+        i = start
+        while i < end:
+            left = end - i
+            if left > 4:
+                vnni_f32_8(a, rowoffs, i, koffs, nk, bp, boff, c, ldc, min(left, 8), colcorr, wzp, rowsum, biasq, mult, j0, ozp, qmin, qmax)  # noqa: E501
+                i += 8
+            elif left > 1:
+                vnni_f32_4(a, rowoffs, i, koffs, nk, bp, boff, c, ldc, left, colcorr, wzp, rowsum, biasq, mult, j0, ozp, qmin, qmax)  # noqa: E501
+                i += 4
+            else:
+                vnni_f32_1(a, rowoffs, i, koffs, nk, bp, boff, c, ldc, 1, colcorr, wzp, rowsum, biasq, mult, j0, ozp, qmin, qmax)  # noqa: E501
+                i += 1
+
+
 @njit(cache=True, parallel=True, nogil=True)
 def drive_avx2_u8(a, rowoffs, m, koffs, nk, bp, npanels, c, ldc, colcorr, wzp, rowsum, biasq, mult, ozp, qmin, qmax, mchunk):  # noqa: E501
     nmc = (m + mchunk - 1) // mchunk
@@ -100,11 +149,59 @@ def drive_avx2_u8(a, rowoffs, m, koffs, nk, bp, npanels, c, ldc, colcorr, wzp, r
                 i += 1
 
 
+@njit(cache=True, nogil=True)
+def serial_avx2_u8(a, rowoffs, m, koffs, nk, bp, npanels, c, ldc, colcorr, wzp, rowsum, biasq, mult, ozp, qmin, qmax, mchunk):  # noqa: E501
+    nmc = (m + mchunk - 1) // mchunk
+    panel = nk * 32
+    for t in range(npanels * nmc):
+        p = t // nmc
+        start = (t % nmc) * mchunk
+        end = min(m, start + mchunk)
+        boff = p * panel
+        j0 = p * 16
+        i = start
+        while i < end:
+            left = end - i
+            if left > 3:
+                avx2_u8_6(a, rowoffs, i, koffs, nk, bp, boff, c, ldc, min(left, 6), colcorr, wzp, rowsum, biasq, mult, j0, ozp, qmin, qmax)  # noqa: E501
+                i += 6
+            elif left > 1:
+                avx2_u8_3(a, rowoffs, i, koffs, nk, bp, boff, c, ldc, left, colcorr, wzp, rowsum, biasq, mult, j0, ozp, qmin, qmax)  # noqa: E501
+                i += 3
+            else:
+                avx2_u8_1(a, rowoffs, i, koffs, nk, bp, boff, c, ldc, 1, colcorr, wzp, rowsum, biasq, mult, j0, ozp, qmin, qmax)  # noqa: E501
+                i += 1
+
+
 @njit(cache=True, parallel=True, nogil=True)
 def drive_avx2_f32(a, rowoffs, m, koffs, nk, bp, npanels, c, ldc, colcorr, wzp, rowsum, biasq, mult, ozp, qmin, qmax, mchunk):  # noqa: E501
     nmc = (m + mchunk - 1) // mchunk
     panel = nk * 32
     for t in prange(npanels * nmc):
+        p = t // nmc
+        start = (t % nmc) * mchunk
+        end = min(m, start + mchunk)
+        boff = p * panel
+        j0 = p * 16
+        i = start
+        while i < end:
+            left = end - i
+            if left > 3:
+                avx2_f32_6(a, rowoffs, i, koffs, nk, bp, boff, c, ldc, min(left, 6), colcorr, wzp, rowsum, biasq, mult, j0, ozp, qmin, qmax)  # noqa: E501
+                i += 6
+            elif left > 1:
+                avx2_f32_3(a, rowoffs, i, koffs, nk, bp, boff, c, ldc, left, colcorr, wzp, rowsum, biasq, mult, j0, ozp, qmin, qmax)  # noqa: E501
+                i += 3
+            else:
+                avx2_f32_1(a, rowoffs, i, koffs, nk, bp, boff, c, ldc, 1, colcorr, wzp, rowsum, biasq, mult, j0, ozp, qmin, qmax)  # noqa: E501
+                i += 1
+
+
+@njit(cache=True, nogil=True)
+def serial_avx2_f32(a, rowoffs, m, koffs, nk, bp, npanels, c, ldc, colcorr, wzp, rowsum, biasq, mult, ozp, qmin, qmax, mchunk):  # noqa: E501
+    nmc = (m + mchunk - 1) // mchunk
+    panel = nk * 32
+    for t in range(npanels * nmc):
         p = t // nmc
         start = (t % nmc) * mchunk
         end = min(m, start + mchunk)

@@ -91,6 +91,20 @@ class PackedLinearWeight:
         self.lda = round_up(self.k, 4)
         self._colcorr: dict[int, npt.NDArray[np.int32]] = {}
         self._requant: dict[tuple[float, float | None, bool], Any] = {}
+        self._rows: dict[int, tuple[npt.NDArray[np.int64], npt.NDArray[np.int32]]] = {}
+
+    def rows(self, m: int) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int32]]:
+        """``(row offsets, zero row sums)`` for ``m`` rows, cached (read-only arrays)."""
+        got = self._rows.get(m)
+        if got is None:
+            offs = np.arange(m, dtype=np.int64) * self.lda
+            zeros = np.zeros(m, np.int32)
+            offs.flags.writeable = False
+            zeros.flags.writeable = False
+            got = (offs, zeros)
+            if len(self._rows) < _CACHE_LIMIT:
+                self._rows[m] = got
+        return got
 
     def colcorr(self, act_zero_point: int) -> npt.NDArray[np.int32]:
         """``-a_zp * colsum[j] + K * a_zp * w_zp[j]`` as wrapped int32, cached per a_zp."""
@@ -111,6 +125,9 @@ class PackedLinearWeight:
         key = (act_scale, out_scale, True)
         got = self._requant.get(key)
         if got is None:
+            act_scale = check_scale("x_scale", act_scale)
+            if out_scale is not None:
+                out_scale = check_scale("out_scale", out_scale)
             atws, mult = multipliers(act_scale, self.scales, out_scale)
             m = np.zeros(self.n_padded, np.float32)
             m[: self.n] = mult
@@ -135,22 +152,45 @@ def _activation_rows(
 ) -> tuple[npt.NDArray[np.uint8], int, tuple[int, ...]]:
     if x.shape[-1] != packed.k:
         raise KernelError(
-            f"{name}: last dimension {x.shape[-1]} does not match the weight's K={packed.k}"
+            f"{name}: last dimension {x.shape[-1]} does not match the weight's K={packed.k} "
+            f"(x has shape {x.shape}, weight is [{packed.n}, {packed.k}])"
         )
-    lead = tuple(int(s) for s in x.shape[:-1])
-    m = math.prod(lead)
-    a = x.reshape(m, packed.k)
-    if packed.lda != packed.k:  # 4-byte loads need rows padded to a multiple of 4
-        padded = np.zeros((m, packed.lda), np.uint8)
-        padded[:, : packed.k] = a
-        a = padded
-    return a.reshape(-1), m, lead
+    lead = x.shape[:-1]
+    m = x.size // packed.k
+    if packed.lda == packed.k:
+        return x.reshape(-1), m, lead
+    # 4-byte loads need rows padded to a multiple of 4 bytes
+    padded = np.zeros((m, packed.lda), np.uint8)
+    padded[:, : packed.k] = x.reshape(m, packed.k)
+    return padded.reshape(-1), m, lead
 
 
-def _rowsum(a_flat: npt.NDArray[np.uint8], m: int, lda: int, needed: bool) -> npt.NDArray[np.int32]:
-    if not needed:
-        return np.zeros(m, np.int32)
-    return a_flat.reshape(m, lda).sum(axis=1, dtype=np.int64).astype(np.int32)
+def _rows_and_sums(
+    a_flat: npt.NDArray[np.uint8], m: int, packed: PackedLinearWeight
+) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int32]]:
+    offs, zeros = packed.rows(m)
+    if not packed.has_weight_zp:
+        return offs, zeros
+    sums = a_flat.reshape(m, packed.lda).sum(axis=1, dtype=np.int64).astype(np.int32)
+    return offs, sums
+
+
+def _fast_zp(value: object, name: str) -> int:
+    if type(value) is int and 0 <= value <= 255:
+        return value
+    return check_zero_point(name, value, 0, 255)  # type: ignore[arg-type]
+
+
+def _is_plain(x: object, dtype: type[np.generic]) -> bool:
+    """Fast accept for the common case; anything else goes through check_array."""
+    return (
+        type(x) is np.ndarray
+        and x.dtype == dtype
+        and x.ndim >= 1
+        and x.size > 0
+        and x.flags.c_contiguous
+        and x.flags.aligned
+    )
 
 
 def linear(
@@ -165,25 +205,25 @@ def linear(
     num_threads: int | None = None,
 ) -> npt.NDArray[np.uint8]:
     """Quantized ``x @ W.T + bias`` requantized to uint8 [..., N] (relu fused if asked)."""
-    if not isinstance(packed, PackedLinearWeight):
+    if type(packed) is not PackedLinearWeight:
         raise KernelError(f"packed: expected a PackedLinearWeight, got {type(packed).__name__}")
-    xa = check_array("x", x, np.uint8, None)
-    if xa.ndim < 1:
-        raise KernelError("x: expected at least 1 dimension [..., K]")
-    a_s = check_scale("x_scale", x_scale)
-    a_zp = check_zero_point("x_zero_point", x_zero_point, 0, 255)
-    o_s = check_scale("out_scale", out_scale)
-    o_zp = check_zero_point("out_zero_point", out_zero_point, 0, 255)
-    threads = apply_num_threads(num_threads, "linear")
-    a, m, lead = _activation_rows(xa, packed, "x")
-    rowoffs = np.arange(m, dtype=np.int64) * packed.lda
-    biasq, mult = packed.epilogue(a_s, o_s)
+    if not _is_plain(x, np.uint8):
+        check_array("x", x, np.uint8, None)
+        raise KernelError(f"x: expected at least 1 dimension [..., K], got shape {x.shape}")
+    # epilogue() and colcorr() validate scales/zero points on their first use (cache miss)
+    a_zp = _fast_zp(x_zero_point, "x_zero_point")
+    o_zp = _fast_zp(out_zero_point, "out_zero_point")
+    threads = 1 if num_threads == 1 else apply_num_threads(num_threads, "linear")
+    a, m, lead = _activation_rows(x, packed, "x")
+    rowoffs, rowsum = _rows_and_sums(a, m, packed)
+    biasq, mult = packed.epilogue(x_scale, out_scale)
     out = run_gemm(
         packed.target, a, rowoffs, packed.koffs, packed.packed, packed.n,
-        packed.colcorr(a_zp), packed.zero_points,
-        _rowsum(a, m, packed.lda, packed.has_weight_zp), biasq, mult,
+        packed.colcorr(a_zp), packed.zero_points, rowsum, biasq, mult,
         o_zp, o_zp if relu else 0, False, threads,
     )
+    if len(lead) == 1:
+        return out  # type: ignore[return-value]
     return out.reshape((*lead, packed.n))  # type: ignore[return-value]
 
 
@@ -235,12 +275,12 @@ def linear_dynamic(
     a_s, a_zp = choose_dynamic_qparams(xf)
     xq = quantize_activation(xf, a_s, a_zp)
     a, m, lead = _activation_rows(xq, packed, "x")
-    rowoffs = np.arange(m, dtype=np.int64) * packed.lda
+    rowoffs, rowsum = _rows_and_sums(a, m, packed)
     biasq, mult = packed.epilogue(a_s, None)
     out = run_gemm(
         packed.target, a, rowoffs, packed.koffs, packed.packed, packed.n,
         packed.colcorr(a_zp), packed.zero_points,
-        _rowsum(a, m, packed.lda, packed.has_weight_zp), biasq, mult,
+        rowsum, biasq, mult,
         0, 0, True, threads,
     )
     return out.reshape((*lead, packed.n))  # type: ignore[return-value]

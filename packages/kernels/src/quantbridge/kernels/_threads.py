@@ -43,6 +43,7 @@ def _check(n: object, where: str) -> int:
 def apply_num_threads(n: int | None, where: str) -> int:
     """Validate ``n`` (or take the default) and make numba's parallel loops use it."""
     value = get_num_threads() if n is None else _check(n, where)
-    if numba.get_num_threads() != value:
+    # one thread runs the serial drivers; numba's setting only matters for parallel ones
+    if value > 1:
         numba.set_num_threads(value)
     return value
