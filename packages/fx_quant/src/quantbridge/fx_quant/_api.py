@@ -1,0 +1,158 @@
+"""The public entry points, with torch.ao 2.13's signatures (``quantize_fx``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+from torch.fx import GraphModule
+
+from quantbridge.fx_quant._convert import convert_reference, observed_state
+from quantbridge.fx_quant._custom_config import (
+    ConvertCustomConfig,
+    FuseCustomConfig,
+    PrepareCustomConfig,
+)
+from quantbridge.fx_quant._errors import FxQuantError
+from quantbridge.fx_quant._lowering_registry import LoweringError, get_lowering
+from quantbridge.fx_quant._prepare import fuse_model, prepare, resolve_backend_config
+from quantbridge.qconfig import BackendConfig, QConfigMapping
+
+__all__ = ["convert_fx", "convert_to_reference_fx", "fuse_fx", "prepare_fx", "prepare_qat_fx"]
+
+
+def fuse_fx(
+    model: nn.Module,
+    fuse_custom_config: FuseCustomConfig | dict[str, Any] | None = None,
+    backend_config: BackendConfig | dict[str, Any] | None = None,
+) -> GraphModule:
+    """Fuse modules (conv-bn, conv-bn-relu, linear-relu, ...) as ``backend_config`` says.
+
+    ``model`` is traced with the quantization tracer if it is not a GraphModule yet; modules
+    should be in eval mode (batch norm is folded). Returns a GraphModule.
+    """
+    return fuse_model(model, False, fuse_custom_config, backend_config)
+
+
+def prepare_fx(
+    model: nn.Module,
+    qconfig_mapping: QConfigMapping | dict[str, Any],
+    example_inputs: tuple[Any, ...],
+    prepare_custom_config: PrepareCustomConfig | dict[str, Any] | None = None,
+    _equalization_config: QConfigMapping | dict[str, Any] | None = None,
+    backend_config: BackendConfig | dict[str, Any] | None = None,
+    *,
+    strict: bool = False,
+) -> GraphModule:
+    """Prepare ``model`` (eval mode) for post-training quantization: trace, fuse, insert observers.
+
+    Run calibration data through the result, then call :func:`convert_to_reference_fx` or
+    :func:`convert_fx`. ``strict=True`` raises :class:`StrictPrepareError` when a node with a
+    qconfig would stay float (torch.ao skips it silently); :func:`explain` shows every decision.
+    """
+    if _equalization_config is not None:
+        raise FxQuantError(
+            "prepare_fx: _equalization_config (input-weight equalization) is not supported; "
+            "pass None"
+        )
+    if model.training:
+        raise FxQuantError(
+            "prepare_fx is for post-training quantization and needs the model in eval mode; "
+            "call model.eval() first, or use prepare_qat_fx for quantization-aware training"
+        )
+    return prepare(
+        model,
+        qconfig_mapping,
+        False,
+        example_inputs,
+        prepare_custom_config,
+        backend_config,
+        strict=strict,
+    )
+
+
+def prepare_qat_fx(
+    model: nn.Module,
+    qconfig_mapping: QConfigMapping | dict[str, Any],
+    example_inputs: tuple[Any, ...],
+    prepare_custom_config: PrepareCustomConfig | dict[str, Any] | None = None,
+    backend_config: BackendConfig | dict[str, Any] | None = None,
+    *,
+    strict: bool = False,
+) -> GraphModule:
+    """Prepare ``model`` (train mode) for quantization-aware training.
+
+    Fuses for QAT (batch norm stays live), swaps float and fused modules for their
+    quantbridge QAT versions and inserts fake quantizes.
+    """
+    if not model.training:
+        raise FxQuantError(
+            "prepare_qat_fx needs the model in training mode; call model.train() first, or "
+            "use prepare_fx for post-training quantization"
+        )
+    return prepare(
+        model,
+        qconfig_mapping,
+        True,
+        example_inputs,
+        prepare_custom_config,
+        backend_config,
+        strict=strict,
+    )
+
+
+def convert_to_reference_fx(
+    graph_module: GraphModule,
+    convert_custom_config: ConvertCustomConfig | dict[str, Any] | None = None,
+    _remove_qconfig: bool = True,
+    qconfig_mapping: QConfigMapping | dict[str, Any] | None = None,
+    backend_config: BackendConfig | dict[str, Any] | None = None,
+) -> GraphModule:
+    """The reference quantized model: ``dequantize -> float op -> quantize`` with
+    ``torch.ops.quantbridge`` ops on plain tensors and reference quantized modules.
+
+    ``graph_module`` (the prepared, calibrated model) is converted in place, as in torch.ao.
+    ``backend_config`` defaults to the one given to prepare.
+    """
+    return convert_reference(
+        graph_module,
+        convert_custom_config,
+        _remove_qconfig,
+        qconfig_mapping,
+        backend_config,
+    )
+
+
+def convert_fx(
+    graph_module: GraphModule,
+    convert_custom_config: ConvertCustomConfig | dict[str, Any] | None = None,
+    _remove_qconfig: bool = True,
+    qconfig_mapping: QConfigMapping | dict[str, Any] | None = None,
+    backend_config: BackendConfig | dict[str, Any] | None = None,
+    keep_original_weights: bool = False,
+) -> GraphModule:
+    """The reference model, lowered by the lowering registered for ``backend_config.name``.
+
+    Without a registered lowering the reference model is returned. ``backend_config``
+    defaults to the one given to prepare.
+    """
+    state = observed_state(graph_module, "convert_fx")
+    bc = state.backend_config if backend_config is None else resolve_backend_config(backend_config)
+    reference = convert_reference(
+        graph_module,
+        convert_custom_config,
+        _remove_qconfig,
+        qconfig_mapping,
+        bc,
+        where="convert_fx",
+    )
+    lowering = get_lowering(bc.name) if bc.name else None
+    if lowering is None:
+        return reference
+    lowered = lowering(reference)
+    if not isinstance(lowered, nn.Module):
+        raise LoweringError(
+            f"the lowering registered for backend {bc.name!r} returned "
+            f"{type(lowered).__name__}, not a module"
+        )
+    return lowered

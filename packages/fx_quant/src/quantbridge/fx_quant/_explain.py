@@ -1,0 +1,94 @@
+"""explain(prepared_model): why each node is (or is not) quantized.
+
+torch.ao skips a pattern silently when no DTypeConfig accepts its qconfig. ``explain`` reads
+the decisions prepare recorded and reports, per node: the pattern it matched (or none), the
+QConfigMapping rule that supplied its qconfig, and, per candidate DTypeConfig, either
+"chosen" or the constraint that rejected it. ``str(report)`` is a table; ``report.rows`` (and
+``report[node_name]``) give the same data as :class:`NodeDecision` objects.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from torch import nn
+
+from quantbridge.fx_quant._errors import FxQuantError
+from quantbridge.fx_quant._state import OBSERVED_KEY, NodeDecision, ObservedState
+
+__all__ = ["ExplainReport", "explain"]
+
+
+@dataclass
+class ExplainReport:
+    """Per-node quantization decisions of one prepared model."""
+
+    backend: str
+    rows: list[NodeDecision]
+
+    def __iter__(self) -> Iterator[NodeDecision]:
+        return iter(self.rows)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, node_name: str) -> NodeDecision:
+        for row in self.rows:
+            if row.node == node_name:
+                return row
+        raise KeyError(
+            f"no node {node_name!r} in this report; nodes: {[r.node for r in self.rows]}"
+        )
+
+    def quantized(self) -> list[str]:
+        """Names of the nodes prepare observed for quantization."""
+        return [r.node for r in self.rows if r.status == "quantized"]
+
+    def __str__(self) -> str:
+        header = ("node", "target", "pattern", "qconfig from", "status", "why")
+        table: list[tuple[str, ...]] = []
+        details: list[str] = []
+        for r in self.rows:
+            table.append(
+                (
+                    r.node,
+                    r.target,
+                    r.pattern or "-",
+                    r.qconfig_rule if r.qconfig is not None else f"{r.qconfig_rule} (None)",
+                    r.status,
+                    r.reason,
+                )
+            )
+            for i, (desc, reason) in enumerate(r.candidates):
+                verdict = "chosen" if i == r.chosen else (reason or "accepted")
+                details.append(f"  {r.node}: DTypeConfig #{i} [{desc}]: {verdict}")
+        widths = [max(len(h), *(len(row[i]) for row in table)) for i, h in enumerate(header)]
+        widths = [min(w, 48) for w in widths]
+
+        def fmt(row: tuple[str, ...]) -> str:
+            cells = [
+                (c if len(c) <= w else c[: w - 1] + "…").ljust(w)
+                for c, w in zip(row, widths, strict=True)
+            ]
+            return " | ".join(cells).rstrip()
+
+        lines = [f"quantization decisions (backend {self.backend!r})", fmt(header)]
+        lines.append("-+-".join("-" * w for w in widths))
+        lines += [fmt(row) for row in table]
+        if details:
+            lines.append("candidate DTypeConfigs:")
+            lines += details
+        return "\n".join(lines)
+
+
+def explain(prepared_model: nn.Module) -> ExplainReport:
+    """The per-node decisions recorded by ``prepare_fx`` / ``prepare_qat_fx``."""
+    meta = getattr(prepared_model, "meta", None)
+    state = meta.get(OBSERVED_KEY) if isinstance(meta, dict) else None
+    if not isinstance(state, ObservedState):
+        raise FxQuantError(
+            f"explain needs the model returned by prepare_fx / prepare_qat_fx (before "
+            f"convert), got a {type(prepared_model).__name__} without observer state"
+        )
+    return ExplainReport(state.backend_config.name, list(state.decisions))

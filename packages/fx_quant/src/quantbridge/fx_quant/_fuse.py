@@ -1,0 +1,149 @@
+"""fuse: replace matched module sequences (conv -> bn -> relu, ...) by their fused module.
+
+The fusion patterns are the BackendConfig entries with a ``fuser_method``. Matching follows
+torch.ao's fusion matcher (``find_matches(mode="fuse")``); for each match the root node (the
+config's ``_root_node_getter``, by default the first module of the sequence) is kept and its
+module replaced with what the fuser method returns; the other matched nodes are dropped, and
+the extra inputs the config's ``_extra_inputs_getter`` names are appended to the root node's
+arguments.
+
+Fuser methods of sequential patterns receive ``(is_qat, *modules)`` in execution order (any
+length); those of complex-format patterns receive the matched modules in the reverse-nested
+structure of the pattern, as in torch.ao.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.fx import Graph, GraphModule, Node
+
+from quantbridge.fx_quant._errors import FxQuantError
+from quantbridge.patterns import Match, MatchAllNode, find_matches
+from quantbridge.qconfig import BackendConfig, BackendPatternConfig
+
+__all__ = ["FusionError", "fuse"]
+
+
+class FusionError(FxQuantError):
+    """A fusion pattern matched but could not be fused."""
+
+
+def _set_module(root: nn.Module, target: str, module: nn.Module) -> None:
+    parent, _, name = target.rpartition(".")
+    setattr(root.get_submodule(parent) if parent else root, name, module)
+
+
+def _as_modules(structure: Any, named: dict[str, nn.Module], training: bool) -> Any:
+    """Nodes of a matched structure -> the modules (or functions) the fuser method gets."""
+    if isinstance(structure, (list, tuple)):
+        return tuple(_as_modules(s, named, training) for s in structure)
+    if not isinstance(structure, Node):
+        return MatchAllNode
+    if structure.op == "call_module":
+        return named[str(structure.target)]
+    if structure.op == "call_function" and structure.target is torch.nn.functional.relu:
+        relu = nn.ReLU()
+        relu.training = training
+        return relu
+    if structure.op in ("call_function", "call_method"):
+        return structure.target
+    return MatchAllNode
+
+
+def _chain_forward(structure: tuple[Any, ...]) -> list[Any]:
+    """(relu, (bn, conv)) -> [conv, bn, relu]."""
+    chain: list[Any] = []
+    current: Any = structure
+    while isinstance(current, tuple):
+        chain.append(current[0])
+        current = current[1] if len(current) > 1 else None
+    if current is not None:
+        chain.append(current)
+    return chain[::-1]
+
+
+def _call_fuser(
+    config: BackendPatternConfig, is_qat: bool, modules: tuple[Any, ...], where: str
+) -> nn.Module:
+    fuser = config.fuser_method
+    assert fuser is not None
+    try:
+        if config._pattern_complex_format is not None or not isinstance(config.pattern, tuple):
+            fused = fuser(is_qat, *modules)
+        else:
+            fused = fuser(is_qat, *_chain_forward(modules))
+    except FxQuantError as e:
+        raise FusionError(f"{where}: {e}") from None
+    except Exception as e:
+        raise FusionError(
+            f"{where}: the fuser method {getattr(fuser, '__name__', fuser)!r} failed with "
+            f"{type(e).__name__}: {e}"
+        ) from e
+    if not isinstance(fused, nn.Module):
+        raise FusionError(
+            f"{where}: the fuser method returned {type(fused).__name__}, not an nn.Module"
+        )
+    return fused
+
+
+def fuse(model: GraphModule, is_qat: bool, backend_config: BackendConfig) -> GraphModule:
+    """Fuse ``model`` (a traced GraphModule) following ``backend_config``; a new GraphModule."""
+    configs = {
+        pattern: config
+        for pattern, config in backend_config._pattern_complex_format_to_config.items()
+        if config.fuser_method is not None
+    }
+    if not configs:
+        return model
+    getters = {p: c._root_node_getter for p, c in configs.items() if c._root_node_getter}
+    matches = find_matches(model, list(configs), root_node_getters=getters, mode="fuse")
+    if not matches:
+        return model
+    named = dict(model.named_modules())
+    by_anchor: dict[Node, Match] = {}
+    dropped: set[Node] = set()
+    for match in matches:
+        by_anchor[match.anchor] = match
+        dropped.update(match.nodes)
+
+    graph = Graph()
+    env: dict[Node, Node] = {}
+
+    def load(arg: Any) -> Any:
+        return torch.fx.map_arg(arg, lambda n: env[n])
+
+    for node in model.graph.nodes:
+        anchored = by_anchor.get(node)
+        if anchored is not None:
+            match = anchored
+            config = configs[match.pattern]
+            root = match.root
+            names = ", ".join(n.name for n in match.nodes)
+            where = f"fusing nodes ({names})"
+            if not isinstance(root, Node) or root.op != "call_module":
+                raise FusionError(
+                    f"{where}: the root node must call a module, got {root!r}; check the "
+                    "pattern's _root_node_getter"
+                )
+            target = str(root.target)
+            root_module = named[target]
+            modules = _as_modules(match.nested_node_pattern, named, root_module.training)
+            fused = _call_fuser(config, is_qat, modules, where)
+            _set_module(model, target, fused)
+            named[target] = fused
+            extra: list[Any] = []
+            if config._extra_inputs_getter is not None:
+                extra = list(config._extra_inputs_getter(match.nested_node_pattern))
+            new = graph.node_copy(root, lambda n: env[n])
+            new.args = tuple(new.args) + tuple(load(e) for e in extra)
+            env[node] = new
+            continue
+        if node in dropped:
+            continue
+        env[node] = graph.node_copy(node, lambda n: env[n])
+    fused_model = GraphModule(model, graph, model.__class__.__name__)
+    fused_model.meta.update(model.meta)
+    return fused_model

@@ -1,0 +1,48 @@
+"""What prepare leaves on the observed model for convert and explain to read."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from quantbridge.fx_quant._custom_config import PrepareCustomConfig
+from quantbridge.qconfig import BackendConfig, QConfigMapping, QConfigMatch
+from quantbridge.qconfig._qconfig import QConfigAny
+
+__all__ = ["OBSERVED_KEY", "NodeDecision", "ObservedState"]
+
+# Key of the observed state in ``GraphModule.meta`` (kept by deepcopy, not by state_dict).
+OBSERVED_KEY = "_quantbridge_observed"
+
+
+@dataclass
+class NodeDecision:
+    """Why prepare did (or did not) quantize one node; rows of ``explain``."""
+
+    node: str
+    op: str
+    target: str
+    pattern: str | None
+    pattern_nodes: tuple[str, ...]
+    qconfig_rule: str
+    qconfig: QConfigAny
+    candidates: list[tuple[str, str | None]]  # (DTypeConfig description, rejection or None)
+    chosen: int | None
+    status: str  # "quantized", "float", "custom module", "standalone module"
+    reason: str
+
+
+@dataclass
+class ObservedState:
+    """Everything convert needs besides the graph: qconfigs, scopes, configs, decisions."""
+
+    node_name_to_qconfig: dict[str, QConfigAny]
+    node_name_to_qconfig_match: dict[str, QConfigMatch]
+    node_name_to_scope: dict[str, tuple[str, Any]]
+    prepare_custom_config: PrepareCustomConfig
+    qconfig_mapping: QConfigMapping
+    backend_config: BackendConfig
+    is_qat: bool
+    observed_node_names: set[str]
+    decisions: list[NodeDecision] = field(default_factory=list)
+    is_standalone: bool = False
