@@ -7,6 +7,13 @@ BackendConfigs and the lowering registry. Only its exception class exists today.
 """
 
 from quantbridge.fx_quant import _ops  # noqa: F401  (registers torch.ops.quantbridge.*)
+from quantbridge.fx_quant._api import (
+    convert_fx,
+    convert_to_reference_fx,
+    fuse_fx,
+    prepare_fx,
+    prepare_qat_fx,
+)
 from quantbridge.fx_quant._backend_configs import (
     backend_config_names,
     get_backend_config,
@@ -22,9 +29,56 @@ from quantbridge.fx_quant._backend_configs import (
     register_backend_config,
 )
 from quantbridge.fx_quant._errors import FxQuantError
+from quantbridge.fx_quant._convert import NotPreparedError
+from quantbridge.fx_quant._custom_config import (
+    ConvertCustomConfig,
+    FuseCustomConfig,
+    PrepareCustomConfig,
+    QuantType,
+)
+from quantbridge.fx_quant._explain import ExplainReport, explain
+from quantbridge.fx_quant._fuse import FusionError
+from quantbridge.fx_quant._lowering_registry import (
+    LoweringError,
+    get_lowering,
+    register_lowering,
+    registered_lowerings,
+    unregister_lowering,
+)
+from quantbridge.fx_quant._prepare import ExampleInputsError, StrictPrepareError
+from quantbridge.fx_quant._qconfig_propagation import FusionQConfigError
+from quantbridge.fx_quant._state import NodeDecision
+from quantbridge.fx_quant._tracer import QuantizationTracer, TraceError
 
 __all__ = [
     "FxQuantError",
+    # the flow (torch.ao 2.13 signatures)
+    "fuse_fx",
+    "prepare_fx",
+    "prepare_qat_fx",
+    "convert_to_reference_fx",
+    "convert_fx",
+    "PrepareCustomConfig",
+    "ConvertCustomConfig",
+    "FuseCustomConfig",
+    "QuantType",
+    "QuantizationTracer",
+    # diagnostics and errors
+    "explain",
+    "ExplainReport",
+    "NodeDecision",
+    "ExampleInputsError",
+    "FusionError",
+    "FusionQConfigError",
+    "NotPreparedError",
+    "StrictPrepareError",
+    "TraceError",
+    # lowering registry (entry-point group "quantbridge.backends")
+    "register_lowering",
+    "get_lowering",
+    "registered_lowerings",
+    "unregister_lowering",
+    "LoweringError",
     # built-in BackendConfigs
     "backend_config_names",
     "get_backend_config",
