@@ -269,3 +269,102 @@ def test_export_reference_linear() -> None:
 def test_bad_qparams(qparams: dict[str, Any], message: str) -> None:
     with pytest.raises(FxQuantError, match=message):
         nnqr.Linear.from_float(nn.Linear(3, 4), qparams)
+
+
+def _rnn_qparams(rnn: nn.Module, per_channel: bool) -> dict[str, Any]:
+    result: dict[str, Any] = {}
+    for name in rnn._flat_weights_names:
+        if not name.startswith("weight"):
+            continue
+        w = getattr(rnn, name).detach()
+        if per_channel:
+            result[name] = {"qscheme": torch.per_channel_affine, "dtype": torch.qint8,
+                            "scale": w.abs().amax(1) / 127 + 1e-6,
+                            "zero_point": torch.zeros(w.shape[0], dtype=torch.int),
+                            "axis": 0}  # fmt: skip
+        else:
+            result[name] = {"qscheme": torch.per_tensor_affine, "dtype": torch.quint8,
+                            "scale": float(w.abs().max()) / 127, "zero_point": 128}  # fmt: skip
+    return result
+
+
+@pytest.mark.parametrize("kind", ["LSTM", "GRU"])
+@pytest.mark.parametrize("per_channel", [False, True])
+def test_rnn_matches_torch_ao(kind: str, per_channel: bool) -> None:
+    ao_ref = _ao_ref()
+    torch.manual_seed(11)
+    float_mod = getattr(nn, kind)(5, 6, num_layers=2, bidirectional=True)
+    qparams = _rnn_qparams(float_mod, per_channel)
+    ours = getattr(nnqr, kind).from_float(float_mod, qparams)
+    theirs = getattr(ao_ref, kind).from_float(float_mod, {"is_decomposed": False, **qparams})
+    x = torch.randn(4, 3, 5)
+    out_a, hid_a = ours(x)
+    out_b, hid_b = theirs(x)
+    assert torch.equal(out_a, out_b)
+    for a, b in zip(
+        hid_a if kind == "LSTM" else (hid_a,), hid_b if kind == "LSTM" else (hid_b,), strict=True
+    ):
+        assert torch.equal(a, b)
+    # packed sequences and an explicit initial state
+    packed = nn.utils.rnn.pack_padded_sequence(x, torch.tensor([4, 3, 2]))
+    out_pa, _ = ours(packed)
+    out_pb, _ = theirs(packed)
+    assert torch.equal(out_pa.data, out_pb.data)
+    for name in qparams:
+        assert torch.equal(ours.get_weight(name), theirs.get_flat_weights()[
+            theirs._flat_weights_names.index(name)
+        ])  # fmt: skip
+        values = ours.get_quantized_weight(name).values
+        assert values.dtype == (torch.int8 if per_channel else torch.uint8)
+        assert not values.is_quantized
+    # the float parameters themselves are untouched by forward
+    assert ours._flat_weights[0] is ours.weight_ih_l0
+
+
+def test_lstm_with_projection_equals_float_lstm_on_round_tripped_weights() -> None:
+    """torch.ao's LSTM.from_float drops proj_size; compare with a float LSTM instead."""
+    torch.manual_seed(13)
+    float_mod = nn.LSTM(5, 6, num_layers=2, proj_size=3, batch_first=True)
+    qparams = _rnn_qparams(float_mod, True)
+    ours = nnqr.LSTM.from_float(float_mod, qparams)
+    assert ours.proj_size == 3
+    expected_mod = nn.LSTM(5, 6, num_layers=2, proj_size=3, batch_first=True)
+    with torch.no_grad():
+        for name in float_mod._flat_weights_names:
+            value = ours.get_weight(name) if name in qparams else getattr(float_mod, name)
+            getattr(expected_mod, name).copy_(value)
+    x = torch.randn(2, 4, 5)
+    h0 = (torch.randn(2, 2, 3), torch.randn(2, 2, 6))
+    out, (h, c) = ours(x, h0)
+    out_e, (h_e, c_e) = expected_mod(x, h0)
+    assert torch.equal(out, out_e)
+    assert torch.equal(h, h_e)
+    # The cell state can differ in the last bit: the float LSTM's weights sit in one flattened
+    # buffer, ours are separate tensors, and BLAS may round differently for the two layouts.
+    torch.testing.assert_close(c, c_e, rtol=0, atol=1e-6)
+
+
+def test_rnn_state_dict_round_trip_weights_only() -> None:
+    torch.manual_seed(12)
+    float_mod = nn.LSTM(4, 5)
+    ours = nnqr.LSTM.from_float(float_mod, _rnn_qparams(float_mod, True))
+    buf = io.BytesIO()
+    torch.save(ours.state_dict(), buf)
+    buf.seek(0)
+    fresh = nnqr.LSTM(4, 5)
+    fresh.load_state_dict(torch.load(buf, weights_only=True))
+    assert fresh.weight_qparams("weight_hh_l0")[0] is QScheme.PER_CHANNEL_AFFINE
+    x = torch.randn(3, 2, 4)
+    assert torch.equal(fresh(x)[0], ours(x)[0])
+
+
+def test_rnn_bad_qparams() -> None:
+    float_mod = nn.GRU(3, 4)
+    qparams = _rnn_qparams(float_mod, False)
+    del qparams["weight_hh_l0"]
+    with pytest.raises(FxQuantError, match=r"missing \['weight_hh_l0'\]"):
+        nnqr.GRU.from_float(float_mod, qparams)
+    qparams = _rnn_qparams(float_mod, True)
+    qparams["weight_ih_l0"]["axis"] = 3
+    with pytest.raises(FxQuantError, match="axis=3"):
+        nnqr.GRU.from_float(float_mod, qparams)

@@ -62,4 +62,6 @@ DEFAULT_REFERENCE_MODULE_MAPPINGS: dict[type[nn.Module], type[nn.Module]] = {
     nn.ConvTranspose3d: nnqr.ConvTranspose3d,
     nn.Embedding: nnqr.Embedding,
     nn.EmbeddingBag: nnqr.EmbeddingBag,
+    nn.LSTM: nnqr.LSTM,
+    nn.GRU: nnqr.GRU,
 }

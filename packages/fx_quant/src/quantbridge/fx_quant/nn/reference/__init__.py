@@ -14,6 +14,7 @@ from quantbridge.fx_quant.nn.reference._conv import (
     ConvTranspose3d,
 )
 from quantbridge.fx_quant.nn.reference._linear import Linear
+from quantbridge.fx_quant.nn.reference._rnn import GRU, LSTM
 from quantbridge.fx_quant.nn.reference._sparse import Embedding, EmbeddingBag
 
 __all__ = [
@@ -25,6 +26,8 @@ __all__ = [
     "ConvTranspose3d",
     "Embedding",
     "EmbeddingBag",
+    "GRU",
+    "LSTM",
     "Linear",
     "QuantizedWeight",
     "ReferenceQuantizedModule",
