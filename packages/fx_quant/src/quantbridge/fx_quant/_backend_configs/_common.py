@@ -530,7 +530,8 @@ def bn_configs(dtype_configs: DTypeConfigs) -> Configs:
 
 
 # Recurrent modules and the name of their reference module. quantbridge.fx_quant.nn.reference
-# has no recurrent reference modules yet; an entry picks one up as soon as it exists.
+# lacks some of torch.ao's (the cells); their entries leave the reference module unset and pick
+# it up as soon as it exists.
 _RNN_MODULES: tuple[tuple[ModuleType, str], ...] = (
     (nn.GRUCell, "GRUCell"),
     (nn.LSTMCell, "LSTMCell"),
