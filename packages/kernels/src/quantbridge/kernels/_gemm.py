@@ -11,6 +11,8 @@ float32 requantization sequence as the vector kernels, so every target is bit-id
 import numpy as np
 from numba import njit, prange
 
+from quantbridge.kernels._vnni import fma_f32
+
 
 @njit(cache=True, parallel=True, nogil=True)
 def drive_generic(
@@ -39,10 +41,19 @@ def drive_generic(
                 )
                 fv = np.float32(v)
                 if f32_out:
-                    c[i * ldc + j] = fv * mult[j] + biasq[j]
+                    c[i * ldc + j] = fma_f32(fv, mult[j], biasq[j])
                 else:
                     x = np.rint((fv + biasq[j]) * mult[j])
                     x = min(max(x, np.float32(-1.0e9)), np.float32(1.0e9))
                     q = np.int64(x) + ozp
                     q = min(max(q, qmin), qmax)
                     c[i * ldc + j] = q
+
+
+@njit(cache=True, nogil=True)
+def quantize_u8_fma(x, inv_scale, zero_point, out):
+    """``out = clamp(rint(fma(x, 1/scale, zp)), 0, 255)`` in float32 (fbgemm's Quantize)."""
+    zp = np.float32(zero_point)
+    for i in range(x.shape[0]):
+        v = np.rint(fma_f32(x[i], inv_scale, zp))
+        out[i] = min(max(v, np.float32(0.0)), np.float32(255.0))

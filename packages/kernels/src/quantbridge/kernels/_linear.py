@@ -6,7 +6,7 @@ added before requantization (the rule in ``_requant.py``), uint8 output [..., N]
 
 ``linear_dynamic``: float32 in and out. The activation is quantized per call with torch's
 dynamic rule (uint8, reduce_range=False, range [min(x, 0), max(x, 0)]), then the int32
-accumulator becomes ``float(acc) * (act_scale * w_scale[j]) + bias[j]`` in float32.
+accumulator becomes ``fma(float(acc), float32(act_scale * w_scale[j]), bias[j])`` in float32.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from quantbridge.kernels._checks import (
     check_zero_point,
 )
 from quantbridge.kernels._errors import KernelError
+from quantbridge.kernels._gemm import quantize_u8_fma
 from quantbridge.kernels._gemm_run import run_gemm
 from quantbridge.kernels._pack import (
     K_ALIGN,
@@ -89,6 +90,8 @@ class PackedLinearWeight:
         steps = np.arange(nk, dtype=np.int64) * kstep
         self.koffs = np.where(steps < self.k, steps, 0).astype(np.int64)
         self.lda = round_up(self.k, 4)
+        # real reduction length for the zero-point correction (conv pads channels with zeros)
+        self.k_true = self.k
         self._colcorr: dict[int, npt.NDArray[np.int32]] = {}
         self._requant: dict[tuple[float, float | None, bool], Any] = {}
         self._rows: dict[int, tuple[npt.NDArray[np.int64], npt.NDArray[np.int32]]] = {}
@@ -110,7 +113,8 @@ class PackedLinearWeight:
         """``-a_zp * colsum[j] + K * a_zp * w_zp[j]`` as wrapped int32, cached per a_zp."""
         got = self._colcorr.get(act_zero_point)
         if got is None:
-            v = -act_zero_point * self.colsum + self.k * act_zero_point * self.zero_points.astype(
+            k_true = self.k_true
+            v = -act_zero_point * self.colsum + k_true * act_zero_point * self.zero_points.astype(
                 np.int64
             )
             got = v.astype(np.int32)
@@ -250,11 +254,14 @@ def choose_dynamic_qparams(x: npt.NDArray[np.float32]) -> tuple[float, int]:
     return scale, zp
 
 
-def quantize_activation(x: npt.NDArray[np.float32], scale: float, zero_point: int) -> npt.NDArray[np.uint8]:
-    """uint8 ``clamp(rint(x * (1/scale)) + zp)`` in float32, as fbgemm quantizes."""
+def quantize_activation(
+    x: npt.NDArray[np.float32], scale: float, zero_point: int
+) -> npt.NDArray[np.uint8]:
+    """uint8 ``clamp(rint(fma(x, float32(1/scale), zp)))``: fbgemm's activation quantizer."""
     inv = np.float32(np.float32(1.0) / np.float32(scale))
-    q = np.rint(x * inv) + np.float32(zero_point)
-    return np.clip(q, 0, 255).astype(np.uint8)
+    out = np.empty(x.shape, np.uint8)
+    quantize_u8_fma(x.reshape(-1), inv, zero_point, out.reshape(-1))
+    return out
 
 
 def linear_dynamic(

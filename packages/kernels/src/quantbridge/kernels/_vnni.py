@@ -23,7 +23,7 @@ valid row (never read out of bounds) and are not stored.
 Epilogue per output element (the rule in ``_requant.py``):
 ``v = acc + colcorr[j] - wzp[j] * rowsum[i]``; mode ``u8``:
 ``clamp(rint((float(v) + biasq[j]) * mult[j]) + ozp, qmin, qmax)``; mode ``f32``:
-``float(v) * mult[j] + biasq[j]`` (two roundings, no FMA).
+``fma(float(v), mult[j], biasq[j])`` (one rounding, as fbgemm's float output does).
 
 Intrinsics are module-level names so numba's ``cache=True`` can reload callers.
 """
@@ -121,6 +121,9 @@ def _make_kernel(target: str, mr: int, ku: int, mode: str) -> Any:
         rint = cgutils.get_or_insert_function(
             mod, ir.FunctionType(vf32, [vf32]), f"llvm.rint.v{lanes}f32"
         )
+        vfma = cgutils.get_or_insert_function(
+            mod, ir.FunctionType(vf32, [vf32, vf32, vf32]), f"llvm.fma.v{lanes}f32"
+        )
         # row base offsets, duplicating the last valid row for rows past mvalid
         last = builder.sub(mvalid, ir.Constant(I64, 1))
         rbase = []
@@ -194,7 +197,7 @@ def _make_kernel(target: str, mr: int, ku: int, mode: str) -> Any:
                     q = builder.select(builder.icmp_signed(">", q, hi), hi, q)
                     outv = builder.trunc(q, ir.VectorType(I8, lanes))
                 else:
-                    outv = builder.fadd(builder.fmul(fv, mu), bq)
+                    outv = builder.call(vfma, [fv, mu, bq])
                 with builder.if_then(do_store):
                     _store_vec(builder, outv, builder.gep(c_p, [cidx]))
         return context.get_dummy_value()
@@ -207,6 +210,20 @@ def _make_kernel(target: str, mr: int, ku: int, mode: str) -> Any:
 
     typer.__name__ = f"mk_{target}_{mr}_{mode}"
     return intrinsic(typer)
+
+
+@intrinsic
+def fma_f32(typingctx: Any, x: Any, y: Any, z: Any) -> Any:
+    """Scalar float32 fused multiply-add (one rounding); LLVM uses libm where no FMA unit."""
+    sig = types.float32(types.float32, types.float32, types.float32)
+
+    def codegen(context: Any, builder: ir.IRBuilder, sig: Any, args: Any) -> ir.Value:
+        fn = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(F32T, [F32T, F32T, F32T]), "llvm.fma.f32"
+        )
+        return builder.call(fn, list(args))
+
+    return sig, codegen
 
 
 # Module-level instances (cache=True needs importable names). Rows per block: 8 fills 16 of

@@ -1,0 +1,246 @@
+"""Quantized conv1d/conv2d (+relu): stride, padding, dilation, groups (incl. depthwise).
+
+Layouts: input and output are NCHW (NCL for 1-D) uint8, like torch. Internally each call
+builds a zero-point-padded NHWC copy of the input, ``[N, H + 2ph, W + 2pw, G, Cg4]`` with the
+channels of each group padded to a multiple of 4, and runs one implicit-im2col GEMM per group:
+row m = output pixel (n, oh, ow) starts at that pixel's window origin, and the k steps walk
+(kh, kw, channel) through per-tap offsets — no im2col matrix is materialized. Weights are
+packed once per group as a [OCg, KH*KW*Cg4] matrix (``_pack.py`` layouts). Requantization is
+the rule in ``_requant.py``; the result is transposed back to NCHW.
+
+Depthwise and small-group convolutions run through the same GEMM (correct, but each group
+pads its output channels to a full panel, so they are not fast).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import numpy.typing as npt
+
+from quantbridge.kernels._checks import check_array
+from quantbridge.kernels._errors import KernelError
+from quantbridge.kernels._gemm_run import run_gemm
+from quantbridge.kernels._linear import PackedLinearWeight, _fast_zp
+from quantbridge.kernels._pack import K_ALIGN, layout, round_up, weight_scales
+from quantbridge.kernels._threads import apply_num_threads
+
+
+def _pair(name: str, value: int | tuple[int, ...], dims: int, minimum: int) -> tuple[int, ...]:
+    vals = (value,) * dims if isinstance(value, int) else tuple(value)
+    if len(vals) != dims or not all(isinstance(v, int) and v >= minimum for v in vals):
+        raise KernelError(f"{name}: expected {dims} int(s) >= {minimum}, got {value!r}")
+    return vals
+
+
+class PackedConvWeight:
+    """An int8 conv weight packed once per group for one target.
+
+    Args:
+        weight: int8 [OC, C/groups, KH, KW] (conv2d) or [OC, C/groups, KW] (conv1d).
+        scale / zero_point: per-tensor scalars or per-output-channel arrays [OC].
+        bias: optional float32 [OC]. stride, padding, dilation: int or per-dim tuple.
+        groups: channel groups (groups == C and OC multiple of C is depthwise).
+    """
+
+    def __init__(
+        self,
+        weight: npt.NDArray[np.int8],
+        scale: float | npt.ArrayLike,
+        zero_point: int | npt.ArrayLike = 0,
+        bias: npt.NDArray[np.float32] | None = None,
+        *,
+        stride: int | tuple[int, ...] = 1,
+        padding: int | tuple[int, ...] = 0,
+        dilation: int | tuple[int, ...] = 1,
+        groups: int = 1,
+        target: str | None = None,
+    ) -> None:
+        w = check_array("weight", weight, np.int8, (3, 4), contiguous=False)
+        self.dims = w.ndim - 2
+        w4 = w if self.dims == 2 else w[:, :, None, :]
+        self.stride = _pair("stride", stride, self.dims, 1)
+        self.padding = _pair("padding", padding, self.dims, 0)
+        self.dilation = _pair("dilation", dilation, self.dims, 1)
+        if self.dims == 1:
+            self.stride, self.padding, self.dilation = (
+                (1, *self.stride), (0, *self.padding), (1, *self.dilation))
+        oc, cg, kh, kw = (int(s) for s in w4.shape)
+        if not isinstance(groups, int) or groups < 1 or oc % groups:
+            raise KernelError(
+                f"groups={groups!r}: must be a positive int dividing out_channels={oc}")
+        self.groups, self.oc, self.cg, self.kh, self.kw = groups, oc, cg, kh, kw
+        self.in_channels = cg * groups
+        self.ocg = oc // groups
+        self.cg4 = round_up(cg, 4)
+        scales, per_channel = weight_scales(scale, oc, "weight scale")
+        zps = np.asarray(zero_point)
+        zps = np.full(oc, int(zps)) if zps.ndim == 0 else zps
+        if zps.shape != (oc,):
+            raise KernelError(f"weight zero point: expected an int or shape ({oc},)")
+        if bias is not None:
+            bias = check_array("bias", bias, np.float32, 1, contiguous=False)
+            if bias.shape[0] != oc:
+                raise KernelError(f"bias: expected shape ({oc},), got {bias.shape}")
+        self.groups_packed: list[PackedLinearWeight] = []
+        for g in range(groups):
+            wg = np.zeros((self.ocg, kh, kw, self.cg4), np.int8)
+            wg[..., :cg] = w4[g * self.ocg:(g + 1) * self.ocg].transpose(0, 2, 3, 1)
+            sl = slice(g * self.ocg, (g + 1) * self.ocg)
+            p = PackedLinearWeight(
+                wg.reshape(self.ocg, -1),
+                scales[sl] if per_channel else float(scales[0]),
+                zps[sl],
+                None if bias is None else bias[sl],
+                target=target,
+            )
+            p.k_true = kh * kw * cg
+            self.groups_packed.append(p)
+        self.target = self.groups_packed[0].target
+        self.has_weight_zp = any(p.has_weight_zp for p in self.groups_packed)
+        self._koffs: dict[tuple[int, int], npt.NDArray[np.int64]] = {}
+
+    def koffs(self, wp: int) -> list[npt.NDArray[np.int64]]:
+        """Per-group activation offsets of each k step for padded input width ``wp``."""
+        out = []
+        _, kstep, _ = layout(self.target)
+        ctot = self.groups * self.cg4
+        kg = self.kh * self.kw * self.cg4
+        nk = round_up(kg, K_ALIGN) // kstep
+        dh, dw = self.dilation[0], self.dilation[1]
+        for g in range(self.groups):
+            got = self._koffs.get((wp, g))
+            if got is None:
+                steps = np.zeros(nk, np.int64)
+                idx = 0
+                for i in range(self.kh):
+                    for j in range(self.kw):
+                        tap = (i * dh * wp + j * dw) * ctot + g * self.cg4
+                        for c in range(0, self.cg4, kstep):
+                            steps[idx] = tap + c
+                            idx += 1
+                got = steps  # padded steps stay 0: the window origin, against zero weights
+                if len(self._koffs) < 256:
+                    self._koffs[(wp, g)] = got
+            out.append(got)
+        return out
+
+    def output_size(self, h: int, w: int) -> tuple[int, int]:
+        oh = (h + 2 * self.padding[0] - self.dilation[0] * (self.kh - 1) - 1) // self.stride[0] + 1
+        ow = (w + 2 * self.padding[1] - self.dilation[1] * (self.kw - 1) - 1) // self.stride[1] + 1
+        return oh, ow
+
+    def __repr__(self) -> str:
+        return (
+            f"PackedConvWeight(OC={self.oc}, C={self.in_channels}, kernel=({self.kh}, "
+            f"{self.kw}), stride={self.stride}, padding={self.padding}, "
+            f"dilation={self.dilation}, groups={self.groups}, target={self.target!r})"
+        )
+
+
+def _conv(
+    x: npt.NDArray[np.uint8],
+    packed: PackedConvWeight,
+    x_scale: float,
+    x_zero_point: int,
+    out_scale: float,
+    out_zero_point: int,
+    relu: bool,
+    num_threads: int | None,
+    dims: int,
+    name: str,
+) -> npt.NDArray[np.uint8]:
+    if not isinstance(packed, PackedConvWeight):
+        raise KernelError(f"packed: expected a PackedConvWeight, got {type(packed).__name__}")
+    if packed.dims != dims:
+        raise KernelError(f"{name}: packed weight is for conv{packed.dims}d, not conv{dims}d")
+    xa = check_array("x", x, np.uint8, dims + 2)
+    x4 = xa if dims == 2 else xa[:, :, None, :]
+    n, c, h, w = (int(s) for s in x4.shape)
+    if c != packed.in_channels:
+        raise KernelError(
+            f"{name}: input has {c} channels but the weight expects {packed.in_channels} "
+            f"(C/groups={packed.cg} x groups={packed.groups})"
+        )
+    a_zp = _fast_zp(x_zero_point, "x_zero_point")
+    o_zp = _fast_zp(out_zero_point, "out_zero_point")
+    threads = apply_num_threads(num_threads, name)
+    oh, ow = packed.output_size(h, w)
+    if oh < 1 or ow < 1:
+        raise KernelError(
+            f"{name}: input spatial size {(h, w)[2 - dims:]} is too small for kernel "
+            f"{(packed.kh, packed.kw)[2 - dims:]} with padding/dilation; output would be empty"
+        )
+    ph, pw = packed.padding
+    sh, sw = packed.stride
+    hp, wp = h + 2 * ph, w + 2 * pw
+    g, cg, cg4 = packed.groups, packed.cg, packed.cg4
+    xp = np.full((n, hp, wp, g, cg4), a_zp, np.uint8)
+    xp[:, ph:ph + h, pw:pw + w, :, :cg] = x4.transpose(0, 2, 3, 1).reshape(n, h, w, g, cg)
+    ctot = g * cg4
+    pix = (
+        (np.arange(n, dtype=np.int64)[:, None, None] * hp
+         + np.arange(oh, dtype=np.int64)[None, :, None] * sh) * wp
+        + np.arange(ow, dtype=np.int64)[None, None, :] * sw
+    ) * ctot
+    rowoffs = pix.reshape(-1)
+    m = rowoffs.shape[0]
+    flat = xp.reshape(-1)
+    koffs = packed.koffs(wp)
+    out = np.empty((n, oh, ow, packed.oc), np.uint8)
+    for gi, pg in enumerate(packed.groups_packed):
+        rowsum = _window_sums(xp, gi, packed, oh, ow) if pg.has_weight_zp else pg.rows(m)[1]
+        biasq, mult = pg.epilogue(x_scale, out_scale)
+        res = run_gemm(
+            pg.target, flat, rowoffs, koffs[gi], pg.packed, pg.n, pg.colcorr(a_zp),
+            pg.zero_points, rowsum, biasq, mult, o_zp, o_zp if relu else 0, False, threads,
+        )
+        out[..., gi * packed.ocg:(gi + 1) * packed.ocg] = res.reshape(n, oh, ow, packed.ocg)
+    res_nchw = np.ascontiguousarray(out.transpose(0, 3, 1, 2))
+    return res_nchw if dims == 2 else res_nchw[:, :, 0, :]
+
+
+def _window_sums(
+    xp: npt.NDArray[np.uint8], g: int, packed: PackedConvWeight, oh: int, ow: int
+) -> npt.NDArray[np.int32]:
+    """Sum of each output pixel's input window (real channels of group g), for w_zp != 0."""
+    s = xp[:, :, :, g, : packed.cg].sum(axis=-1, dtype=np.int64)
+    sh, sw = packed.stride
+    dh, dw = packed.dilation
+    total = np.zeros((xp.shape[0], oh, ow), np.int64)
+    for i in range(packed.kh):
+        for j in range(packed.kw):
+            r0, c0 = i * dh, j * dw
+            total += s[:, r0:r0 + (oh - 1) * sh + 1:sh, c0:c0 + (ow - 1) * sw + 1:sw]
+    return total.reshape(-1).astype(np.int32)
+
+
+def conv2d(
+    x: npt.NDArray[np.uint8],
+    packed: PackedConvWeight,
+    x_scale: float,
+    x_zero_point: int,
+    out_scale: float,
+    out_zero_point: int,
+    *,
+    relu: bool = False,
+    num_threads: int | None = None,
+) -> npt.NDArray[np.uint8]:
+    """Quantized 2-D convolution, uint8 NCHW in and out (relu fused if asked)."""
+    return _conv(x, packed, x_scale, x_zero_point, out_scale, out_zero_point, relu,
+                 num_threads, 2, "conv2d")
+
+
+def conv1d(
+    x: npt.NDArray[np.uint8],
+    packed: PackedConvWeight,
+    x_scale: float,
+    x_zero_point: int,
+    out_scale: float,
+    out_zero_point: int,
+    *,
+    relu: bool = False,
+    num_threads: int | None = None,
+) -> npt.NDArray[np.uint8]:
+    """Quantized 1-D convolution, uint8 NCL in and out (relu fused if asked)."""
+    return _conv(x, packed, x_scale, x_zero_point, out_scale, out_zero_point, relu,
+                 num_threads, 1, "conv1d")
