@@ -5,6 +5,7 @@ Depends on numpy and numba only. Target selection is here now; the kernels thems
 """
 
 from quantbridge.kernels._activation import clamp, hardtanh, relu, relu6
+from quantbridge.kernels._conv import PackedConvWeight, conv1d, conv2d
 from quantbridge.kernels._elementwise import add, add_relu, mul, mul_relu
 from quantbridge.kernels._embedding import (
     PackedEmbedding,
@@ -17,6 +18,7 @@ from quantbridge.kernels._embedding import (
 from quantbridge.kernels._errors import KernelError, TargetUnavailableError
 from quantbridge.kernels._linear import PackedLinearWeight, linear, linear_dynamic
 from quantbridge.kernels._lut import LUT_FUNCTIONS, apply_lut, build_lut
+from quantbridge.kernels._matmul import matmul
 from quantbridge.kernels._pool import adaptive_avg_pool2d, avg_pool2d, max_pool2d
 from quantbridge.kernels._quantize import (
     dequantize_per_channel,
@@ -47,10 +49,14 @@ __all__ = [
     "resolve_target",
     "target_supported",
     # GEMM family (linear, dynamic linear, conv, matmul) and threads
+    "PackedConvWeight",
     "PackedLinearWeight",
+    "conv1d",
+    "conv2d",
     "get_num_threads",
     "linear",
     "linear_dynamic",
+    "matmul",
     "set_num_threads",
     # quantize / elementwise / pools / lookup tables / embedding_bag
     "LUT_FUNCTIONS",

@@ -1,0 +1,69 @@
+"""Quantized matmul of two activations (attention-style), batched: [B, M, K] x [B, K, N].
+
+``a`` is uint8; ``b`` is uint8 or int8, each with a per-tensor scale and zero point. A uint8
+``b`` is shifted to int8 (``b - 128``, zero point ``b_zp - 128``) so the int8-weight kernels
+apply unchanged; each batch's ``b`` is packed per call (it is an activation, not a weight).
+The result is requantized to uint8 with the rule in ``_requant.py`` (no bias):
+``clamp(rint(float32(acc) * mult) + out_zp)``, ``mult = float32(a_s * b_s) / float32(out_s)``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import numpy.typing as npt
+
+from quantbridge.kernels._checks import check_accumulation_fits_int32, check_array
+from quantbridge.kernels._errors import KernelError
+from quantbridge.kernels._linear import PackedLinearWeight, _fast_zp, linear
+from quantbridge.kernels._targets import resolve_target
+
+
+def matmul(
+    a: npt.NDArray[np.uint8],
+    a_scale: float,
+    a_zero_point: int,
+    b: npt.NDArray[np.uint8] | npt.NDArray[np.int8],
+    b_scale: float,
+    b_zero_point: int,
+    out_scale: float,
+    out_zero_point: int,
+    *,
+    target: str | None = None,
+    num_threads: int | None = None,
+) -> npt.NDArray[np.uint8]:
+    """uint8 ``a @ b`` for [M, K] x [K, N] or batched [B, M, K] x [B, K, N]."""
+    aa = check_array("a", a, np.uint8, (2, 3))
+    bb = check_array("b", b, (np.uint8, np.int8), (2, 3))
+    if aa.ndim != bb.ndim:
+        raise KernelError(f"a and b must both be 2-D or both 3-D, got {aa.shape} and {bb.shape}")
+    if aa.shape[-1] != bb.shape[-2]:
+        raise KernelError(
+            f"matmul: a's K={aa.shape[-1]} does not match b's K={bb.shape[-2]} "
+            f"(a {aa.shape}, b {bb.shape})"
+        )
+    if aa.ndim == 3 and aa.shape[0] != bb.shape[0]:
+        raise KernelError(f"matmul: batch sizes differ: a {aa.shape}, b {bb.shape}")
+    tgt = resolve_target(target)
+    unsigned = bb.dtype == np.uint8
+    b_zp = _fast_zp(b_zero_point, "b_zero_point") if unsigned else int(b_zero_point)
+    if not unsigned and (b_zp != b_zero_point or not -128 <= b_zp <= 127):
+        raise KernelError(f"b_zero_point: must be an int in [-128, 127] for int8 b, got {b_zero_point!r}")
+    k = int(aa.shape[-1])
+    check_accumulation_fits_int32("b", k, 255, 255)
+    a3 = aa if aa.ndim == 3 else aa[None]
+    b3 = bb if bb.ndim == 3 else bb[None]
+    outs = []
+    for i in range(a3.shape[0]):
+        bt = b3[i].T
+        if unsigned:
+            w = (bt.astype(np.int16) - 128).astype(np.int8)
+            zp = b_zp - 128
+        else:
+            w, zp = bt, b_zp
+        packed = PackedLinearWeight(np.ascontiguousarray(w), b_scale, zp, None, target=tgt)
+        outs.append(
+            linear(a3[i], packed, a_scale, a_zero_point, out_scale, out_zero_point,
+                   num_threads=num_threads)
+        )
+    res = np.stack(outs)
+    return res if aa.ndim == 3 else res[0]
