@@ -273,7 +273,7 @@ def test_bad_qparams(qparams: dict[str, Any], message: str) -> None:
 
 def _rnn_qparams(rnn: nn.Module, per_channel: bool) -> dict[str, Any]:
     result: dict[str, Any] = {}
-    for name in rnn._flat_weights_names:
+    for name in getattr(rnn, "_flat_weights_names", ["weight_ih", "weight_hh"]):
         if not name.startswith("weight"):
             continue
         w = getattr(rnn, name).detach()
@@ -368,3 +368,32 @@ def test_rnn_bad_qparams() -> None:
     qparams["weight_ih_l0"]["axis"] = 3
     with pytest.raises(FxQuantError, match="axis=3"):
         nnqr.GRU.from_float(float_mod, qparams)
+
+
+@pytest.mark.parametrize("kind", ["RNNCell", "LSTMCell", "GRUCell"])
+@pytest.mark.parametrize("per_channel", [False, True])
+def test_rnn_cells_match_torch_ao(kind: str, per_channel: bool) -> None:
+    ao_ref = _ao_ref()
+    torch.manual_seed(14)
+    extra = {"nonlinearity": "relu"} if kind == "RNNCell" and per_channel else {}
+    float_mod = getattr(nn, kind)(5, 6, **extra)
+    qparams = _rnn_qparams(float_mod, per_channel)
+    assert set(qparams) == {"weight_ih", "weight_hh"}
+    ours = getattr(nnqr, kind).from_float(float_mod, qparams)
+    theirs = getattr(ao_ref, kind).from_float(float_mod, {"is_decomposed": False, **qparams})
+    for x in (torch.randn(3, 5), torch.randn(5)):  # batched and unbatched
+        out_a, out_b = ours(x), theirs(x)
+        pairs = zip(out_a, out_b, strict=True) if kind == "LSTMCell" else [(out_a, out_b)]
+        for a, b in pairs:
+            assert torch.equal(a, b)
+    hx = torch.randn(3, 6)
+    state = (hx, torch.randn(3, 6)) if kind == "LSTMCell" else hx
+    x = torch.randn(3, 5)
+    out_a, out_b = ours(x, state), theirs(x, state)
+    pairs = zip(out_a, out_b, strict=True) if kind == "LSTMCell" else [(out_a, out_b)]
+    for a, b in pairs:
+        assert torch.equal(a, b)
+    assert torch.equal(ours.get_weight_ih(), theirs.get_weight_ih())
+    assert torch.equal(
+        ours.get_quantized_weight_hh().values, theirs.get_quantized_weight_hh().int_repr()
+    )

@@ -64,4 +64,7 @@ DEFAULT_REFERENCE_MODULE_MAPPINGS: dict[type[nn.Module], type[nn.Module]] = {
     nn.EmbeddingBag: nnqr.EmbeddingBag,
     nn.LSTM: nnqr.LSTM,
     nn.GRU: nnqr.GRU,
+    nn.RNNCell: nnqr.RNNCell,
+    nn.LSTMCell: nnqr.LSTMCell,
+    nn.GRUCell: nnqr.GRUCell,
 }

@@ -14,7 +14,7 @@ from quantbridge.fx_quant.nn.reference._conv import (
     ConvTranspose3d,
 )
 from quantbridge.fx_quant.nn.reference._linear import Linear
-from quantbridge.fx_quant.nn.reference._rnn import GRU, LSTM
+from quantbridge.fx_quant.nn.reference._rnn import GRU, LSTM, GRUCell, LSTMCell, RNNCell
 from quantbridge.fx_quant.nn.reference._sparse import Embedding, EmbeddingBag
 
 __all__ = [
@@ -27,7 +27,10 @@ __all__ = [
     "Embedding",
     "EmbeddingBag",
     "GRU",
+    "GRUCell",
     "LSTM",
+    "LSTMCell",
+    "RNNCell",
     "Linear",
     "QuantizedWeight",
     "ReferenceQuantizedModule",
