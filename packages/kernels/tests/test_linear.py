@@ -1,0 +1,276 @@
+"""linear / linear_dynamic: every target bit-exact against an integer numpy reference, and
+byte-for-byte against torch's x86 engine where torch.ao still exists."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from quantbridge.kernels import (
+    KernelError,
+    PackedLinearWeight,
+    available_targets,
+    linear,
+    linear_dynamic,
+)
+
+TARGETS = available_targets()
+F32 = np.float32
+
+
+def reference_linear(a, a_s, a_zp, w, w_s, w_zp, bias, o_s, o_zp, relu=False):
+    """int64 accumulation, then the documented float32 requantization sequence."""
+    n = w.shape[0]
+    w_zp = np.broadcast_to(np.asarray(w_zp, np.int64), (n,))
+    acc = (a.astype(np.int64) - a_zp) @ (w.astype(np.int64) - w_zp[:, None]).T
+    per_channel = np.ndim(w_s) == 1
+    atws = (F32(a_s) * np.broadcast_to(np.asarray(w_s, np.float64), (n,)).astype(F32)).astype(F32)
+    mult = (atws / F32(o_s)).astype(F32)
+    if bias is None:
+        bq = np.zeros(n, F32)
+    elif per_channel:
+        bq = (bias.astype(F32) / atws).astype(F32)
+    else:
+        bq = (bias.astype(F32) * F32(F32(1) / atws[0])).astype(F32)
+    x = ((acc.astype(np.int32).astype(F32) + bq).astype(F32) * mult).astype(F32)
+    q = np.rint(x).astype(np.int64) + o_zp
+    return np.clip(q, o_zp if relu else 0, 255).astype(np.uint8)
+
+
+def _case(rng, m, k, n, per_channel, wzp_nonzero, with_bias):
+    a = rng.integers(0, 256, (m, k), dtype=np.uint8)
+    w = rng.integers(-128, 128, (n, k), dtype=np.int8)
+    w_s = rng.uniform(0.002, 0.02, n) if per_channel else float(rng.uniform(0.002, 0.02))
+    if wzp_nonzero:
+        w_zp = rng.integers(-20, 20, n) if per_channel else int(rng.integers(-20, 20))
+    else:
+        w_zp = 0
+    bias = rng.normal(0, 2, n).astype(F32) if with_bias else None
+    a_s, a_zp = float(rng.uniform(0.01, 0.1)), int(rng.integers(0, 256))
+    # output scale sized so results spread over the uint8 range instead of saturating
+    spread = float(np.sqrt(k)) * 80 * 60 * a_s * float(np.mean(w_s))
+    o_s, o_zp = max(spread / 40, 1e-4), int(rng.integers(60, 200))
+    return a, a_s, a_zp, w, w_s, w_zp, bias, o_s, o_zp
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@settings(max_examples=25, deadline=None)
+@given(
+    m=st.integers(1, 40),
+    k=st.integers(1, 200),
+    n=st.integers(1, 80),
+    per_channel=st.booleans(),
+    wzp=st.booleans(),
+    with_bias=st.booleans(),
+    relu=st.booleans(),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_linear_matches_integer_reference(target, m, k, n, per_channel, wzp, with_bias, relu, seed):
+    rng = np.random.default_rng(seed)
+    a, a_s, a_zp, w, w_s, w_zp, bias, o_s, o_zp = _case(rng, m, k, n, per_channel, wzp, with_bias)
+    packed = PackedLinearWeight(w, w_s, w_zp, bias, target=target)
+    got = linear(a, packed, a_s, a_zp, o_s, o_zp, relu=relu, num_threads=1)
+    want = reference_linear(a, a_s, a_zp, w, w_s, w_zp, bias, o_s, o_zp, relu)
+    np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_linear_threads_and_leading_dims(target, threads):
+    rng = np.random.default_rng(3)
+    a, a_s, a_zp, w, w_s, w_zp, bias, o_s, o_zp = _case(rng, 3 * 37, 96, 70, True, True, True)
+    packed = PackedLinearWeight(w, w_s, w_zp, bias, target=target)
+    got = linear(a.reshape(3, 37, 96), packed, a_s, a_zp, o_s, o_zp, num_threads=threads)
+    want = reference_linear(a, a_s, a_zp, w, w_s, w_zp, bias, o_s, o_zp)
+    assert got.shape == (3, 37, 70)
+    np.testing.assert_array_equal(got.reshape(-1, 70), want)
+
+
+def test_all_targets_agree_on_a_larger_problem():
+    rng = np.random.default_rng(11)
+    a, a_s, a_zp, w, w_s, w_zp, bias, o_s, o_zp = _case(rng, 67, 300, 130, False, False, True)
+    outs = [
+        linear(a, PackedLinearWeight(w, w_s, w_zp, bias, target=t), a_s, a_zp, o_s, o_zp)
+        for t in TARGETS
+    ]
+    for out in outs[1:]:
+        np.testing.assert_array_equal(out, outs[0])
+    np.testing.assert_array_equal(outs[0], reference_linear(a, a_s, a_zp, w, w_s, w_zp, bias, o_s, o_zp))
+
+
+def test_extreme_k_zero_points_do_not_overflow():
+    # worst-case magnitudes near the int32 limit still come out exact
+    k = (2**31 - 1) // (255 * 255)
+    a = np.full((2, k), 255, np.uint8)
+    a[1] = 0
+    w = np.full((3, k), -128, np.int8)
+    w[1] = 127
+    packed = PackedLinearWeight(w, 1e-6, 127, None, target=TARGETS[-1])
+    got = linear(a, packed, 1.0, 0, 1.0, 0)
+    want = reference_linear(a, 1.0, 0, w, 1e-6, 127, None, 1.0, 0)
+    np.testing.assert_array_equal(got, want)
+
+
+def test_reduction_that_can_overflow_int32_is_refused():
+    # the bound uses the real weights: |a - a_zp| <= 255 times max |w - w_zp|
+    k = (2**31 - 1) // (255 * 128) + 1
+    with pytest.raises(KernelError, match="overflow int32"):
+        PackedLinearWeight(np.full((1, k), -128, np.int8), 0.1)
+    PackedLinearWeight(np.full((1, k), 3, np.int8), 0.1)  # small weights: provably safe
+
+
+@pytest.mark.parametrize(
+    ("x", "match"),
+    [
+        (np.zeros((2, 8), np.int8), "dtype uint8"),
+        (np.zeros((2, 9), np.uint8), "does not match the weight's K=8"),
+        (np.zeros((8, 2), np.uint8).T, "C-contiguous"),
+        (np.zeros((0, 8), np.uint8), "zero-size"),
+        ([[1] * 8], "numpy array"),
+    ],
+)
+def test_bad_activations_raise_kernel_error(x, match):
+    packed = PackedLinearWeight(np.ones((4, 8), np.int8), 0.1)
+    with pytest.raises(KernelError, match=match):
+        linear(x, packed, 0.1, 0, 0.1, 0)
+
+
+def test_misaligned_array_is_refused():
+    buf = np.zeros(8 * 4 + 1, np.uint8)
+    packed = PackedLinearWeight(np.ones((4, 8), np.int8), 0.1)
+    x = buf[1:].view(np.uint8).reshape(4, 8)
+    assert linear(x, packed, 0.1, 0, 0.1, 0).shape == (4, 4)  # uint8 is always aligned
+    fbuf = np.zeros(4 * 8 + 1, np.uint8)[1:].view(np.float32).reshape(1, 8)
+    with pytest.raises(KernelError, match="not aligned"):
+        linear_dynamic(fbuf, PackedLinearWeight(np.ones((4, 8), np.int8), 0.1))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"x_scale": 0.0}, "x_scale"),
+        ({"x_scale": float("nan")}, "x_scale"),
+        ({"out_scale": -1.0}, "out_scale"),
+        ({"x_zero_point": 256}, "x_zero_point"),
+        ({"out_zero_point": 1.5}, "out_zero_point"),
+    ],
+)
+def test_bad_quantization_parameters_raise(kwargs, match):
+    packed = PackedLinearWeight(np.ones((4, 8), np.int8), 0.1)
+    args = {"x_scale": 0.1, "x_zero_point": 0, "out_scale": 0.1, "out_zero_point": 0} | kwargs
+    with pytest.raises(KernelError, match=match):
+        linear(np.zeros((2, 8), np.uint8), packed, **args)
+
+
+def test_bad_weights_raise():
+    with pytest.raises(KernelError, match="scale"):
+        PackedLinearWeight(np.ones((4, 8), np.int8), np.ones(3))
+    with pytest.raises(KernelError, match="zero point"):
+        PackedLinearWeight(np.ones((4, 8), np.int8), 0.1, 200)
+    with pytest.raises(KernelError, match="bias"):
+        PackedLinearWeight(np.ones((4, 8), np.int8), 0.1, 0, np.ones(5, np.float32))
+    with pytest.raises(KernelError, match="dtype int8"):
+        PackedLinearWeight(np.ones((4, 8), np.int16), 0.1)
+    with pytest.raises(KernelError, match="num_threads"):
+        linear(np.zeros((2, 8), np.uint8), PackedLinearWeight(np.ones((4, 8), np.int8), 0.1),
+               0.1, 0, 0.1, 0, num_threads=0)
+
+
+def reference_dynamic(x, w, w_s, bias, scale, zp):
+    """fbgemm's dynamic path: fma quantize, int64 accumulate, float32 fma epilogue."""
+    inv = F32(F32(1) / F32(scale))
+    q = np.clip(np.rint((x.astype(np.float64) * np.float64(inv) + zp).astype(F32)), 0, 255)
+    acc = (q.astype(np.int64) - zp) @ w.astype(np.int64).T
+    n = w.shape[0]
+    atws = (F32(scale) * np.broadcast_to(np.asarray(w_s, np.float64), (n,)).astype(F32)).astype(F32)
+    b = np.zeros(n, np.float64) if bias is None else bias.astype(np.float64)
+    # float64 holds the exact product of two float32 values; one rounding to float32 after
+    return (acc.astype(np.int32).astype(F32).astype(np.float64) * atws + b).astype(F32)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@settings(max_examples=15, deadline=None)
+@given(m=st.integers(1, 20), k=st.integers(1, 120), n=st.integers(1, 50), seed=st.integers(0, 2**32 - 1))
+def test_linear_dynamic_matches_reference(target, m, k, n, seed):
+    from quantbridge.kernels._linear import choose_dynamic_qparams
+
+    rng = np.random.default_rng(seed)
+    x = (rng.normal(size=(m, k)) * 3 + rng.normal()).astype(F32)
+    w = rng.integers(-128, 128, (n, k), dtype=np.int8)
+    w_s = rng.uniform(0.001, 0.02, n)
+    bias = rng.normal(size=n).astype(F32)
+    got = linear_dynamic(x, PackedLinearWeight(w, w_s, 0, bias, target=target), num_threads=1)
+    scale, zp = choose_dynamic_qparams(x)
+    want = reference_dynamic(x, w, w_s, bias, scale, zp)
+    # the float64 emulation of fma can double-round; allow only that one-ulp case
+    np.testing.assert_array_max_ulp(got, want, maxulp=1)
+    assert np.mean(got == want) > 0.999
+
+
+def test_linear_dynamic_rejects_non_finite_input():
+    packed = PackedLinearWeight(np.ones((2, 4), np.int8), 0.1)
+    with pytest.raises(KernelError, match="NaN or infinity"):
+        linear_dynamic(np.array([[1.0, np.nan, 0, 0]], F32), packed)
+
+
+# ---- differential against torch's x86 engine (skips once torch.ao is gone) ----
+
+
+def _torch():
+    pytest.importorskip("torch.ao.quantization")
+    import torch
+
+    if "x86" not in torch.backends.quantized.supported_engines:
+        pytest.skip("torch was built without the x86 quantized engine")
+    torch.backends.quantized.engine = "x86"
+    return torch
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("per_channel", [False, True])
+@pytest.mark.parametrize("relu", [False, True])
+def test_linear_byte_identical_to_torch(target, per_channel, relu):
+    torch = _torch()
+    rng = np.random.default_rng(100 + per_channel + 2 * relu)
+    for m, k, n in [(1, 64, 48), (17, 130, 33), (64, 256, 96)]:
+        a, a_s, a_zp, w, w_s, _, bias, o_s, o_zp = _case(rng, m, k, n, per_channel, False, True)
+        if per_channel:
+            wq = torch._make_per_channel_quantized_tensor(
+                torch.from_numpy(w), torch.from_numpy(w_s), torch.zeros(n, dtype=torch.int64), 0
+            )
+        else:
+            wq = torch._make_per_tensor_quantized_tensor(torch.from_numpy(w), w_s, 0)
+        aq = torch._make_per_tensor_quantized_tensor(torch.from_numpy(a), a_s, a_zp)
+        tp = torch.ops.quantized.linear_prepack(wq, torch.from_numpy(bias))
+        op = torch.ops.quantized.linear_relu if relu else torch.ops.quantized.linear
+        want = op(aq, tp, o_s, o_zp).int_repr().numpy()
+        packed = PackedLinearWeight(w, w_s, 0, bias, target=target)
+        got = linear(a, packed, a_s, a_zp, o_s, o_zp, relu=relu)
+        np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("target", TARGETS)
+def test_linear_dynamic_byte_identical_to_torch(target):
+    torch = _torch()
+    rng = np.random.default_rng(7)
+    for per_channel in (False, True):
+        m, k, n = 23, 150, 41
+        x = (rng.normal(size=(m, k)) * 4 + 0.5).astype(F32)
+        w = rng.integers(-128, 128, (n, k), dtype=np.int8)
+        bias = rng.normal(size=n).astype(F32)
+        if per_channel:
+            w_s = rng.uniform(0.001, 0.02, n)
+            wq = torch._make_per_channel_quantized_tensor(
+                torch.from_numpy(w), torch.from_numpy(w_s), torch.zeros(n, dtype=torch.int64), 0
+            )
+        else:
+            w_s = 0.01
+            wq = torch._make_per_tensor_quantized_tensor(torch.from_numpy(w), w_s, 0)
+        tp = torch.ops.quantized.linear_prepack(wq, torch.from_numpy(bias))
+        want = torch.ops.quantized.linear_dynamic(torch.from_numpy(x), tp, False).numpy()
+        got = linear_dynamic(x, PackedLinearWeight(w, w_s, 0, bias, target=target))
+        np.testing.assert_array_equal(got, want)
