@@ -27,6 +27,7 @@ from torch.nn.utils.parametrize import type_before_parametrizations
 from quantbridge.fx_quant._custom_config import ConvertCustomConfig
 from quantbridge.fx_quant._dtype_matching import ObserverProbe
 from quantbridge.fx_quant._errors import FxQuantError
+from quantbridge.fx_quant._ops import dtype_range
 from quantbridge.fx_quant._prepare import (
     PREPARED_ATTRS_KEY,
     attach_preserved_attributes,
@@ -140,7 +141,9 @@ class _Converter:
         with graph.inserting_before(node):
             if dtype in _QUANTIZED and not dynamic:
                 scale, zero_point = observer.calculate_qparams()
-                qmin, qmax = int(observer.quant_min), int(observer.quant_max)
+                # The reference model clamps to the dtype's full range, as torch.ao's does;
+                # the observer's narrower range only shaped scale and zero point.
+                qmin, qmax = dtype_range(dtype)
                 qscheme = getattr(observer, "qscheme", QScheme.PER_TENSOR_AFFINE)
                 scale_node = self.buffer_node(path + prefix + "_scale_", torch.as_tensor(scale))
                 zp_node = self.buffer_node(
@@ -171,13 +174,11 @@ class _Converter:
                         f"observer {node.target!r}: dynamic quantization to {dtype} is not "
                         "supported; use uint8 or int8"
                     )
-                low = getattr(observer, "quant_min", None)
-                high = getattr(observer, "quant_max", None)
-                if low is None or high is None:
-                    low, high = (0, 255) if dtype == torch.uint8 else (-128, 127)
-                qmin, qmax = int(low), int(high)
+                qmin, qmax = dtype_range(dtype)
+                # torch.ao's dynamic reference op on x86 halves the uint8 range.
                 choose = graph.call_function(
-                    _ops.choose_qparams_per_tensor.default, (source, int(qmin), int(qmax))
+                    _ops.choose_qparams_per_tensor.default,
+                    (source, qmin, qmax, dtype == torch.uint8),
                 )
                 scale_n = graph.call_function(operator.getitem, (choose, 0))
                 zp_n = graph.call_function(operator.getitem, (choose, 1))
