@@ -1,0 +1,410 @@
+"""Observer statistics shared across torch.distributed ranks.
+
+``sync_observers`` leaves every rank with the statistics one process would have gathered from
+all ranks' data, so every rank computes the same qparams (torch.ao never synchronises its
+observers: under DDP rank 0's buffers win, pytorch issue #85627).
+
+Semantics per observer kind:
+
+- min/max observers (per tensor and per channel, running or moving-average): the elementwise
+  MIN of ``min_val`` and MAX of ``max_val`` over the ranks. Exact for running extremes. For the
+  moving averages every update is monotone in the batch extreme, so when the ranks start from
+  the same state and sync after every step, the result is bit for bit the moving average a
+  single process computes on the global batch (the union of the ranks' batches), which is
+  DDP's notion of a batch. Synced only once at the end, it is the widest of the ranks'
+  estimates (no rank's range gets clipped).
+- ``HistogramObserver``: the common range is the global [min, max]; each rank moves its
+  histogram onto it with the observer's own re-binning (the rule it applies when its range
+  grows) and the histograms are summed. Exact when every rank's range already is the common
+  one; otherwise each count moves by less than one bin of the common range (see the README
+  for the tested bound). Repeated syncs do not double count: the state agreed at the last
+  sync is remembered on the observer and only what each rank added since is summed.
+- fixed-qparams, placeholder, noop, reuse-input and recording observers: nothing to share.
+- any other module with ``calculate_qparams`` must define ``sync_statistics(group)``, which
+  is called on every rank in module order (it does its own collectives).
+
+After the sync every ``FakeQuantize`` whose observer is enabled refreshes its ``scale`` and
+``zero_point`` from the synced observer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from quantbridge.fx_quant._errors import FxQuantError
+from quantbridge.qconfig import (
+    FakeQuantize,
+    FixedQParamsFakeQuantize,
+    FixedQParamsObserver,
+    FusedMovingAvgObsFakeQuantize,
+    HistogramObserver,
+    MinMaxObserver,
+    NoopObserver,
+    PerChannelMinMaxObserver,
+    PlaceholderObserver,
+    ReuseInputObserver,
+)
+
+__all__ = ["sync_observers", "sync_observers_hook"]
+
+_STATELESS: tuple[type[nn.Module], ...] = (
+    FixedQParamsObserver,
+    PlaceholderObserver,
+    NoopObserver,
+    ReuseInputObserver,
+)
+# The state agreed by the last sync, kept on each histogram observer (see _sync_histograms).
+_BASELINE_ATTR = "_quantbridge_synced_histogram"
+
+
+@dataclass
+class _Plan:
+    """The observers of one model, by how they are synchronised."""
+
+    per_tensor: list[tuple[str, Any]]  # MinMax-like and histogram min/max (0-dim buffers)
+    per_channel: list[tuple[str, Any]]
+    histograms: list[tuple[str, HistogramObserver]]
+    custom: list[tuple[str, Any]]
+    fake_quants: list[FakeQuantize]
+    signature: list[tuple[str, str, object]]
+
+
+def _require_distributed(group: Any) -> Any:
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        raise FxQuantError(
+            "sync_observers: torch.distributed is not available in this torch build; "
+            "calibrate in one process or install a torch with distributed support"
+        )
+    if not dist.is_initialized():
+        raise FxQuantError(
+            "sync_observers: no torch.distributed process group is initialised; call "
+            "torch.distributed.init_process_group(...) first (torchrun sets up the "
+            "environment for it), or skip the sync when running in one process"
+        )
+    return dist
+
+
+def _qualname(obj: object) -> str:
+    cls = type(obj)
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _plan(model: nn.Module) -> _Plan:
+    plan = _Plan([], [], [], [], [], [])
+    for name, module in model.named_modules():
+        where = name or "<root>"
+        if isinstance(module, FakeQuantize) and not isinstance(module, FixedQParamsFakeQuantize):
+            plan.fake_quants.append(module)
+        if isinstance(module, HistogramObserver):
+            plan.histograms.append((where, module))
+            plan.per_tensor.append((where, module))
+            plan.signature.append((where, _qualname(module), module.bins))
+        elif isinstance(module, PerChannelMinMaxObserver):
+            plan.per_channel.append((where, module))
+            plan.signature.append((where, _qualname(module), module.ch_axis))
+        elif isinstance(module, MinMaxObserver):
+            plan.per_tensor.append((where, module))
+            plan.signature.append((where, _qualname(module), None))
+        elif callable(getattr(module, "sync_statistics", None)):
+            plan.custom.append((where, module))
+            plan.signature.append((where, _qualname(module), "custom"))
+        elif isinstance(module, _STATELESS):
+            continue
+        elif callable(getattr(module, "calculate_qparams", None)) and not hasattr(
+            module, "activation_post_process"
+        ):
+            raise FxQuantError(
+                f"sync_observers: module '{where}' ({type(module).__name__}) looks like an "
+                "observer but its statistics cannot be synchronised: quantbridge knows the "
+                "qconfig observers only. Give the class a sync_statistics(group) method that "
+                "all-reduces its state, or use a quantbridge.qconfig observer."
+            )
+    return plan
+
+
+def _check_same_structure(dist: Any, plan: _Plan, group: Any) -> None:
+    """One all_gather_object: every rank must hold the same observers in the same order."""
+    world = dist.get_world_size(group)
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, plan.signature, group=group)
+    ref = gathered[0]
+    for rank in range(1, world):
+        other = gathered[rank]
+        for index in range(max(len(ref), len(other))):
+            a = ref[index] if index < len(ref) else None
+            b = other[index] if index < len(other) else None
+            if a != b:
+                raise FxQuantError(
+                    f"sync_observers: ranks 0 and {rank} hold different observers (entry "
+                    f"{index}: rank 0 has {_describe(a)}, rank {rank} has {_describe(b)}); "
+                    "build, prepare and wrap the model identically on every rank"
+                )
+
+
+def _describe(entry: tuple[str, str, object] | None) -> str:
+    if entry is None:
+        return "nothing"
+    name, cls, detail = entry
+    extra = f", {detail}" if detail is not None else ""
+    return f"'{name}' ({cls.rsplit('.', 1)[-1]}{extra})"
+
+
+def _channel_counts(dist: Any, plan: _Plan, group: Any) -> list[int]:
+    """The channel count of every per-channel observer, agreed over the ranks; a rank that
+    has observed nothing (empty buffers) takes the others' count."""
+    if not plan.per_channel:
+        return []
+    mine = torch.tensor([obs.min_val.numel() for _, obs in plan.per_channel], dtype=torch.int64)
+    unset = torch.iinfo(torch.int64).max
+    # One MAX reduce gives both the largest count and (negated) the smallest non-zero one.
+    packed = torch.cat([mine, -torch.where(mine > 0, mine, torch.full_like(mine, unset))])
+    device = plan.per_channel[0][1].min_val.device
+    packed = packed.to(device)
+    dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=group)
+    packed = packed.cpu()
+    count = len(plan.per_channel)
+    largest, smallest = packed[:count], -packed[count:]
+    for (where, obs), big, small in zip(
+        plan.per_channel, largest.tolist(), smallest.tolist(), strict=True
+    ):
+        if big > 0 and small != big:
+            raise FxQuantError(
+                f"sync_observers: per-channel observer '{where}' has recorded {small} channels "
+                f"on one rank and {big} on another; every rank must observe tensors with the "
+                f"same channel count along ch_axis={obs.ch_axis}"
+            )
+    return [int(c) for c in largest.tolist()]
+
+
+def _sync_min_max(dist: Any, plan: _Plan, counts: list[int], group: Any) -> None:
+    """MIN of every min_val and MAX of every max_val, in one MAX all-reduce of
+    ``[-mins, maxes]`` (negation is exact; computed in float64, which round-trips float32)."""
+    mins: list[torch.Tensor] = []
+    maxes: list[torch.Tensor] = []
+    targets: list[tuple[Any, int]] = []
+    for _, obs in plan.per_tensor:
+        mins.append(obs.min_val.detach().reshape(-1).double())
+        maxes.append(obs.max_val.detach().reshape(-1).double())
+        targets.append((obs, -1))
+    for (_, obs), count in zip(plan.per_channel, counts, strict=True):
+        if obs.min_val.numel() == count:
+            mins.append(obs.min_val.detach().reshape(-1).double())
+            maxes.append(obs.max_val.detach().reshape(-1).double())
+        else:  # nothing observed on this rank: neutral elements
+            mins.append(torch.full((count,), float("inf"), dtype=torch.float64))
+            maxes.append(torch.full((count,), float("-inf"), dtype=torch.float64))
+        targets.append((obs, count))
+    if not targets:
+        return
+    device = mins[0].device
+    packed = torch.cat([-torch.cat([m.to(device) for m in mins]), torch.cat(maxes).to(device)])
+    dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=group)
+    total = packed.numel() // 2
+    new_mins, new_maxes = -packed[:total], packed[total:]
+    offset = 0
+    with torch.no_grad():
+        for obs, count in targets:
+            size = 1 if count < 0 else count
+            low = new_mins[offset : offset + size]
+            high = new_maxes[offset : offset + size]
+            offset += size
+            if count < 0:
+                _assign(obs, "min_val", low.reshape(obs.min_val.shape))
+                _assign(obs, "max_val", high.reshape(obs.max_val.shape))
+            elif count > 0:
+                _assign(obs, "min_val", low)
+                _assign(obs, "max_val", high)
+
+
+def _assign(obs: Any, name: str, value: torch.Tensor) -> None:
+    buffer: torch.Tensor = getattr(obs, name)
+    if buffer.shape != value.shape:
+        buffer.resize_(value.shape)
+    buffer.copy_(value.to(device=buffer.device, dtype=buffer.dtype))
+
+
+def _on_range(
+    obs: HistogramObserver,
+    hist: torch.Tensor,
+    low: torch.Tensor,
+    high: torch.Tensor,
+    new_low: torch.Tensor,
+    new_high: torch.Tensor,
+) -> torch.Tensor:
+    """``hist`` over [low, high] moved onto [new_low, new_high] by the observer's own rule
+    (zero when nothing was observed)."""
+    if bool(low == float("inf")) or bool(high == float("-inf")):
+        return torch.zeros(obs.bins, dtype=torch.float64, device=hist.device)
+    moved = obs._merge(hist, low, high, torch.zeros_like(hist), new_low, new_high)
+    return moved.double()
+
+
+def _sync_histograms(
+    dist: Any, plan: _Plan, local: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], group: Any
+) -> None:
+    """Sum the ranks' histograms on the common range (already in min_val/max_val).
+
+    ``local`` holds each observer's pre-sync (histogram, min, max) on this rank. A baseline
+    from the previous sync (identical on every rank) is subtracted from each rank's share and
+    added back once, so data seen before that sync is counted once.
+    """
+    if not plan.histograms:
+        return
+    shares: list[torch.Tensor] = []
+    bases: list[torch.Tensor | None] = []
+    flags: list[int] = []
+    for (_, obs), (hist, low, high) in zip(plan.histograms, local, strict=True):
+        common_low, common_high = obs.min_val.detach(), obs.max_val.detach()
+        if bool(common_low == float("inf")):  # nobody saw data
+            shares.append(torch.zeros(obs.bins, dtype=torch.float64, device=hist.device))
+            bases.append(None)
+            flags.append(0)
+            continue
+        share = _on_range(obs, hist, low, high, common_low, common_high)
+        baseline = getattr(obs, _BASELINE_ATTR, None)
+        base: torch.Tensor | None = None
+        if baseline is not None:
+            b_hist, b_low, b_high = baseline
+            base = _on_range(obs, b_hist, b_low, b_high, common_low, common_high)
+            share = share - base
+        shares.append(share)
+        bases.append(base)
+        flags.append(1 if base is not None else 0)
+
+    device = shares[0].device
+    # The baseline flags travel with the sums: a baseline must exist on all ranks or none.
+    packed = torch.cat(
+        [torch.cat(shares).to(device), torch.tensor(flags, dtype=torch.float64, device=device)]
+    )
+    dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=group)
+    world = dist.get_world_size(group)
+    flag_sums = packed[-len(flags) :].tolist()
+    offset = 0
+    with torch.no_grad():
+        for (where, obs), base, flag_sum in zip(plan.histograms, bases, flag_sums, strict=True):
+            total = packed[offset : offset + obs.bins]
+            offset += obs.bins
+            if flag_sum not in (0.0, float(world)):
+                raise FxQuantError(
+                    f"sync_observers: histogram observer '{where}' was synced before on some "
+                    "ranks only (e.g. a checkpoint or a fresh model loaded on one rank); "
+                    "restart calibration from the same state on every rank"
+                )
+            if bool(obs.min_val == float("inf")):
+                continue
+            if base is not None:
+                # Re-binning is not exactly linear across different ranges: clip tiny negatives.
+                total = (total + base).clamp_min(0.0)
+            hist = total.to(dtype=obs.histogram.dtype, device=obs.histogram.device)
+            obs._set_histogram(hist)
+            setattr(
+                obs,
+                _BASELINE_ATTR,
+                (hist.clone(), obs.min_val.detach().clone(), obs.max_val.detach().clone()),
+            )
+
+
+def _refresh_fake_quants(plan: _Plan) -> None:
+    """Fake quantizes use their scale/zero_point buffers: recompute them from the synced
+    observer, as the module's own forward would (only while the observer is enabled; a
+    frozen one keeps its qparams)."""
+    with torch.no_grad():
+        for fq in plan.fake_quants:
+            if int(fq.observer_enabled[0]) != 1:
+                continue
+            low = getattr(fq.activation_post_process, "min_val", None)
+            high = getattr(fq.activation_post_process, "max_val", None)
+            if isinstance(low, torch.Tensor) and (
+                low.numel() == 0 or not bool(torch.isfinite(low).all())
+            ):
+                continue  # nothing observed anywhere: keep the initial qparams
+            if (
+                isinstance(fq, FusedMovingAvgObsFakeQuantize)
+                and isinstance(low, torch.Tensor)
+                and isinstance(high, torch.Tensor)
+            ):
+                # The fused op computes qparams its own way (not the observer's
+                # calculate_qparams). Feeding it a tensor holding exactly the synced extremes
+                # leaves the moving average unchanged (m + c * (m - m) == m) and stores the
+                # qparams it would use.
+                if fq.is_per_channel and fq.ch_axis >= 0:
+                    probe = torch.stack([low, high], dim=1).reshape(
+                        [1] * fq.ch_axis + [low.numel(), 2]
+                    )
+                elif fq.is_per_channel:
+                    probe = torch.stack([low, high]).reshape(
+                        [2, low.numel()] + [1] * (-fq.ch_axis - 1)
+                    )
+                else:
+                    probe = torch.stack([low.reshape(()), high.reshape(())])
+                fq(probe)
+                continue
+            scale, zero_point = fq.calculate_qparams()
+            if fq.scale.shape != scale.shape:
+                fq.scale.resize_(scale.shape)
+                fq.zero_point.resize_(zero_point.shape)
+            fq.scale.copy_(scale)
+            fq.zero_point.copy_(zero_point)
+
+
+def sync_observers(model: nn.Module, group: Any = None, *, check: bool = True) -> nn.Module:
+    """All-reduce the statistics of every observer in ``model`` so that every rank of
+    ``group`` (default: the world) ends with identical statistics and qparams, equal to one
+    process having observed all ranks' data (see the module docstring for each observer's
+    semantics). Every rank must call it, with the same model structure.
+
+    ``check=True`` first compares the observers' names and types across ranks with one
+    ``all_gather_object`` (clear error on the first difference); per-step callers that
+    already checked may pass ``check=False``. Uses 2 to 4 collectives however many observers
+    there are. Returns ``model``.
+    """
+    if not isinstance(model, nn.Module):
+        raise FxQuantError(f"sync_observers: model must be an nn.Module, got {type(model)}")
+    dist = _require_distributed(group)
+    plan = _plan(model)
+    if check:
+        _check_same_structure(dist, plan, group)
+    with torch.no_grad():
+        local = [
+            (obs.histogram.detach().clone(), obs.min_val.detach().clone(), obs.max_val.clone())
+            for _, obs in plan.histograms
+        ]
+        counts = _channel_counts(dist, plan, group)
+        _sync_min_max(dist, plan, counts, group)
+        _sync_histograms(dist, plan, local, group)
+    for _, module in plan.custom:
+        module.sync_statistics(group)
+    _refresh_fake_quants(plan)
+    return model
+
+
+def sync_observers_hook(module: nn.Module, every: int = 1, group: Any = None) -> RemovableHandle:
+    """Sync ``module``'s observers after every ``every``-th training-mode forward (QAT under
+    DDP). Register it on the DDP wrapper (or the plain model): it runs after the forward,
+    before backward, so the step's qparams and the model after the step agree on every rank.
+
+    Eval-mode forwards are not counted (validation often runs on one rank only). The first
+    sync checks the structure across ranks; later ones skip that check. Returns the handle;
+    ``handle.remove()`` stops syncing.
+    """
+    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        raise FxQuantError(f"sync_observers_hook: every must be a positive int, got {every!r}")
+    _require_distributed(group)
+    state = {"calls": 0, "checked": False}
+
+    def hook(mod: nn.Module, args: Any, output: Any) -> None:
+        if not mod.training:
+            return
+        state["calls"] += 1
+        if state["calls"] % every == 0:
+            sync_observers(mod, group, check=not state["checked"])
+            state["checked"] = True
+
+    return module.register_forward_hook(hook)
