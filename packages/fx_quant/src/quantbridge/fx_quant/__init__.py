@@ -28,7 +28,7 @@ from quantbridge.fx_quant._backend_configs import (
     get_x86_backend_config,
     register_backend_config,
 )
-from quantbridge.fx_quant._errors import FxQuantError
+from quantbridge.fx_quant._calibrate import calibrate
 from quantbridge.fx_quant._convert import NotPreparedError
 from quantbridge.fx_quant._custom_config import (
     ConvertCustomConfig,
@@ -36,6 +36,8 @@ from quantbridge.fx_quant._custom_config import (
     PrepareCustomConfig,
     QuantType,
 )
+from quantbridge.fx_quant._distributed import sync_observers, sync_observers_hook
+from quantbridge.fx_quant._errors import FxQuantError
 from quantbridge.fx_quant._explain import ExplainReport, explain
 from quantbridge.fx_quant._fuse import FusionError
 from quantbridge.fx_quant._lowering_registry import (
@@ -92,4 +94,8 @@ __all__ = [
     "get_tensorrt_backend_config_dict",
     "get_x86_backend_config",
     "register_backend_config",
+    # calibration and QAT across torch.distributed ranks
+    "calibrate",
+    "sync_observers",
+    "sync_observers_hook",
 ]
