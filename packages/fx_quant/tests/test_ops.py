@@ -346,3 +346,28 @@ def test_per_tensor_matches_torch_on_arbitrary_float_bits(
     q = qb.quantize_per_tensor(x, scale, zp, qmin, qmax, dtype)
     assert torch.equal(q, ref.int_repr())
     assert torch.equal(qb.dequantize_per_tensor(q, scale, zp, qmin, qmax, dtype), ref.dequantize())
+
+
+# (scale, x) pairs where x / scale + 200 computed in float64 lands exactly on a float32
+# rounding midpoint although the exact value does not (found by a vectorized search):
+# rounding via float64 gives the wrong integer unless corrected.
+_DOUBLE_ROUNDING_CASES = [
+    (0.17354963719844818, 0.08677614480257034),
+    (0.34709927439689636, 0.17355228960514069),
+    (0.043387409299612045, 0.021694036200642586),
+    (0.40377315878868103, 0.20188966393470764),
+    (0.045015253126621246, 0.02250796929001808),
+]
+
+
+@pytest.mark.parametrize(("scale", "value"), _DOUBLE_ROUNDING_CASES)
+def test_fused_rounding_is_single_rounding(scale: float, value: float) -> None:
+    pytest.importorskip("torch.ao.quantization")
+    x = torch.tensor([value, -value] * 8 + [value])  # vector body and scalar tail
+    ref = torch.quantize_per_tensor(x, scale, 200, torch.quint8)
+    ours = qb.quantize_per_tensor(x, scale, 200, 0, 255, torch.uint8)
+    assert torch.equal(ours, ref.int_repr())
+    # the case is a real trap: rounding through float64 alone disagrees with torch
+    inv = 1.0 / torch.tensor(scale, dtype=torch.float32)
+    naive = torch.round((x.double() * inv.double() + 200).float()).to(torch.uint8)
+    assert not torch.equal(naive, ref.int_repr())

@@ -144,6 +144,35 @@ def _nan_value(fused: bool, quant_min: int, quant_max: int, dtype: torch.dtype) 
     return min(max(0, quant_min), quant_max)
 
 
+# In a float64 holding a float32 midpoint, the 29 bits below float32 precision are 100...0.
+_MIDPOINT_MASK = (1 << 29) - 1
+_MIDPOINT_BITS = 1 << 28
+
+
+def _fma_to_float32(
+    x: torch.Tensor, inv: torch.Tensor | float, zero_point: torch.Tensor | int
+) -> torch.Tensor:
+    """``float32(x * inv + zero_point)`` rounded once, as a float32 fused multiply-add.
+
+    ``x * inv`` (two float32s) is exact in float64, the sum is rounded to float64 and then to
+    float32. That double rounding is wrong only when the float64 sum lands exactly on a
+    float32 midpoint while the exact sum does not; those elements (rare, but reachable) are
+    found by their bit pattern and nudged one float64 step towards the exact sum, whose
+    remainder an error-free two-sum gives.
+    """
+    product = x.to(torch.float64) * inv
+    total = product + zero_point
+    suspicious = (total.view(torch.int64) & _MIDPOINT_MASK) == _MIDPOINT_BITS
+    if bool(suspicious.any()):
+        p, t = product[suspicious], total[suspicious]
+        zp = zero_point[suspicious] if isinstance(zero_point, torch.Tensor) else zero_point
+        b = t - p
+        remainder = (p - (t - b)) + (zp - b)  # exact: p + zp == t + remainder
+        towards = torch.where(remainder > 0, torch.inf, -torch.inf).to(torch.float64)
+        total[suspicious] = torch.where(remainder != 0, torch.nextafter(t, towards), t)
+    return total.to(torch.float32)
+
+
 def _quantize(
     x: torch.Tensor,
     inv: torch.Tensor | float,
@@ -161,9 +190,7 @@ def _quantize(
     elif isinstance(zero_point, int) and zero_point == 0:
         r = torch.round(x * inv)  # a fused multiply-add with 0 is a plain rounded product
     else:
-        # x * inv of two float32s is exact in float64; one rounding to float32 follows, as in
-        # a fused multiply-add (README: the double-rounding window this leaves is documented).
-        r = torch.round((x.to(torch.float64) * inv + zero_point).to(torch.float32))
+        r = torch.round(_fma_to_float32(x, inv, zero_point))
     nan_to = _nan_value(fused, quant_min, quant_max, dtype)
     return _saturate(r, quant_min, quant_max, nan_to).to(dtype)
 
