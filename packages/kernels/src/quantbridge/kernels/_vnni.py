@@ -226,6 +226,36 @@ def fma_f32(typingctx: Any, x: Any, y: Any, z: Any) -> Any:
     return sig, codegen
 
 
+@intrinsic
+def vpdpbusd_peak_loop(typingctx: Any, iters: Any) -> Any:
+    """Run ``iters`` x 16 independent register-only vpdpbusd (the int8 peak probe).
+
+    Returns a lane sum so the work cannot be optimized away. Used by the bench to measure
+    the machine's vpdpbusd throughput instead of trusting a datasheet.
+    """
+    sig = types.int64(types.int64)
+
+    def codegen(context: Any, builder: ir.IRBuilder, sig: Any, args: Any) -> ir.Value:
+        vi32 = ir.VectorType(I32, 16)
+        fn = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(vi32, [vi32, vi32, vi32]),
+            "llvm.x86.avx512.vpdpbusd.512",
+        )
+        a = ir.Constant(vi32, [0x01010101] * 16)
+        b = ir.Constant(vi32, [0x01FF0102 + i for i in range(16)])
+        slots = [cgutils.alloca_once_value(builder, ir.Constant(vi32, [i] * 16)) for i in range(16)]
+        with cgutils.for_range(builder, args[0]):
+            for slot in slots:
+                builder.store(builder.call(fn, [builder.load(slot), a, b]), slot)
+        total = builder.load(slots[0])
+        for slot in slots[1:]:
+            total = builder.add(total, builder.load(slot))
+        lane0 = builder.extract_element(total, ir.Constant(I32, 0))
+        return builder.sext(lane0, I64)
+
+    return sig, codegen
+
+
 # Module-level instances (cache=True needs importable names). Rows per block: 8 fills 16 of
 # the 32 zmm registers for VNNI; AVX2 has 16 ymm registers, so 6 rows (12 accumulators).
 # The 1-row kernels split k over 4 accumulator sets to hide the 4-cycle latency.

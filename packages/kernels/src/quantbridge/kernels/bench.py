@@ -1,0 +1,235 @@
+"""Side-by-side throughput of the GEMM-family kernels: ``python -m quantbridge.kernels.bench``.
+
+For each shape and target this times our kernel and, when torch with its x86 quantized
+engine is importable, torch's prepacked quantized linear/conv on the same inputs, interleaved
+in one process with the same thread count; each figure is the best of ``--repeat`` timed
+rounds (the machine is shared, so the minimum is the least disturbed run). ``ratio`` is ours
+divided by torch's from the same run. ``percent_of_peak`` compares with a vpdpbusd peak that
+is measured here (register-only vpdpbusd loop on every thread), not taken from a datasheet.
+
+torch is only a comparison baseline of this tool; it is imported lazily with
+``importlib.import_module`` and never by the kernel modules.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numba
+import numpy as np
+
+from quantbridge.kernels._conv import PackedConvWeight, conv2d
+from quantbridge.kernels._linear import PackedLinearWeight, linear
+from quantbridge.kernels._targets import available_targets, target_supported
+from quantbridge.kernels._threads import apply_num_threads, max_threads
+from quantbridge.kernels._vnni import vpdpbusd_peak_loop
+
+GEMM_SHAPES: tuple[tuple[int, int, int], ...] = (
+    (1, 768, 768),
+    (32, 768, 3072),
+    (128, 1024, 1024),
+    (512, 512, 512),
+)
+CONV_SHAPE = (1, 64, 56, 56, 64, 3)  # batch, C, H, W, OC, kernel
+
+
+@numba.njit(nogil=True)  # type: ignore[misc]
+def _peak_one(iters):  # type: ignore[no-untyped-def]
+    return vpdpbusd_peak_loop(iters)
+
+
+@numba.njit(nogil=True, parallel=True)  # type: ignore[misc]
+def _peak_many(iters, workers):  # type: ignore[no-untyped-def]
+    acc = np.zeros(workers, np.int64)
+    for t in numba.prange(workers):
+        acc[t] = vpdpbusd_peak_loop(iters)
+    return acc.sum()
+
+
+def measure_peak_gops(threads: int, seconds: float = 0.3) -> float | None:
+    """int8 ops/s of register-only vpdpbusd on ``threads`` threads (None without VNNI)."""
+    if not target_supported("avx512_vnni"):
+        return None
+    ops_per_iter = 16 * 64 * 2  # 16 instructions x 64 multiply-adds x 2 ops
+    iters = 200_000
+    _peak_one(1)  # compile outside the timing
+    if threads > 1:
+        _peak_many(1, threads)
+    best = 0.0
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end or best == 0.0:
+        t0 = time.perf_counter()
+        if threads == 1:
+            _peak_one(iters)
+        else:
+            _peak_many(iters, threads)
+        dt = time.perf_counter() - t0
+        best = max(best, ops_per_iter * iters * threads / dt / 1e9)
+    return best
+
+
+def _best_time(fn: Callable[[], object], repeat: int, min_time: float) -> float:
+    """Best per-call seconds over ``repeat`` rounds of at least ``min_time`` each."""
+    fn()
+    best = float("inf")
+    for _ in range(repeat):
+        calls = 0
+        t0 = time.perf_counter()
+        while True:
+            fn()
+            calls += 1
+            dt = time.perf_counter() - t0
+            if dt >= min_time:
+                break
+        best = min(best, dt / calls)
+    return best
+
+
+def _torch() -> Any | None:
+    try:
+        torch = importlib.import_module("torch")
+    except ImportError:
+        return None
+    engines = torch.backends.quantized.supported_engines
+    if "x86" not in engines or not hasattr(torch.ops, "quantized"):
+        return None
+    torch.backends.quantized.engine = "x86"
+    return torch
+
+
+def _torch_linear(torch: Any, a: Any, w: Any, bias: Any, scales: tuple[float, ...]) -> Any:
+    a_s, a_zp, w_s, o_s, o_zp = scales
+    qops = torch.ops.quantized
+    aq = torch._make_per_tensor_quantized_tensor(torch.from_numpy(a), a_s, int(a_zp))
+    wq = torch._make_per_tensor_quantized_tensor(torch.from_numpy(w), w_s, 0)
+    packed = qops.linear_prepack(wq, torch.from_numpy(bias))
+    return lambda: qops.linear(aq, packed, o_s, int(o_zp))
+
+
+def _torch_conv(torch: Any, x: Any, w: Any, bias: Any, scales: tuple[float, ...]) -> Any:
+    a_s, a_zp, w_s, o_s, o_zp = scales
+    qops = torch.ops.quantized
+    xq = torch._make_per_tensor_quantized_tensor(torch.from_numpy(x), a_s, int(a_zp))
+    wq = torch._make_per_tensor_quantized_tensor(torch.from_numpy(w), w_s, 0)
+    packed = qops.conv2d_prepack(wq, torch.from_numpy(bias), [1, 1], [1, 1], [1, 1], 1)
+    return lambda: qops.conv2d(xq, packed, o_s, int(o_zp))
+
+
+def run(
+    threads: int, repeat: int, min_time: float, targets: list[str], quick: bool = False
+) -> list[dict[str, Any]]:
+    """Measure every (op, shape, target); rows as documented in the module docstring."""
+    apply_num_threads(threads, "bench")
+    torch = _torch()
+    if torch is not None:
+        torch.set_num_threads(threads)
+    peak = measure_peak_gops(threads)
+    rng = np.random.default_rng(0)
+    scales = (0.05, 3.0, 0.01, 2.0, 5.0)
+    rows: list[dict[str, Any]] = []
+    shapes = GEMM_SHAPES[:1] + ((16, 64, 64),) if quick else GEMM_SHAPES
+    for m, k, n in shapes:
+        a = rng.integers(0, 256, (m, k), dtype=np.uint8)
+        w = rng.integers(-128, 128, (n, k), dtype=np.int8)
+        bias = rng.normal(0, 1, n).astype(np.float32)
+        base = _torch_linear(torch, a, w, bias, scales) if torch is not None else None
+        for target in targets:
+            packed = PackedLinearWeight(w, scales[2], 0, bias, target=target)
+
+            def ours(packed: PackedLinearWeight = packed) -> object:
+                return linear(a, packed, 0.05, 3, 2.0, 5, num_threads=threads)
+
+            rows.append(_row("linear", f"{m}x{k}x{n}", 2.0 * m * k * n, target, threads,
+                             ours, base, repeat, min_time, peak))
+    bn, c, h, wd, oc, ks = (1, 8, 12, 12, 8, 3) if quick else CONV_SHAPE
+    x = rng.integers(0, 256, (bn, c, h, wd), dtype=np.uint8)
+    wc = rng.integers(-128, 128, (oc, c, ks, ks), dtype=np.int8)
+    bias = rng.normal(0, 1, oc).astype(np.float32)
+    base = _torch_conv(torch, x, wc, bias, scales) if torch is not None else None
+    for target in targets:
+        cp = PackedConvWeight(wc, scales[2], 0, bias, padding=1, target=target)
+
+        def ours_conv(cp: PackedConvWeight = cp) -> object:
+            return conv2d(x, cp, 0.05, 3, 2.0, 5, num_threads=threads)
+
+        ops = 2.0 * bn * oc * h * wd * c * ks * ks
+        rows.append(_row("conv2d", f"{bn}x{c}x{h}x{wd}->{oc},k{ks}", ops, target, threads,
+                         ours_conv, base, repeat, min_time, peak))
+    return rows
+
+
+def _row(
+    op: str, shape: str, ops: float, target: str, threads: int, ours: Callable[[], object],
+    base: Callable[[], object] | None, repeat: int, min_time: float, peak: float | None,
+) -> dict[str, Any]:
+    t_ours = t_base = float("inf")
+    ours()
+    if base is not None:
+        base()
+    # interleave so both sides see the same machine load
+    for _ in range(repeat):
+        t_ours = min(t_ours, _best_time(ours, 1, min_time))
+        if base is not None:
+            t_base = min(t_base, _best_time(base, 1, min_time))
+    gops = ops / t_ours / 1e9
+    base_gops = ops / t_base / 1e9 if base is not None else None
+    return {
+        "op": op,
+        "shape": shape,
+        "target": target,
+        "threads": threads,
+        "gops": round(gops, 1),
+        "percent_of_peak": round(100.0 * gops / peak, 1) if peak else None,
+        "peak_gops": round(peak, 1) if peak else None,
+        "baseline": "torch_x86" if base is not None else None,
+        "baseline_gops": round(base_gops, 1) if base_gops is not None else None,
+        "ratio": round(gops / base_gops, 2) if base_gops else None,
+        "microseconds": round(t_ours * 1e6, 1),
+    }
+
+
+def _table(rows: list[dict[str, Any]]) -> str:
+    head = f"{'op':8} {'shape':22} {'target':12} {'thr':>3} {'GOPS':>7} {'%peak':>6} " \
+           f"{'torch':>7} {'ratio':>6} {'us':>9}"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        lines.append(
+            f"{r['op']:8} {r['shape']:22} {r['target']:12} {r['threads']:>3} {r['gops']:>7} "
+            f"{str(r['percent_of_peak']):>6} {str(r['baseline_gops']):>7} "
+            f"{str(r['ratio']):>6} {r['microseconds']:>9}"
+        )
+    if rows and rows[0]["peak_gops"]:
+        lines.append(f"measured vpdpbusd peak on {rows[0]['threads']} thread(s): "
+                     f"{rows[0]['peak_gops']} GOPS")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m quantbridge.kernels.bench", description=__doc__)
+    parser.add_argument("--json", action="store_true", help="print a JSON list of rows")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--repeat", type=int, default=5, help="timed rounds per side")
+    parser.add_argument("--min-time", type=float, default=0.05, help="seconds per round")
+    parser.add_argument("--targets", default=",".join(t for t in available_targets() if t != "generic"),
+                        help="comma-separated targets (generic is slow; add it explicitly)")
+    parser.add_argument("--quick", action="store_true", help="tiny shapes (smoke test)")
+    args = parser.parse_args(argv)
+    if not 1 <= args.threads <= max_threads():
+        parser.error(f"--threads must be in [1, {max_threads()}]")
+    targets = [t for t in args.targets.split(",") if t]
+    unknown = [t for t in targets if t not in available_targets()]
+    if unknown:
+        parser.error(f"targets {unknown} cannot run here; available: {available_targets()}")
+    rows = run(args.threads, args.repeat, args.min_time, targets, args.quick)
+    print(json.dumps(rows, indent=1) if args.json else _table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
