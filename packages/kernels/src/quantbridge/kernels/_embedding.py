@@ -114,7 +114,7 @@ def to_fused_rows(packed: PackedEmbedding) -> U8:
 def from_fused_rows(fused: U8, bit_width: int) -> PackedEmbedding:
     """Split torch's fused rows (from embedding_bag_byte_prepack / _4bit_prepack)."""
     rows = check_array("fused", fused, np.uint8, 2)
-    if bit_width not in (8, 4):
+    if not _is_int(bit_width) or int(bit_width) not in (8, 4):
         raise KernelError(f"bit_width: expected 8 or 4, got {bit_width!r}")
     qtype = np.float32 if bit_width == 8 else np.float16
     tail = 2 * np.dtype(qtype).itemsize
@@ -130,6 +130,10 @@ def from_fused_rows(fused: U8, bit_width: int) -> PackedEmbedding:
         bit_width,
         dim,
     )
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
 
 
 def _check_packed(packed: object) -> tuple[U8, F32, F32, int, int]:
@@ -148,7 +152,7 @@ def _check_packed(packed: object) -> tuple[U8, F32, F32, int, int]:
             f"got {scale.shape[0]} and {bias.shape[0]}"
         )
     bits, dim = packed.bit_width, packed.embedding_dim
-    if bits not in (8, 4) or not isinstance(dim, (int, np.integer)) or isinstance(dim, bool):
+    if not (_is_int(bits) and int(bits) in (8, 4) and _is_int(dim)):
         raise KernelError(
             f"packed: bit_width must be 8 or 4 and embedding_dim an int, got {bits!r}, {dim!r}"
         )
@@ -238,7 +242,7 @@ def embedding_bag(
     """
     check_target(target)
     data, scale, bias, bits, dim = _check_packed(packed)
-    if mode not in _MODES:
+    if not isinstance(mode, str) or mode not in _MODES:
         raise KernelError(f"mode: expected one of {sorted(_MODES)}, got {mode!r}")
     if not isinstance(include_last_offset, (bool, np.bool_)):
         raise KernelError(f"include_last_offset: expected a bool, got {include_last_offset!r}")

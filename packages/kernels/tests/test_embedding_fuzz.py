@@ -1,0 +1,113 @@
+"""Fuzz embedding_bag and row packing: random shapes, dtypes, layouts and garbage arguments.
+
+Each call must either raise KernelError or return the right answer -- never crash, never
+return garbage. (A segfault inside compiled code would take the whole test run down.)
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+import quantbridge.kernels as qk
+from quantbridge.kernels import KernelError
+
+FUZZ = settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True
+)
+DTYPES = [np.uint8, np.int8, np.float32, np.float64, np.int32, np.int64, np.bool_]
+GARBAGE = st.one_of(
+    st.none(),
+    st.text(max_size=3),
+    st.booleans(),
+    st.just([1, 2, 3]),
+    st.just(float("nan")),
+    st.just(float("inf")),
+    st.just(-1.0),
+    st.just(0),
+    st.just(1e-45),
+    st.just(1e300),
+    st.integers(-(2**70), 2**70),
+    st.floats(allow_nan=True, allow_infinity=True),
+)
+
+
+@st.composite
+def arrays(draw, dtype=None):
+    """Mostly well-formed arrays of ``dtype``; sometimes another dtype, layout or object."""
+    kind = draw(st.integers(0, 9))
+    if kind == 0:
+        return draw(GARBAGE)
+    dt = dtype if dtype is not None and kind > 2 else draw(st.sampled_from(DTYPES))
+    shape = draw(hnp.array_shapes(min_dims=1, max_dims=4, min_side=0, max_side=6))
+    arr = draw(hnp.arrays(dt, shape, elements=None if dt != np.float32 else st.floats(width=32)))
+    if kind == 3:
+        arr = arr[..., ::2]  # non-contiguous
+    if kind == 4:
+        arr = np.asfortranarray(arr)
+    return arr
+
+
+def scales():
+    return st.one_of(st.floats(1e-3, 10), GARBAGE)
+
+
+def zero_points(lo=-128, hi=255):
+    return st.one_of(st.integers(lo, hi), GARBAGE)
+
+
+PACKED = [
+    qk.pack_embedding_8bit(np.linspace(-1, 1, 40, dtype=np.float32).reshape(8, 5)),
+    qk.pack_embedding_4bit(np.linspace(-1, 1, 48, dtype=np.float32).reshape(8, 6)),
+]
+
+
+def ref_sum(packed, indices, offsets):
+    data = packed.data.astype(np.int64)
+    if packed.bit_width == 4:
+        codes = np.empty((data.shape[0], 2 * data.shape[1]), np.int64)
+        codes[:, 0::2], codes[:, 1::2] = data & 15, data >> 4
+        data = codes
+    bounds = [*offsets.tolist(), len(indices)]
+    out = np.zeros((len(offsets), packed.embedding_dim), np.float32)
+    for b in range(len(offsets)):
+        for row in indices[bounds[b] : bounds[b + 1]]:
+            sc, bi = packed.scale[row], packed.bias[row]
+            prod = np.float64(sc) * data[row].astype(np.float64)
+            out[b] = (prod + (out[b] + bi).astype(np.float64)).astype(np.float32)
+    return out
+
+
+@FUZZ
+@given(
+    st.one_of(st.sampled_from(PACKED), GARBAGE),
+    st.one_of(arrays(np.int64), st.lists(st.integers(-3, 10), max_size=8).map(np.array)),
+    st.one_of(st.none(), arrays(np.int32), st.lists(st.integers(-2, 9), max_size=5).map(np.array)),
+    st.one_of(st.sampled_from(["sum", "mean", "max"]), GARBAGE),
+    st.one_of(st.none(), arrays(np.float32)),
+    st.one_of(st.booleans(), GARBAGE),
+)
+def test_embedding_bag(packed, indices, offsets, mode, weights, last):
+    try:
+        got = qk.embedding_bag(packed, indices, offsets, mode, weights, last)
+    except KernelError:
+        return
+    assert got.dtype == np.float32
+    assert got.shape[1] == packed.embedding_dim
+    if mode == "sum" and weights is None and indices.ndim == 1 and not last:
+        np.testing.assert_array_equal(got, ref_sum(packed, indices, offsets))
+
+
+@FUZZ
+@given(arrays(np.float32), st.sampled_from([8, 4]))
+def test_packing(weight, bits):
+    pack = qk.pack_embedding_8bit if bits == 8 else qk.pack_embedding_4bit
+    try:
+        packed = pack(weight)
+    except KernelError:
+        return
+    assert packed.data.shape[0] == weight.shape[0]
+    back = qk.from_fused_rows(qk.to_fused_rows(packed), bits)
+    np.testing.assert_array_equal(back.data, packed.data)
