@@ -137,6 +137,9 @@ def test_native_spot_checks() -> None:
     )
     assert configs["shape"].observation_type is qb.ObservationType.INPUT_OUTPUT_NOT_OBSERVED
     assert configs[F.layer_norm]._input_type_to_index == {"weight": 2, "bias": 3}
+    lstm = configs[nn.LSTM]
+    assert (lstm.root_module, lstm.reference_quantized_module) == (nn.LSTM, nnqr.LSTM)
+    assert [d.is_dynamic for d in lstm.dtype_configs] == [True, True]
 
 
 def test_qnnpack_symmetric_constraints() -> None:

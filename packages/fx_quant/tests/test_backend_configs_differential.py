@@ -73,9 +73,6 @@ _NAMESPACES = (
     ("torch.ao.nn.qat", qnn.qat),
     ("torch.ao.nn.quantized.reference", qnn.reference),
 )
-# Reference modules torch.ao has and quantbridge.fx_quant.nn.reference does not (yet): our
-# configs leave the reference module unset for them (README: "Differences from torch.ao").
-MISSING_REFERENCE_MODULES = {"GRUCell", "LSTMCell", "RNNCell", "LSTM", "GRU"}
 
 # torch.ao fuser functions -> ours, by name.
 _NAMED_FUSERS: dict[str, Callable[..., Any]] = {
@@ -116,8 +113,6 @@ def to_ours(obj: Any) -> Any:
     if isinstance(obj, type) and module.startswith("torch.ao."):
         for prefix, namespace in _NAMESPACES:
             if module.startswith(prefix + "."):
-                if namespace is qnn.reference and obj.__name__ in MISSING_REFERENCE_MODULES:
-                    return getattr(namespace, obj.__name__, None)
                 ours = getattr(namespace, obj.__name__, None)
                 assert ours is not None, f"no counterpart of {module}.{obj.__name__}"
                 return ours
@@ -254,30 +249,9 @@ def test_dict_getters_have_torch_aos_keys(
     assert mine["name"] == ao_dict["name"]
     assert len(mine["configs"]) == len(ao_dict["configs"])
     for i, (a, b) in enumerate(zip(mine["configs"], ao_dict["configs"], strict=True)):
-        expected = set(b)
-        root = b.get("root_module")
-        missing = root is not None and root.__name__ in MISSING_REFERENCE_MODULES
-        if missing and not hasattr(qnn.reference, root.__name__):  # the known difference
-            expected.discard("reference_quantized_module_for_root")
-        assert set(a) == expected, f"configs[{i}] ({b.get('pattern')})"
+        assert a.keys() == b.keys(), f"configs[{i}] ({b.get('pattern')})"
     # and the dict reads back into the same config
     assert qb.BackendConfig.from_dict(mine).to_dict() == mine
-
-
-def test_only_the_recurrent_reference_modules_are_missing() -> None:
-    """The one known difference: torch.ao's RNN reference modules have no counterpart yet."""
-    missing = {n for n in MISSING_REFERENCE_MODULES if not hasattr(qnn.reference, n)}
-    config = fxq.get_native_backend_config()
-    for pc in config.configs:
-        if pc.root_module is not None and pc.root_module.__name__ in MISSING_REFERENCE_MODULES:
-            present = pc.root_module.__name__ not in missing
-            assert (pc.reference_quantized_module is not None) == present
-    rnns = [
-        pc
-        for pc in config.configs
-        if pc.root_module in (nn.GRUCell, nn.LSTMCell, nn.RNNCell, nn.LSTM, nn.GRU)
-    ]
-    assert len(rnns) == 5
 
 
 # -- fuser methods give torch.ao's results -------------------------------------------------

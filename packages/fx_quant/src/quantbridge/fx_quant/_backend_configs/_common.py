@@ -529,30 +529,18 @@ def bn_configs(dtype_configs: DTypeConfigs) -> Configs:
     return configs
 
 
-# Recurrent modules and the name of their reference module. quantbridge.fx_quant.nn.reference
-# lacks some of torch.ao's (the cells); their entries leave the reference module unset and pick
-# it up as soon as it exists.
-_RNN_MODULES: tuple[tuple[ModuleType, str], ...] = (
-    (nn.GRUCell, "GRUCell"),
-    (nn.LSTMCell, "LSTMCell"),
-    (nn.RNNCell, "RNNCell"),
-    (nn.LSTM, "LSTM"),
-    (nn.GRU, "GRU"),
+_RNN_MODULES: tuple[tuple[ModuleType, ModuleType], ...] = (
+    (nn.GRUCell, nnqr.GRUCell),
+    (nn.LSTMCell, nnqr.LSTMCell),
+    (nn.RNNCell, nnqr.RNNCell),
+    (nn.LSTM, nnqr.LSTM),
+    (nn.GRU, nnqr.GRU),
 )
 
 
-def rnn_reference_module(name: str) -> ModuleType | None:
-    """Our reference module for a recurrent module, or None while it does not exist."""
-    found = getattr(nnqr, name, None)
-    return found if isinstance(found, type) and issubclass(found, nn.Module) else None
-
-
 def rnn_configs(dtype_configs: DTypeConfigs) -> Configs:
-    """Recurrent cells and layers (dynamic quantization)."""
-    return [
-        weighted_root_config(rnn, dtype_configs, rnn, rnn_reference_module(name))
-        for rnn, name in _RNN_MODULES
-    ]
+    """Recurrent cells and layers (dynamic quantization) and their reference modules."""
+    return [weighted_root_config(rnn, dtype_configs, rnn, ref) for rnn, ref in _RNN_MODULES]
 
 
 _EMBEDDINGS: tuple[tuple[ModuleType, ModuleType, ModuleType], ...] = (
