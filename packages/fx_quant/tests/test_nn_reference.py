@@ -397,3 +397,23 @@ def test_rnn_cells_match_torch_ao(kind: str, per_channel: bool) -> None:
     assert torch.equal(
         ours.get_quantized_weight_hh().values, theirs.get_quantized_weight_hh().int_repr()
     )
+
+
+@pytest.mark.parametrize("mode", ["reflect", "replicate", "circular"])
+def test_conv_honours_padding_mode(mode: str) -> None:
+    """torch.ao's reference convs pad with zeros whatever padding_mode says; ours do not."""
+    torch.manual_seed(15)
+    float_mod = nn.Conv2d(3, 4, 3, padding=1, padding_mode=mode)
+    ours = nnqr.Conv2d.from_float(
+        float_mod,
+        {"qscheme": torch.per_tensor_affine, "dtype": torch.qint8, "scale": 0.01,
+         "zero_point": 0},
+    )  # fmt: skip
+    expected = nn.Conv2d(3, 4, 3, padding=1, padding_mode=mode)
+    expected.load_state_dict(float_mod.state_dict())
+    with torch.no_grad():
+        expected.weight.copy_(ours.get_weight())
+    x = torch.randn(1, 3, 6, 6)
+    assert torch.equal(ours(x), expected(x))
+    zero_padded = torch.nn.functional.conv2d(x, ours.get_weight(), ours.bias, padding=1)
+    assert not torch.equal(ours(x), zero_padded)
