@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -21,6 +22,17 @@ from quantbridge.qconfig._dtypes import canonical_dtype
 ao = pytest.importorskip("torch.ao.quantization")
 ao_qconfig = pytest.importorskip("torch.ao.quantization.qconfig")
 ao_mapping = pytest.importorskip("torch.ao.quantization.qconfig_mapping")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _single_thread() -> Iterator[None]:
+    """Tiny tensors: torch's intra-op thread pool only adds latency here (milliseconds per
+    reduction on a loaded machine). Both implementations run under the same setting."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
 
 BACKENDS = ["x86", "fbgemm", "qnnpack", "onednn"]
 SETTINGS = [

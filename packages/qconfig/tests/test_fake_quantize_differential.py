@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -16,6 +16,16 @@ from quantbridge.qconfig import QConfigError
 ao = pytest.importorskip("torch.ao.quantization")
 ao_obs = pytest.importorskip("torch.ao.quantization.observer")
 ao_fq = pytest.importorskip("torch.ao.quantization.fake_quantize")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _single_thread() -> Iterator[None]:
+    """Tiny tensors: torch's intra-op thread pool only adds latency here (milliseconds per
+    reduction on a loaded machine). Both implementations run under the same setting."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
 
 
 def same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:

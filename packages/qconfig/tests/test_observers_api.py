@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -14,6 +14,17 @@ import quantbridge.qconfig as qc
 from quantbridge.qconfig import QConfigError
 from quantbridge.qconfig._dtypes import QScheme
 from quantbridge.qconfig._factory import PartialWrapper
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _single_thread() -> Iterator[None]:
+    """Tiny tensors: torch's intra-op thread pool only adds latency here (milliseconds per
+    reduction on a loaded machine). Both implementations run under the same setting."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
 
 # -- with_args / with_callable_args ---------------------------------------------------------
 

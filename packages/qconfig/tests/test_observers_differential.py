@@ -21,6 +21,17 @@ from quantbridge.qconfig import QConfigError
 ao = pytest.importorskip("torch.ao.quantization")
 ao_obs = pytest.importorskip("torch.ao.quantization.observer")
 
+
+@pytest.fixture(autouse=True, scope="module")
+def _single_thread() -> Iterator[None]:
+    """Tiny tensors: torch's intra-op thread pool only adds latency here (milliseconds per
+    reduction on a loaded machine). Both implementations run under the same setting."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
 # -- helpers --------------------------------------------------------------------------------
 
 

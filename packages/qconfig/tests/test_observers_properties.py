@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -13,6 +14,17 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 import quantbridge.qconfig as qc
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _single_thread() -> Iterator[None]:
+    """Tiny tensors: torch's intra-op thread pool only adds latency here (milliseconds per
+    reduction on a loaded machine). Both implementations run under the same setting."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
 
 DTYPES_8_16 = [torch.uint8, torch.int8, torch.uint16, torch.int16]
 PER_TENSOR = ["per_tensor_affine", "per_tensor_symmetric"]
