@@ -226,6 +226,12 @@ def test_module_level_qconfigs(name: str) -> None:
     assert_same_qconfig(getattr(qc, name), getattr(ao_qconfig, name))
 
 
+def test_quint8_placeholder_qconfig() -> None:
+    assert_same_qconfig(
+        qc.default_quint8_placeholder_qconfig, ao_qconfig._default_quint8_placeholder_qconfig
+    )
+
+
 def test_fp32_placeholder_qconfig() -> None:
     assert_same_qconfig(
         qc.default_fp32_placeholder_qconfig, ao_qconfig._default_fp32_placeholder_qconfig

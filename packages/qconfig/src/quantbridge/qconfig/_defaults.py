@@ -138,9 +138,14 @@ default_per_channel_symmetric_qnnpack_qat_qconfig = QConfig(
     ),
     weight=fused_per_channel_wt_fake_quant_range_neg_127_to_127,
 )
+# What FX prepare puts around ops that stay in float, and around uint8 placeholders
+# (torch.ao's private _default_fp32_placeholder_qconfig / _default_quint8_placeholder_qconfig).
 default_fp32_placeholder_qconfig = QConfig(
     activation=PlaceholderObserver.with_args(dtype=torch.float32),
     weight=PlaceholderObserver.with_args(dtype=torch.float32),
+)
+default_quint8_placeholder_qconfig = QConfig(
+    activation=PlaceholderObserver.with_args(dtype=torch.uint8), weight=None
 )
 
 
