@@ -258,7 +258,11 @@ def test_dict_getters_have_torch_aos_keys(
 
 
 def _bn(cls: type[nn.Module], n: int) -> nn.Module:
-    bn = cls(n)
+    return _bn_stats(cls(n))
+
+
+def _bn_stats(bn: nn.Module) -> nn.Module:
+    """Non-trivial running statistics and affine parameters, so folding is visible."""
     with torch.no_grad():
         bn.running_mean.uniform_(-0.5, 0.5)
         bn.running_var.uniform_(0.5, 2.0)
@@ -392,3 +396,62 @@ def test_sequential_fusers_agree_with_torch_aos_default_table() -> None:
         cls = to_ours(ao_fuser.__closure__[0].cell_contents)
         mods = [_FACTORIES[o]() for o in ops]
         assert type(_SEQUENTIAL_FUSERS[cls](False, *mods)) is cls
+
+
+# -- end to end: fuse_fx with each config fuses what torch.ao's fuse_fx fuses -----------------
+
+
+class _FusionZoo(nn.Module):
+    """One model touching every fusion family: conv-bn-relu, conv(+bn)+add(+relu), bn-relu,
+    linear + leaky_relu / tanh / bn, conv1d + F.relu, conv-transpose + bn."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1, self.bn1, self.r1 = nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU()
+        self.c2, self.bn2, self.r2 = nn.Conv2d(4, 4, 1), nn.BatchNorm2d(4), nn.ReLU()
+        self.c3, self.c4, self.bn3 = nn.Conv2d(4, 4, 1), nn.Conv2d(4, 4, 1), nn.BatchNorm2d(4)
+        self.l1, self.leaky = nn.Linear(4, 8), nn.LeakyReLU(0.1)
+        self.l2, self.tanh = nn.Linear(8, 8), nn.Tanh()
+        self.l3, self.bn1d = nn.Linear(8, 6), nn.BatchNorm1d(6)
+        self.c1d, self.ct, self.bnt = (
+            nn.Conv1d(2, 3, 3),
+            nn.ConvTranspose1d(3, 3, 3),
+            nn.BatchNorm1d(3),
+        )
+
+    def forward(self, x: torch.Tensor, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x = self.r1(self.bn1(self.c1(x)))
+        x = self.r2(self.bn2(self.c2(x)) + x)  # onednn: conv-bn-add-relu, conv on the left
+        x = torch.add(x, self.c3(x))  # onednn: conv-add, conv on the right
+        x = torch.relu(self.bn3(self.c4(x)))
+        v = self.tanh(self.l2(self.leaky(self.l1(x.mean((2, 3))))))
+        v = self.bn1d(self.l3(v))
+        return v, self.bnt(self.ct(F.relu(self.c1d(z))))
+
+
+@pytest.mark.parametrize("name", sorted(AO_GETTERS))
+def test_fuse_fx_with_our_config_fuses_like_torch_ao(name: str) -> None:
+    from torch.ao.quantization.quantize_fx import fuse_fx as ao_fuse_fx
+
+    torch.manual_seed(0)
+    model = _FusionZoo()
+    for bn in model.modules():
+        if isinstance(bn, nn.modules.batchnorm._BatchNorm):
+            _bn_stats(bn)
+    model.eval()
+    theirs = ao_fuse_fx(copy.deepcopy(model), backend_config=AO_GETTERS[name]())
+    ours = fxq.fuse_fx(copy.deepcopy(model), backend_config=OUR_GETTERS[name]())
+    want = [(n, to_ours(type(m))) for n, m in theirs.named_children()]
+    got = [(n, type(m)) for n, m in ours.named_children()]
+    assert got == want
+    x, z = torch.randn(2, 3, 5, 5), torch.randn(2, 2, 9)
+    with torch.no_grad():
+        for a, b in zip(ours(x, z), theirs(x, z), strict=True):
+            assert torch.equal(a, b)
+    if name == "onednn":  # the conv-add fusions did happen
+        assert {type(m) for m in ours.children()} >= {
+            qnn.intrinsic.ConvAdd2d,
+            qnn.intrinsic.ConvAddReLU2d,
+            qnn.intrinsic.LinearLeakyReLU,
+            qnn.intrinsic.LinearTanh,
+        }
