@@ -213,8 +213,9 @@ def test_export_and_compile() -> None:
     assert "quantbridge.quantize_per_tensor.default" in targets
     assert "quantbridge.choose_qparams_per_tensor.default" in targets
     assert torch.equal(exported.module()(x), expected)
-    compiled = torch.compile(model, backend="eager", fullgraph=True)
-    assert torch.equal(compiled(x), expected)
+    for backend in ("eager", "aot_eager"):  # dynamo alone, then with AOT autograd's tracing
+        compiled = torch.compile(model, backend=backend, fullgraph=True)
+        assert torch.equal(compiled(x), expected)
 
 
 def test_opcheck() -> None:
