@@ -57,6 +57,8 @@ def check_array(
 
 def check_scale(name: str, scale: float) -> float:
     """A quantization scale must be a finite positive number."""
+    if type(scale) is float and 0.0 < scale < math.inf:  # fast path for the common case
+        return scale
     try:
         value = float(scale)
     except (TypeError, ValueError, OverflowError):
@@ -68,6 +70,8 @@ def check_scale(name: str, scale: float) -> float:
 
 def check_zero_point(name: str, zero_point: int, qmin: int, qmax: int) -> int:
     """A zero point must be an integer inside the quantized range."""
+    if type(zero_point) is int and qmin <= zero_point <= qmax:  # fast path
+        return zero_point
     value = check_int(name, zero_point)
     if not qmin <= value <= qmax:
         raise KernelError(
@@ -134,6 +138,8 @@ def check_quant_range(
 
 def check_int(name: str, value: object) -> int:
     """An integer argument: a Python/numpy integer (not bool), or a float with integral value."""
+    if type(value) is int:  # fast path for the common case
+        return value
     if isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_)):
         return int(value)
     if isinstance(value, (float, np.floating)) and math.isfinite(value) and value == int(value):

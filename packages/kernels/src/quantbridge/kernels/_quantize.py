@@ -67,8 +67,10 @@ F32 = npt.NDArray[np.float32]
 
 def f32_scale(name: str, scale: object) -> float:
     """A valid scale (kernels round it to float32); refuse scales float32 cannot invert."""
+    if type(scale) is float and _F32_TINY <= scale <= _F32_MAX:  # fast path
+        return scale
     value = check_scale(name, scale)  # type: ignore[arg-type]
-    if not _F32_TINY <= value <= _F32_MAX:
+    if not _F32_TINY <= value <= _F32_MAX:  # also refuses NaN
         raise KernelError(
             f"{name}: scale {value!r} is outside float32's normal range "
             f"[{_F32_TINY:g}, {_F32_MAX:g}]; kernels compute in float32"
