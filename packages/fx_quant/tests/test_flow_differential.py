@@ -209,3 +209,44 @@ def test_qat_forward_and_gradients_match() -> None:
         ref_theirs = ao_fx.convert_to_reference_fx(theirs)
     x = zoo.example_inputs("qat_conv_bn", 9)[0]
     torch.testing.assert_close(ref_ours(x), ref_theirs(x), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    "qconfig_name",
+    [
+        "default_dynamic_qconfig",
+        "per_channel_dynamic_qconfig",
+        "float16_dynamic_qconfig",
+        "float16_static_qconfig",
+    ],
+)
+@pytest.mark.parametrize("name", ["mlp", "attention"])
+def test_dynamic_and_float16_match(name: str, qconfig_name: str) -> None:
+    import quantbridge.qconfig as qb
+
+    model = zoo.build(name).eval()
+    example = zoo.example_inputs(name)
+    qconfig = getattr(qb, qconfig_name)
+    ao_qconfig = getattr(ao, qconfig_name, None) or getattr(ao.qconfig, qconfig_name)
+    ours_map = qb.QConfigMapping().set_object_type(nn.Linear, qconfig)
+    ours_map.set_object_type(nn.ReLU, qconfig)
+    theirs_map = ao.QConfigMapping().set_object_type(nn.Linear, ao_qconfig)
+    theirs_map.set_object_type(nn.ReLU, ao_qconfig)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        theirs = ao_fx.prepare_fx(copy.deepcopy(model), theirs_map, example)
+    ours = prepare_fx(copy.deepcopy(model), ours_map, example)
+    theirs(*example)
+    ours(*example)
+    table = observer_table(ours)
+    assert table == observer_table(theirs)
+    # placeholder observers mark dynamic inputs (native Linear rejects float16 static, as torch.ao)
+    assert bool(table) == (qconfig_name != "float16_static_qconfig")
+    ref_ours = convert_to_reference_fx(ours)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ref_theirs = ao_fx.convert_to_reference_fx(theirs)
+    kinds = {n: type(m).__name__ for n, m in ref_ours.named_modules() if n}
+    assert kinds == {n: type(m).__name__ for n, m in ref_theirs.named_modules() if n}
+    x = zoo.example_inputs(name, 5)
+    torch.testing.assert_close(ref_ours(*x), ref_theirs(*x), rtol=0, atol=0)

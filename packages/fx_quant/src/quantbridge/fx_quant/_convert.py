@@ -168,7 +168,7 @@ class _Converter:
                         _ops.dequantize_per_tensor.tensor,
                         (q, scale_node, zp_node, qmin, qmax, dtype),
                     )
-            elif dynamic:
+            elif dynamic and dtype != torch.float16:
                 if dtype not in (torch.uint8, torch.int8):
                     raise FxQuantError(
                         f"observer {node.target!r}: dynamic quantization to {dtype} is not "
@@ -190,7 +190,7 @@ class _Converter:
                     _ops.dequantize_per_tensor.tensor,
                     (q, scale_n, zp_n, int(qmin), int(qmax), dtype),
                 )
-            else:  # float16
+            else:  # float16, static or dynamic: a cast round trip
                 q = graph.call_method("to", (source, torch.float16))
                 dq = graph.call_method("to", (q, torch.float32))
         node.replace_all_uses_with(dq)
