@@ -372,3 +372,36 @@ def test_fused_rounding_is_single_rounding(scale: float, value: float) -> None:
     inv = 1.0 / torch.tensor(scale, dtype=torch.float32)
     naive = torch.round((x.double() * inv.double() + 200).float()).to(torch.uint8)
     assert not torch.equal(naive, ref.int_repr())
+
+
+def test_int16_matches_torch_decomposed_ops() -> None:
+    """int16 has no quantized tensor dtype; torch.ao's decomposed reference ops are the oracle."""
+    pytest.importorskip("torch.ao.quantization")
+    import torch.ao.quantization.fx._decomposed  # registers torch.ops.quantized_decomposed
+
+    qd = torch.ops.quantized_decomposed
+    gen = torch.Generator().manual_seed(4)
+    lo, hi = -32768, 32767
+    for _ in range(100):
+        scale = float(torch.rand((), generator=gen).float()) * 0.01 + 1e-5
+        scale = float(torch.tensor(scale, dtype=torch.float32))  # observers hand out float32
+        zp = int(torch.randint(-1000, 1000, (), generator=gen))
+        x = torch.randn(300, generator=gen) * 1e4 * scale
+        x[:100] = (torch.randint(-3000, 3000, (100,), generator=gen).float() + 0.5) * scale
+        ref = qd.quantize_per_tensor(x, scale, zp, lo, hi, torch.int16)
+        q = qb.quantize_per_tensor(x, scale, zp, lo, hi, torch.int16)
+        assert torch.equal(q, ref)
+        assert torch.equal(
+            qb.dequantize_per_tensor(q, scale, zp, lo, hi, torch.int16),
+            qd.dequantize_per_tensor(ref, scale, zp, lo, hi, torch.int16),
+        )
+        w = torch.randn(4, 30, generator=gen)
+        scales = torch.rand(4, generator=gen) * 0.001 + 1e-5
+        zps = torch.randint(-100, 100, (4,), generator=gen)
+        ref_c = qd.quantize_per_channel(w, scales, zps, 0, lo, hi, torch.int16)
+        q_c = qb.quantize_per_channel(w, scales, zps, 0, lo, hi, torch.int16)
+        assert torch.equal(q_c, ref_c)
+        assert torch.equal(
+            qb.dequantize_per_channel(q_c, scales, zps, 0, lo, hi, torch.int16),
+            qd.dequantize_per_channel(ref_c, scales, zps, 0, lo, hi, torch.int16),
+        )
