@@ -1,10 +1,52 @@
 """quantbridge.lowering: backends that turn reference models into fast int8 models.
 
-Not built yet. It will hold get_backend, available_backends and the built-in backends
-(reference, numba, numba_avx512_vnni, numba_avx2, numba_generic, torch_native). Only its
-exception class exists today.
+``get_backend(name)`` returns a :class:`Backend` (``.name``, ``.backend_config``,
+``.qconfig_mapping(qat=False)``, ``.lower(reference_model)``, ``.convert(prepared_model)``,
+``.supported_ops()``); ``available_backends()`` lists those that run on this machine. Every
+backend is registered in fx_quant's lowering registry, so ``convert_fx(prepared,
+backend_config=get_backend(name).backend_config)`` lowers with it.
 """
 
-from quantbridge.lowering._errors import LoweringError
+import importlib
 
-__all__ = ["LoweringError"]
+from quantbridge.lowering._backend import (
+    Backend,
+    BackendUnavailableError,
+    SupportedOp,
+    available_backends,
+    get_backend,
+    register_backend,
+    unregister_backend,
+)
+from quantbridge.lowering._errors import LoweringError
+from quantbridge.lowering._reference import ReferenceBackend, reference
+
+
+def _register_builtins() -> None:
+    register_backend(reference)
+    # torch_native is the one module touching quantized tensors: imported only here, guarded
+    try:
+        native = importlib.import_module("quantbridge.lowering._torch_native")
+    except ModuleNotFoundError as e:
+        if e.name != "quantbridge.lowering._torch_native":
+            raise
+        return
+    # contract with _torch_native: is_available() and a Backend instance named torch_native
+    if native.is_available():
+        register_backend(native.torch_native)
+
+
+_register_builtins()
+
+__all__ = [
+    "Backend",
+    "BackendUnavailableError",
+    "LoweringError",
+    "ReferenceBackend",
+    "SupportedOp",
+    "available_backends",
+    "get_backend",
+    "reference",
+    "register_backend",
+    "unregister_backend",
+]
