@@ -379,3 +379,24 @@ def test_qat_conv_bn_slow_path_matches_torch_ao(dim: int, bias: bool) -> None:
     ours.eval()
     theirs.eval()
     _run_pair(ours, theirs, _input(dim), steps=1)
+
+
+def test_torch_ao_qat_checkpoint_loads_and_continues_identically() -> None:
+    """A torch.ao QAT ConvBnReLU2d state_dict (mid-training) drops into ours unchanged."""
+    ao_nni, ao_nniqat, _, _ = _ao()
+    ours_qc, ao_qc = _qconfigs(True)
+    torch.manual_seed(16)
+    conv, bn = _conv(2), _bn(2)
+    ours = nniqat.ConvBnReLU2d.from_float(
+        _with_qconfig(nni.ConvBnReLU2d(copy.deepcopy(conv), copy.deepcopy(bn), nn.ReLU()), ours_qc)
+    )
+    theirs = ao_nniqat.ConvBnReLU2d.from_float(
+        _with_qconfig(ao_nni.ConvBnReLU2d(copy.deepcopy(conv), copy.deepcopy(bn), nn.ReLU()), ao_qc)
+    )
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(3):
+        theirs(_input(2)(gen))
+    state = theirs.state_dict()
+    assert set(state) == set(ours.state_dict())
+    ours.load_state_dict(state)
+    _run_pair(ours, theirs, _input(2), steps=2)
