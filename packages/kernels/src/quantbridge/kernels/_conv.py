@@ -21,15 +21,29 @@ from quantbridge.kernels._checks import check_array
 from quantbridge.kernels._errors import KernelError
 from quantbridge.kernels._gemm_run import run_gemm
 from quantbridge.kernels._linear import PackedLinearWeight, _fast_zp
-from quantbridge.kernels._pack import K_ALIGN, layout, round_up, weight_scales
+from quantbridge.kernels._pack import (
+    K_ALIGN,
+    layout,
+    round_up,
+    weight_scales,
+    weight_zero_points,
+)
 from quantbridge.kernels._threads import apply_num_threads
 
 
 def _pair(name: str, value: int | tuple[int, ...], dims: int, minimum: int) -> tuple[int, ...]:
-    vals = (value,) * dims if isinstance(value, int) else tuple(value)
-    if len(vals) != dims or not all(isinstance(v, int) and v >= minimum for v in vals):
+    if isinstance(value, (int, np.integer)):
+        vals: tuple[object, ...] = (value,) * dims
+    elif isinstance(value, (tuple, list)):
+        vals = tuple(value)
+    else:
+        raise KernelError(f"{name}: expected an int or a tuple of {dims} ints, got {value!r}")
+    if len(vals) != dims or not all(
+        isinstance(v, (int, np.integer)) and not isinstance(v, bool) and v >= minimum
+        for v in vals
+    ):
         raise KernelError(f"{name}: expected {dims} int(s) >= {minimum}, got {value!r}")
-    return vals
+    return tuple(int(v) for v in vals)  # type: ignore[call-overload]
 
 
 class PackedConvWeight:
@@ -65,7 +79,7 @@ class PackedConvWeight:
             self.stride, self.padding, self.dilation = (
                 (1, *self.stride), (0, *self.padding), (1, *self.dilation))
         oc, cg, kh, kw = (int(s) for s in w4.shape)
-        if not isinstance(groups, int) or groups < 1 or oc % groups:
+        if isinstance(groups, bool) or not isinstance(groups, int) or groups < 1 or oc % groups:
             raise KernelError(
                 f"groups={groups!r}: must be a positive int dividing out_channels={oc}")
         self.groups, self.oc, self.cg, self.kh, self.kw = groups, oc, cg, kh, kw
@@ -73,10 +87,7 @@ class PackedConvWeight:
         self.ocg = oc // groups
         self.cg4 = round_up(cg, 4)
         scales, per_channel = weight_scales(scale, oc, "weight scale")
-        zps = np.asarray(zero_point)
-        zps = np.full(oc, int(zps)) if zps.ndim == 0 else zps
-        if zps.shape != (oc,):
-            raise KernelError(f"weight zero point: expected an int or shape ({oc},)")
+        zps = weight_zero_points(zero_point, oc, oc, "weight")
         if bias is not None:
             bias = check_array("bias", bias, np.float32, 1, contiguous=False)
             if bias.shape[0] != oc:

@@ -126,6 +126,10 @@ class PackedLinearWeight:
         self, act_scale: float, out_scale: float | None
     ) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.float32]]:
         """``(biasq, mult)`` for the u8 rule (out_scale given) or float output (None)."""
+        if type(act_scale) is not float or (out_scale is not None and type(out_scale) is not float):
+            act_scale = check_scale("x_scale", act_scale)  # non-floats: validate, then key
+            if out_scale is not None:
+                out_scale = check_scale("out_scale", out_scale)
         key = (act_scale, out_scale, True)
         got = self._requant.get(key)
         if got is None:

@@ -12,7 +12,11 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 
-from quantbridge.kernels._checks import check_accumulation_fits_int32, check_array
+from quantbridge.kernels._checks import (
+    check_accumulation_fits_int32,
+    check_array,
+    check_zero_point,
+)
 from quantbridge.kernels._errors import KernelError
 from quantbridge.kernels._linear import PackedLinearWeight, _fast_zp, linear
 from quantbridge.kernels._targets import resolve_target
@@ -45,9 +49,10 @@ def matmul(
         raise KernelError(f"matmul: batch sizes differ: a {aa.shape}, b {bb.shape}")
     tgt = resolve_target(target)
     unsigned = bb.dtype == np.uint8
-    b_zp = _fast_zp(b_zero_point, "b_zero_point") if unsigned else int(b_zero_point)
-    if not unsigned and (b_zp != b_zero_point or not -128 <= b_zp <= 127):
-        raise KernelError(f"b_zero_point: must be an int in [-128, 127] for int8 b, got {b_zero_point!r}")
+    if unsigned:
+        b_zp = _fast_zp(b_zero_point, "b_zero_point")
+    else:
+        b_zp = check_zero_point("b_zero_point", b_zero_point, -128, 127)
     k = int(aa.shape[-1])
     check_accumulation_fits_int32("b", k, 255, 255)
     a3 = aa if aa.ndim == 3 else aa[None]

@@ -51,10 +51,13 @@ def weight_zero_points(
     zero_point: int | npt.ArrayLike, n: int, n_padded: int, name: str
 ) -> npt.NDArray[np.int32]:
     """Per-channel int32 weight zero points padded to ``n_padded`` (scalar broadcast)."""
-    zp = np.asarray(zero_point)
-    if zp.ndim == 0:
-        zp = np.full(n, int(zp), np.int64)
-    if zp.shape != (n,) or not np.issubdtype(zp.dtype, np.integer):
+    try:
+        zp = np.asarray(zero_point)
+        if zp.ndim == 0 and np.issubdtype(zp.dtype, np.integer) and zp.dtype != np.bool_:
+            zp = np.full(n, int(zp), np.int64)
+    except (TypeError, ValueError, OverflowError):
+        zp = np.asarray(None)
+    if zp.shape != (n,) or not np.issubdtype(zp.dtype, np.integer) or zp.dtype == np.bool_:
         raise KernelError(
             f"{name}: weight zero point must be an int or an integer array of shape ({n},), "
             f"got {zp.dtype} {zp.shape}"
@@ -68,7 +71,12 @@ def weight_zero_points(
 
 def weight_scales(scale: float | npt.ArrayLike, n: int, name: str) -> tuple[npt.NDArray[np.float32], bool]:
     """``(float32 scales of shape [n], per_channel)``; refuses non-finite or non-positive."""
-    s = np.asarray(scale, dtype=np.float64)
+    try:
+        s = np.asarray(scale, dtype=np.float64)
+    except (TypeError, ValueError, OverflowError):
+        raise KernelError(f"{name}: expected a float or a float array, got {scale!r}") from None
+    if isinstance(scale, bool) or (isinstance(scale, np.ndarray) and scale.dtype == np.bool_):
+        raise KernelError(f"{name}: expected a float or a float array, got booleans")
     per_channel = s.ndim == 1
     if s.ndim == 0:
         s = np.full(n, float(s))
