@@ -417,3 +417,30 @@ def test_conv_honours_padding_mode(mode: str) -> None:
     assert torch.equal(ours(x), expected(x))
     zero_padded = torch.nn.functional.conv2d(x, ours.get_weight(), ours.bias, padding=1)
     assert not torch.equal(ours(x), zero_padded)
+
+
+def test_torch_ao_reference_state_dict_loads() -> None:
+    """torch.ao reference checkpoints (torch objects inside: weights_only=False) load into ours."""
+    ao_ref = _ao_ref()
+    torch.manual_seed(17)
+    cases: list[tuple[str, nn.Module, dict[str, Any], Any]] = []
+    lin = nn.Linear(6, 4)
+    cases.append(("Linear", lin, _qparams(lin.weight, "per_channel_affine", "qint8"),
+                  torch.randn(2, 6)))  # fmt: skip
+    conv = nn.Conv2d(3, 4, 3)
+    cases.append(("Conv2d", conv, _qparams(conv.weight, "per_tensor_affine", "quint8"),
+                  torch.randn(1, 3, 5, 5)))  # fmt: skip
+    emb = nn.Embedding(9, 4)
+    cases.append(("Embedding", emb,
+                  _qparams(emb.weight, "per_channel_affine_float_qparams", "quint8"),
+                  torch.tensor([1, 8, 3])))  # fmt: skip
+    for name, float_mod, qparams, x in cases:
+        theirs = getattr(ao_ref, name).from_float(float_mod, qparams)
+        buf = io.BytesIO()
+        torch.save(theirs.state_dict(), buf)
+        buf.seek(0)
+        state = torch.load(buf, weights_only=False)
+        fresh = getattr(nnqr, name).from_float(float_mod, None)  # default per-tensor qparams
+        fresh.load_state_dict(state)
+        assert fresh.weight_qscheme == QScheme(str(qparams["qscheme"]).removeprefix("torch."))
+        assert torch.equal(fresh(x), theirs(x)), name

@@ -23,6 +23,7 @@ from quantbridge.fx_quant._errors import FxQuantError
 from quantbridge.fx_quant.nn.reference._weight_qparams import (
     QuantizedWeight,
     check_weight_qparams,
+    extra_state_from_torch_ao,
     fake_quantize_weight,
     parse_weight_qparams,
     quantize_weight,
@@ -138,6 +139,7 @@ class ReferenceQuantizedModule(nn.Module):
         unexpected_keys: list[str],
         error_msgs: list[str],
     ) -> None:
+        _accept_torch_ao_state(state_dict, prefix, self.weight_axis.device)
         # Per-channel qparams may differ in length from this module's placeholders: take the
         # saved tensors as they are instead of copying into the existing buffers.
         for name in ("weight_scale", "weight_zero_point", "weight_axis"):
@@ -150,11 +152,27 @@ class ReferenceQuantizedModule(nn.Module):
         self.weight_axis_int = int(self.weight_axis.item())
 
 
-def _as_tensor(value: Any, dtype: torch.dtype, device: torch.device | str | None) -> torch.Tensor:
-    if isinstance(value, torch.Tensor):
-        return (
-            value.detach().clone().to(device=device)
-            if device is not None
-            else value.detach().clone()
-        )
-    return torch.tensor(value, dtype=dtype, device=device)
+_ABSENT = object()
+
+
+def _accept_torch_ao_state(state_dict: dict[str, Any], prefix: str, device: torch.device) -> None:
+    """Rewrite a torch.ao reference module's entries into ours, in place.
+
+    torch.ao stores ``weight_qscheme``/``weight_dtype`` as torch objects (no extra state) and
+    leaves out the qparam buffers it does not use; here they become our extra state and
+    placeholder buffers, so torch.ao checkpoints (loaded with ``weights_only=False``) load.
+    """
+    qscheme = state_dict.pop(prefix + "weight_qscheme", _ABSENT)
+    dtype = state_dict.pop(prefix + "weight_dtype", _ABSENT)
+    if dtype is _ABSENT or prefix + "_extra_state" in state_dict:
+        return
+    state_dict[prefix + "_extra_state"] = extra_state_from_torch_ao(
+        None if qscheme is _ABSENT else qscheme, dtype
+    )
+    placeholders = {
+        "weight_scale": torch.tensor(1.0, dtype=torch.float32, device=device),
+        "weight_zero_point": torch.tensor(0, dtype=torch.int32, device=device),
+        "weight_axis": torch.tensor(0, dtype=torch.int32, device=device),
+    }
+    for name, value in placeholders.items():
+        state_dict.setdefault(prefix + name, value)

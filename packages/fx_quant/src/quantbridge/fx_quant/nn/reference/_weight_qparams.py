@@ -19,6 +19,7 @@ __all__ = [
     "QuantizedWeight",
     "WeightQParams",
     "check_weight_qparams",
+    "extra_state_from_torch_ao",
     "fake_quantize_weight",
     "parse_weight_qparams",
     "quantize_weight",
@@ -220,3 +221,18 @@ def quantize_weight(
     return QuantizedWeight(
         values, scale, zero_point, channel_axis, quant_min, quant_max, dtype, qscheme
     )
+
+
+def extra_state_from_torch_ao(qscheme: object, dtype: object) -> dict[str, Any]:
+    """Our extra state for torch.ao's saved ``weight_qscheme``/``weight_dtype`` objects."""
+    parsed = parse_weight_qparams(
+        {"qscheme": qscheme, "dtype": dtype, "scale": 1.0, "zero_point": 0, "axis": 0},
+        "torch.ao state_dict",
+        None,
+    )
+    return {
+        "weight_qscheme": None if parsed.qscheme is None else parsed.qscheme.value,
+        "weight_dtype": str(parsed.dtype).removeprefix("torch."),
+        "weight_quant_min": parsed.quant_min,
+        "weight_quant_max": parsed.quant_max,
+    }
