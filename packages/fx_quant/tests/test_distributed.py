@@ -7,6 +7,7 @@ what each rank saved with a single process calibrating on the whole data set.
 
 from __future__ import annotations
 
+import copy
 import importlib
 import os
 import socket
@@ -23,7 +24,15 @@ import torch.distributed as dist
 from torch import nn
 
 import quantbridge.qconfig as qbq
-from quantbridge.fx_quant import FxQuantError, calibrate, sync_observers, sync_observers_hook
+from quantbridge.fx_quant import (
+    FxQuantError,
+    calibrate,
+    convert_fx,
+    prepare_fx,
+    prepare_qat_fx,
+    sync_observers,
+    sync_observers_hook,
+)
 from quantbridge.fx_quant.nn import intrinsic as nni
 from quantbridge.fx_quant.nn import qat as nnqat
 from quantbridge.fx_quant.nn.intrinsic import qat as nniqat
@@ -150,6 +159,49 @@ def qat_batches(step_count: int = 3) -> list[tuple[torch.Tensor, torch.Tensor]]:
     ]
 
 
+def float_net(bn: bool = False) -> nn.Module:
+    torch.manual_seed(6)
+    layers: list[nn.Module] = [nn.Conv2d(2, 4, 3)]
+    if bn:
+        layers.append(nn.BatchNorm2d(4))
+    layers += [nn.ReLU(), nn.Flatten(), nn.Linear(4 * 4 * 4, 3)]
+    return nn.Sequential(*layers)
+
+
+EXAMPLE = (torch.zeros(1, 2, 6, 6),)
+
+
+def prepared_net() -> nn.Module:
+    """prepare_fx with the fbgemm defaults (histogram activations, per-channel weights)."""
+    return prepare_fx(float_net().eval(), qbq.get_default_qconfig_mapping("fbgemm"), EXAMPLE)
+
+
+def prepared_qat_net() -> nn.Module:
+    from quantbridge.fx_quant.nn.intrinsic.qat import freeze_bn_stats
+
+    model = prepare_qat_fx(
+        float_net(bn=True).train(), qbq.get_default_qat_qconfig_mapping("fbgemm"), EXAMPLE
+    )
+    model.apply(freeze_bn_stats)  # BN statistics are per rank on CPU (no SyncBatchNorm)
+    return model
+
+
+def image_dataset(count: int = 6) -> list[torch.Tensor]:
+    """Batches 0 and 1 (each rank's first) hold the global input extremes."""
+    gen = torch.Generator().manual_seed(4)
+    batches = []
+    for k in range(count):
+        b = (torch.randn(4, 2, 6, 6, generator=gen) * (0.5 + 0.2 * k)).clamp(-3.9, 3.9)
+        if k < 2:
+            b[0, 0, 0, 0], b[0, 0, 0, 1] = -4.0, 4.0
+        batches.append(b)
+    return batches
+
+
+def probe_input() -> torch.Tensor:
+    return torch.randn(3, 2, 6, 6, generator=torch.Generator().manual_seed(9))
+
+
 def observers_qparams(model: nn.Module) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     kinds = (qbq.MinMaxObserver, qbq.PerChannelMinMaxObserver, qbq.HistogramObserver)
     return {
@@ -187,6 +239,11 @@ def _calibration_worker(rank: int, world: int) -> dict[str, Any]:
     per_step = MovingAverageModel()
     calibrate(per_step, [g[rank::world] for g in global_batches()], sync_every=1, progress=False)
     result["per_step"] = snapshot(per_step)
+
+    prepared = prepared_net()
+    calibrate(prepared, image_dataset()[rank::world], progress=False)  # syncs: group is up
+    result["prepared"] = snapshot(prepared)
+    result["converted_out"] = convert_fx(copy.deepcopy(prepared))(probe_input())
     return result
 
 
@@ -234,6 +291,10 @@ def _qat_worker(rank: int, world: int) -> dict[str, Any]:
     ):
         model = _train(qat_model(sync_bn=False), rank, world, hook, sync_buffers)
         result[name] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    result["prepared_qat"] = {
+        k: v.detach().clone()
+        for k, v in _train(prepared_qat_net(), rank, world, True, False).state_dict().items()
+    }
     # torch 2.13 on CPU: DDP refuses SyncBatchNorm modules, and SyncBatchNorm refuses to
     # compute cross-rank statistics of CPU tensors.
     try:
@@ -385,7 +446,7 @@ def _assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], what: s
 # -- calibration ------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("stage", ["post", "again", "continued", "per_step"])
+@pytest.mark.parametrize("stage", ["post", "again", "continued", "per_step", "prepared"])
 def test_every_buffer_and_qparam_identical_on_both_ranks(
     calib: list[dict[str, Any]], stage: str
 ) -> None:
@@ -457,6 +518,66 @@ def test_histogram_within_the_documented_bound(calib: list[dict[str, Any]], orde
     assert _mse(outputs, scale, zp) <= _mse(outputs, ref_scale, ref_zp) * (1 + HIST_MSE_RTOL)
 
 
+def _merge_like_sync(observers: list[qbq.HistogramObserver]) -> qbq.HistogramObserver:
+    """What sync_observers computes from these per-rank observers (its own helper, without
+    the collectives): MIN/MAX range, each histogram re-binned onto it, float64 sum."""
+    from quantbridge.fx_quant._distributed import _on_range
+
+    low = torch.stack([o.min_val for o in observers]).min()
+    high = torch.stack([o.max_val for o in observers]).max()
+    total = sum(_on_range(o, o.histogram, o.min_val, o.max_val, low, high) for o in observers)
+    merged = qbq.HistogramObserver()
+    merged.min_val.copy_(low)
+    merged.max_val.copy_(high)
+    assert isinstance(total, torch.Tensor)
+    merged._set_histogram(total.float())
+    return merged
+
+
+def _family(seed: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    kind = seed % 3
+    batches = []
+    for k in range(8):
+        if kind == 0:  # growing spread
+            b = torch.randn(32, 16, generator=gen) * (0.2 + 0.5 * k)
+        elif kind == 1:  # heavy tails
+            b = torch.randn(32, 16, generator=gen) / (torch.rand(32, 16, generator=gen) + 0.05)
+        else:  # drifting uniform ranges
+            b = torch.rand(32, 16, generator=gen) * (k + 1) - 0.3 * k
+        batches.append(b)
+    return batches
+
+
+def test_histogram_bound_over_many_data_sets() -> None:
+    """The documented bound, on 9 data sets of three shapes, against two single-process
+    orders: scale within 2%, zero point within 2, quantization MSE at most 2% above."""
+    approximated = 0
+    for seed in range(9):
+        batches = _family(seed)
+        ranks = []
+        for r in range(WORLD):
+            obs = qbq.HistogramObserver()
+            for b in batches[r::WORLD]:
+                obs(b)
+            ranks.append(obs)
+        merged = _merge_like_sync(ranks)
+        scale, zp = merged.calculate_qparams()
+        values = torch.cat(batches)
+        assert float(merged.histogram.sum()) == pytest.approx(values.numel(), rel=1e-6)
+        for order in (batches, batches[0::2] + batches[1::2]):
+            single = qbq.HistogramObserver()
+            for b in order:
+                single(b)
+            ref_scale, ref_zp = single.calculate_qparams()
+            assert abs(float(scale / ref_scale) - 1) <= HIST_SCALE_RTOL, seed
+            assert abs(int(zp) - int(ref_zp)) <= HIST_ZERO_POINT_ATOL, seed
+            ratio = _mse(values, scale, zp) / _mse(values, ref_scale, ref_zp)
+            assert ratio <= 1 + HIST_MSE_RTOL, seed
+            approximated += not torch.equal(merged.histogram, single.histogram)
+    assert approximated >= 9  # the histograms do differ: the bound is what is tested
+
+
 def test_moving_average_end_sync_is_the_widest_rank_estimate(
     calib: list[dict[str, Any]],
 ) -> None:
@@ -508,6 +629,29 @@ def test_per_step_sync_equals_one_process_on_the_global_batches(
         assert torch.equal(synced[key], value), key
 
 
+def test_prepared_model_on_two_ranks(calib: list[dict[str, Any]]) -> None:
+    """prepare_fx + calibrate on shards: the input observer (one range everywhere) equals a
+    single process exactly, the others within the histogram bound; convert_fx then gives the
+    same quantized model on both ranks."""
+    single = prepared_net()
+    calibrate(single, image_dataset(), sync=False, progress=False)
+    want = observers_qparams(single)
+    got = calib[0]["prepared"]["qparams"]
+    assert got.keys() == want.keys()
+    assert len(want) >= 3
+    first = next(name for name in want if name.startswith("activation_post_process"))
+    for key in ("histogram", "min_val", "max_val"):
+        assert torch.equal(
+            calib[0]["prepared"]["state"][f"{first}.{key}"],
+            single.get_submodule(first).get_buffer(key),
+        )
+    for name, (scale, zero_point) in got.items():
+        ref_scale, ref_zero_point = want[name]
+        assert torch.allclose(scale, ref_scale, rtol=HIST_SCALE_RTOL, atol=0), name
+        assert (zero_point - ref_zero_point).abs().max() <= HIST_ZERO_POINT_ATOL, name
+    assert torch.equal(calib[0]["converted_out"], calib[1]["converted_out"])
+
+
 # -- errors -----------------------------------------------------------------------------------
 
 
@@ -530,7 +674,9 @@ def test_without_a_process_group_sync_raises() -> None:
 # -- QAT under DDP ----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("variant", ["synced", "synced_forward_sync_buffers", "sync_bn_state"])
+@pytest.mark.parametrize(
+    "variant", ["synced", "synced_forward_sync_buffers", "sync_bn_state", "prepared_qat"]
+)
 def test_qat_steps_under_ddp_leave_identical_models(
     qat: list[dict[str, Any]], variant: str
 ) -> None:
