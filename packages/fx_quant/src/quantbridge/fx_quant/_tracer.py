@@ -18,6 +18,7 @@ from torch import nn
 from torch.fx import GraphModule, Tracer
 
 from quantbridge.fx_quant._errors import FxQuantError
+from quantbridge.fx_quant.nn.intrinsic import FusedModule
 
 __all__ = ["QuantizationTracer", "TraceError", "trace"]
 
@@ -26,6 +27,10 @@ _OWN_MODULE_PREFIX = "quantbridge.fx_quant.nn"
 
 class TraceError(FxQuantError):
     """The model cannot be symbolically traced."""
+
+
+def _is_foreign_fused(m: nn.Module) -> bool:
+    return any(c.__name__ == "_FusedModule" for c in type(m).__mro__)
 
 
 def _is_flow_module(m: nn.Module) -> bool:
@@ -65,6 +70,8 @@ class QuantizationTracer(Tracer):
             return True
         if type(m) in self.skipped_module_classes:
             return True
+        if isinstance(m, FusedModule) or _is_foreign_fused(m):
+            return True  # fused units are Sequentials, but they are leaves
         return _is_flow_module(m) and not isinstance(m, nn.Sequential)
 
     def call_module(
