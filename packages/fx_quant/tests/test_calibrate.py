@@ -289,6 +289,24 @@ def test_custom_observer_hook_and_unknown_observers() -> None:
 
 
 @pytest.mark.usefixtures("one_rank_group")
+def test_observers_without_statistics_are_left_alone() -> None:
+    model = nn.Sequential(
+        qbq.default_fixed_qparams_range_0to1_observer(),
+        qbq.PlaceholderObserver(),
+        qbq.NoopObserver(),
+        qbq.ReuseInputObserver(),
+        qbq.RecordingObserver(),
+        qbq.default_fixed_qparams_range_0to1_fake_quant(),
+    )
+    model(torch.randn(2, 3))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    sync_observers(model)
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, before[key]), key
+    assert len(model[4].tensor_val) == 1
+
+
+@pytest.mark.usefixtures("one_rank_group")
 def test_sync_hook_counts_training_forwards_only() -> None:
     from quantbridge.fx_quant import sync_observers_hook
 

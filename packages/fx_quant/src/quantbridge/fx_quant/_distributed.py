@@ -47,6 +47,7 @@ from quantbridge.qconfig import (
     NoopObserver,
     PerChannelMinMaxObserver,
     PlaceholderObserver,
+    RecordingObserver,
     ReuseInputObserver,
 )
 
@@ -57,6 +58,7 @@ _STATELESS: tuple[type[nn.Module], ...] = (
     PlaceholderObserver,
     NoopObserver,
     ReuseInputObserver,
+    RecordingObserver,
 )
 # The state agreed by the last sync, kept on each histogram observer (see _sync_histograms).
 _BASELINE_ATTR = "_quantbridge_synced_histogram"
