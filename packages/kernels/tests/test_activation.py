@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import quantbridge.kernels as qk
+import quantbridge.kernels._quantize as _quantize_module
 from quantbridge.kernels import KernelError
 
 
@@ -51,15 +52,18 @@ def test_in_place_and_bad_input():
 
 @pytest.mark.parametrize("target", qk.available_targets())
 @pytest.mark.parametrize("threads", [1, 2])
-def test_large_input_threads_and_targets(threads, target):
+def test_large_input_threads_and_targets(threads, target, monkeypatch):
     if threads > numba.config.NUMBA_NUM_THREADS:
         pytest.skip("numba runs with fewer threads on this machine")
     x = np.random.default_rng(1).integers(0, 256, 300_001).astype(np.uint8)
+    _force_threaded_path(monkeypatch, threads)
     qk.set_num_threads(threads)
     try:
         got = qk.clamp(x, 0.05, 20, -0.5, 4.0, target=target)
     finally:
         qk.set_num_threads(None)
+    if threads > 1:  # the call applied the thread setting to numba's parallel loops
+        assert numba.get_num_threads() == threads
     np.testing.assert_array_equal(got, np.clip(x, 10, 100))
 
 
@@ -89,3 +93,11 @@ def test_activations_byte_identical_to_torch():
         ]
         for want, got in pairs:
             np.testing.assert_array_equal(got, want.int_repr().numpy())
+
+
+def _force_threaded_path(monkeypatch, threads):
+    if threads > numba.config.NUMBA_NUM_THREADS:
+        pytest.skip("numba runs with fewer threads on this machine")
+    # the size threshold is tuned for speed; lower it so these inputs take the threaded path
+    monkeypatch.setattr(_quantize_module, "PARALLEL_MIN_WORK", 1)
+    numba.set_num_threads(numba.config.NUMBA_NUM_THREADS if threads == 1 else 1)

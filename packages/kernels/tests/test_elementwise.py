@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import quantbridge.kernels as qk
+import quantbridge.kernels._quantize as _quantize_module
 from quantbridge.kernels import KernelError
 
 
@@ -125,15 +126,26 @@ def test_bad_qparams(op):
 @pytest.mark.parametrize("target", qk.available_targets())
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize(("op", "ref", "relu"), OPS)
-def test_large_inputs_every_target_and_thread_count(op, ref, relu, threads, target):
+def test_large_inputs_every_target_and_thread_count(op, ref, relu, threads, target, monkeypatch):
     if threads > numba.config.NUMBA_NUM_THREADS:
         pytest.skip("numba runs with fewer threads on this machine")
     rng = np.random.default_rng(2)
     a = rng.integers(0, 256, (3, 70_001)).astype(np.uint8)
     b = rng.integers(0, 256, (3, 70_001)).astype(np.uint8)
+    _force_threaded_path(monkeypatch, threads)
     qk.set_num_threads(threads)
     try:
         got = op(a, 0.03, 120, b, 0.05, 7, 0.08, 64, target=target)
     finally:
         qk.set_num_threads(None)
+    if threads > 1:  # the call applied the thread setting to numba's parallel loops
+        assert numba.get_num_threads() == threads
     np.testing.assert_array_equal(got, ref(a, 0.03, 120, b, 0.05, 7, 0.08, 64, relu))
+
+
+def _force_threaded_path(monkeypatch, threads):
+    if threads > numba.config.NUMBA_NUM_THREADS:
+        pytest.skip("numba runs with fewer threads on this machine")
+    # the size threshold is tuned for speed; lower it so these inputs take the threaded path
+    monkeypatch.setattr(_quantize_module, "PARALLEL_MIN_WORK", 1)
+    numba.set_num_threads(numba.config.NUMBA_NUM_THREADS if threads == 1 else 1)

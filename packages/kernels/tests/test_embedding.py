@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import numba
 import numpy as np
 import pytest
 
 import quantbridge.kernels as qk
+import quantbridge.kernels._quantize as _quantize_module
 from quantbridge.kernels import KernelError
 
 
@@ -199,18 +201,21 @@ def test_packing_refuses_bad_weights():
 
 @pytest.mark.parametrize("target", qk.available_targets())
 @pytest.mark.parametrize("threads", [1, 2])
-def test_large_lookup_threads_and_targets(threads, target):
+def test_large_lookup_threads_and_targets(threads, target, monkeypatch):
     rng = np.random.default_rng(4)
     w = rng.standard_normal((500, 64)).astype(np.float32)
     packed = qk.pack_embedding_4bit(w) if threads == 1 else qk.pack_embedding_8bit(w)
     indices = rng.integers(0, 500, 4000).astype(np.int64)
     offsets = np.arange(0, 4000, 40)
     weights = rng.standard_normal(4000).astype(np.float32)
+    _force_threaded_path(monkeypatch, threads)
     qk.set_num_threads(threads)
     try:
         got = qk.embedding_bag(packed, indices, offsets, per_sample_weights=weights, target=target)
     finally:
         qk.set_num_threads(None)
+    if threads > 1:  # the call applied the thread setting to numba's parallel loops
+        assert numba.get_num_threads() == threads
     np.testing.assert_array_equal(got, ref_bag(packed, indices, offsets, "sum", weights))
 
 
@@ -248,3 +253,11 @@ def test_byte_identical_to_torch(bits):
         np.testing.assert_array_equal(
             qk.embedding_bag(from_torch, indices, offs, "sum", weights, last), got
         )
+
+
+def _force_threaded_path(monkeypatch, threads):
+    if threads > numba.config.NUMBA_NUM_THREADS:
+        pytest.skip("numba runs with fewer threads on this machine")
+    # the size threshold is tuned for speed; lower it so these inputs take the threaded path
+    monkeypatch.setattr(_quantize_module, "PARALLEL_MIN_WORK", 1)
+    numba.set_num_threads(numba.config.NUMBA_NUM_THREADS if threads == 1 else 1)

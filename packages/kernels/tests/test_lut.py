@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import quantbridge.kernels as qk
+import quantbridge.kernels._quantize as _quantize_module
 from quantbridge.kernels import KernelError
 
 CODES = np.arange(256, dtype=np.uint8)
@@ -110,16 +111,19 @@ def test_function_cannot_modify_its_inputs():
 
 @pytest.mark.parametrize("target", qk.available_targets())
 @pytest.mark.parametrize("threads", [1, 2])
-def test_large_input_threads_and_targets(threads, target):
+def test_large_input_threads_and_targets(threads, target, monkeypatch):
     if threads > numba.config.NUMBA_NUM_THREADS:
         pytest.skip("numba runs with fewer threads on this machine")
     q = np.random.default_rng(2).integers(0, 256, (5, 100_003)).astype(np.uint8)
     table = qk.build_lut("sigmoid", 0.05, 128, 1 / 256, 0)
+    _force_threaded_path(monkeypatch, threads)
     qk.set_num_threads(threads)
     try:
         got = qk.apply_lut(q, table, target=target)
     finally:
         qk.set_num_threads(None)
+    if threads > 1:  # the call applied the thread setting to numba's parallel loops
+        assert numba.get_num_threads() == threads
     np.testing.assert_array_equal(got, table[q])
 
 
@@ -150,3 +154,11 @@ def test_tables_reproduce_torch_quantized_ops(scale, zp):
         real = FLOAT_FUNCTIONS[name](ref_dequantize(CODES, scale, zp)).astype(np.float64)
         frac = np.abs(real / np.float32(out_scale) % 1.0 - 0.5)
         assert (frac[got != want] < 1e-4).all()  # differences only at near-exact ties
+
+
+def _force_threaded_path(monkeypatch, threads):
+    if threads > numba.config.NUMBA_NUM_THREADS:
+        pytest.skip("numba runs with fewer threads on this machine")
+    # the size threshold is tuned for speed; lower it so these inputs take the threaded path
+    monkeypatch.setattr(_quantize_module, "PARALLEL_MIN_WORK", 1)
+    numba.set_num_threads(numba.config.NUMBA_NUM_THREADS if threads == 1 else 1)

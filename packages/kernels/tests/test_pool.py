@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import quantbridge.kernels as qk
+import quantbridge.kernels._quantize as _quantize_module
 from quantbridge.kernels import KernelError
 
 
@@ -186,10 +187,11 @@ def test_out_argument_must_not_alias_input():
 
 @pytest.mark.parametrize("target", qk.available_targets())
 @pytest.mark.parametrize("threads", [1, 2])
-def test_large_inputs_threads_and_targets(threads, target):
+def test_large_inputs_threads_and_targets(threads, target, monkeypatch):
     if threads > numba.config.NUMBA_NUM_THREADS:
         pytest.skip("numba runs with fewer threads on this machine")
     x = np.random.default_rng(3).integers(0, 256, (2, 16, 48, 48)).astype(np.uint8)
+    _force_threaded_path(monkeypatch, threads)
     qk.set_num_threads(threads)
     try:
         mx = qk.max_pool2d(x, 3, 2, 1, target=target)
@@ -197,6 +199,8 @@ def test_large_inputs_threads_and_targets(threads, target):
         ad = qk.adaptive_avg_pool2d(x, (5, 7), target=target)
     finally:
         qk.set_num_threads(None)
+    if threads > 1:  # the call applied the thread setting to numba's parallel loops
+        assert numba.get_num_threads() == threads
     np.testing.assert_array_equal(mx, ref_max_pool(x, (3, 3), (2, 2), (1, 1), (1, 1), False))
     want = ref_avg_pool(x, (3, 3), (2, 2), (1, 1), False, True, None, 0.1, 10, 0.1, 10)
     np.testing.assert_array_equal(av, want)
@@ -234,3 +238,11 @@ def test_byte_identical_to_torch_quantized_pools():
         want = functional.adaptive_avg_pool2d(tx, size).int_repr().numpy()
         np.testing.assert_array_equal(qk.adaptive_avg_pool2d(x, size), want)
     assert compared > 150
+
+
+def _force_threaded_path(monkeypatch, threads):
+    if threads > numba.config.NUMBA_NUM_THREADS:
+        pytest.skip("numba runs with fewer threads on this machine")
+    # the size threshold is tuned for speed; lower it so these inputs take the threaded path
+    monkeypatch.setattr(_quantize_module, "PARALLEL_MIN_WORK", 1)
+    numba.set_num_threads(numba.config.NUMBA_NUM_THREADS if threads == 1 else 1)

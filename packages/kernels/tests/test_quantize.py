@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import quantbridge.kernels as qk
+import quantbridge.kernels._quantize as _quantize_module
 from quantbridge.kernels import KernelError, TargetUnavailableError
 
 
@@ -215,11 +216,12 @@ def test_target_argument_and_environment_are_validated(monkeypatch):
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-def test_parallel_path_matches_serial_reference(threads):
+def test_parallel_path_matches_serial_reference(threads, monkeypatch):
     if threads > numba.config.NUMBA_NUM_THREADS:
         pytest.skip("numba runs with fewer threads on this machine")
     rng = np.random.default_rng(9)
     x = _tie_data(rng, 7 * 30_011, 0.05).reshape(7, -1)
+    _force_threaded_path(monkeypatch, threads)
     qk.set_num_threads(threads)
     try:
         got = qk.quantize_per_tensor(x, 0.05, 128)
@@ -231,6 +233,8 @@ def test_parallel_path_matches_serial_reference(threads):
         rq = qk.requantize(got, 0.05, 128, 0.1, 5)
     finally:
         qk.set_num_threads(None)
+    if threads > 1:  # the call applied the thread setting to numba's parallel loops
+        assert numba.get_num_threads() == threads
     np.testing.assert_array_equal(
         got.astype(np.int64), ref_quantize_per_tensor(x, 0.05, 128, 0, 255)
     )
@@ -243,3 +247,11 @@ def test_parallel_path_matches_serial_reference(threads):
         rq.astype(np.int64),
         ref_quantize_per_tensor(ref_dequantize_per_tensor(got, 0.05, 128), 0.1, 5, 0, 255),
     )
+
+
+def _force_threaded_path(monkeypatch, threads):
+    if threads > numba.config.NUMBA_NUM_THREADS:
+        pytest.skip("numba runs with fewer threads on this machine")
+    # the size threshold is tuned for speed; lower it so these inputs take the threaded path
+    monkeypatch.setattr(_quantize_module, "PARALLEL_MIN_WORK", 1)
+    numba.set_num_threads(numba.config.NUMBA_NUM_THREADS if threads == 1 else 1)

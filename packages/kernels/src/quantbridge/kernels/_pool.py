@@ -162,7 +162,7 @@ def max_pool2d(
         h, w, kernel_size, stride, padding, dilation, ceil_mode, True
     )
     result = _output(arr, oh, ow, out)
-    par = planes > 1 and use_parallel(arr.size, "max_pool2d")
+    par = planes > 1 and use_parallel(result.size * kh * kw, "max_pool2d")
     kernel = _max_pool_par if par else _max_pool
     kernel(
         arr.reshape(planes, h, w), result.reshape(planes, oh, ow), kh, kw, sh, sw, ph, pw, dh, dw
@@ -263,7 +263,7 @@ def avg_pool2d(
     if kh * kw > (1 << 23):
         raise KernelError(f"kernel_size: window {(kh, kw)} too large for int32 sums")
     result = _output(arr, oh, ow, out)
-    par = planes > 1 and use_parallel(arr.size, "avg_pool2d")
+    par = planes > 1 and use_parallel(result.size * kh * kw, "avg_pool2d")
     kernel = _avg_pool_par if par else _avg_pool
     kernel(
         arr.reshape(planes, h, w),

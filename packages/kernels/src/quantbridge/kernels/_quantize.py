@@ -40,8 +40,11 @@ from quantbridge.kernels._fma import fma32
 from quantbridge.kernels._targets import check_target
 from quantbridge.kernels._threads import apply_num_threads
 
-# Inputs with at least this many elements use the multi-threaded loop (chunks of _CHUNK).
-PARALLEL_MIN_ELEMENTS = 1 << 16
+# Work (elements touched) from which a call splits across threads. These kernels stream memory
+# at near bandwidth on one core, while a parallel region costs tens of microseconds (far more
+# on a busy machine), so only large inputs are worth splitting.
+PARALLEL_MIN_WORK = 1 << 22
+_CHUNK = 1 << 14
 
 
 def use_parallel(work: int, where: str) -> bool:
@@ -50,10 +53,9 @@ def use_parallel(work: int, where: str) -> bool:
     Applies the package thread setting (``quantbridge.kernels.set_num_threads``) to numba's
     parallel loops, like the GEMM kernels do.
     """
-    return work >= PARALLEL_MIN_ELEMENTS and apply_num_threads(None, where) > 1
+    return work >= PARALLEL_MIN_WORK and apply_num_threads(None, where) > 1
 
 
-_CHUNK = 1 << 14
 _F32_MAX = float(np.finfo(np.float32).max)
 _F32_TINY = float(np.finfo(np.float32).tiny)
 _QDTYPES = (np.dtype(np.uint8), np.dtype(np.int8))
