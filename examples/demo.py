@@ -1,12 +1,18 @@
-"""quantbridge's main job, as far as the packages built so far reach.
+"""quantbridge's main job: a float CNN becomes a fast int8 model on every available backend.
 
-1. Train a small MLP on scikit-learn's digits data (shipped with scikit-learn; no download).
-2. Calibrate quantbridge observers on the training data: a HistogramObserver on every layer's
-   input activation and a per-channel symmetric int8 observer on every weight.
-3. Print the qparams table; while torch still ships torch.ao, each row is checked bit for bit
-   against torch.ao's observer fed the same data.
-4. Apply those qparams (fake quantization on plain float tensors) and report test accuracy
-   against the float model.
+1. Train a small CNN on scikit-learn's digits (1797 8x8 images shipped with scikit-learn; no
+   download) for a few seconds.
+2. For every backend in ``quantbridge.lowering.available_backends()``:
+   - PTQ: ``prepare_fx`` with the backend's own qconfig mapping and BackendConfig,
+     ``quantbridge.fx_quant.calibrate`` on training batches, ``backend.convert`` (reference
+     model, then the backend's lowering);
+   - QAT: ``prepare_qat_fx`` from the trained float weights, a few epochs of fine-tuning with
+     fake quantization, then ``backend.convert``.
+3. Print one table: backend, mode, test accuracy, latency per batch, speedup over fp32 eager,
+   model size (``state_dict`` bytes).
+
+The demo is also a check: it exits non-zero when any ``numba*`` backend's PTQ accuracy is more
+than 1 percentage point below the float model's.
 
 Run with ``nox -s demo`` (or ``python examples/demo.py`` where the packages are installed).
 """
@@ -14,21 +20,49 @@ Run with ``nox -s demo`` (or ``python examples/demo.py`` where the packages are 
 from __future__ import annotations
 
 import argparse
-import importlib
+import copy
+import io
+import statistics
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
 from torch import nn
 
-from quantbridge.qconfig import HistogramObserver, PerChannelMinMaxObserver
+from quantbridge.fx_quant import calibrate, prepare_fx, prepare_qat_fx
+from quantbridge.lowering import available_backends, get_backend
+
+MAX_PTQ_DROP = 1.0  # percentage points, the lowering issue's done-when
+BATCH = 64
+
+
+class SmallCNN(nn.Module):
+    """Two conv+ReLU blocks, a max pool and two linear layers: ~40k parameters."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 16, 3, padding=1)
+        self.relu1 = nn.ReLU()
+        self.conv2 = nn.Conv2d(16, 32, 3, padding=1)
+        self.relu2 = nn.ReLU()
+        self.pool = nn.MaxPool2d(2)
+        self.flatten = nn.Flatten()
+        self.fc1 = nn.Linear(32 * 4 * 4, 64)
+        self.relu3 = nn.ReLU()
+        self.fc2 = nn.Linear(64, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.relu1(self.conv1(x))
+        x = self.pool(self.relu2(self.conv2(x)))
+        return self.fc2(self.relu3(self.fc1(self.flatten(x))))
 
 
 def load_data(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     digits = load_digits()
-    x = torch.tensor(digits.data, dtype=torch.float32) / 16.0
+    x = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0
     y = torch.tensor(digits.target, dtype=torch.long)
     x_train, x_test, y_train, y_test = train_test_split(
         x, y, test_size=0.25, random_state=seed, stratify=y
@@ -36,154 +70,169 @@ def load_data(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torc
     return x_train, x_test, y_train, y_test
 
 
-def train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, epochs: int) -> None:
-    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
+def batches(x: torch.Tensor, size: int) -> Iterator[torch.Tensor]:
+    for start in range(0, len(x), size):
+        yield x[start : start + size]
+
+
+def progress(label: str, done: int, total: int, started: float, extra: str = "") -> None:
+    """A one-line progress bar on stderr (redrawn in place on a terminal)."""
+    width = 24
+    filled = done * width // total
+    line = (
+        f"{label}: [{'#' * filled}{'-' * (width - filled)}] {done}/{total}, "
+        f"{time.perf_counter() - started:.1f}s {extra}"
+    )
+    if sys.stderr.isatty():
+        end = "\n" if done == total else ""
+        print("\r" + line, end=end, file=sys.stderr, flush=True)
+    elif done == total:
+        print(line, file=sys.stderr, flush=True)
+
+
+def train(
+    model: nn.Module, x: torch.Tensor, y: torch.Tensor, epochs: int, lr: float, label: str
+) -> None:
+    optimizer = torch.optim.Adam(model.parameters(), lr=lr)
     loss_fn = nn.CrossEntropyLoss()
     generator = torch.Generator().manual_seed(0)
-    for epoch in range(1, epochs + 1):
+    steps_per_epoch = (len(x) + BATCH - 1) // BATCH
+    total, done, started = epochs * steps_per_epoch, 0, time.perf_counter()
+    model.train()
+    for _ in range(epochs):
         order = torch.randperm(len(x), generator=generator)
-        total = 0.0
-        for start in range(0, len(x), 64):
-            idx = order[start : start + 64]
+        for start in range(0, len(x), BATCH):
+            idx = order[start : start + BATCH]
             optimizer.zero_grad()
             loss = loss_fn(model(x[idx]), y[idx])
             loss.backward()
             optimizer.step()
-            total += float(loss.detach()) * len(idx)
-        if epoch % 10 == 0 or epoch == epochs:
-            print(f"  epoch {epoch:3d}/{epochs}  loss {total / len(x):.4f}", flush=True)
+            done += 1
+            progress(label, done, total, started, f"loss {float(loss.detach()):.4f}")
+    model.eval()
 
 
 def accuracy(
     model: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, y: torch.Tensor
 ) -> float:
     with torch.no_grad():
-        return float((model(x).argmax(dim=1) == y).float().mean()) * 100.0
+        out = torch.cat([model(b) for b in batches(x, BATCH)])
+    return float((out.argmax(dim=1) == y).float().mean()) * 100.0
 
 
-def torch_ao_observers() -> tuple[type, type] | None:
-    """torch.ao's HistogramObserver and PerChannelMinMaxObserver, while torch ships them."""
-    try:
-        observer = importlib.import_module("torch.ao.quantization.observer")
-    except ImportError:
-        return None
-    return observer.HistogramObserver, observer.PerChannelMinMaxObserver
+def latency_ms(
+    model: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, repeats: int
+) -> float:
+    """Median wall time of one forward pass on a batch of BATCH images, in milliseconds."""
+    batch = x[:BATCH]
+    times = []
+    with torch.no_grad():
+        for _ in range(3):  # warm-up: numba JIT, torch allocator
+            model(batch)
+        for _ in range(repeats):
+            start = time.perf_counter()
+            model(batch)
+            times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--epochs", type=int, default=40)
+def size_kb(model: nn.Module) -> float:
+    buffer = io.BytesIO()
+    torch.save(model.state_dict(), buffer)
+    return buffer.getbuffer().nbytes / 1024
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--epochs", type=int, default=12, help="float training epochs")
+    parser.add_argument("--qat-epochs", type=int, default=2, help="QAT fine-tuning epochs")
+    parser.add_argument("--calib-batches", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=30, help="latency repeats per model")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads for all models")
+    parser.add_argument("--backends", nargs="*", help="default: available_backends()")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     torch.manual_seed(args.seed)
+    torch.set_num_threads(args.threads)
+    demo_started = time.perf_counter()
 
     x_train, x_test, y_train, y_test = load_data(args.seed)
-    model = nn.Sequential(
-        nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 64), nn.ReLU(), nn.Linear(64, 10)
-    )
     print(f"digits: {len(x_train)} training and {len(x_test)} test images of 8x8 pixels")
-    print("training the float model")
-    started = time.perf_counter()
-    train(model, x_train, y_train, args.epochs)
-    model.eval()
-    print(f"  trained in {time.perf_counter() - started:.1f} s")
-
-    linears = [(f"{i}", m) for i, m in enumerate(model) if isinstance(m, nn.Linear)]
-    act_observers = {name: HistogramObserver() for name, _ in linears}
-    weight_observers = {
-        name: PerChannelMinMaxObserver(dtype=torch.int8, qscheme="per_channel_symmetric")
-        for name, _ in linears
-    }
-    oracle = torch_ao_observers()
-    oracle_act = {name: oracle[0]() for name, _ in linears} if oracle else {}
-
-    # Calibrate: every layer's input activation, batch by batch, like prepare_fx's observers.
-    print("calibrating observers on the training data")
-    hooks = []
-    for name, layer in linears:
-
-        def observe(_module: nn.Module, inputs: tuple[torch.Tensor, ...], name: str = name) -> None:
-            act_observers[name](inputs[0])
-            if name in oracle_act:
-                oracle_act[name](inputs[0])
-
-        hooks.append(layer.register_forward_pre_hook(observe))
-    with torch.no_grad():
-        for start in range(0, len(x_train), 128):
-            model(x_train[start : start + 128])
-    for hook in hooks:
-        hook.remove()
-    for name, layer in linears:
-        weight_observers[name](layer.weight.detach())
-
-    print()
-    header = (
-        f"{'tensor':<12}{'observer':<28}{'min':>10}{'max':>10}{'scale':>22}{'zero_point':>12}"
-        "  torch.ao"
-    )
-    print(header)
-    print("-" * len(header))
-    mismatches = 0
-    qparams: dict[
-        str, tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
-    ] = {}
-    for name, layer in linears:
-        act_scale, act_zp = act_observers[name].calculate_qparams()
-        w_scale, w_zp = weight_observers[name].calculate_qparams()
-        qparams[name] = ((act_scale, act_zp), (w_scale, w_zp))
-        verdict = "n/a (torch.ao gone)"
-        if oracle:
-            ref_scale, ref_zp = oracle_act[name].calculate_qparams()
-            same = torch.equal(ref_scale, act_scale) and torch.equal(ref_zp, act_zp)
-            mismatches += not same
-            verdict = "bit-identical" if same else "DIFFERS"
-        obs = act_observers[name]
-        print(
-            f"{name + '.input':<12}{'HistogramObserver(uint8)':<28}{float(obs.min_val):>10.4f}"
-            f"{float(obs.max_val):>10.4f}{float(act_scale):>22.6g}{int(act_zp):>12}  {verdict}"
-        )
-        verdict = "n/a (torch.ao gone)"
-        if oracle:
-            ref = oracle[1](dtype=torch.qint8, qscheme=torch.per_channel_symmetric)
-            ref(layer.weight.detach())
-            ref_scale, ref_zp = ref.calculate_qparams()
-            same = torch.equal(ref_scale, w_scale) and torch.equal(ref_zp, w_zp)
-            mismatches += not same
-            verdict = "bit-identical" if same else "DIFFERS"
-        w_obs = weight_observers[name]
-        print(
-            f"{name + '.weight':<12}{'PerChannelMinMax(int8,sym)':<28}"
-            f"{float(w_obs.min_val.min()):>10.4f}{float(w_obs.max_val.max()):>10.4f}"
-            f"{f'{float(w_scale.min()):.3g} .. {float(w_scale.max()):.3g}':>22}"
-            f"{f'{int(w_zp.min())} .. {int(w_zp.max())}':>12}  {verdict}"
-        )
-
-    def quantized_forward(x: torch.Tensor) -> torch.Tensor:
-        # Fake quantization on plain float tensors: what an int8 backend computes, up to the
-        # rounding of its accumulator requantization.
-        for i, module in enumerate(model):
-            name = str(i)
-            if name in qparams:
-                (a_scale, a_zp), (w_scale, w_zp) = qparams[name]
-                x = torch.fake_quantize_per_tensor_affine(x, float(a_scale), int(a_zp), 0, 255)
-                weight = torch.fake_quantize_per_channel_affine(
-                    module.weight, w_scale, w_zp.to(torch.int32), 0, -128, 127
-                )
-                x = nn.functional.linear(x, weight, module.bias)
-            else:
-                x = module(x)
-        return x
-
+    model = SmallCNN()
+    train(model, x_train, y_train, args.epochs, 3e-3, "train fp32")
     float_acc = accuracy(model, x_test, y_test)
-    quant_acc = accuracy(quantized_forward, x_test, y_test)
+    float_ms = latency_ms(model, x_test, args.repeats)
+    example = (x_train[:BATCH],)
+
+    names = args.backends if args.backends else available_backends()
+    print(f"backends: {', '.join(names)}")
+    rows: list[tuple[str, str, float, float, float]] = [
+        ("fp32 eager", "-", float_acc, float_ms, size_kb(model))
+    ]
+    for name in names:
+        backend = get_backend(name)
+        # PTQ: observers calibrated on training batches, then convert + lower
+        prepared = prepare_fx(
+            copy.deepcopy(model).eval(),
+            backend.qconfig_mapping(),
+            example,
+            backend_config=backend.backend_config,
+        )
+        calibrate(prepared, batches(x_train, BATCH), max_batches=args.calib_batches, progress=True)
+        lowered = backend.convert(prepared)
+        rows.append(
+            (
+                name,
+                "PTQ",
+                accuracy(lowered, x_test, y_test),
+                latency_ms(lowered, x_test, args.repeats),
+                size_kb(lowered),
+            )
+        )
+        # QAT: fake-quantized fine-tuning from the float weights, then convert + lower
+        qat = prepare_qat_fx(
+            copy.deepcopy(model).train(),
+            backend.qconfig_mapping(qat=True),
+            example,
+            backend_config=backend.backend_config,
+        )
+        train(qat, x_train, y_train, args.qat_epochs, 5e-4, f"QAT {name}")
+        lowered = backend.convert(qat.eval())
+        rows.append(
+            (
+                name,
+                "QAT",
+                accuracy(lowered, x_test, y_test),
+                latency_ms(lowered, x_test, args.repeats),
+                size_kb(lowered),
+            )
+        )
+
     print()
-    print(f"{'model':<34}{'test accuracy':>14}")
-    print(f"{'float32':<34}{float_acc:>13.2f}%")
-    print(f"{'int8 weights + uint8 activations':<34}{quant_acc:>13.2f}%")
-    print(f"accuracy change: {quant_acc - float_acc:+.2f} percentage points")
-    if mismatches:
-        raise SystemExit(f"{mismatches} qparams differ from torch.ao's observers")
+    print(
+        f"{'backend':<20}{'mode':<6}{'accuracy':>10}{'vs fp32':>10}"
+        f"{f'ms/batch({BATCH})':>15}{'speedup':>9}{'size KiB':>10}"
+    )
+    print("-" * 80)
+    failures = []
+    for name, mode, acc, ms, kb in rows:
+        print(
+            f"{name:<20}{mode:<6}{acc:>9.2f}%{acc - float_acc:>+9.2f}pp"
+            f"{ms:>15.3f}{float_ms / ms:>8.2f}x{kb:>10.1f}"
+        )
+        if name.startswith("numba") and mode == "PTQ" and float_acc - acc > MAX_PTQ_DROP:
+            failures.append(f"{name} PTQ loses {float_acc - acc:.2f} pp")
+    print(
+        f"\n{torch.get_num_threads()} thread(s); latency = median of {args.repeats} forward "
+        f"passes; demo took {time.perf_counter() - demo_started:.0f} s"
+    )
+    if failures:
+        print(f"FAILED: accuracy drop over {MAX_PTQ_DROP} pp: " + "; ".join(failures))
+        return 1
+    if not any(n.startswith("numba") for n in names):
+        print("note: no numba backend available, so the accuracy check had nothing to check")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -23,6 +23,7 @@ chain of lowered ops passes quantized tensors from one to the next without round
 from __future__ import annotations
 
 import operator
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -87,13 +88,19 @@ def is_available() -> bool:
     return unavailable_reason() == ""
 
 
+_DEPRECATION = r"torch\.quantize_per_tensor, torch\.quantize_per_channel and other quantized"
+
+
 @contextmanager
 def _x86_engine() -> Iterator[None]:
     # Prepacking picks the packed-weight layout from the global engine; restore it afterwards.
     previous = torch.backends.quantized.engine
     torch.backends.quantized.engine = _ENGINE
     try:
-        yield
+        with warnings.catch_warnings():
+            # this backend exists to measure the deprecated engine; its warning is expected
+            warnings.filterwarnings("ignore", message=_DEPRECATION, category=UserWarning)
+            yield
     finally:
         torch.backends.quantized.engine = previous
 
