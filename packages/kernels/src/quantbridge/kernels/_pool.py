@@ -112,23 +112,31 @@ def _output(x: U8, oh: int, ow: int, out: U8 | None) -> U8:
 
 
 @numba.njit(cache=True)
+def _taps(start, k, d, size):  # type: ignore[no-untyped-def]
+    # first and last+1 tap index i with 0 <= start + i * d < size
+    if d == 1:  # no divisions in the common case
+        return max(0, -start), max(max(0, -start), min(k, size - start))
+    lo = 0 if start >= 0 else (-start + d - 1) // d
+    hi = 0 if start >= size else min(k, (size - start + d - 1) // d)
+    return lo, max(lo, hi)
+
+
+@numba.njit(cache=True)
 def _max_plane(x, out, p, kh, kw, sh, sw, ph, pw, dh, dw):  # type: ignore[no-untyped-def]
     h, w = x.shape[1], x.shape[2]
     for oy in range(out.shape[1]):
         y0 = oy * sh - ph
+        i0, i1 = _taps(y0, kh, dh, h)
         for ox in range(out.shape[2]):
             x0 = ox * sw - pw
-            best = 0
-            for i in range(kh):
-                y = y0 + i * dh
-                if y < 0 or y >= h:
-                    continue
-                for j in range(kw):
-                    xx = x0 + j * dw
-                    if 0 <= xx < w:
-                        v = x[p, y, xx]
-                        if v > best:
-                            best = v
+            j0, j1 = _taps(x0, kw, dw, w)
+            best = np.uint8(0)  # a window entirely in the padding gives 0, as in torch
+            for i in range(i0, i1):
+                row = y0 + i * dh
+                for j in range(j0, j1):
+                    v = x[p, row, x0 + j * dw]
+                    if v > best:
+                        best = v
             out[p, oy, ox] = best
 
 
