@@ -19,11 +19,21 @@ from quantbridge.lowering._backend import (
     unregister_backend,
 )
 from quantbridge.lowering._errors import LoweringError
+from quantbridge.lowering._lower import LoweringReport, lowering_report
+from quantbridge.lowering._numba_backend import NumbaBackend
+from quantbridge.lowering._numba_config import numba_backend_config
 from quantbridge.lowering._reference import ReferenceBackend, reference
+
+# built-in instances; the pyproject's entry points name these objects
+numba = NumbaBackend("numba", None)
+numba_avx512_vnni = NumbaBackend("numba_avx512_vnni", "avx512_vnni")
+numba_avx2 = NumbaBackend("numba_avx2", "avx2")
+numba_generic = NumbaBackend("numba_generic", "generic")
 
 
 def _register_builtins() -> None:
-    register_backend(reference)
+    for backend in (reference, numba, numba_avx512_vnni, numba_avx2, numba_generic):
+        register_backend(backend)
     # torch_native is the one module touching quantized tensors: imported only here, guarded
     try:
         native = importlib.import_module("quantbridge.lowering._torch_native")
@@ -42,10 +52,18 @@ __all__ = [
     "Backend",
     "BackendUnavailableError",
     "LoweringError",
+    "LoweringReport",
+    "NumbaBackend",
     "ReferenceBackend",
     "SupportedOp",
     "available_backends",
     "get_backend",
+    "lowering_report",
+    "numba",
+    "numba_avx2",
+    "numba_avx512_vnni",
+    "numba_backend_config",
+    "numba_generic",
     "reference",
     "register_backend",
     "unregister_backend",

@@ -1,0 +1,384 @@
+"""The torch.library path: lowered ops as ``torch.ops.quantbridge_lowering.*`` custom ops.
+
+Eager forward calls the numba kernels directly on numpy views (fastest, no dispatcher). While
+``torch.export``/``torch.compile`` traces (``torch.compiler.is_exporting()``, or any input is a
+fake tensor) the lowered modules call these custom ops instead: each has a fake (meta)
+implementation giving the output shape and dtype, so the graph captures one opaque node per
+lowered op. Running the exported program eagerly executes the real implementation, which
+calls the same kernels; packed weights are rebuilt from the int8 weight tensors there and
+cached per weight tensor.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensor
+
+from quantbridge import kernels as K
+
+__all__ = ["is_tracing"]
+
+_NS = "quantbridge_lowering"
+_pack_cache: dict[tuple[Any, ...], Any] = {}
+_pack_lock = threading.Lock()
+
+
+def is_tracing(*tensors: torch.Tensor) -> bool:
+    """True when the custom-op path must run (export/compile tracing, fake tensors)."""
+    if torch.compiler.is_compiling():
+        return True
+    return any(isinstance(t, FakeTensor) for t in tensors)
+
+
+def _p(v: list[int]) -> tuple[int, int]:
+    return (v[0], v[1]) if len(v) > 1 else (v[0], v[0])
+
+
+def _np(t: torch.Tensor) -> Any:
+    return (t if t.is_contiguous() else t.contiguous()).numpy()
+
+
+def _cached(key: tuple[Any, ...], build: Any) -> Any:
+    with _pack_lock:
+        found = _pack_cache.get(key)
+        if found is None:
+            if len(_pack_cache) > 256:
+                _pack_cache.clear()
+            found = build()
+            _pack_cache[key] = found
+        return found
+
+
+def _wkey(kind: str, w: torch.Tensor, *rest: Any) -> tuple[Any, ...]:
+    return (kind, w.data_ptr(), w._version, tuple(w.shape), *rest)
+
+
+def _bias(b: torch.Tensor | None) -> Any:
+    return None if b is None else _np(b.detach().to(torch.float32))
+
+
+@torch.library.custom_op(f"{_NS}::linear", mutates_args=())
+def linear_op(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    w_scale: torch.Tensor,
+    w_zero_point: torch.Tensor,
+    bias: torch.Tensor | None,
+    x_scale: float,
+    x_zero_point: int,
+    out_scale: float,
+    out_zero_point: int,
+    relu: bool,
+    target: str,
+) -> torch.Tensor:
+    packed = _cached(
+        _wkey("linear", weight, target),
+        lambda: K.PackedLinearWeight(
+            _np(weight), _np(w_scale), _np(w_zero_point), _bias(bias), target=target
+        ),
+    )
+    out = K.linear(_np(x), packed, x_scale, x_zero_point, out_scale, out_zero_point, relu=relu)
+    return torch.from_numpy(out)
+
+
+@linear_op.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, *args: Any) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], weight.shape[0]), dtype=torch.uint8)
+
+
+@torch.library.custom_op(f"{_NS}::linear_dynamic", mutates_args=())
+def linear_dynamic_op(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    w_scale: torch.Tensor,
+    w_zero_point: torch.Tensor,
+    bias: torch.Tensor | None,
+    target: str,
+) -> torch.Tensor:
+    packed = _cached(
+        _wkey("linear", weight, target),
+        lambda: K.PackedLinearWeight(
+            _np(weight), _np(w_scale), _np(w_zero_point), _bias(bias), target=target
+        ),
+    )
+    return torch.from_numpy(K.linear_dynamic(_np(x.to(torch.float32)), packed))
+
+
+@linear_dynamic_op.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, *args: Any) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], weight.shape[0]), dtype=torch.float32)
+
+
+@torch.library.custom_op(f"{_NS}::conv", mutates_args=())
+def conv_op(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    w_scale: torch.Tensor,
+    w_zero_point: torch.Tensor,
+    bias: torch.Tensor | None,
+    stride: list[int],
+    padding: list[int],
+    dilation: list[int],
+    groups: int,
+    x_scale: float,
+    x_zero_point: int,
+    out_scale: float,
+    out_zero_point: int,
+    relu: bool,
+    target: str,
+) -> torch.Tensor:
+    packed = _cached(
+        _wkey("conv", weight, target, tuple(stride), tuple(padding), tuple(dilation), groups),
+        lambda: K.PackedConvWeight(
+            _np(weight),
+            _np(w_scale),
+            _np(w_zero_point),
+            _bias(bias),
+            stride=tuple(stride),
+            padding=tuple(padding),
+            dilation=tuple(dilation),
+            groups=groups,
+            target=target,
+        ),
+    )
+    fn = K.conv2d if weight.dim() == 4 else K.conv1d
+    out = fn(_np(x), packed, x_scale, x_zero_point, out_scale, out_zero_point, relu=relu)
+    return torch.from_numpy(out)
+
+
+@conv_op.register_fake
+def _(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    w_scale: torch.Tensor,
+    w_zero_point: torch.Tensor,
+    bias: torch.Tensor | None,
+    stride: list[int],
+    padding: list[int],
+    dilation: list[int],
+    groups: int,
+    *args: Any,
+) -> torch.Tensor:
+    conv = F.conv2d if weight.dim() == 4 else F.conv1d
+    y = conv(x.float(), weight.float(), None, stride, padding, dilation, groups)
+    return y.to(torch.uint8)
+
+
+@torch.library.custom_op(f"{_NS}::binary", mutates_args=())
+def binary_op(
+    a: torch.Tensor,
+    a_scale: float,
+    a_zero_point: int,
+    b: torch.Tensor,
+    b_scale: float,
+    b_zero_point: int,
+    out_scale: float,
+    out_zero_point: int,
+    kind: str,
+    target: str,
+) -> torch.Tensor:
+    fn = getattr(K, kind)
+    out = fn(
+        _np(a), a_scale, a_zero_point, _np(b), b_scale, b_zero_point, out_scale, out_zero_point,
+        target=target,
+    )  # fmt: skip
+    return torch.from_numpy(out)
+
+
+@binary_op.register_fake
+def _(a: torch.Tensor, *args: Any) -> torch.Tensor:
+    return torch.empty_like(a, dtype=torch.uint8)
+
+
+@torch.library.custom_op(f"{_NS}::lut", mutates_args=())
+def lut_op(x: torch.Tensor, table: torch.Tensor, target: str) -> torch.Tensor:
+    return torch.from_numpy(K.apply_lut(_np(x), _np(table), target=target))
+
+
+@lut_op.register_fake
+def _(x: torch.Tensor, table: torch.Tensor, target: str) -> torch.Tensor:
+    return torch.empty_like(x, dtype=torch.uint8)
+
+
+@torch.library.custom_op(f"{_NS}::requantize", mutates_args=())
+def requantize_op(
+    x: torch.Tensor,
+    in_scale: float,
+    in_zero_point: int,
+    out_scale: float,
+    out_zero_point: int,
+    target: str,
+) -> torch.Tensor:
+    out = K.requantize(_np(x), in_scale, in_zero_point, out_scale, out_zero_point, target=target)
+    return torch.from_numpy(out)
+
+
+@requantize_op.register_fake
+def _(x: torch.Tensor, *args: Any) -> torch.Tensor:
+    return torch.empty_like(x, dtype=torch.uint8)
+
+
+@torch.library.custom_op(f"{_NS}::max_pool2d", mutates_args=())
+def max_pool2d_op(
+    x: torch.Tensor,
+    kernel_size: list[int],
+    stride: list[int],
+    padding: list[int],
+    dilation: list[int],
+    ceil_mode: bool,
+    target: str,
+) -> torch.Tensor:
+    out = K.max_pool2d(
+        _np(x), _p(kernel_size), _p(stride), _p(padding), _p(dilation), ceil_mode,
+        target=target,
+    )  # fmt: skip
+    return torch.from_numpy(out)
+
+
+@max_pool2d_op.register_fake
+def _(
+    x: torch.Tensor,
+    kernel_size: list[int],
+    stride: list[int],
+    padding: list[int],
+    dilation: list[int],
+    ceil_mode: bool,
+    target: str,
+) -> torch.Tensor:
+    y = F.max_pool2d(x.float(), kernel_size, stride, padding, dilation, ceil_mode)
+    return y.to(torch.uint8)
+
+
+@torch.library.custom_op(f"{_NS}::avg_pool2d", mutates_args=())
+def avg_pool2d_op(
+    x: torch.Tensor,
+    kernel_size: list[int],
+    stride: list[int],
+    padding: list[int],
+    ceil_mode: bool,
+    count_include_pad: bool,
+    divisor_override: int | None,
+    scale: float,
+    zero_point: int,
+    out_scale: float,
+    out_zero_point: int,
+    target: str,
+) -> torch.Tensor:
+    out = K.avg_pool2d(
+        _np(x),
+        _p(kernel_size),
+        _p(stride),
+        _p(padding),
+        ceil_mode,
+        count_include_pad,
+        divisor_override,
+        scale=scale,
+        zero_point=zero_point,
+        out_scale=out_scale,
+        out_zero_point=out_zero_point,
+        target=target,
+    )
+    return torch.from_numpy(out)
+
+
+@avg_pool2d_op.register_fake
+def _(
+    x: torch.Tensor,
+    kernel_size: list[int],
+    stride: list[int],
+    padding: list[int],
+    ceil_mode: bool,
+    count_include_pad: bool,
+    divisor_override: int | None,
+    *args: Any,
+) -> torch.Tensor:
+    y = F.avg_pool2d(x.float(), kernel_size, stride, padding, ceil_mode, count_include_pad)
+    return y.to(torch.uint8)
+
+
+@torch.library.custom_op(f"{_NS}::adaptive_avg_pool2d", mutates_args=())
+def adaptive_avg_pool2d_op(x: torch.Tensor, output_size: list[int], target: str) -> torch.Tensor:
+    return torch.from_numpy(K.adaptive_avg_pool2d(_np(x), _p(output_size), target=target))
+
+
+@adaptive_avg_pool2d_op.register_fake
+def _(x: torch.Tensor, output_size: list[int], target: str) -> torch.Tensor:
+    return F.adaptive_avg_pool2d(x.float(), _p(output_size)).to(torch.uint8)
+
+
+@torch.library.custom_op(f"{_NS}::matmul", mutates_args=())
+def matmul_op(
+    a: torch.Tensor,
+    a_scale: float,
+    a_zero_point: int,
+    b: torch.Tensor,
+    b_scale: float,
+    b_zero_point: int,
+    out_scale: float,
+    out_zero_point: int,
+    target: str,
+) -> torch.Tensor:
+    out = K.matmul(
+        _np(a), a_scale, a_zero_point, _np(b), b_scale, b_zero_point, out_scale, out_zero_point,
+        target=target,
+    )  # fmt: skip
+    return torch.from_numpy(np.asarray(out))
+
+
+@matmul_op.register_fake
+def _(a: torch.Tensor, a_scale: float, a_zero_point: int, b: torch.Tensor, *args: Any) -> Any:
+    return torch.matmul(a.float(), b.float()).to(torch.uint8)
+
+
+@torch.library.custom_op(f"{_NS}::embedding_bag", mutates_args=())
+def embedding_bag_op(
+    weight: torch.Tensor,
+    row_scale: torch.Tensor,
+    row_bias: torch.Tensor,
+    indices: torch.Tensor,
+    offsets: torch.Tensor | None,
+    per_sample_weights: torch.Tensor | None,
+    mode: str,
+    include_last_offset: bool,
+    target: str,
+) -> torch.Tensor:
+    packed = _cached(
+        _wkey("embedding", weight),
+        lambda: K.PackedEmbedding(
+            _np(weight), _np(row_scale), _np(row_bias), 8, int(weight.shape[1])
+        ),
+    )
+    out = K.embedding_bag(
+        packed,
+        _np(indices),
+        None if offsets is None else _np(offsets),
+        mode,
+        None if per_sample_weights is None else _np(per_sample_weights),
+        include_last_offset,
+        target=target,
+    )
+    return torch.from_numpy(out)
+
+
+@embedding_bag_op.register_fake
+def _(
+    weight: torch.Tensor,
+    row_scale: torch.Tensor,
+    row_bias: torch.Tensor,
+    indices: torch.Tensor,
+    offsets: torch.Tensor | None,
+    per_sample_weights: torch.Tensor | None,
+    mode: str,
+    include_last_offset: bool,
+    target: str,
+) -> torch.Tensor:
+    if offsets is None:
+        bags = indices.shape[0]
+    else:
+        bags = offsets.shape[0] - (1 if include_last_offset else 0)
+    return weight.new_empty((bags, weight.shape[1]), dtype=torch.float32)

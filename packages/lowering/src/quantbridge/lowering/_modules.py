@@ -1,0 +1,509 @@
+"""Lowered modules: what the nodes of a lowered graph call.
+
+Every module takes and returns plain ``torch.uint8`` tensors (dynamic linear and embedding_bag:
+float32) and calls a ``quantbridge.kernels`` function on zero-copy numpy views. Quantization
+parameters are buffers (``input_scale``/``input_zero_point``, ``scale``/``zero_point`` for the
+output, float64/int64 scalars) mirrored into Python numbers for the hot path.
+
+How weights are stored: the int8 weight, its scale/zero point (per tensor or per output
+channel) and the float bias are buffers, so ``state_dict()`` holds only plain tensors and loads
+with ``torch.load(weights_only=True)``. The packed layout (target specific, padded) is never
+saved: it is built once when the module is created and rebuilt after ``load_state_dict``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from quantbridge import kernels as K
+from quantbridge.lowering import _custom_ops as ops
+from quantbridge.lowering._custom_ops import is_tracing
+
+__all__ = [
+    "LoweredModule",
+    "QuantizedAdaptiveAvgPool2d",
+    "QuantizedAvgPool2d",
+    "QuantizedBinary",
+    "QuantizedConv",
+    "QuantizedDynamicLinear",
+    "QuantizedEmbedding",
+    "QuantizedEmbeddingBag",
+    "QuantizedLinear",
+    "QuantizedLookupTable",
+    "QuantizedMatmul",
+    "QuantizedMaxPool2d",
+    "Requantize",
+]
+
+
+def _t(value: Any) -> torch.Tensor:
+    """Custom ops are typed loosely by torch.library; their results are tensors."""
+    return value  # type: ignore[no-any-return]
+
+
+def _p(v: list[int]) -> tuple[int, int]:
+    return (v[0], v[1]) if len(v) > 1 else (v[0], v[0])
+
+
+def _np(t: torch.Tensor) -> Any:
+    return (t if t.is_contiguous() else t.contiguous()).numpy()
+
+
+class LoweredModule(nn.Module):
+    """Base: target, kernel name, input/output qparam buffers and their Python mirrors."""
+
+    kernel: str = ""
+
+    def __init__(
+        self,
+        target: str,
+        in_qparams: tuple[float, int] | None,
+        out_qparams: tuple[float, int] | None,
+    ) -> None:
+        if "_buffers" not in self.__dict__:  # subclasses may have registered buffers already
+            super().__init__()
+        self.target = target
+        for prefix, qp in (("input_", in_qparams), ("", out_qparams)):
+            if qp is not None:
+                self.register_buffer(prefix + "scale", torch.tensor(qp[0], dtype=torch.float64))
+                self.register_buffer(prefix + "zero_point", torch.tensor(qp[1], dtype=torch.int64))
+        self._sync()
+        self.register_load_state_dict_post_hook(  # type: ignore[no-untyped-call]
+            lambda m, _keys: m._sync()
+        )
+
+    def _sync(self) -> None:
+        """Refresh the Python mirrors of the buffers (and repack weights in subclasses)."""
+        b = dict(self.named_buffers(recurse=False))
+        self._xs = float(b["input_scale"]) if "input_scale" in b else 1.0
+        self._xz = int(b["input_zero_point"]) if "input_zero_point" in b else 0
+        self._os = float(b["scale"]) if "scale" in b else 1.0
+        self._oz = int(b["zero_point"]) if "zero_point" in b else 0
+
+    def _qparams_repr(self) -> str:
+        b = dict(self.named_buffers(recurse=False))
+        parts = []
+        if "input_scale" in b:
+            parts.append(f"in=({self._xs:.6g}, {self._xz})")
+        if "scale" in b:
+            parts.append(f"out=({self._os:.6g}, {self._oz})")
+        return ", ".join(parts)
+
+    def extra_repr(self) -> str:
+        details = self._details()
+        qp = self._qparams_repr()
+        items = [f"kernel={self.kernel}", f"target={self.target}"]
+        items += [s for s in (details, qp) if s]
+        return ", ".join(items)
+
+    def _details(self) -> str:
+        return ""
+
+
+class _WeightedBase(LoweredModule):
+    """Holds int8 weight, weight qparams and bias as buffers; packs on creation and load."""
+
+    weight: torch.Tensor
+    weight_scale: torch.Tensor
+    weight_zero_point: torch.Tensor
+    bias: torch.Tensor | None
+
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        weight_scale: torch.Tensor,
+        weight_zero_point: torch.Tensor,
+        bias: torch.Tensor | None,
+        target: str,
+        in_qparams: tuple[float, int] | None,
+        out_qparams: tuple[float, int] | None,
+    ) -> None:
+        nn.Module.__init__(self)
+        self.register_buffer("weight", weight.detach().to(torch.int8).contiguous())
+        self.register_buffer(
+            "weight_scale", weight_scale.detach().to(torch.float64).reshape(-1).contiguous()
+        )
+        self.register_buffer(
+            "weight_zero_point",
+            weight_zero_point.detach().to(torch.int64).reshape(-1).contiguous(),
+        )
+        self.register_buffer(
+            "bias", None if bias is None else bias.detach().to(torch.float32).contiguous()
+        )
+        LoweredModule.__init__(self, target, in_qparams, out_qparams)
+
+    def _weight_args(self) -> tuple[Any, Any, Any, Any]:
+        ws, wz = _np(self.weight_scale), _np(self.weight_zero_point)
+        if ws.shape[0] == 1:
+            ws, wz = float(ws[0]), int(wz[0])
+        bias = None if self.bias is None else _np(self.bias)
+        return _np(self.weight), ws, wz, bias
+
+    def _pack_details(self) -> str:
+        per = "per_channel" if self.weight_scale.numel() > 1 else "per_tensor"
+        return f"weight={tuple(self.weight.shape)} int8 {per}, packed once"
+
+
+class QuantizedLinear(_WeightedBase):
+    """uint8 ``[..., K]`` → uint8 ``[..., N]``: ``kernels.linear`` (relu fused if asked)."""
+
+    kernel = "kernels.linear"
+
+    def __init__(self, *args: Any, relu: bool = False, **kwargs: Any) -> None:
+        self.relu = relu
+        super().__init__(*args, **kwargs)
+
+    def _sync(self) -> None:
+        super()._sync()
+        w, ws, wz, bias = self._weight_args()
+        self._packed = K.PackedLinearWeight(w, ws, wz, bias, target=self.target)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if is_tracing(x):
+            return _t(ops.linear_op(
+                x, self.weight, self.weight_scale, self.weight_zero_point, self.bias,
+                self._xs, self._xz, self._os, self._oz, self.relu, self.target,
+            ))  # fmt: skip
+        out = K.linear(x.numpy(), self._packed, self._xs, self._xz, self._os, self._oz,
+                       relu=self.relu)  # fmt: skip
+        return torch.from_numpy(out)
+
+    def _details(self) -> str:
+        return f"relu={self.relu}, {self._pack_details()}"
+
+
+class QuantizedDynamicLinear(_WeightedBase):
+    """float32 ``[..., K]`` → float32: per-call uint8 quantization of x (``linear_dynamic``)."""
+
+    kernel = "kernels.linear_dynamic"
+
+    def _sync(self) -> None:
+        super()._sync()
+        w, ws, wz, bias = self._weight_args()
+        self._packed = K.PackedLinearWeight(w, ws, wz, bias, target=self.target)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if is_tracing(x):
+            return _t(
+                ops.linear_dynamic_op(
+                    x,
+                    self.weight,
+                    self.weight_scale,
+                    self.weight_zero_point,
+                    self.bias,
+                    self.target,
+                )
+            )
+        if x.dtype != torch.float32:
+            x = x.to(torch.float32)
+        return torch.from_numpy(K.linear_dynamic(_np(x), self._packed))
+
+    def _details(self) -> str:
+        return self._pack_details()
+
+
+class QuantizedConv(_WeightedBase):
+    """uint8 NCL/NCHW → uint8: ``kernels.conv1d``/``conv2d`` (depthwise via groups)."""
+
+    def __init__(
+        self,
+        *args: Any,
+        stride: tuple[int, ...],
+        padding: tuple[int, ...],
+        dilation: tuple[int, ...],
+        groups: int,
+        relu: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        self.stride, self.padding, self.dilation = list(stride), list(padding), list(dilation)
+        self.groups = groups
+        self.relu = relu
+        super().__init__(*args, **kwargs)
+        self.kernel = "kernels.conv2d" if self.weight.dim() == 4 else "kernels.conv1d"
+        self._fn: Callable[..., Any] = K.conv2d if self.weight.dim() == 4 else K.conv1d
+
+    def _sync(self) -> None:
+        super()._sync()
+        w, ws, wz, bias = self._weight_args()
+        self._packed = K.PackedConvWeight(
+            w, ws, wz, bias, stride=tuple(self.stride), padding=tuple(self.padding),
+            dilation=tuple(self.dilation), groups=self.groups, target=self.target,
+        )  # fmt: skip
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if is_tracing(x):
+            return _t(ops.conv_op(
+                x, self.weight, self.weight_scale, self.weight_zero_point, self.bias,
+                self.stride, self.padding, self.dilation, self.groups,
+                self._xs, self._xz, self._os, self._oz, self.relu, self.target,
+            ))  # fmt: skip
+        out = self._fn(_np(x), self._packed, self._xs, self._xz, self._os, self._oz,
+                       relu=self.relu)  # fmt: skip
+        return torch.from_numpy(out)
+
+    def _details(self) -> str:
+        dw = ", depthwise" if self.groups > 1 and self.groups == self.weight.shape[0] else ""
+        return (
+            f"stride={tuple(self.stride)}, padding={tuple(self.padding)}, groups={self.groups}"
+            f"{dw}, relu={self.relu}, {self._pack_details()}"
+        )
+
+
+class QuantizedBinary(LoweredModule):
+    """Two uint8 tensors of equal shape → uint8: add, add_relu, mul or mul_relu."""
+
+    input2_scale: torch.Tensor
+    input2_zero_point: torch.Tensor
+
+    def __init__(
+        self,
+        kind: str,
+        target: str,
+        a_qparams: tuple[float, int],
+        b_qparams: tuple[float, int],
+        out_qparams: tuple[float, int],
+    ) -> None:
+        nn.Module.__init__(self)
+        self.kind = kind
+        self.kernel = f"kernels.{kind}"
+        self._fn: Callable[..., Any] = getattr(K, kind)
+        self.register_buffer("input2_scale", torch.tensor(b_qparams[0], dtype=torch.float64))
+        self.register_buffer("input2_zero_point", torch.tensor(b_qparams[1], dtype=torch.int64))
+        super().__init__(target, a_qparams, out_qparams)
+
+    def _sync(self) -> None:
+        super()._sync()
+        self._bs, self._bz = float(self.input2_scale), int(self.input2_zero_point)
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        if is_tracing(a, b):
+            return _t(ops.binary_op(
+                a, self._xs, self._xz, b, self._bs, self._bz, self._os, self._oz,
+                self.kind, self.target,
+            ))  # fmt: skip
+        out = self._fn(_np(a), self._xs, self._xz, _np(b), self._bs, self._bz, self._os,
+                       self._oz, target=self.target)  # fmt: skip
+        return torch.from_numpy(out)
+
+    def _qparams_repr(self) -> str:
+        return (
+            f"a=({self._xs:.6g}, {self._xz}), b=({self._bs:.6g}, {self._bz}), "
+            f"out=({self._os:.6g}, {self._oz})"
+        )
+
+
+class QuantizedMatmul(QuantizedBinary):
+    """uint8 ``a @ b`` (2-D or batched 3-D): ``kernels.matmul``."""
+
+    def __init__(self, target: str, a_qparams: tuple[float, int], b_qparams: tuple[float, int],
+                 out_qparams: tuple[float, int]) -> None:  # fmt: skip
+        super().__init__("matmul", target, a_qparams, b_qparams, out_qparams)
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        if is_tracing(a, b):
+            return _t(
+                ops.matmul_op(
+                    a, self._xs, self._xz, b, self._bs, self._bz, self._os, self._oz, self.target
+                )
+            )
+        out = K.matmul(_np(a), self._xs, self._xz, _np(b), self._bs, self._bz, self._os,
+                       self._oz, target=self.target)  # fmt: skip
+        return torch.from_numpy(out)
+
+
+class QuantizedLookupTable(LoweredModule):
+    """uint8 → uint8 through a 256-entry table ``quantize(fn(dequantize(q)))``.
+
+    Serves every elementwise op of one quantized input: fixed-qparams activations (sigmoid,
+    tanh, hardsigmoid), hardswish, relu/relu6/hardtanh/leaky_relu/elu, scalar add/mul.
+    """
+
+    kernel = "kernels.apply_lut"
+    table: torch.Tensor
+
+    def __init__(
+        self,
+        table: torch.Tensor,
+        what: str,
+        target: str,
+        in_qparams: tuple[float, int],
+        out_qparams: tuple[float, int],
+    ) -> None:
+        nn.Module.__init__(self)
+        self.what = what
+        self.register_buffer("table", table.detach().to(torch.uint8).contiguous())
+        super().__init__(target, in_qparams, out_qparams)
+
+    def _sync(self) -> None:
+        super()._sync()
+        self._table = _np(self.table)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if is_tracing(x):
+            return _t(ops.lut_op(x, self.table, self.target))
+        return torch.from_numpy(K.apply_lut(_np(x), self._table, target=self.target))
+
+    def _details(self) -> str:
+        return f"fn={self.what}"
+
+
+class Requantize(LoweredModule):
+    """uint8 → uint8 between two sets of qparams (when consecutive ops disagree)."""
+
+    kernel = "kernels.requantize"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if is_tracing(x):
+            return _t(ops.requantize_op(x, self._xs, self._xz, self._os, self._oz, self.target))
+        out = K.requantize(_np(x), self._xs, self._xz, self._os, self._oz, target=self.target)
+        return torch.from_numpy(out)
+
+
+class QuantizedMaxPool2d(LoweredModule):
+    """uint8 NCHW max pooling (qparams unchanged)."""
+
+    kernel = "kernels.max_pool2d"
+
+    def __init__(self, kernel_size: tuple[int, int], stride: tuple[int, int],
+                 padding: tuple[int, int], dilation: tuple[int, int], ceil_mode: bool,
+                 target: str) -> None:  # fmt: skip
+        self.kernel_size, self.stride = list(kernel_size), list(stride)
+        self.padding, self.dilation, self.ceil_mode = list(padding), list(dilation), ceil_mode
+        super().__init__(target, None, None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if is_tracing(x):
+            return _t(ops.max_pool2d_op(x, self.kernel_size, self.stride, self.padding,
+                                        self.dilation, self.ceil_mode, self.target))  # fmt: skip
+        out = K.max_pool2d(_np(x), _p(self.kernel_size), _p(self.stride), _p(self.padding),
+                           _p(self.dilation), self.ceil_mode, target=self.target)  # fmt: skip
+        return torch.from_numpy(out)
+
+    def _details(self) -> str:
+        return f"kernel_size={tuple(self.kernel_size)}, stride={tuple(self.stride)}"
+
+
+class QuantizedAvgPool2d(LoweredModule):
+    """uint8 NCHW average pooling (torch's quantized avg_pool2d numerics)."""
+
+    kernel = "kernels.avg_pool2d"
+
+    def __init__(self, kernel_size: tuple[int, int], stride: tuple[int, int],
+                 padding: tuple[int, int], ceil_mode: bool, count_include_pad: bool,
+                 divisor_override: int | None, target: str, in_qparams: tuple[float, int],
+                 out_qparams: tuple[float, int]) -> None:  # fmt: skip
+        self.kernel_size, self.stride, self.padding = (
+            list(kernel_size), list(stride), list(padding),
+        )  # fmt: skip
+        self.ceil_mode, self.count_include_pad = ceil_mode, count_include_pad
+        self.divisor_override = divisor_override
+        super().__init__(target, in_qparams, out_qparams)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if is_tracing(x):
+            return _t(ops.avg_pool2d_op(
+                x, self.kernel_size, self.stride, self.padding, self.ceil_mode,
+                self.count_include_pad, self.divisor_override, self._xs, self._xz, self._os,
+                self._oz, self.target,
+            ))  # fmt: skip
+        out = K.avg_pool2d(
+            _np(x), _p(self.kernel_size), _p(self.stride), _p(self.padding),
+            self.ceil_mode, self.count_include_pad, self.divisor_override, scale=self._xs,
+            zero_point=self._xz, out_scale=self._os, out_zero_point=self._oz, target=self.target,
+        )  # fmt: skip
+        return torch.from_numpy(out)
+
+    def _details(self) -> str:
+        return f"kernel_size={tuple(self.kernel_size)}, stride={tuple(self.stride)}"
+
+
+class QuantizedAdaptiveAvgPool2d(LoweredModule):
+    """uint8 NCHW adaptive average pooling (qparams unchanged)."""
+
+    kernel = "kernels.adaptive_avg_pool2d"
+
+    def __init__(self, output_size: tuple[int, int], target: str) -> None:
+        self.output_size = list(output_size)
+        super().__init__(target, None, None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if is_tracing(x):
+            return _t(ops.adaptive_avg_pool2d_op(x, self.output_size, self.target))
+        out = K.adaptive_avg_pool2d(_np(x), _p(self.output_size), target=self.target)
+        return torch.from_numpy(out)
+
+    def _details(self) -> str:
+        return f"output_size={tuple(self.output_size)}"
+
+
+class QuantizedEmbeddingBag(LoweredModule):
+    """Weight-only 8-bit EmbeddingBag: float32 bags from uint8 rows (``kernels.embedding_bag``).
+
+    Rows are stored as uint8 codes with a float32 scale and bias per row
+    (``value = code * scale + bias``), the weight's own per-row qparams.
+    """
+
+    kernel = "kernels.embedding_bag"
+    weight: torch.Tensor
+    row_scale: torch.Tensor
+    row_bias: torch.Tensor
+
+    def __init__(self, codes: torch.Tensor, row_scale: torch.Tensor, row_bias: torch.Tensor,
+                 mode: str, include_last_offset: bool, target: str) -> None:  # fmt: skip
+        nn.Module.__init__(self)
+        self.mode, self.include_last_offset = mode, include_last_offset
+        self.register_buffer("weight", codes.detach().to(torch.uint8).contiguous())
+        self.register_buffer("row_scale", row_scale.detach().to(torch.float32).contiguous())
+        self.register_buffer("row_bias", row_bias.detach().to(torch.float32).contiguous())
+        super().__init__(target, None, None)
+
+    def _sync(self) -> None:
+        super()._sync()
+        self._packed = K.PackedEmbedding(
+            _np(self.weight), _np(self.row_scale), _np(self.row_bias), 8,
+            int(self.weight.shape[1]),
+        )  # fmt: skip
+
+    def forward(
+        self,
+        indices: torch.Tensor,
+        offsets: torch.Tensor | None = None,
+        per_sample_weights: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if is_tracing(indices):
+            return _t(ops.embedding_bag_op(
+                self.weight, self.row_scale, self.row_bias, indices, offsets, per_sample_weights,
+                self.mode, self.include_last_offset, self.target,
+            ))  # fmt: skip
+        out = K.embedding_bag(
+            self._packed, _np(indices), None if offsets is None else _np(offsets), self.mode,
+            None if per_sample_weights is None else _np(per_sample_weights),
+            self.include_last_offset, target=self.target,
+        )  # fmt: skip
+        return torch.from_numpy(out)
+
+    def _details(self) -> str:
+        return f"mode={self.mode}, weight={tuple(self.weight.shape)} uint8 per-row"
+
+
+class QuantizedEmbedding(QuantizedEmbeddingBag):
+    """Weight-only 8-bit Embedding: each index is a bag of one row (``kernels.embedding_bag``)."""
+
+    def __init__(self, codes: torch.Tensor, row_scale: torch.Tensor, row_bias: torch.Tensor,
+                 target: str) -> None:  # fmt: skip
+        super().__init__(codes, row_scale, row_bias, "sum", False, target)
+
+    def forward(  # type: ignore[override]
+        self, indices: torch.Tensor
+    ) -> torch.Tensor:
+        flat = indices.reshape(-1)
+        offsets = torch.arange(flat.numel(), dtype=flat.dtype)
+        out = super().forward(flat, offsets)
+        return out.reshape(*indices.shape, out.shape[-1])
+
+    def _details(self) -> str:
+        return f"weight={tuple(self.weight.shape)} uint8 per-row"

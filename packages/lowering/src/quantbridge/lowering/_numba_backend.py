@@ -1,0 +1,104 @@
+"""The numba backends: lower reference models to quantbridge.kernels for one CPU target."""
+
+from __future__ import annotations
+
+import copy
+
+from torch.fx import GraphModule
+
+from quantbridge import kernels as K
+from quantbridge.lowering._backend import Backend, SupportedOp
+from quantbridge.lowering._lower import lower_to_kernels, lowerable_op_names
+from quantbridge.lowering._numba_config import numba_backend_config
+from quantbridge.qconfig import (
+    FIXED_QPARAMS_OP_TO_OBSERVER,
+    FusedMovingAvgObsFakeQuantize,
+    HistogramObserver,
+    MovingAverageMinMaxObserver,
+    QConfig,
+    QConfigMapping,
+    default_fused_per_channel_wt_fake_quant,
+    default_per_channel_weight_observer,
+    get_default_qat_qconfig_mapping,
+    get_default_qconfig_mapping,
+)
+
+__all__ = ["NumbaBackend"]
+
+_MODES = {
+    "kernels.linear": "static",
+    "kernels.conv1d / conv2d": "static",
+    "kernels.linear_dynamic": "dynamic",
+    "kernels.embedding_bag": "weight_only",
+}
+
+
+class NumbaBackend(Backend):
+    """Lowers to ``quantbridge.kernels`` compiled for one target (``None``: the best one).
+
+    Activations are uint8 over the full [0, 255] range, weights int8 (per channel by
+    default). The kernels accumulate int8 x uint8 products in int32 (no 16-bit intermediate
+    that could saturate, unlike fbgemm's AVX2 path), so the default qconfigs use
+    ``reduce_range=False``: activations keep all 8 bits, one more than torch.ao's x86 default.
+    """
+
+    def __init__(self, name: str, target: str | None) -> None:
+        self._target = target
+        super().__init__(
+            name,
+            numba_backend_config(name),
+            description=f"quantbridge.kernels, target {target or 'best for this CPU'}",
+        )
+
+    @property
+    def target(self) -> str:
+        """The kernel target this backend compiles for."""
+        return self._target if self._target is not None else K.best_target()
+
+    def is_available(self) -> bool:
+        return K.target_supported(self.target)
+
+    def unavailable_reason(self) -> str:
+        if self.is_available():
+            return ""
+        return (
+            f"this CPU lacks the features of kernel target {self.target!r} "
+            f"(it runs {K.available_targets()})"
+        )
+
+    def qconfig_mapping(self, qat: bool = False) -> QConfigMapping:
+        """x86-style defaults with ``reduce_range=False`` activations (see class docstring)."""
+        if qat:
+            mapping = get_default_qat_qconfig_mapping("x86")
+            qconfig = QConfig(
+                activation=FusedMovingAvgObsFakeQuantize.with_args(
+                    observer=MovingAverageMinMaxObserver,
+                    quant_min=0,
+                    quant_max=255,
+                    reduce_range=False,
+                ),
+                weight=default_fused_per_channel_wt_fake_quant,
+            )
+        else:
+            mapping = get_default_qconfig_mapping("x86")
+            qconfig = QConfig(
+                activation=HistogramObserver.with_args(reduce_range=False),
+                weight=default_per_channel_weight_observer,
+            )
+        mapping.set_global(qconfig)
+        for key in list(mapping.object_type_qconfigs):
+            if key not in FIXED_QPARAMS_OP_TO_OBSERVER:
+                mapping.set_object_type(key, qconfig)
+        return mapping
+
+    def lower(self, reference_model: GraphModule) -> GraphModule:
+        """A lowered copy of ``reference_model`` (the reference model is left unchanged)."""
+        self._check_lowerable(reference_model)
+        return lower_to_kernels(copy.deepcopy(reference_model), self.target)
+
+    def supported_ops(self) -> list[SupportedOp]:
+        rows = []
+        for op, kernel in lowerable_op_names().items():
+            mode = _MODES.get(kernel, "static")
+            rows.append(SupportedOp(op, (mode,), f"{kernel} [{self.target}]"))
+        return rows
