@@ -129,11 +129,11 @@ def _check_axis(op: str, axis: int, ndim: int, channels: int, n_scales: int, n_z
 
 
 def _saturate(r: torch.Tensor, quant_min: int, quant_max: int, nan_to: int) -> torch.Tensor:
-    r = torch.nan_to_num(r, nan=float(nan_to))
+    """Clamp fresh tensor ``r`` in place to [quant_min, quant_max], NaN becoming ``nan_to``."""
     if quant_max >= 2**24 or quant_min <= -(2**24):
         # float32 cannot hold int32 bounds exactly; clamp in float64.
         r = r.to(torch.float64)
-    return r.clamp_(quant_min, quant_max)
+    return r.nan_to_num_(nan=float(nan_to)).clamp_(quant_min, quant_max)
 
 
 def _nan_value(fused: bool, quant_min: int, quant_max: int, dtype: torch.dtype) -> int:
@@ -149,9 +149,7 @@ _MIDPOINT_MASK = (1 << 29) - 1
 _MIDPOINT_BITS = 1 << 28
 
 
-def _fma_to_float32(
-    x: torch.Tensor, inv: torch.Tensor | float, zero_point: torch.Tensor | int
-) -> torch.Tensor:
+def _fma_to_float32(x: torch.Tensor, inv: float, zero_point: int) -> torch.Tensor:
     """``float32(x * inv + zero_point)`` rounded once, as a float32 fused multiply-add.
 
     ``x * inv`` (two float32s) is exact in float64, the sum is rounded to float64 and then to
@@ -160,16 +158,17 @@ def _fma_to_float32(
     found by their bit pattern and nudged one float64 step towards the exact sum, whose
     remainder an error-free two-sum gives.
     """
-    product = x.to(torch.float64) * inv
-    total = product + zero_point
-    suspicious = (total.view(torch.int64) & _MIDPOINT_MASK) == _MIDPOINT_BITS
-    if bool(suspicious.any()):
-        p, t = product[suspicious], total[suspicious]
-        zp = zero_point[suspicious] if isinstance(zero_point, torch.Tensor) else zero_point
+    total = x.to(torch.float64).mul_(inv).add_(zero_point)
+    flat = total.view(-1)
+    bits = flat.view(torch.int64)
+    where = torch.nonzero(torch.bitwise_and(bits, _MIDPOINT_MASK) == _MIDPOINT_BITS).view(-1)
+    if where.numel():
+        p = x.reshape(-1).index_select(0, where).to(torch.float64) * inv
+        t = flat.index_select(0, where)
         b = t - p
-        remainder = (p - (t - b)) + (zp - b)  # exact: p + zp == t + remainder
+        remainder = (p - (t - b)) + (zero_point - b)  # exact: p + zero_point == t + remainder
         towards = torch.where(remainder > 0, torch.inf, -torch.inf).to(torch.float64)
-        total[suspicious] = torch.where(remainder != 0, torch.nextafter(t, towards), t)
+        flat.index_copy_(0, where, torch.where(remainder != 0, torch.nextafter(t, towards), t))
     return total.to(torch.float32)
 
 
@@ -182,15 +181,19 @@ def _quantize(
     dtype: torch.dtype,
     fused: bool,
 ) -> torch.Tensor:
+    # Every intermediate is a fresh tensor, so the steps work in place.
     if dtype in _ROUND_THEN_ADD_DTYPES:
-        r = torch.round(x * inv) + zero_point
+        r = (x * inv).round_().add_(zero_point)
         fused = False
     elif not fused:
-        r = torch.round(x * inv + zero_point)
+        r = (x * inv).add_(zero_point).round_()
     elif isinstance(zero_point, int) and zero_point == 0:
-        r = torch.round(x * inv)  # a fused multiply-add with 0 is a plain rounded product
+        r = (x * inv).round_()  # a fused multiply-add with 0 is a plain rounded product
     else:
-        r = torch.round(_fma_to_float32(x, inv, zero_point))
+        # The fused rule is per-tensor only: scalar reciprocal and zero point.
+        assert isinstance(inv, float)
+        assert isinstance(zero_point, int)
+        r = _fma_to_float32(x, inv, zero_point).round_()
     nan_to = _nan_value(fused, quant_min, quant_max, dtype)
     return _saturate(r, quant_min, quant_max, nan_to).to(dtype)
 
