@@ -111,3 +111,23 @@ def test_packing(weight, bits):
     assert packed.data.shape[0] == weight.shape[0]
     back = qk.from_fused_rows(qk.to_fused_rows(packed), bits)
     np.testing.assert_array_equal(back.data, packed.data)
+
+
+@FUZZ
+@given(st.one_of(arrays(np.uint8), GARBAGE), st.one_of(st.sampled_from([8, 4]), GARBAGE))
+def test_fused_rows(fused, bits):
+    try:
+        packed = qk.from_fused_rows(fused, bits)
+    except KernelError:
+        return
+    np.testing.assert_array_equal(qk.to_fused_rows(packed), fused)
+
+
+@FUZZ
+@given(st.one_of(st.sampled_from(PACKED), GARBAGE))
+def test_to_fused_rows_refuses_garbage(packed):
+    try:
+        fused = qk.to_fused_rows(packed)
+    except KernelError:
+        return
+    assert fused.shape[0] == packed.data.shape[0]
