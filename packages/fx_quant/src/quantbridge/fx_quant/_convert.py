@@ -90,6 +90,7 @@ class _Converter:
         self.qconfigs = state.node_name_to_qconfig
         self.scope = state.node_name_to_scope
         self.attr_counters: dict[str, int] = {}
+        self.probe = ObserverProbe()
         devices = {p.device for p in model.parameters()} | {b.device for b in model.buffers()}
         self.device = next(iter(devices)) if len(devices) == 1 else None
 
@@ -240,7 +241,7 @@ class _Converter:
             return
         config = self.bc._pattern_complex_format_to_config.get(type_before_parametrizations(module))
         dtype_configs = config.dtype_configs if config is not None else []
-        probe = ObserverProbe()
+        probe = self.probe
         if not _qconfig_supported(qconfig, dtype_configs, probe):
             return
         if probe(qconfig.weight).dtype == torch.float32:
@@ -483,7 +484,8 @@ def convert_reference(
                 _set_module(model, str(node.target), quantized)
 
     conv.graph.eliminate_dead_code()
-    result = GraphModule(model, conv.graph, type(model).__name__)
+    model.recompile()
+    result = model
     if remove_qconfig:
         _remove_qconfig(result)
     result.delete_all_unused_submodules()

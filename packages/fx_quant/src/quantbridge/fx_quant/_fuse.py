@@ -21,7 +21,7 @@ from torch import nn
 from torch.fx import Graph, GraphModule, Node
 
 from quantbridge.fx_quant._errors import FxQuantError
-from quantbridge.patterns import Match, MatchAllNode, find_matches
+from quantbridge.patterns import MatchAllNode, find_matches
 from quantbridge.qconfig import BackendConfig, BackendPatternConfig
 
 __all__ = ["FusionError", "fuse"]
@@ -89,8 +89,13 @@ def _call_fuser(
     return fused
 
 
+def _position(graph: Graph) -> Any:
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    return order.__getitem__
+
+
 def fuse(model: GraphModule, is_qat: bool, backend_config: BackendConfig) -> GraphModule:
-    """Fuse ``model`` (a traced GraphModule) following ``backend_config``; a new GraphModule."""
+    """Fuse ``model`` (a traced GraphModule) in place following ``backend_config``."""
     configs = {
         pattern: config
         for pattern, config in backend_config._pattern_complex_format_to_config.items()
@@ -103,47 +108,38 @@ def fuse(model: GraphModule, is_qat: bool, backend_config: BackendConfig) -> Gra
     if not matches:
         return model
     named = dict(model.named_modules())
-    by_anchor: dict[Node, Match] = {}
-    dropped: set[Node] = set()
+    graph = model.graph
     for match in matches:
-        by_anchor[match.anchor] = match
-        dropped.update(match.nodes)
-
-    graph = Graph()
-    env: dict[Node, Node] = {}
-
-    def load(arg: Any) -> Any:
-        return torch.fx.map_arg(arg, lambda n: env[n])
-
-    for node in model.graph.nodes:
-        anchored = by_anchor.get(node)
-        if anchored is not None:
-            match = anchored
-            config = configs[match.pattern]
-            root = match.root
-            names = ", ".join(n.name for n in match.nodes)
-            where = f"fusing nodes ({names})"
-            if not isinstance(root, Node) or root.op != "call_module":
-                raise FusionError(
-                    f"{where}: the root node must call a module, got {root!r}; check the "
-                    "pattern's _root_node_getter"
-                )
-            target = str(root.target)
-            root_module = named[target]
-            modules = _as_modules(match.nested_node_pattern, named, root_module.training)
-            fused = _call_fuser(config, is_qat, modules, where)
-            _set_module(model, target, fused)
-            named[target] = fused
-            extra: list[Any] = []
-            if config._extra_inputs_getter is not None:
-                extra = list(config._extra_inputs_getter(match.nested_node_pattern))
-            new = graph.node_copy(root, lambda n: env[n])
-            new.args = tuple(new.args) + tuple(load(e) for e in extra)
-            env[node] = new
-            continue
-        if node in dropped:
-            continue
-        env[node] = graph.node_copy(node, lambda n: env[n])
-    fused_model = GraphModule(model, graph, model.__class__.__name__)
-    fused_model.meta.update(model.meta)
-    return fused_model
+        config = configs[match.pattern]
+        root = match.root
+        names = ", ".join(n.name for n in match.nodes)
+        where = f"fusing nodes ({names})"
+        if not isinstance(root, Node) or root.op != "call_module":
+            raise FusionError(
+                f"{where}: the root node must call a module, got {root!r}; check the "
+                "pattern's _root_node_getter"
+            )
+        target = str(root.target)
+        root_module = named[target]
+        modules = _as_modules(match.nested_node_pattern, named, root_module.training)
+        fused = _call_fuser(config, is_qat, modules, where)
+        _set_module(model, target, fused)
+        named[target] = fused
+        extra: list[Any] = []
+        if config._extra_inputs_getter is not None:
+            extra = list(config._extra_inputs_getter(match.nested_node_pattern))
+        # The root takes the anchor's place (extra inputs may be computed after the root),
+        # the other matched nodes go.
+        anchor = match.anchor
+        if root is not anchor:
+            anchor.prepend(root)
+            anchor.replace_all_uses_with(root)
+        if extra:
+            root.args = tuple(root.args) + tuple(extra)
+        for node in sorted(
+            (n for n in match.nodes if n is not root), key=_position(graph), reverse=True
+        ):
+            graph.erase_node(node)
+    model.delete_all_unused_submodules()  # the folded batch norms, absorbed relus
+    model.recompile()
+    return model

@@ -326,7 +326,8 @@ def prepare(
     if strict:
         _raise_if_skipped(decisions, bc)
 
-    prepared = GraphModule(gm, gm.graph, type(gm).__name__)
+    gm.recompile()
+    prepared = gm
     prepared.meta[OBSERVED_KEY] = ObservedState(
         node_name_to_qconfig=qconfigs,
         node_name_to_qconfig_match=qmatches,
