@@ -115,6 +115,21 @@ class NativeModule(nn.Module):
     """Base of the modules a ``torch_native`` lowered graph calls (what ``print`` shows)."""
 
     runs_on = "torch x86 quantized engine"
+    # plain attributes saved as extra state, so state_dict carries the output qparams
+    _state_attrs: tuple[str, ...] = ("scale", "zero_point")
+
+    def get_extra_state(self) -> dict[str, Any]:
+        return {a: getattr(self, a) for a in self._state_attrs if hasattr(self, a)}
+
+    def set_extra_state(self, state: Any) -> None:
+        if not isinstance(state, dict):
+            raise LoweringError(
+                f"torch_native {type(self).__name__}: extra state must be a dict, got "
+                f"{type(state).__name__} (state_dict of another backend?)"
+            )
+        for key, value in state.items():
+            if key in self._state_attrs:
+                setattr(self, key, value)
 
 
 class NativeQuantize(NativeModule):
@@ -229,6 +244,8 @@ class NativeLinear(_PackedWeightModule):
 
 class NativeDynamicLinear(_PackedWeightModule):
     """``quantized::linear_dynamic`` / ``linear_relu_dynamic``: float in, float out."""
+
+    _state_attrs = ("reduce_range",)
 
     def __init__(
         self, qweight: torch.Tensor, bias: torch.Tensor | None, reduce_range: bool, relu: bool
