@@ -128,12 +128,14 @@ def test_within_one_step_of_reference_and_lowered(
     assert any(isinstance(m, (native.NativeLinear, native.NativeConv)) for m in lowered.modules())
     # no dequantize -> quantize round trip between consecutive quantized ops
     code = lowered.code
-    assert code.count("quantbridge.quantize") == 0 and code.count(".dequantize()") == 1
+    assert code.count("quantbridge.quantize") == 0
+    assert code.count(".dequantize()") == 1
     step = _output_scale(reference)
     for x in _batches(shape, 3, seed=3):
         with torch.no_grad():
             want, got = reference(x), lowered(x)
-        assert got.dtype == torch.float32 and got.shape == want.shape
+        assert got.dtype == torch.float32
+        assert got.shape == want.shape
         assert float((want - got).abs().max()) <= step * 1.0001, name
 
 
@@ -141,7 +143,8 @@ def test_print_shows_what_runs() -> None:
     data = _batches((4, 32), 2, seed=0)
     reference = _reference(LinearNet(), native.torch_native.qconfig_mapping(), data, "torch_native")
     text = str(native.torch_native.lower(reference))
-    assert "torch.ops.quantized.linear_relu" in text and "torch.quantize_per_tensor" in text
+    assert "torch.ops.quantized.linear_relu" in text
+    assert "torch.quantize_per_tensor" in text
 
 
 def test_dynamic_linear_matches_reference_closely() -> None:
@@ -150,7 +153,9 @@ def test_dynamic_linear_matches_reference_closely() -> None:
     reference = _reference(LinearNet(), mapping, data, "torch_native")
     lowered = native.torch_native.lower(copy.deepcopy(reference))
     dyn = [m for m in lowered.modules() if isinstance(m, native.NativeDynamicLinear)]
-    assert len(dyn) == 2 and dyn[0].relu and not dyn[1].relu
+    assert len(dyn) == 2
+    assert dyn[0].relu
+    assert not dyn[1].relu
     assert "choose_qparams" not in lowered.code
     for x in _batches((8, 32), 2, seed=5):
         with torch.no_grad():
@@ -183,7 +188,8 @@ def test_backend_registered_and_config_named() -> None:
     assert backend is native.torch_native
     assert backend.backend_config.name == "torch_native"
     table = backend.support_table()
-    assert "torch.ops.quantized.linear" in table and "reference" in table
+    assert "torch.ops.quantized.linear" in table
+    assert "reference" in table
 
 
 def test_lower_rejects_non_graph_module() -> None:
