@@ -307,6 +307,26 @@ def test_observers_without_statistics_are_left_alone() -> None:
 
 
 @pytest.mark.usefixtures("one_rank_group")
+@pytest.mark.parametrize("per_channel", [False, True])
+def test_fused_fake_quant_refresh_matches_its_own_forward(per_channel: bool) -> None:
+    """After a sync the fused module's scale/zero_point are what its forward computed (the
+    fused op's own rule, which differs from the observer's calculate_qparams per channel)."""
+    if per_channel:
+        fq = qbq.default_fused_per_channel_wt_fake_quant()
+    else:
+        fq = qbq.default_fused_act_fake_quant()
+    gen = torch.Generator().manual_seed(3)
+    for k in range(3):
+        fq(torch.randn(4, 3, 3, 3, generator=gen) * (k + 1))
+    want = {k: v.clone() for k, v in fq.state_dict().items()}
+    fq.scale.mul_(1.5)
+    fq.zero_point.add_(1)
+    sync_observers(nn.Sequential(fq))
+    for key, value in fq.state_dict().items():
+        assert torch.equal(value, want[key]), key
+
+
+@pytest.mark.usefixtures("one_rank_group")
 def test_sync_hook_counts_training_forwards_only() -> None:
     from quantbridge.fx_quant import sync_observers_hook
 

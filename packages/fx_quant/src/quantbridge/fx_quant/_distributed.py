@@ -336,14 +336,8 @@ def _refresh_fake_quants(plan: _Plan) -> None:
                 # calculate_qparams). Feeding it a tensor holding exactly the synced extremes
                 # leaves the moving average unchanged (m + c * (m - m) == m) and stores the
                 # qparams it would use.
-                if fq.is_per_channel and fq.ch_axis >= 0:
-                    probe = torch.stack([low, high], dim=1).reshape(
-                        [1] * fq.ch_axis + [low.numel(), 2]
-                    )
-                elif fq.is_per_channel:
-                    probe = torch.stack([low, high]).reshape(
-                        [2, low.numel()] + [1] * (-fq.ch_axis - 1)
-                    )
+                if fq.is_per_channel:  # the fused op supports ch_axis == 0 only
+                    probe = torch.stack([low, high], dim=1)
                 else:
                     probe = torch.stack([low.reshape(()), high.reshape(())])
                 fq(probe)
