@@ -10,10 +10,10 @@ bins, just faster.
 from __future__ import annotations
 
 import bisect
+import struct
 import warnings
 from typing import Any
 
-import numpy as np
 import torch
 
 from quantbridge.qconfig._dtypes import QScheme
@@ -26,6 +26,11 @@ from quantbridge.qconfig._observer_base import (
 from quantbridge.qconfig._qparams import default_qparams
 
 _STEP = 1e-5  # quantile granularity of the clipping search
+
+
+def _to_float32(value: float) -> float:
+    """``value`` rounded to the nearest float32 (torch compares float32 elements that way)."""
+    return float(struct.unpack("f", struct.pack("f", value))[0])
 
 
 def _l2_error(begin: torch.Tensor, end: torch.Tensor, density: torch.Tensor) -> torch.Tensor:
@@ -262,8 +267,8 @@ class HistogramObserver(UniformQuantizationObserverBase):
         while alpha < beta:
             next_alpha = alpha + _STEP
             next_beta = beta - _STEP
-            lower = float(np.float32(next_alpha * total))
-            upper = float(np.float32(next_beta * total))
+            lower = _to_float32(next_alpha * total)
+            upper = _to_float32(next_beta * total)
             left, right = self._quantile_bins(cumulative, monotone, first, last, lower, upper)
 
             cand_first, cand_last = first, last
