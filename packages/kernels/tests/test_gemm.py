@@ -59,7 +59,9 @@ def test_requant_rule_module_matches_documented_float32_sequence():
     assert atws.dtype == np.float32
     assert mult[0] == np.float32(np.float32(np.float32(0.1) * np.float32(0.02)) / np.float32(0.5))
     bq = scaled_bias(np.array([1.0, 2.0], np.float32), atws, True, 4)
-    assert bq.shape == (4,) and bq[2] == 0 and bq[1] == np.float32(2.0) / atws[1]
+    assert bq.shape == (4,)
+    assert bq[2] == 0
+    assert bq[1] == np.float32(2.0) / atws[1]
     acc = np.array([[10, -10, 2**20]], np.int64)
     out = requantize_reference(acc, np.zeros(3, np.float32), np.full(3, 0.5, np.float32), 100)
     assert out.tolist() == [[105, 95, 255]]  # 5.0 -> 5, -5 -> -5; saturates high
@@ -98,7 +100,10 @@ def test_cached_kernels_load_in_a_new_process():
     outputs = []
     for _ in range(2):
         proc = subprocess.run(
-            [sys.executable, "-c", script], capture_output=True, text=True, timeout=600,
+            [sys.executable, "-c", script],
+            capture_output=True,
+            text=True,
+            timeout=600,
             env=dict(os.environ),
         )
         assert proc.returncode == 0, proc.stderr

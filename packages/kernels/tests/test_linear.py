@@ -97,7 +97,9 @@ def test_all_targets_agree_on_a_larger_problem():
     ]
     for out in outs[1:]:
         np.testing.assert_array_equal(out, outs[0])
-    np.testing.assert_array_equal(outs[0], reference_linear(a, a_s, a_zp, w, w_s, w_zp, bias, o_s, o_zp))
+    np.testing.assert_array_equal(
+        outs[0], reference_linear(a, a_s, a_zp, w, w_s, w_zp, bias, o_s, o_zp)
+    )
 
 
 def test_extreme_k_zero_points_do_not_overflow():
@@ -174,8 +176,15 @@ def test_bad_weights_raise():
     with pytest.raises(KernelError, match="dtype int8"):
         PackedLinearWeight(np.ones((4, 8), np.int16), 0.1)
     with pytest.raises(KernelError, match="num_threads"):
-        linear(np.zeros((2, 8), np.uint8), PackedLinearWeight(np.ones((4, 8), np.int8), 0.1),
-               0.1, 0, 0.1, 0, num_threads=0)
+        linear(
+            np.zeros((2, 8), np.uint8),
+            PackedLinearWeight(np.ones((4, 8), np.int8), 0.1),
+            0.1,
+            0,
+            0.1,
+            0,
+            num_threads=0,
+        )
 
 
 def reference_dynamic(x, w, w_s, bias, scale, zp):
@@ -192,7 +201,12 @@ def reference_dynamic(x, w, w_s, bias, scale, zp):
 
 @pytest.mark.parametrize("target", TARGETS)
 @settings(max_examples=15, deadline=None)
-@given(m=st.integers(1, 20), k=st.integers(1, 120), n=st.integers(1, 50), seed=st.integers(0, 2**32 - 1))
+@given(
+    m=st.integers(1, 20),
+    k=st.integers(1, 120),
+    n=st.integers(1, 50),
+    seed=st.integers(0, 2**32 - 1),
+)
 def test_linear_dynamic_matches_reference(target, m, k, n, seed):
     from quantbridge.kernels._linear import choose_dynamic_qparams
 

@@ -23,8 +23,12 @@ def reference_matmul(a, a_s, a_zp, b, b_s, b_zp, o_s, o_zp):
 @pytest.mark.parametrize("target", TARGETS)
 @settings(max_examples=20, deadline=None)
 @given(
-    batch=st.integers(1, 3), m=st.integers(1, 20), k=st.integers(1, 70), n=st.integers(1, 40),
-    signed=st.booleans(), seed=st.integers(0, 2**32 - 1),
+    batch=st.integers(1, 3),
+    m=st.integers(1, 20),
+    k=st.integers(1, 70),
+    n=st.integers(1, 40),
+    signed=st.booleans(),
+    seed=st.integers(0, 2**32 - 1),
 )
 def test_matmul_matches_integer_reference(target, batch, m, k, n, signed, seed):
     rng = np.random.default_rng(seed)

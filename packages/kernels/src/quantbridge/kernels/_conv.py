@@ -39,8 +39,7 @@ def _pair(name: str, value: int | tuple[int, ...], dims: int, minimum: int) -> t
     else:
         raise KernelError(f"{name}: expected an int or a tuple of {dims} ints, got {value!r}")
     if len(vals) != dims or not all(
-        isinstance(v, (int, np.integer)) and not isinstance(v, bool) and v >= minimum
-        for v in vals
+        isinstance(v, (int, np.integer)) and not isinstance(v, bool) and v >= minimum for v in vals
     ):
         raise KernelError(f"{name}: expected {dims} int(s) >= {minimum}, got {value!r}")
     return tuple(int(v) for v in vals)  # type: ignore[call-overload]
@@ -77,11 +76,15 @@ class PackedConvWeight:
         self.dilation = _pair("dilation", dilation, self.dims, 1)
         if self.dims == 1:
             self.stride, self.padding, self.dilation = (
-                (1, *self.stride), (0, *self.padding), (1, *self.dilation))
+                (1, *self.stride),
+                (0, *self.padding),
+                (1, *self.dilation),
+            )
         oc, cg, kh, kw = (int(s) for s in w4.shape)
         if isinstance(groups, bool) or not isinstance(groups, int) or groups < 1 or oc % groups:
             raise KernelError(
-                f"groups={groups!r}: must be a positive int dividing out_channels={oc}")
+                f"groups={groups!r}: must be a positive int dividing out_channels={oc}"
+            )
         self.groups, self.oc, self.cg, self.kh, self.kw = groups, oc, cg, kh, kw
         self.in_channels = cg * groups
         self.ocg = oc // groups
@@ -95,7 +98,7 @@ class PackedConvWeight:
         self.groups_packed: list[PackedLinearWeight] = []
         for g in range(groups):
             wg = np.zeros((self.ocg, kh, kw, self.cg4), np.int8)
-            wg[..., :cg] = w4[g * self.ocg:(g + 1) * self.ocg].transpose(0, 2, 3, 1)
+            wg[..., :cg] = w4[g * self.ocg : (g + 1) * self.ocg].transpose(0, 2, 3, 1)
             sl = slice(g * self.ocg, (g + 1) * self.ocg)
             p = PackedLinearWeight(
                 wg.reshape(self.ocg, -1),
@@ -178,19 +181,22 @@ def _conv(
     oh, ow = packed.output_size(h, w)
     if oh < 1 or ow < 1:
         raise KernelError(
-            f"{name}: input spatial size {(h, w)[2 - dims:]} is too small for kernel "
-            f"{(packed.kh, packed.kw)[2 - dims:]} with padding/dilation; output would be empty"
+            f"{name}: input spatial size {(h, w)[2 - dims :]} is too small for kernel "
+            f"{(packed.kh, packed.kw)[2 - dims :]} with padding/dilation; output would be empty"
         )
     ph, pw = packed.padding
     sh, sw = packed.stride
     hp, wp = h + 2 * ph, w + 2 * pw
     g, cg, cg4 = packed.groups, packed.cg, packed.cg4
     xp = np.full((n, hp, wp, g, cg4), a_zp, np.uint8)
-    xp[:, ph:ph + h, pw:pw + w, :, :cg] = x4.transpose(0, 2, 3, 1).reshape(n, h, w, g, cg)
+    xp[:, ph : ph + h, pw : pw + w, :, :cg] = x4.transpose(0, 2, 3, 1).reshape(n, h, w, g, cg)
     ctot = g * cg4
     pix = (
-        (np.arange(n, dtype=np.int64)[:, None, None] * hp
-         + np.arange(oh, dtype=np.int64)[None, :, None] * sh) * wp
+        (
+            np.arange(n, dtype=np.int64)[:, None, None] * hp
+            + np.arange(oh, dtype=np.int64)[None, :, None] * sh
+        )
+        * wp
         + np.arange(ow, dtype=np.int64)[None, None, :] * sw
     ) * ctot
     rowoffs = pix.reshape(-1)
@@ -202,10 +208,23 @@ def _conv(
         rowsum = _window_sums(xp, gi, packed, oh, ow) if pg.has_weight_zp else pg.rows(m)[1]
         biasq, mult = pg.epilogue(x_scale, out_scale)
         res = run_gemm(
-            pg.target, flat, rowoffs, koffs[gi], pg.packed, pg.n, pg.colcorr(a_zp),
-            pg.zero_points, rowsum, biasq, mult, o_zp, o_zp if relu else 0, False, threads,
+            pg.target,
+            flat,
+            rowoffs,
+            koffs[gi],
+            pg.packed,
+            pg.n,
+            pg.colcorr(a_zp),
+            pg.zero_points,
+            rowsum,
+            biasq,
+            mult,
+            o_zp,
+            o_zp if relu else 0,
+            False,
+            threads,
         )
-        out[..., gi * packed.ocg:(gi + 1) * packed.ocg] = res.reshape(n, oh, ow, packed.ocg)
+        out[..., gi * packed.ocg : (gi + 1) * packed.ocg] = res.reshape(n, oh, ow, packed.ocg)
     res_nchw = np.ascontiguousarray(out.transpose(0, 3, 1, 2))
     return res_nchw if dims == 2 else res_nchw[:, :, 0, :]
 
@@ -221,7 +240,7 @@ def _window_sums(
     for i in range(packed.kh):
         for j in range(packed.kw):
             r0, c0 = i * dh, j * dw
-            total += s[:, r0:r0 + (oh - 1) * sh + 1:sh, c0:c0 + (ow - 1) * sw + 1:sw]
+            total += s[:, r0 : r0 + (oh - 1) * sh + 1 : sh, c0 : c0 + (ow - 1) * sw + 1 : sw]
     return total.reshape(-1).astype(np.int32)
 
 
@@ -237,8 +256,9 @@ def conv2d(
     num_threads: int | None = None,
 ) -> npt.NDArray[np.uint8]:
     """Quantized 2-D convolution, uint8 NCHW in and out (relu fused if asked)."""
-    return _conv(x, packed, x_scale, x_zero_point, out_scale, out_zero_point, relu,
-                 num_threads, 2, "conv2d")
+    return _conv(
+        x, packed, x_scale, x_zero_point, out_scale, out_zero_point, relu, num_threads, 2, "conv2d"
+    )
 
 
 def conv1d(
@@ -253,5 +273,6 @@ def conv1d(
     num_threads: int | None = None,
 ) -> npt.NDArray[np.uint8]:
     """Quantized 1-D convolution, uint8 NCL in and out (relu fused if asked)."""
-    return _conv(x, packed, x_scale, x_zero_point, out_scale, out_zero_point, relu,
-                 num_threads, 1, "conv1d")
+    return _conv(
+        x, packed, x_scale, x_zero_point, out_scale, out_zero_point, relu, num_threads, 1, "conv1d"
+    )

@@ -5,7 +5,6 @@ exact because the wrappers refuse reductions whose true sum could leave int32), 
 float32 requantization sequence as the vector kernels, so every target is bit-identical.
 """
 
-# ruff: noqa: N803
 # mypy: ignore-errors
 
 import numpy as np
@@ -16,8 +15,25 @@ from quantbridge.kernels._vnni import fma_f32
 
 @njit(cache=True, parallel=True, nogil=True)
 def drive_generic(
-    a, rowoffs, m, koffs, nk, bp, npanels, c, ldc, colcorr, wzp, rowsum, biasq, mult, ozp,
-    qmin, qmax, mchunk, f32_out,
+    a,
+    rowoffs,
+    m,
+    koffs,
+    nk,
+    bp,
+    npanels,
+    c,
+    ldc,
+    colcorr,
+    wzp,
+    rowsum,
+    biasq,
+    mult,
+    ozp,
+    qmin,
+    qmax,
+    mchunk,
+    f32_out,
 ):
     nmc = (m + mchunk - 1) // mchunk
     panel = nk * 128
@@ -36,9 +52,7 @@ def drive_generic(
                     for u in range(4):
                         acc += np.int64(a[off + u]) * np.int64(bp[bo + u])
                 j = p * 32 + jj
-                v = np.int32(
-                    np.int64(np.int32(acc)) + colcorr[j] - np.int64(wzp[j]) * rowsum[i]
-                )
+                v = np.int32(np.int64(np.int32(acc)) + colcorr[j] - np.int64(wzp[j]) * rowsum[i])
                 fv = np.float32(v)
                 if f32_out:
                     c[i * ldc + j] = fma_f32(fv, mult[j], biasq[j])

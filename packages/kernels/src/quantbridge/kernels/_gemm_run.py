@@ -75,14 +75,47 @@ def run_gemm(
     mchunk = m if threads == 1 else _row_chunk(m, npanels, threads)
     if target == "generic":
         drive_generic(
-            a, rowoffs, m, koffs, nk, bp, npanels, c, np_, colcorr, wzp, rowsum, biasq, mult,
-            out_zero_point, qmin, 255, mchunk, f32_out,
+            a,
+            rowoffs,
+            m,
+            koffs,
+            nk,
+            bp,
+            npanels,
+            c,
+            np_,
+            colcorr,
+            wzp,
+            rowsum,
+            biasq,
+            mult,
+            out_zero_point,
+            qmin,
+            255,
+            mchunk,
+            f32_out,
         )
     else:
         table = _SERIAL if threads == 1 else _DRIVERS
         drv = table[(target, "f32" if f32_out else "u8")]
         drv(
-            a, rowoffs, m, koffs, nk, bp, npanels, c, np_, colcorr, wzp, rowsum, biasq, mult,
-            out_zero_point, qmin, 255, mchunk,
+            a,
+            rowoffs,
+            m,
+            koffs,
+            nk,
+            bp,
+            npanels,
+            c,
+            np_,
+            colcorr,
+            wzp,
+            rowsum,
+            biasq,
+            mult,
+            out_zero_point,
+            qmin,
+            255,
+            mchunk,
         )
     return out if np_ == n else np.ascontiguousarray(out[:, :n])

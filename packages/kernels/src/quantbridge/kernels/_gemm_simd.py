@@ -7,7 +7,6 @@ thread keeps reusing the same B panel (L1/L2) across row blocks. Row tails use t
 kernels; rows past the end are recomputed from the last valid row and not stored.
 """
 
-# ruff: noqa: N803
 # mypy: ignore-errors
 
 from numba import njit, prange
@@ -28,9 +27,27 @@ from quantbridge.kernels._vnni import (
 )
 
 
-
 @njit(cache=True, parallel=True, nogil=True)
-def drive_vnni_u8(a, rowoffs, m, koffs, nk, bp, npanels, c, ldc, colcorr, wzp, rowsum, biasq, mult, ozp, qmin, qmax, mchunk):  # noqa: E501
+def drive_vnni_u8(
+    a,
+    rowoffs,
+    m,
+    koffs,
+    nk,
+    bp,
+    npanels,
+    c,
+    ldc,
+    colcorr,
+    wzp,
+    rowsum,
+    biasq,
+    mult,
+    ozp,
+    qmin,
+    qmax,
+    mchunk,
+):
     nmc = (m + mchunk - 1) // mchunk
     panel = nk * 128
     for t in prange(npanels * nmc):
@@ -43,18 +60,97 @@ def drive_vnni_u8(a, rowoffs, m, koffs, nk, bp, npanels, c, ldc, colcorr, wzp, r
         while i < end:
             left = end - i
             if left > 4:
-                vnni_u8_8(a, rowoffs, i, koffs, nk, bp, boff, c, ldc, min(left, 8), colcorr, wzp, rowsum, biasq, mult, j0, ozp, qmin, qmax)  # noqa: E501
+                vnni_u8_8(
+                    a,
+                    rowoffs,
+                    i,
+                    koffs,
+                    nk,
+                    bp,
+                    boff,
+                    c,
+                    ldc,
+                    min(left, 8),
+                    colcorr,
+                    wzp,
+                    rowsum,
+                    biasq,
+                    mult,
+                    j0,
+                    ozp,
+                    qmin,
+                    qmax,
+                )
                 i += 8
             elif left > 1:
-                vnni_u8_4(a, rowoffs, i, koffs, nk, bp, boff, c, ldc, left, colcorr, wzp, rowsum, biasq, mult, j0, ozp, qmin, qmax)  # noqa: E501
+                vnni_u8_4(
+                    a,
+                    rowoffs,
+                    i,
+                    koffs,
+                    nk,
+                    bp,
+                    boff,
+                    c,
+                    ldc,
+                    left,
+                    colcorr,
+                    wzp,
+                    rowsum,
+                    biasq,
+                    mult,
+                    j0,
+                    ozp,
+                    qmin,
+                    qmax,
+                )
                 i += 4
             else:
-                vnni_u8_1(a, rowoffs, i, koffs, nk, bp, boff, c, ldc, 1, colcorr, wzp, rowsum, biasq, mult, j0, ozp, qmin, qmax)  # noqa: E501
+                vnni_u8_1(
+                    a,
+                    rowoffs,
+                    i,
+                    koffs,
+                    nk,
+                    bp,
+                    boff,
+                    c,
+                    ldc,
+                    1,
+                    colcorr,
+                    wzp,
+                    rowsum,
+                    biasq,
+                    mult,
+                    j0,
+                    ozp,
+                    qmin,
+                    qmax,
+                )
                 i += 1
 
 
 @njit(cache=True, nogil=True)
-def serial_vnni_u8(a, rowoffs, m, koffs, nk, bp, npanels, c, ldc, colcorr, wzp, rowsum, biasq, mult, ozp, qmin, qmax, mchunk):  # noqa: E501
+def serial_vnni_u8(
+    a,
+    rowoffs,
+    m,
+    koffs,
+    nk,
+    bp,
+    npanels,
+    c,
+    ldc,
+    colcorr,
+    wzp,
+    rowsum,
+    biasq,
+    mult,
+    ozp,
+    qmin,
+    qmax,
+    mchunk,
+):
     nmc = (m + mchunk - 1) // mchunk
     panel = nk * 128
     for t in range(npanels * nmc):
@@ -67,18 +163,97 @@ def serial_vnni_u8(a, rowoffs, m, koffs, nk, bp, npanels, c, ldc, colcorr, wzp, 
         while i < end:
             left = end - i
             if left > 4:
-                vnni_u8_8(a, rowoffs, i, koffs, nk, bp, boff, c, ldc, min(left, 8), colcorr, wzp, rowsum, biasq, mult, j0, ozp, qmin, qmax)  # noqa: E501
+                vnni_u8_8(
+                    a,
+                    rowoffs,
+                    i,
+                    koffs,
+                    nk,
+                    bp,
+                    boff,
+                    c,
+                    ldc,
+                    min(left, 8),
+                    colcorr,
+                    wzp,
+                    rowsum,
+                    biasq,
+                    mult,
+                    j0,
+                    ozp,
+                    qmin,
+                    qmax,
+                )
                 i += 8
             elif left > 1:
-                vnni_u8_4(a, rowoffs, i, koffs, nk, bp, boff, c, ldc, left, colcorr, wzp, rowsum, biasq, mult, j0, ozp, qmin, qmax)  # noqa: E501
+                vnni_u8_4(
+                    a,
+                    rowoffs,
+                    i,
+                    koffs,
+                    nk,
+                    bp,
+                    boff,
+                    c,
+                    ldc,
+                    left,
+                    colcorr,
+                    wzp,
+                    rowsum,
+                    biasq,
+                    mult,
+                    j0,
+                    ozp,
+                    qmin,
+                    qmax,
+                )
                 i += 4
             else:
-                vnni_u8_1(a, rowoffs, i, koffs, nk, bp, boff, c, ldc, 1, colcorr, wzp, rowsum, biasq, mult, j0, ozp, qmin, qmax)  # noqa: E501
+                vnni_u8_1(
+                    a,
+                    rowoffs,
+                    i,
+                    koffs,
+                    nk,
+                    bp,
+                    boff,
+                    c,
+                    ldc,
+                    1,
+                    colcorr,
+                    wzp,
+                    rowsum,
+                    biasq,
+                    mult,
+                    j0,
+                    ozp,
+                    qmin,
+                    qmax,
+                )
                 i += 1
 
 
 @njit(cache=True, parallel=True, nogil=True)
-def drive_vnni_f32(a, rowoffs, m, koffs, nk, bp, npanels, c, ldc, colcorr, wzp, rowsum, biasq, mult, ozp, qmin, qmax, mchunk):  # noqa: E501
+def drive_vnni_f32(
+    a,
+    rowoffs,
+    m,
+    koffs,
+    nk,
+    bp,
+    npanels,
+    c,
+    ldc,
+    colcorr,
+    wzp,
+    rowsum,
+    biasq,
+    mult,
+    ozp,
+    qmin,
+    qmax,
+    mchunk,
+):
     nmc = (m + mchunk - 1) // mchunk
     panel = nk * 128
     for t in prange(npanels * nmc):
@@ -91,18 +266,97 @@ def drive_vnni_f32(a, rowoffs, m, koffs, nk, bp, npanels, c, ldc, colcorr, wzp, 
         while i < end:
             left = end - i
             if left > 4:
-                vnni_f32_8(a, rowoffs, i, koffs, nk, bp, boff, c, ldc, min(left, 8), colcorr, wzp, rowsum, biasq, mult, j0, ozp, qmin, qmax)  # noqa: E501
+                vnni_f32_8(
+                    a,
+                    rowoffs,
+                    i,
+                    koffs,
+                    nk,
+                    bp,
+                    boff,
+                    c,
+                    ldc,
+                    min(left, 8),
+                    colcorr,
+                    wzp,
+                    rowsum,
+                    biasq,
+                    mult,
+                    j0,
+                    ozp,
+                    qmin,
+                    qmax,
+                )
                 i += 8
             elif left > 1:
-                vnni_f32_4(a, rowoffs, i, koffs, nk, bp, boff, c, ldc, left, colcorr, wzp, rowsum, biasq, mult, j0, ozp, qmin, qmax)  # noqa: E501
+                vnni_f32_4(
+                    a,
+                    rowoffs,
+                    i,
+                    koffs,
+                    nk,
+                    bp,
+                    boff,
+                    c,
+                    ldc,
+                    left,
+                    colcorr,
+                    wzp,
+                    rowsum,
+                    biasq,
+                    mult,
+                    j0,
+                    ozp,
+                    qmin,
+                    qmax,
+                )
                 i += 4
             else:
-                vnni_f32_1(a, rowoffs, i, koffs, nk, bp, boff, c, ldc, 1, colcorr, wzp, rowsum, biasq, mult, j0, ozp, qmin, qmax)  # noqa: E501
+                vnni_f32_1(
+                    a,
+                    rowoffs,
+                    i,
+                    koffs,
+                    nk,
+                    bp,
+                    boff,
+                    c,
+                    ldc,
+                    1,
+                    colcorr,
+                    wzp,
+                    rowsum,
+                    biasq,
+                    mult,
+                    j0,
+                    ozp,
+                    qmin,
+                    qmax,
+                )
                 i += 1
 
 
 @njit(cache=True, nogil=True)
-def serial_vnni_f32(a, rowoffs, m, koffs, nk, bp, npanels, c, ldc, colcorr, wzp, rowsum, biasq, mult, ozp, qmin, qmax, mchunk):  # noqa: E501
+def serial_vnni_f32(
+    a,
+    rowoffs,
+    m,
+    koffs,
+    nk,
+    bp,
+    npanels,
+    c,
+    ldc,
+    colcorr,
+    wzp,
+    rowsum,
+    biasq,
+    mult,
+    ozp,
+    qmin,
+    qmax,
+    mchunk,
+):
     nmc = (m + mchunk - 1) // mchunk
     panel = nk * 128
     for t in range(npanels * nmc):
@@ -115,18 +369,97 @@ def serial_vnni_f32(a, rowoffs, m, koffs, nk, bp, npanels, c, ldc, colcorr, wzp,
         while i < end:
             left = end - i
             if left > 4:
-                vnni_f32_8(a, rowoffs, i, koffs, nk, bp, boff, c, ldc, min(left, 8), colcorr, wzp, rowsum, biasq, mult, j0, ozp, qmin, qmax)  # noqa: E501
+                vnni_f32_8(
+                    a,
+                    rowoffs,
+                    i,
+                    koffs,
+                    nk,
+                    bp,
+                    boff,
+                    c,
+                    ldc,
+                    min(left, 8),
+                    colcorr,
+                    wzp,
+                    rowsum,
+                    biasq,
+                    mult,
+                    j0,
+                    ozp,
+                    qmin,
+                    qmax,
+                )
                 i += 8
             elif left > 1:
-                vnni_f32_4(a, rowoffs, i, koffs, nk, bp, boff, c, ldc, left, colcorr, wzp, rowsum, biasq, mult, j0, ozp, qmin, qmax)  # noqa: E501
+                vnni_f32_4(
+                    a,
+                    rowoffs,
+                    i,
+                    koffs,
+                    nk,
+                    bp,
+                    boff,
+                    c,
+                    ldc,
+                    left,
+                    colcorr,
+                    wzp,
+                    rowsum,
+                    biasq,
+                    mult,
+                    j0,
+                    ozp,
+                    qmin,
+                    qmax,
+                )
                 i += 4
             else:
-                vnni_f32_1(a, rowoffs, i, koffs, nk, bp, boff, c, ldc, 1, colcorr, wzp, rowsum, biasq, mult, j0, ozp, qmin, qmax)  # noqa: E501
+                vnni_f32_1(
+                    a,
+                    rowoffs,
+                    i,
+                    koffs,
+                    nk,
+                    bp,
+                    boff,
+                    c,
+                    ldc,
+                    1,
+                    colcorr,
+                    wzp,
+                    rowsum,
+                    biasq,
+                    mult,
+                    j0,
+                    ozp,
+                    qmin,
+                    qmax,
+                )
                 i += 1
 
 
 @njit(cache=True, parallel=True, nogil=True)
-def drive_avx2_u8(a, rowoffs, m, koffs, nk, bp, npanels, c, ldc, colcorr, wzp, rowsum, biasq, mult, ozp, qmin, qmax, mchunk):  # noqa: E501
+def drive_avx2_u8(
+    a,
+    rowoffs,
+    m,
+    koffs,
+    nk,
+    bp,
+    npanels,
+    c,
+    ldc,
+    colcorr,
+    wzp,
+    rowsum,
+    biasq,
+    mult,
+    ozp,
+    qmin,
+    qmax,
+    mchunk,
+):
     nmc = (m + mchunk - 1) // mchunk
     panel = nk * 32
     for t in prange(npanels * nmc):
@@ -139,18 +472,97 @@ def drive_avx2_u8(a, rowoffs, m, koffs, nk, bp, npanels, c, ldc, colcorr, wzp, r
         while i < end:
             left = end - i
             if left > 3:
-                avx2_u8_6(a, rowoffs, i, koffs, nk, bp, boff, c, ldc, min(left, 6), colcorr, wzp, rowsum, biasq, mult, j0, ozp, qmin, qmax)  # noqa: E501
+                avx2_u8_6(
+                    a,
+                    rowoffs,
+                    i,
+                    koffs,
+                    nk,
+                    bp,
+                    boff,
+                    c,
+                    ldc,
+                    min(left, 6),
+                    colcorr,
+                    wzp,
+                    rowsum,
+                    biasq,
+                    mult,
+                    j0,
+                    ozp,
+                    qmin,
+                    qmax,
+                )
                 i += 6
             elif left > 1:
-                avx2_u8_3(a, rowoffs, i, koffs, nk, bp, boff, c, ldc, left, colcorr, wzp, rowsum, biasq, mult, j0, ozp, qmin, qmax)  # noqa: E501
+                avx2_u8_3(
+                    a,
+                    rowoffs,
+                    i,
+                    koffs,
+                    nk,
+                    bp,
+                    boff,
+                    c,
+                    ldc,
+                    left,
+                    colcorr,
+                    wzp,
+                    rowsum,
+                    biasq,
+                    mult,
+                    j0,
+                    ozp,
+                    qmin,
+                    qmax,
+                )
                 i += 3
             else:
-                avx2_u8_1(a, rowoffs, i, koffs, nk, bp, boff, c, ldc, 1, colcorr, wzp, rowsum, biasq, mult, j0, ozp, qmin, qmax)  # noqa: E501
+                avx2_u8_1(
+                    a,
+                    rowoffs,
+                    i,
+                    koffs,
+                    nk,
+                    bp,
+                    boff,
+                    c,
+                    ldc,
+                    1,
+                    colcorr,
+                    wzp,
+                    rowsum,
+                    biasq,
+                    mult,
+                    j0,
+                    ozp,
+                    qmin,
+                    qmax,
+                )
                 i += 1
 
 
 @njit(cache=True, nogil=True)
-def serial_avx2_u8(a, rowoffs, m, koffs, nk, bp, npanels, c, ldc, colcorr, wzp, rowsum, biasq, mult, ozp, qmin, qmax, mchunk):  # noqa: E501
+def serial_avx2_u8(
+    a,
+    rowoffs,
+    m,
+    koffs,
+    nk,
+    bp,
+    npanels,
+    c,
+    ldc,
+    colcorr,
+    wzp,
+    rowsum,
+    biasq,
+    mult,
+    ozp,
+    qmin,
+    qmax,
+    mchunk,
+):
     nmc = (m + mchunk - 1) // mchunk
     panel = nk * 32
     for t in range(npanels * nmc):
@@ -163,18 +575,97 @@ def serial_avx2_u8(a, rowoffs, m, koffs, nk, bp, npanels, c, ldc, colcorr, wzp, 
         while i < end:
             left = end - i
             if left > 3:
-                avx2_u8_6(a, rowoffs, i, koffs, nk, bp, boff, c, ldc, min(left, 6), colcorr, wzp, rowsum, biasq, mult, j0, ozp, qmin, qmax)  # noqa: E501
+                avx2_u8_6(
+                    a,
+                    rowoffs,
+                    i,
+                    koffs,
+                    nk,
+                    bp,
+                    boff,
+                    c,
+                    ldc,
+                    min(left, 6),
+                    colcorr,
+                    wzp,
+                    rowsum,
+                    biasq,
+                    mult,
+                    j0,
+                    ozp,
+                    qmin,
+                    qmax,
+                )
                 i += 6
             elif left > 1:
-                avx2_u8_3(a, rowoffs, i, koffs, nk, bp, boff, c, ldc, left, colcorr, wzp, rowsum, biasq, mult, j0, ozp, qmin, qmax)  # noqa: E501
+                avx2_u8_3(
+                    a,
+                    rowoffs,
+                    i,
+                    koffs,
+                    nk,
+                    bp,
+                    boff,
+                    c,
+                    ldc,
+                    left,
+                    colcorr,
+                    wzp,
+                    rowsum,
+                    biasq,
+                    mult,
+                    j0,
+                    ozp,
+                    qmin,
+                    qmax,
+                )
                 i += 3
             else:
-                avx2_u8_1(a, rowoffs, i, koffs, nk, bp, boff, c, ldc, 1, colcorr, wzp, rowsum, biasq, mult, j0, ozp, qmin, qmax)  # noqa: E501
+                avx2_u8_1(
+                    a,
+                    rowoffs,
+                    i,
+                    koffs,
+                    nk,
+                    bp,
+                    boff,
+                    c,
+                    ldc,
+                    1,
+                    colcorr,
+                    wzp,
+                    rowsum,
+                    biasq,
+                    mult,
+                    j0,
+                    ozp,
+                    qmin,
+                    qmax,
+                )
                 i += 1
 
 
 @njit(cache=True, parallel=True, nogil=True)
-def drive_avx2_f32(a, rowoffs, m, koffs, nk, bp, npanels, c, ldc, colcorr, wzp, rowsum, biasq, mult, ozp, qmin, qmax, mchunk):  # noqa: E501
+def drive_avx2_f32(
+    a,
+    rowoffs,
+    m,
+    koffs,
+    nk,
+    bp,
+    npanels,
+    c,
+    ldc,
+    colcorr,
+    wzp,
+    rowsum,
+    biasq,
+    mult,
+    ozp,
+    qmin,
+    qmax,
+    mchunk,
+):
     nmc = (m + mchunk - 1) // mchunk
     panel = nk * 32
     for t in prange(npanels * nmc):
@@ -187,18 +678,97 @@ def drive_avx2_f32(a, rowoffs, m, koffs, nk, bp, npanels, c, ldc, colcorr, wzp, 
         while i < end:
             left = end - i
             if left > 3:
-                avx2_f32_6(a, rowoffs, i, koffs, nk, bp, boff, c, ldc, min(left, 6), colcorr, wzp, rowsum, biasq, mult, j0, ozp, qmin, qmax)  # noqa: E501
+                avx2_f32_6(
+                    a,
+                    rowoffs,
+                    i,
+                    koffs,
+                    nk,
+                    bp,
+                    boff,
+                    c,
+                    ldc,
+                    min(left, 6),
+                    colcorr,
+                    wzp,
+                    rowsum,
+                    biasq,
+                    mult,
+                    j0,
+                    ozp,
+                    qmin,
+                    qmax,
+                )
                 i += 6
             elif left > 1:
-                avx2_f32_3(a, rowoffs, i, koffs, nk, bp, boff, c, ldc, left, colcorr, wzp, rowsum, biasq, mult, j0, ozp, qmin, qmax)  # noqa: E501
+                avx2_f32_3(
+                    a,
+                    rowoffs,
+                    i,
+                    koffs,
+                    nk,
+                    bp,
+                    boff,
+                    c,
+                    ldc,
+                    left,
+                    colcorr,
+                    wzp,
+                    rowsum,
+                    biasq,
+                    mult,
+                    j0,
+                    ozp,
+                    qmin,
+                    qmax,
+                )
                 i += 3
             else:
-                avx2_f32_1(a, rowoffs, i, koffs, nk, bp, boff, c, ldc, 1, colcorr, wzp, rowsum, biasq, mult, j0, ozp, qmin, qmax)  # noqa: E501
+                avx2_f32_1(
+                    a,
+                    rowoffs,
+                    i,
+                    koffs,
+                    nk,
+                    bp,
+                    boff,
+                    c,
+                    ldc,
+                    1,
+                    colcorr,
+                    wzp,
+                    rowsum,
+                    biasq,
+                    mult,
+                    j0,
+                    ozp,
+                    qmin,
+                    qmax,
+                )
                 i += 1
 
 
 @njit(cache=True, nogil=True)
-def serial_avx2_f32(a, rowoffs, m, koffs, nk, bp, npanels, c, ldc, colcorr, wzp, rowsum, biasq, mult, ozp, qmin, qmax, mchunk):  # noqa: E501
+def serial_avx2_f32(
+    a,
+    rowoffs,
+    m,
+    koffs,
+    nk,
+    bp,
+    npanels,
+    c,
+    ldc,
+    colcorr,
+    wzp,
+    rowsum,
+    biasq,
+    mult,
+    ozp,
+    qmin,
+    qmax,
+    mchunk,
+):
     nmc = (m + mchunk - 1) // mchunk
     panel = nk * 32
     for t in range(npanels * nmc):
@@ -211,11 +781,71 @@ def serial_avx2_f32(a, rowoffs, m, koffs, nk, bp, npanels, c, ldc, colcorr, wzp,
         while i < end:
             left = end - i
             if left > 3:
-                avx2_f32_6(a, rowoffs, i, koffs, nk, bp, boff, c, ldc, min(left, 6), colcorr, wzp, rowsum, biasq, mult, j0, ozp, qmin, qmax)  # noqa: E501
+                avx2_f32_6(
+                    a,
+                    rowoffs,
+                    i,
+                    koffs,
+                    nk,
+                    bp,
+                    boff,
+                    c,
+                    ldc,
+                    min(left, 6),
+                    colcorr,
+                    wzp,
+                    rowsum,
+                    biasq,
+                    mult,
+                    j0,
+                    ozp,
+                    qmin,
+                    qmax,
+                )
                 i += 6
             elif left > 1:
-                avx2_f32_3(a, rowoffs, i, koffs, nk, bp, boff, c, ldc, left, colcorr, wzp, rowsum, biasq, mult, j0, ozp, qmin, qmax)  # noqa: E501
+                avx2_f32_3(
+                    a,
+                    rowoffs,
+                    i,
+                    koffs,
+                    nk,
+                    bp,
+                    boff,
+                    c,
+                    ldc,
+                    left,
+                    colcorr,
+                    wzp,
+                    rowsum,
+                    biasq,
+                    mult,
+                    j0,
+                    ozp,
+                    qmin,
+                    qmax,
+                )
                 i += 3
             else:
-                avx2_f32_1(a, rowoffs, i, koffs, nk, bp, boff, c, ldc, 1, colcorr, wzp, rowsum, biasq, mult, j0, ozp, qmin, qmax)  # noqa: E501
+                avx2_f32_1(
+                    a,
+                    rowoffs,
+                    i,
+                    koffs,
+                    nk,
+                    bp,
+                    boff,
+                    c,
+                    ldc,
+                    1,
+                    colcorr,
+                    wzp,
+                    rowsum,
+                    biasq,
+                    mult,
+                    j0,
+                    ozp,
+                    qmin,
+                    qmax,
+                )
                 i += 1

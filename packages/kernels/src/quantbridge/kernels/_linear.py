@@ -148,7 +148,7 @@ class PackedLinearWeight:
             got = (bq, m)
             if len(self._requant) < _CACHE_LIMIT:
                 self._requant[key] = got
-        return got  # type: ignore[no-any-return]
+        return got
 
     def __repr__(self) -> str:
         kind = "per-channel" if self.per_channel else "per-tensor"
@@ -226,9 +226,21 @@ def linear(
     rowoffs, rowsum = _rows_and_sums(a, m, packed)
     biasq, mult = packed.epilogue(x_scale, out_scale)
     out = run_gemm(
-        packed.target, a, rowoffs, packed.koffs, packed.packed, packed.n,
-        packed.colcorr(a_zp), packed.zero_points, rowsum, biasq, mult,
-        o_zp, o_zp if relu else 0, False, threads,
+        packed.target,
+        a,
+        rowoffs,
+        packed.koffs,
+        packed.packed,
+        packed.n,
+        packed.colcorr(a_zp),
+        packed.zero_points,
+        rowsum,
+        biasq,
+        mult,
+        o_zp,
+        o_zp if relu else 0,
+        False,
+        threads,
     )
     if len(lead) == 1:
         return out  # type: ignore[return-value]
@@ -289,9 +301,20 @@ def linear_dynamic(
     rowoffs, rowsum = _rows_and_sums(a, m, packed)
     biasq, mult = packed.epilogue(a_s, None)
     out = run_gemm(
-        packed.target, a, rowoffs, packed.koffs, packed.packed, packed.n,
-        packed.colcorr(a_zp), packed.zero_points,
-        rowsum, biasq, mult,
-        0, 0, True, threads,
+        packed.target,
+        a,
+        rowoffs,
+        packed.koffs,
+        packed.packed,
+        packed.n,
+        packed.colcorr(a_zp),
+        packed.zero_points,
+        rowsum,
+        biasq,
+        mult,
+        0,
+        0,
+        True,
+        threads,
     )
     return out.reshape((*lead, packed.n))  # type: ignore[return-value]

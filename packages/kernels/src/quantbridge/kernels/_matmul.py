@@ -67,8 +67,15 @@ def matmul(
             w, zp = bt, b_zp
         packed = PackedLinearWeight(np.ascontiguousarray(w), b_scale, zp, None, target=tgt)
         outs.append(
-            linear(a3[i], packed, a_scale, a_zero_point, out_scale, out_zero_point,
-                   num_threads=num_threads)
+            linear(
+                a3[i],
+                packed,
+                a_scale,
+                a_zero_point,
+                out_scale,
+                out_zero_point,
+                num_threads=num_threads,
+            )
         )
     res = np.stack(outs)
     return res if aa.ndim == 3 else res[0]

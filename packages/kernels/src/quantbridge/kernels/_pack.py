@@ -69,7 +69,9 @@ def weight_zero_points(
     return out
 
 
-def weight_scales(scale: float | npt.ArrayLike, n: int, name: str) -> tuple[npt.NDArray[np.float32], bool]:
+def weight_scales(
+    scale: float | npt.ArrayLike, n: int, name: str
+) -> tuple[npt.NDArray[np.float32], bool]:
     """``(float32 scales of shape [n], per_channel)``; refuses non-finite or non-positive."""
     try:
         s = np.asarray(scale, dtype=np.float64)

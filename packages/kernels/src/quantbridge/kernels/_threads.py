@@ -15,7 +15,7 @@ _setting: int | None = None
 
 def max_threads() -> int:
     """Threads numba's pool was started with (the upper bound for any setting)."""
-    return int(numba.config.NUMBA_NUM_THREADS)
+    return int(numba.config.NUMBA_NUM_THREADS)  # type: ignore[attr-defined]
 
 
 def set_num_threads(n: int | None) -> None:

@@ -61,6 +61,16 @@ def k_step(target: str) -> int:
     return _SPEC[target][2]
 
 
+def _declare(module: ir.Module, fnty: ir.FunctionType, name: str) -> ir.Function:
+    """Declare (once) an LLVM intrinsic in ``module``."""
+    return cgutils.get_or_insert_function(module, fnty, name)  # type: ignore[no-untyped-call]
+
+
+def _slot(builder: ir.IRBuilder, value: ir.Value) -> ir.Value:
+    """An entry-block stack slot; LLVM promotes these accumulators to registers."""
+    return cgutils.alloca_once_value(builder, value)  # type: ignore[no-untyped-call]
+
+
 def _vec_broadcast(builder: ir.IRBuilder, scalar: ir.Value, lanes: int) -> ir.Value:
     vt = ir.VectorType(scalar.type, lanes)
     v = builder.insert_element(ir.Constant(vt, ir.Undefined), scalar, ir.Constant(I32, 0))
@@ -111,19 +121,13 @@ def _make_kernel(target: str, mr: int, ku: int, mode: str) -> Any:
         )
         mod = builder.module
         if target == "avx512_vnni":
-            fn = cgutils.get_or_insert_function(
+            fn = _declare(
                 mod, ir.FunctionType(vi32, [vi32, vi32, vi32]), "llvm.x86.avx512.vpdpbusd.512"
             )
         else:
-            fn = cgutils.get_or_insert_function(
-                mod, ir.FunctionType(vi32, [bvt, bvt]), "llvm.x86.avx2.pmadd.wd"
-            )
-        rint = cgutils.get_or_insert_function(
-            mod, ir.FunctionType(vf32, [vf32]), f"llvm.rint.v{lanes}f32"
-        )
-        vfma = cgutils.get_or_insert_function(
-            mod, ir.FunctionType(vf32, [vf32, vf32, vf32]), f"llvm.fma.v{lanes}f32"
-        )
+            fn = _declare(mod, ir.FunctionType(vi32, [bvt, bvt]), "llvm.x86.avx2.pmadd.wd")
+        rint = _declare(mod, ir.FunctionType(vf32, [vf32]), f"llvm.rint.v{lanes}f32")
+        vfma = _declare(mod, ir.FunctionType(vf32, [vf32, vf32, vf32]), f"llvm.fma.v{lanes}f32")
         # row base offsets, duplicating the last valid row for rows past mvalid
         last = builder.sub(mvalid, ir.Constant(I64, 1))
         rbase = []
@@ -132,17 +136,22 @@ def _make_kernel(target: str, mr: int, ku: int, mode: str) -> Any:
             ridx = builder.select(builder.icmp_signed("<", rr, last), rr, last)
             rbase.append(builder.load(builder.gep(ro_p, [builder.add(r0, ridx)])))
         zero = ir.Constant(vi32, [0] * lanes)
-        accs = [[[cgutils.alloca_once_value(builder, zero) for _ in range(nvec)]
-                 for _ in range(ku)] for _ in range(mr)]
+        accs = [[[_slot(builder, zero) for _ in range(nvec)] for _ in range(ku)] for _ in range(mr)]
         panel_elems = ir.Constant(I64, nr * kstep)
         nouter = builder.sdiv(nk, ir.Constant(I64, ku))
         with cgutils.for_range(builder, nouter) as loop:
             for u in range(ku):
-                step = builder.add(builder.mul(loop.index, ir.Constant(I64, ku)), ir.Constant(I64, u))
+                step = builder.add(
+                    builder.mul(loop.index, ir.Constant(I64, ku)), ir.Constant(I64, u)
+                )
                 koff = builder.load(builder.gep(ko_p, [step]))
                 bbase = builder.add(boff, builder.mul(step, panel_elems))
                 bvecs = [
-                    _load_vec(builder, builder.gep(b_p, [builder.add(bbase, ir.Constant(I64, v * lanes * kstep))]), bvt)
+                    _load_vec(
+                        builder,
+                        builder.gep(b_p, [builder.add(bbase, ir.Constant(I64, v * lanes * kstep))]),
+                        bvt,
+                    )
                     for v in range(nvec)
                 ]
                 for r in range(mr):
@@ -156,7 +165,9 @@ def _make_kernel(target: str, mr: int, ku: int, mode: str) -> Any:
                             bw = builder.bitcast(bvecs[v], vi32)
                             builder.store(builder.call(fn, [builder.load(slot), abc, bw]), slot)
                     else:
-                        pair = builder.load(builder.bitcast(aptr, ir.VectorType(I8, 2).as_pointer()))
+                        pair = builder.load(
+                            builder.bitcast(aptr, ir.VectorType(I8, 2).as_pointer())
+                        )
                         pair.align = 1
                         wide = builder.bitcast(builder.zext(pair, ir.VectorType(I16, 2)), I32)
                         abc = builder.bitcast(_vec_broadcast(builder, wide, lanes), bvt)
@@ -176,9 +187,19 @@ def _make_kernel(target: str, mr: int, ku: int, mode: str) -> Any:
                 for u in range(1, ku):
                     acc = builder.add(acc, builder.load(accs[r][u][v]))
                 ridx = builder.add(r0, ir.Constant(I64, r))
-                rs = builder.load(builder.gep(rs_p, [builder.select(
-                    builder.icmp_signed("<", ir.Constant(I64, r), mvalid), ridx, r0)]))
-                val = builder.sub(builder.add(acc, cc), builder.mul(wz, _vec_broadcast(builder, rs, lanes)))
+                rs = builder.load(
+                    builder.gep(
+                        rs_p,
+                        [
+                            builder.select(
+                                builder.icmp_signed("<", ir.Constant(I64, r), mvalid), ridx, r0
+                            )
+                        ],
+                    )
+                )
+                val = builder.sub(
+                    builder.add(acc, cc), builder.mul(wz, _vec_broadcast(builder, rs, lanes))
+                )
                 fv = builder.sitofp(val, vf32)
                 col = builder.add(j0, ir.Constant(I64, v * lanes))
                 cidx = builder.add(builder.mul(ridx, ldc), col)
@@ -190,7 +211,10 @@ def _make_kernel(target: str, mr: int, ku: int, mode: str) -> Any:
                     x = builder.select(builder.fcmp_ordered(">", x, lim), lim, x)
                     nlim = ir.Constant(vf32, [-1.0e9] * lanes)
                     x = builder.select(builder.fcmp_ordered("<", x, nlim), nlim, x)
-                    q = builder.add(builder.fptosi(x, vi32), _vec_broadcast(builder, builder.trunc(ozp, I32), lanes))
+                    q = builder.add(
+                        builder.fptosi(x, vi32),
+                        _vec_broadcast(builder, builder.trunc(ozp, I32), lanes),
+                    )
                     lo = _vec_broadcast(builder, builder.trunc(qmin, I32), lanes)
                     hi = _vec_broadcast(builder, builder.trunc(qmax, I32), lanes)
                     q = builder.select(builder.icmp_signed("<", q, lo), lo, q)
@@ -202,11 +226,10 @@ def _make_kernel(target: str, mr: int, ku: int, mode: str) -> Any:
                     _store_vec(builder, outv, builder.gep(c_p, [cidx]))
         return context.get_dummy_value()
 
-    def typer(typingctx: Any, a, rowoffs, r0, koffs, nk, bp, boff, c, ldc, mvalid,  # type: ignore[no-untyped-def]
-              colcorr, wzp, rowsum, biasq, mult, j0, ozp, qmin, qmax):
-        sig = types.void(a, rowoffs, r0, koffs, nk, bp, boff, c, ldc, mvalid,
-                         colcorr, wzp, rowsum, biasq, mult, j0, ozp, qmin, qmax)
-        return sig, codegen
+    def typer(typingctx: Any, *args: Any) -> Any:
+        if len(args) != 19:
+            raise TypeError(f"micro-kernel takes 19 arguments, got {len(args)}")
+        return types.void(*args), codegen
 
     typer.__name__ = f"mk_{target}_{mr}_{mode}"
     return intrinsic(typer)
@@ -218,9 +241,7 @@ def fma_f32(typingctx: Any, x: Any, y: Any, z: Any) -> Any:
     sig = types.float32(types.float32, types.float32, types.float32)
 
     def codegen(context: Any, builder: ir.IRBuilder, sig: Any, args: Any) -> ir.Value:
-        fn = cgutils.get_or_insert_function(
-            builder.module, ir.FunctionType(F32T, [F32T, F32T, F32T]), "llvm.fma.f32"
-        )
+        fn = _declare(builder.module, ir.FunctionType(F32T, [F32T, F32T, F32T]), "llvm.fma.f32")
         return builder.call(fn, list(args))
 
     return sig, codegen
@@ -237,13 +258,14 @@ def vpdpbusd_peak_loop(typingctx: Any, iters: Any) -> Any:
 
     def codegen(context: Any, builder: ir.IRBuilder, sig: Any, args: Any) -> ir.Value:
         vi32 = ir.VectorType(I32, 16)
-        fn = cgutils.get_or_insert_function(
-            builder.module, ir.FunctionType(vi32, [vi32, vi32, vi32]),
+        fn = _declare(
+            builder.module,
+            ir.FunctionType(vi32, [vi32, vi32, vi32]),
             "llvm.x86.avx512.vpdpbusd.512",
         )
         a = ir.Constant(vi32, [0x01010101] * 16)
         b = ir.Constant(vi32, [0x01FF0102 + i for i in range(16)])
-        slots = [cgutils.alloca_once_value(builder, ir.Constant(vi32, [i] * 16)) for i in range(16)]
+        slots = [_slot(builder, ir.Constant(vi32, [i] * 16)) for i in range(16)]
         with cgutils.for_range(builder, args[0]):
             for slot in slots:
                 builder.store(builder.call(fn, [builder.load(slot), a, b]), slot)

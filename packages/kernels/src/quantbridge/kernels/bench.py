@@ -39,17 +39,17 @@ GEMM_SHAPES: tuple[tuple[int, int, int], ...] = (
 CONV_SHAPE = (1, 64, 56, 56, 64, 3)  # batch, C, H, W, OC, kernel
 
 
-@numba.njit(nogil=True)  # type: ignore[misc]
-def _peak_one(iters):  # type: ignore[no-untyped-def]
-    return vpdpbusd_peak_loop(iters)
+@numba.njit(nogil=True)
+def _peak_one(iters: int) -> int:
+    return vpdpbusd_peak_loop(iters)  # type: ignore[call-arg]
 
 
-@numba.njit(nogil=True, parallel=True)  # type: ignore[misc]
-def _peak_many(iters, workers):  # type: ignore[no-untyped-def]
+@numba.njit(nogil=True, parallel=True)
+def _peak_many(iters: int, workers: int) -> int:
     acc = np.zeros(workers, np.int64)
     for t in numba.prange(workers):
-        acc[t] = vpdpbusd_peak_loop(iters)
-    return acc.sum()
+        acc[t] = vpdpbusd_peak_loop(iters)  # type: ignore[call-arg]
+    return int(acc.sum())
 
 
 def measure_peak_gops(threads: int, seconds: float = 0.3) -> float | None:
@@ -133,7 +133,7 @@ def run(
     rng = np.random.default_rng(0)
     scales = (0.05, 3.0, 0.01, 2.0, 5.0)
     rows: list[dict[str, Any]] = []
-    shapes = GEMM_SHAPES[:1] + ((16, 64, 64),) if quick else GEMM_SHAPES
+    shapes = (*GEMM_SHAPES[:1], (16, 64, 64)) if quick else GEMM_SHAPES
     for m, k, n in shapes:
         a = rng.integers(0, 256, (m, k), dtype=np.uint8)
         w = rng.integers(-128, 128, (n, k), dtype=np.int8)
@@ -142,11 +142,23 @@ def run(
         for target in targets:
             packed = PackedLinearWeight(w, scales[2], 0, bias, target=target)
 
-            def ours(packed: PackedLinearWeight = packed) -> object:
+            def ours(packed: PackedLinearWeight = packed, a: np.ndarray[Any, Any] = a) -> object:
                 return linear(a, packed, 0.05, 3, 2.0, 5, num_threads=threads)
 
-            rows.append(_row("linear", f"{m}x{k}x{n}", 2.0 * m * k * n, target, threads,
-                             ours, base, repeat, min_time, peak))
+            rows.append(
+                _row(
+                    "linear",
+                    f"{m}x{k}x{n}",
+                    2.0 * m * k * n,
+                    target,
+                    threads,
+                    ours,
+                    base,
+                    repeat,
+                    min_time,
+                    peak,
+                )
+            )
     bn, c, h, wd, oc, ks = (1, 8, 12, 12, 8, 3) if quick else CONV_SHAPE
     x = rng.integers(0, 256, (bn, c, h, wd), dtype=np.uint8)
     wc = rng.integers(-128, 128, (oc, c, ks, ks), dtype=np.int8)
@@ -159,14 +171,34 @@ def run(
             return conv2d(x, cp, 0.05, 3, 2.0, 5, num_threads=threads)
 
         ops = 2.0 * bn * oc * h * wd * c * ks * ks
-        rows.append(_row("conv2d", f"{bn}x{c}x{h}x{wd}->{oc},k{ks}", ops, target, threads,
-                         ours_conv, base, repeat, min_time, peak))
+        rows.append(
+            _row(
+                "conv2d",
+                f"{bn}x{c}x{h}x{wd}->{oc},k{ks}",
+                ops,
+                target,
+                threads,
+                ours_conv,
+                base,
+                repeat,
+                min_time,
+                peak,
+            )
+        )
     return rows
 
 
 def _row(
-    op: str, shape: str, ops: float, target: str, threads: int, ours: Callable[[], object],
-    base: Callable[[], object] | None, repeat: int, min_time: float, peak: float | None,
+    op: str,
+    shape: str,
+    ops: float,
+    target: str,
+    threads: int,
+    ours: Callable[[], object],
+    base: Callable[[], object] | None,
+    repeat: int,
+    min_time: float,
+    peak: float | None,
 ) -> dict[str, Any]:
     t_ours = t_base = float("inf")
     ours()
@@ -195,29 +227,37 @@ def _row(
 
 
 def _table(rows: list[dict[str, Any]]) -> str:
-    head = f"{'op':8} {'shape':22} {'target':12} {'thr':>3} {'GOPS':>7} {'%peak':>6} " \
-           f"{'torch':>7} {'ratio':>6} {'us':>9}"
+    head = (
+        f"{'op':8} {'shape':22} {'target':12} {'thr':>3} {'GOPS':>7} {'%peak':>6} "
+        f"{'torch':>7} {'ratio':>6} {'us':>9}"
+    )
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(
             f"{r['op']:8} {r['shape']:22} {r['target']:12} {r['threads']:>3} {r['gops']:>7} "
-            f"{str(r['percent_of_peak']):>6} {str(r['baseline_gops']):>7} "
-            f"{str(r['ratio']):>6} {r['microseconds']:>9}"
+            f"{r['percent_of_peak']!s:>6} {r['baseline_gops']!s:>7} "
+            f"{r['ratio']!s:>6} {r['microseconds']:>9}"
         )
     if rows and rows[0]["peak_gops"]:
-        lines.append(f"measured vpdpbusd peak on {rows[0]['threads']} thread(s): "
-                     f"{rows[0]['peak_gops']} GOPS")
+        lines.append(
+            f"measured vpdpbusd peak on {rows[0]['threads']} thread(s): {rows[0]['peak_gops']} GOPS"
+        )
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m quantbridge.kernels.bench", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m quantbridge.kernels.bench", description=__doc__
+    )
     parser.add_argument("--json", action="store_true", help="print a JSON list of rows")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeat", type=int, default=5, help="timed rounds per side")
     parser.add_argument("--min-time", type=float, default=0.05, help="seconds per round")
-    parser.add_argument("--targets", default=",".join(t for t in available_targets() if t != "generic"),
-                        help="comma-separated targets (generic is slow; add it explicitly)")
+    parser.add_argument(
+        "--targets",
+        default=",".join(t for t in available_targets() if t != "generic"),
+        help="comma-separated targets (generic is slow; add it explicitly)",
+    )
     parser.add_argument("--quick", action="store_true", help="tiny shapes (smoke test)")
     args = parser.parse_args(argv)
     if not 1 <= args.threads <= max_threads():
