@@ -226,10 +226,49 @@ def _make_kernel(target: str, mr: int, ku: int, mode: str) -> Any:
                     _store_vec(builder, outv, builder.gep(c_p, [cidx]))
         return context.get_dummy_value()
 
-    def typer(typingctx: Any, *args: Any) -> Any:
-        if len(args) != 19:
-            raise TypeError(f"micro-kernel takes 19 arguments, got {len(args)}")
-        return types.void(*args), codegen
+    def typer(
+        typingctx: Any,
+        a: Any,
+        rowoffs: Any,
+        r0: Any,
+        koffs: Any,
+        nk: Any,
+        bp: Any,
+        boff: Any,
+        c: Any,
+        ldc: Any,
+        mvalid: Any,
+        colcorr: Any,
+        wzp: Any,
+        rowsum: Any,
+        biasq: Any,
+        mult: Any,
+        j0: Any,
+        ozp: Any,
+        qmin: Any,
+        qmax: Any,
+    ) -> Any:
+        return types.void(
+            a,
+            rowoffs,
+            r0,
+            koffs,
+            nk,
+            bp,
+            boff,
+            c,
+            ldc,
+            mvalid,
+            colcorr,
+            wzp,
+            rowsum,
+            biasq,
+            mult,
+            j0,
+            ozp,
+            qmin,
+            qmax,
+        ), codegen
 
     typer.__name__ = f"mk_{target}_{mr}_{mode}"
     return intrinsic(typer)
