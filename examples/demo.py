@@ -57,7 +57,8 @@ class SmallCNN(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.relu1(self.conv1(x))
         x = self.pool(self.relu2(self.conv2(x)))
-        return self.fc2(self.relu3(self.fc1(self.flatten(x))))
+        out: torch.Tensor = self.fc2(self.relu3(self.fc1(self.flatten(x))))
+        return out
 
 
 def load_data(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:

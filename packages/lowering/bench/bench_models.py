@@ -1,0 +1,325 @@
+"""Side-by-side model benchmark: every backend on the same prepared model, at 1 and 2 threads.
+
+Models (the lowering issue's performance targets):
+
+* ``mlp``: batch 32, Linear 768->3072, ReLU, Linear 3072->768;
+* ``cnn``: batch 1, 3x56x56 input, a 3x3 stem to 64 channels and two 64-channel 3x3 residual
+  blocks (conv-BN-ReLU, conv-BN, add, ReLU), then global average pooling and a classifier;
+* ``transformer_dynamic`` / ``transformer_static``: one post-norm transformer encoder layer
+  (hidden 384, 12 heads, sequence 128, batch 1, FFN 1536) with every Linear quantized
+  dynamically / statically (attention matmuls, softmax and LayerNorm stay float).
+
+Columns: fp32 eager; torch.ao's own ``prepare_fx``/``convert_fx`` on the x86 engine (when torch
+still ships torch.ao; imported lazily here: this is a tool, not runtime code); then one
+quantbridge prepared model (calibrated once, with the numba backends' qconfig mapping) converted
+to the reference model and lowered by ``torch_native`` and by every ``numba_*`` target.
+
+Timing: one forward pass per column per round, columns interleaved in each round (so load
+from other processes hits all columns alike), median over rounds (and the minimum, which is
+steadier on a loaded machine). Ratios are taken within one run: numba (the ``numba`` alias's
+target) vs torch.ao x86, and numba vs fp32 eager, from the medians and from the minima.
+
+    python packages/lowering/bench/bench_models.py [--rounds 20] [--threads 1 2] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import importlib
+import json
+import platform
+import statistics
+import sys
+import time
+import traceback
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from quantbridge import kernels
+from quantbridge.fx_quant import calibrate, convert_to_reference_fx, prepare_fx
+from quantbridge.lowering import available_backends, get_backend
+from quantbridge.qconfig import QConfigMapping, default_dynamic_qconfig
+
+# Targets of the issue: (numba vs torch.ao x86, numba vs fp32 eager); None = no target.
+TARGETS: dict[str, tuple[float | None, float]] = {
+    "mlp": (1.2, 3.0),
+    "cnn": (1.2, 3.0),
+    "transformer_dynamic": (None, 1.5),
+    "transformer_static": (None, 1.5),
+}
+
+
+class MLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(768, 3072)
+        self.relu = nn.ReLU()
+        self.fc2 = nn.Linear(3072, 768)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.fc2(self.relu(self.fc1(x)))
+        return out
+
+
+class BasicBlock(nn.Module):
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(channels)
+        self.relu1 = nn.ReLU()
+        self.conv2 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(channels)
+        self.relu2 = nn.ReLU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.bn2(self.conv2(self.relu1(self.bn1(self.conv1(x)))))
+        out: torch.Tensor = self.relu2(x + y)
+        return out
+
+
+class ResNetish(nn.Module):
+    def __init__(self, channels: int = 64, blocks: int = 2) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, channels, 3, padding=1, bias=False)
+        self.bn = nn.BatchNorm2d(channels)
+        self.relu = nn.ReLU()
+        self.blocks = nn.Sequential(*[BasicBlock(channels) for _ in range(blocks)])
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.flatten = nn.Flatten()
+        self.fc = nn.Linear(channels, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.blocks(self.relu(self.bn(self.stem(x))))
+        out: torch.Tensor = self.fc(self.flatten(self.pool(x)))
+        return out
+
+
+class EncoderLayer(nn.Module):
+    """A post-norm transformer encoder layer written with traceable ops (no fast path)."""
+
+    def __init__(self, hidden: int = 384, heads: int = 12, ffn: int = 1536) -> None:
+        super().__init__()
+        self.heads = heads
+        self.q = nn.Linear(hidden, hidden)
+        self.k = nn.Linear(hidden, hidden)
+        self.v = nn.Linear(hidden, hidden)
+        self.out = nn.Linear(hidden, hidden)
+        self.norm1 = nn.LayerNorm(hidden)
+        self.ff1 = nn.Linear(hidden, ffn)
+        self.act = nn.GELU()  # stays float: no int8 GELU in either flow
+        self.ff2 = nn.Linear(ffn, hidden)
+        self.norm2 = nn.LayerNorm(hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, h = x.shape
+        d = h // self.heads
+        q = self.q(x).reshape(b, s, self.heads, d).transpose(1, 2)
+        k = self.k(x).reshape(b, s, self.heads, d).transpose(1, 2)
+        v = self.v(x).reshape(b, s, self.heads, d).transpose(1, 2)
+        attn = torch.softmax(torch.matmul(q, k.transpose(-2, -1)) * (d**-0.5), dim=-1)
+        ctx = torch.matmul(attn, v).transpose(1, 2).reshape(b, s, h)
+        x = self.norm1(x + self.out(ctx))
+        out: torch.Tensor = self.norm2(x + self.ff2(self.act(self.ff1(x))))
+        return out
+
+
+def _models() -> dict[str, tuple[Callable[[], nn.Module], tuple[int, ...], str]]:
+    return {
+        "mlp": (MLP, (32, 768), "static"),
+        "cnn": (ResNetish, (1, 3, 56, 56), "static"),
+        "transformer_dynamic": (EncoderLayer, (1, 128, 384), "dynamic"),
+        "transformer_static": (EncoderLayer, (1, 128, 384), "static_linear"),
+    }
+
+
+def _mapping(base: QConfigMapping, mode: str) -> QConfigMapping:
+    if mode == "static":
+        return base
+    if mode == "dynamic":
+        return QConfigMapping().set_object_type(nn.Linear, default_dynamic_qconfig)
+    # static, Linear only: the backend's global qconfig on Linear modules
+    return QConfigMapping().set_object_type(nn.Linear, base.global_qconfig)
+
+
+def _torch_ao_model(
+    model: nn.Module, mode: str, example: torch.Tensor, calib: list[torch.Tensor]
+) -> nn.Module | str:
+    """torch.ao's convert_fx model on the x86 engine, or why there is none."""
+    try:
+        importlib.import_module("torch.ao.quantization.backend_config.utils")  # 2.13 quirk
+        ao_fx = importlib.import_module("torch.ao.quantization.quantize_fx")
+        ao_q = importlib.import_module("torch.ao.quantization")
+        ao_x86 = importlib.import_module("torch.ao.quantization.backend_config.x86")
+    except ImportError as e:
+        return f"torch.ao unavailable ({e})"
+    torch.backends.quantized.engine = "x86"
+    # the oracle's own deprecation notices would drown the table
+    warnings.filterwarnings("ignore", message=".*torch.ao.quantization is deprecated")
+    warnings.filterwarnings("ignore", message=".*reduce_range will be deprecated")
+    warnings.filterwarnings("ignore", message=".*quantized tensor creation functions")
+    default = ao_q.get_default_qconfig_mapping("x86")
+    if mode == "static":
+        mapping = default
+    elif mode == "dynamic":
+        mapping = ao_q.QConfigMapping().set_object_type(nn.Linear, ao_q.default_dynamic_qconfig)
+    else:
+        mapping = ao_q.QConfigMapping().set_object_type(nn.Linear, default.global_qconfig)
+    config = ao_x86.get_x86_backend_config()
+    prepared = ao_fx.prepare_fx(copy.deepcopy(model), mapping, (example,), backend_config=config)
+    with torch.no_grad():
+        for x in calib:
+            prepared(x)
+    return ao_fx.convert_fx(prepared, backend_config=config)  # type: ignore[no-any-return]
+
+
+def _columns(
+    name: str, calib_batches: int, seed: int
+) -> tuple[dict[str, Callable[[torch.Tensor], torch.Tensor]], dict[str, str], torch.Tensor]:
+    factory, shape, mode = _models()[name]
+    torch.manual_seed(seed)
+    model = factory().eval()
+    example = torch.randn(*shape)
+    calib = [torch.randn(*shape) for _ in range(calib_batches)]
+    columns: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"fp32": model}
+    errors: dict[str, str] = {}
+
+    ao = _torch_ao_model(model, mode, example, calib)
+    if isinstance(ao, str):
+        errors["torch.ao_x86"] = ao
+    else:
+        columns["torch.ao_x86"] = ao
+
+    backends = available_backends()
+    numba_targets = [b for b in backends if b.startswith("numba_")]
+    # one prepared model for all our columns: the numba backends' mapping and config
+    source = get_backend(numba_targets[0] if numba_targets else "reference")
+    base, config = source.qconfig_mapping(), source.backend_config
+    prepared = prepare_fx(
+        copy.deepcopy(model), _mapping(base, mode), (example,), backend_config=config
+    )
+    calibrate(prepared, calib, progress=False)
+    reference = convert_to_reference_fx(prepared, backend_config=config)
+    for backend_name in ["torch_native", "reference", *numba_targets]:
+        if backend_name not in backends:
+            errors[backend_name] = "not available here"
+            continue
+        try:
+            lowered = get_backend(backend_name).lower(copy.deepcopy(reference))
+            with torch.no_grad():
+                lowered(example)  # JIT compile / first-call costs outside the timing
+            columns[backend_name] = lowered
+        except Exception as e:  # a broken backend is a result to report, not a crash
+            errors[backend_name] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+            traceback.print_exc(limit=3, file=sys.stderr)
+    return columns, errors, example
+
+
+def _time(
+    columns: dict[str, Callable[[torch.Tensor], torch.Tensor]], x: torch.Tensor, rounds: int
+) -> tuple[dict[str, float], dict[str, float]]:
+    samples: dict[str, list[float]] = {k: [] for k in columns}
+    with torch.no_grad():
+        for fn in columns.values():  # warm-up
+            fn(x)
+        for _ in range(rounds):
+            for key, fn in columns.items():
+                start = time.perf_counter()
+                fn(x)
+                samples[key].append(time.perf_counter() - start)
+    return {k: statistics.median(v) * 1e3 for k, v in samples.items()}, {
+        k: min(v) * 1e3 for k, v in samples.items()
+    }
+
+
+def _ratios(times: dict[str, float], best: str | None) -> dict[str, float | None]:
+    ratios: dict[str, float | None] = {"numba_vs_torch_ao_x86": None, "numba_vs_fp32": None}
+    if best is not None and best in times:
+        if "torch.ao_x86" in times:
+            ratios["numba_vs_torch_ao_x86"] = times["torch.ao_x86"] / times[best]
+        ratios["numba_vs_fp32"] = times["fp32"] / times[best]
+    return ratios
+
+
+def _best_numba(times: dict[str, float]) -> str | None:
+    best = get_backend("numba").name if "numba" in available_backends() else None
+    names = [k for k in times if k.startswith("numba_")]
+    if best is not None and best in times:
+        return best
+    # the alias "numba" names a target; fall back to the fastest measured target
+    return min(names, key=lambda k: times[k]) if names else None
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--models", nargs="*", default=list(_models()))
+    parser.add_argument("--threads", nargs="*", type=int, default=[1, 2])
+    parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--calib-batches", type=int, default=4)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    args = parser.parse_args()
+    unknown = set(args.models) - set(_models())
+    if unknown:
+        parser.error(f"unknown models {sorted(unknown)}; choose from {list(_models())}")
+
+    results: list[dict[str, Any]] = []
+    print(
+        f"torch {torch.__version__}, {platform.processor() or platform.machine()}, "
+        f"backends: {', '.join(available_backends())}"
+    )
+    for name in args.models:
+        columns, errors, example = _columns(name, args.calib_batches, args.seed)
+        for threads in args.threads:
+            torch.set_num_threads(threads)
+            kernels.set_num_threads(threads)
+            times, fastest = _time(columns, example, args.rounds)
+            best = _best_numba(times)
+            ratios = _ratios(times, best)
+            results.append(
+                {
+                    "model": name,
+                    "threads": threads,
+                    "ms": times,
+                    "min_ms": fastest,
+                    "errors": errors,
+                    "numba": best,
+                    "ratios": ratios,
+                    "ratios_of_min": _ratios(fastest, best),
+                    "targets": dict(
+                        zip(("numba_vs_torch_ao_x86", "numba_vs_fp32"), TARGETS[name], strict=True)
+                    ),
+                }
+            )
+            _print_row(results[-1])
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"command": " ".join(sys.argv), "results": results}, f, indent=2)
+    return 0
+
+
+def _print_row(r: dict[str, Any]) -> None:
+    times: dict[str, float] = r["ms"]
+    width = max(len(k) for k in times)
+    print(f"\n{r['model']}, {r['threads']} thread(s): ms per forward, median (min)")
+    for k, v in times.items():
+        print(f"  {k:<{width}} {v:>10.3f} ({r['min_ms'][k]:.3f})")
+    for k, why in r["errors"].items():
+        print(f"  {k}: {why}")
+    for key, value in r["ratios"].items():
+        target = r["targets"][key]
+        of_min = r["ratios_of_min"][key]
+        if value is None:
+            print(f"  {key} ({r['numba']}): n/a")
+            continue
+        verdict = "" if target is None else (" MET" if value >= target else " MISSED")
+        goal = "" if target is None else f" (target >= {target}x){verdict}"
+        print(f"  {key} ({r['numba']}): {value:.2f}x{goal}; of the minima: {of_min:.2f}x")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
