@@ -20,6 +20,7 @@ from quantbridge.lowering._backend import (
 )
 from quantbridge.lowering._errors import LoweringError
 from quantbridge.lowering._lower import LoweringReport, lowering_report
+from quantbridge.lowering._modules import LoweredModule
 from quantbridge.lowering._numba_backend import NumbaBackend
 from quantbridge.lowering._numba_config import numba_backend_config
 from quantbridge.lowering._reference import ReferenceBackend, reference
@@ -51,6 +52,7 @@ _register_builtins()
 __all__ = [
     "Backend",
     "BackendUnavailableError",
+    "LoweredModule",
     "LoweringError",
     "LoweringReport",
     "NumbaBackend",

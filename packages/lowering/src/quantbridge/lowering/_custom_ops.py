@@ -183,6 +183,8 @@ def binary_op(
     target: str,
 ) -> torch.Tensor:
     fn = getattr(K, kind)
+    if a.shape != b.shape:
+        a, b = torch.broadcast_tensors(a, b)
     out = fn(
         _np(a), a_scale, a_zero_point, _np(b), b_scale, b_zero_point, out_scale, out_zero_point,
         target=target,
@@ -191,8 +193,8 @@ def binary_op(
 
 
 @binary_op.register_fake
-def _(a: torch.Tensor, *args: Any) -> torch.Tensor:
-    return torch.empty_like(a, dtype=torch.uint8)
+def _(a: torch.Tensor, a_scale: float, a_zero_point: int, b: torch.Tensor, *args: Any) -> Any:
+    return torch.empty(torch.broadcast_shapes(a.shape, b.shape), dtype=torch.uint8)
 
 
 @torch.library.custom_op(f"{_NS}::lut", mutates_args=())
@@ -323,11 +325,14 @@ def matmul_op(
     out_zero_point: int,
     target: str,
 ) -> torch.Tensor:
+    lead = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    a3 = a.expand(*lead, *a.shape[-2:]).reshape(-1, *a.shape[-2:])
+    b3 = b.expand(*lead, *b.shape[-2:]).reshape(-1, *b.shape[-2:])
     out = K.matmul(
-        _np(a), a_scale, a_zero_point, _np(b), b_scale, b_zero_point, out_scale, out_zero_point,
-        target=target,
+        _np(a3), a_scale, a_zero_point, _np(b3), b_scale, b_zero_point, out_scale,
+        out_zero_point, target=target,
     )  # fmt: skip
-    return torch.from_numpy(np.asarray(out))
+    return torch.from_numpy(np.asarray(out)).reshape(*lead, a.shape[-2], b.shape[-1])
 
 
 @matmul_op.register_fake

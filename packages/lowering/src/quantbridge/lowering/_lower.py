@@ -49,6 +49,9 @@ class LoweringReport:
     target: str
     lowered: list[tuple[str, str]] = field(default_factory=list)
     kept: list[tuple[str, str]] = field(default_factory=list)
+    # lowered node name -> the reference node whose value it computes (a quantize node, or the
+    # float module node for dynamic linear and embeddings); node names survive lowering
+    origins: dict[str, str] = field(default_factory=dict)
 
     def __str__(self) -> str:
         lines = [f"lowered to quantbridge.kernels (target={self.target}):"]
@@ -226,6 +229,7 @@ class _Lowerer:
             if qin is not None:  # quantize(dequantize(x)): only the qparams change
                 new = self._requant(qin[0], qin[1], out_qp, q)
                 q.replace_all_uses_with(new)
+                self.report.origins[new.name] = q.name
             return
         if len(src.users) != 1:
             self.report.kept.append((src.name, "its float output has other users"))
@@ -236,6 +240,7 @@ class _Lowerer:
             self.report.kept.append((src.name, str(why)))
             return
         q.replace_all_uses_with(new)
+        self.report.origins[new.name] = q.name
 
     def _lower(self, node: Node, out_qp: QParams, before: Node) -> Node:
         mod = self._submodule(node)
@@ -276,7 +281,10 @@ class _Lowerer:
             return self._lut_fn(node, out_qp, before)
         if fn in _MAXPOOL_FNS:
             a = _fn_args(node, ["input", "kernel_size", "stride", "padding", "dilation",
-                                "ceil_mode"], [None, None, None, 0, 1, False])  # fmt: skip
+                                "ceil_mode", "return_indices"],
+                         [None, None, None, 0, 1, False, False])  # fmt: skip
+            if a["return_indices"]:
+                raise _KeepError("max_pool2d with return_indices=True")
             stride = a["stride"] if a["stride"] not in (None, []) else a["kernel_size"]
             return self._maxpool(node, a["kernel_size"], stride, a["padding"], a["dilation"],
                                  a["ceil_mode"], out_qp, before)  # fmt: skip
@@ -356,8 +364,7 @@ class _Lowerer:
         if not (isinstance(q, Node) and q.op == "call_function" and q.target is _Q):
             return
         x = q.args[0]
-        if not isinstance(x, Node) or len(dq.users) != 1:
-            self.report.kept.append((node.name, "dynamic linear input is shared"))
+        if not isinstance(x, Node):
             return
         try:
             w, ws, wz = _int8_weight(mod, node.name)
@@ -367,6 +374,7 @@ class _Lowerer:
         new_mod = lm.QuantizedDynamicLinear(w, ws, wz, mod.bias, self.target, None, None)
         new = self._add_module(f"{node.target}_dynamic", new_mod, (x,), node)
         node.replace_all_uses_with(new)
+        self.report.origins[new.name] = node.name
         self.report.lowered.append((new.name, f"{new_mod.kernel} ({self.target})"))
 
     def _embedding(self, node: Node, mod: nnqr.EmbeddingBag | nnqr.Embedding) -> None:
@@ -398,19 +406,22 @@ class _Lowerer:
         with self.graph.inserting_before(node):
             new = self.graph.call_module(name, node.args, node.kwargs)
         node.replace_all_uses_with(new)
+        self.report.origins[new.name] = node.name
         self.report.lowered.append((new.name, f"{new_mod.kernel} ({self.target})"))
 
     # elementwise / pools / shapes -----------------------------------------------------------
 
-    def _single_input(self, node: Node) -> tuple[Node, QParams]:
-        tensors = [a for a in _flat_args(node) if isinstance(a, Node)]
-        if not tensors:
-            raise _KeepError("no tensor input")
-        qin = self._qin(tensors[0])
-        if qin is None or any(self._qin(t) is None or t is not tensors[0] for t in tensors[1:]):
-            raise _KeepError("inputs are not all static uint8 quantized values")
-        if node.args[0] is not tensors[0] and node.kwargs.get("input") is not tensors[0]:
-            raise _KeepError("the quantized tensor is not the first argument")
+    def _single_input(self, node: Node, sizes_ok: bool = False) -> tuple[Node, QParams]:
+        """The one quantized input (first argument); other node arguments are refused unless
+        ``sizes_ok`` (shape ops take sizes computed in the graph, e.g. ``x.shape[0]``)."""
+        first = node.args[0] if node.args else node.kwargs.get("input")
+        qin = self._qin(first)
+        if qin is None:
+            raise _KeepError("input is not a static uint8 quantized value")
+        for a in _flat_args(node)[1:]:
+            for n in _nodes_in(a):
+                if not sizes_ok or (n.op == "call_function" and n.target is _DQ):
+                    raise _KeepError("more than one tensor input")
         return qin
 
     def _lut(self, node: Node, fn: Callable[[torch.Tensor], torch.Tensor], what: str,
@@ -435,8 +446,6 @@ class _Lowerer:
 
     def _lut_fn(self, node: Node, out_qp: QParams, before: Node) -> Node:
         x, in_qp = self._single_input(node)
-        if any(isinstance(a, Node) for a in _flat_args(node)[1:]):
-            raise _KeepError("extra tensor arguments")
         target = node.target
         rest, kwargs = node.args[1:], dict(node.kwargs)
         kwargs.pop("inplace", None)
@@ -550,9 +559,7 @@ class _Lowerer:
         return new
 
     def _shape(self, node: Node, out_qp: QParams, before: Node) -> Node:
-        x, in_qp = self._single_input(node)
-        if any(isinstance(a, Node) for a in _flat_args(node)[1:]):
-            raise _KeepError("shape op with tensor arguments")
+        x, in_qp = self._single_input(node, sizes_ok=True)
         dq = node.args[0]
         assert isinstance(dq, Node)
         with self.graph.inserting_before(before):
@@ -584,6 +591,16 @@ class _KeepError(Exception):
 
 def _flat_args(node: Node) -> list[Any]:
     return [*node.args, *node.kwargs.values()]
+
+
+def _nodes_in(value: Any) -> list[Node]:
+    if isinstance(value, Node):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [n for v in value for n in _nodes_in(v)]
+    if isinstance(value, dict):
+        return [n for v in value.values() for n in _nodes_in(v)]
+    return []
 
 
 def _fn_args(node: Node, names: list[str], defaults: list[Any]) -> dict[str, Any]:

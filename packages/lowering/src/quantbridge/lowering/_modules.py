@@ -22,6 +22,7 @@ from torch import nn
 from quantbridge import kernels as K
 from quantbridge.lowering import _custom_ops as ops
 from quantbridge.lowering._custom_ops import is_tracing
+from quantbridge.lowering._errors import LoweringError
 
 __all__ = [
     "LoweredModule",
@@ -285,6 +286,8 @@ class QuantizedBinary(LoweredModule):
                 a, self._xs, self._xz, b, self._bs, self._bz, self._os, self._oz,
                 self.kind, self.target,
             ))  # fmt: skip
+        if a.shape != b.shape:  # the kernels take equal shapes: broadcast first
+            a, b = torch.broadcast_tensors(a, b)
         out = self._fn(_np(a), self._xs, self._xz, _np(b), self._bs, self._bz, self._os,
                        self._oz, target=self.target)  # fmt: skip
         return torch.from_numpy(out)
@@ -310,9 +313,22 @@ class QuantizedMatmul(QuantizedBinary):
                     a, self._xs, self._xz, b, self._bs, self._bz, self._os, self._oz, self.target
                 )
             )
-        out = K.matmul(_np(a), self._xs, self._xz, _np(b), self._bs, self._bz, self._os,
+        if a.dim() == b.dim() and a.dim() in (2, 3) and a.shape[:-2] == b.shape[:-2]:
+            out = K.matmul(_np(a), self._xs, self._xz, _np(b), self._bs, self._bz, self._os,
+                           self._oz, target=self.target)  # fmt: skip
+            return torch.from_numpy(out)
+        # broadcast leading dims, run as one batched [B, M, K] x [B, K, N] call
+        if a.dim() < 2 or b.dim() < 2:
+            raise LoweringError(
+                f"quantized matmul: operands need at least 2 dims, got {tuple(a.shape)} and "
+                f"{tuple(b.shape)}"
+            )
+        lead = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+        a3 = a.expand(*lead, *a.shape[-2:]).reshape(-1, *a.shape[-2:])
+        b3 = b.expand(*lead, *b.shape[-2:]).reshape(-1, *b.shape[-2:])
+        out = K.matmul(_np(a3), self._xs, self._xz, _np(b3), self._bs, self._bz, self._os,
                        self._oz, target=self.target)  # fmt: skip
-        return torch.from_numpy(out)
+        return torch.from_numpy(out).reshape(*lead, a.shape[-2], b.shape[-1])
 
 
 class QuantizedLookupTable(LoweredModule):
