@@ -484,6 +484,9 @@ def convert_reference(
                 _set_module(model, str(node.target), quantized)
 
     conv.graph.eliminate_dead_code()
+    for name, module in list(model._modules.items()):
+        if is_observer_module(module):  # replaced above; shared ones hide from named_modules
+            delattr(model, name)
     model.recompile()
     result = model
     if remove_qconfig:

@@ -94,7 +94,9 @@ def _position(graph: Graph) -> Any:
     return order.__getitem__
 
 
-def fuse(model: GraphModule, is_qat: bool, backend_config: BackendConfig) -> GraphModule:
+def fuse(
+    model: GraphModule, is_qat: bool, backend_config: BackendConfig, *, recompile: bool = True
+) -> GraphModule:
     """Fuse ``model`` (a traced GraphModule) in place following ``backend_config``."""
     configs = {
         pattern: config
@@ -109,6 +111,7 @@ def fuse(model: GraphModule, is_qat: bool, backend_config: BackendConfig) -> Gra
         return model
     named = dict(model.named_modules())
     graph = model.graph
+    dropped_targets: set[str] = set()
     for match in matches:
         config = configs[match.pattern]
         root = match.root
@@ -139,7 +142,15 @@ def fuse(model: GraphModule, is_qat: bool, backend_config: BackendConfig) -> Gra
         for node in sorted(
             (n for n in match.nodes if n is not root), key=_position(graph), reverse=True
         ):
+            if node.op == "call_module":
+                dropped_targets.add(str(node.target))
             graph.erase_node(node)
-    model.delete_all_unused_submodules()  # the folded batch norms, absorbed relus
-    model.recompile()
+    # The folded batch norms and absorbed relus. (delete_all_unused_submodules alone misses
+    # modules that now also live inside a fused module: named_modules() yields them once.)
+    used = {str(n.target) for n in graph.nodes if n.op in ("call_module", "get_attr")}
+    for target in dropped_targets - used:
+        model.delete_submodule(target)
+    model.delete_all_unused_submodules()
+    if recompile:
+        model.recompile()
     return model

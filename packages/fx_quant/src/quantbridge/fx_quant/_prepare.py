@@ -231,7 +231,7 @@ def prepare(
         skipped_classes += pcc.custom_module_classes
     gm, scope = trace(model, skipped_names, skipped_classes)
     _check_example_inputs(gm, example_inputs)
-    gm = fuse(gm, is_qat, bc)
+    gm = fuse(gm, is_qat, bc, recompile=False)  # recompiled once, after observers
 
     update_qconfig_for_fusion(gm, mapping)
     propagate_module_qconfigs(gm, mapping, pcc)
