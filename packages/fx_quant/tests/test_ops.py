@@ -76,6 +76,16 @@ def test_quantize_dequantize_per_tensor_matches_torch(
                 qb.dequantize_per_tensor.tensor(q_t, st, zt, qmin, qmax, dtype),
                 ref_t.dequantize(),
             )
+            # non-contiguous input (a transposed matrix): same values, torch's layout rules
+            if x.numel() >= 6:
+                xt = x[: (x.numel() // 3) * 3].reshape(3, -1).t()
+                ref_nc = torch.quantize_per_tensor(xt, scale, zp, qdtype)
+                q_nc = qb.quantize_per_tensor(xt, scale, zp, qmin, qmax, dtype)
+                assert torch.equal(q_nc, ref_nc.int_repr())
+                assert torch.equal(
+                    qb.dequantize_per_tensor(q_nc, scale, zp, qmin, qmax, dtype),
+                    ref_nc.dequantize(),
+                )
             checked += 1
     assert checked > 200
 

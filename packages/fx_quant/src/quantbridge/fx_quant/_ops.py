@@ -158,7 +158,8 @@ def _fma_to_float32(x: torch.Tensor, inv: float, zero_point: int) -> torch.Tenso
     found by their bit pattern and nudged one float64 step towards the exact sum, whose
     remainder an error-free two-sum gives.
     """
-    total = x.to(torch.float64).mul_(inv).add_(zero_point)
+    # Contiguous, so that its flat view lines up with x.reshape(-1) below.
+    total = x.to(torch.float64, memory_format=torch.contiguous_format).mul_(inv).add_(zero_point)
     flat = total.view(-1)
     bits = flat.view(torch.int64)
     where = torch.nonzero(torch.bitwise_and(bits, _MIDPOINT_MASK) == _MIDPOINT_BITS).view(-1)
