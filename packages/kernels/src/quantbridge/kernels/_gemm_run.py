@@ -96,6 +96,8 @@ def run_gemm(
             f32_out,
         )
     else:
+        if target == "avx2":
+            a = a.astype(np.int16)  # the AVX2 kernels read activations as int16 pairs
         table = _SERIAL if threads == 1 else _DRIVERS
         drv = table[(target, "f32" if f32_out else "u8")]
         drv(

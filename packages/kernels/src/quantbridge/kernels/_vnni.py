@@ -11,7 +11,9 @@ Targets and packed-B layouts (``_pack.py`` builds them):
   ``acc(16 x i32) = vpdpbusd(acc, broadcast(a[k:k+4] as i32), b_panel[step][16 cols][4])``.
   u8 x s8 products summed in int32 without saturation.
 * ``avx2``: B is int16 ``[Np/16][Kp/2][16][2]``; one step consumes 2 k values:
-  ``acc(8 x i32) += vpmaddwd(broadcast(zext(a[k:k+2]) as 2 x i16), b_panel[step][8 cols][2])``.
+  ``acc(8 x i32) += vpmaddwd(broadcast(a16[k:k+2] as i32), b_panel[step][8 cols][2])``, where
+  ``a16`` is the activation zero-extended to int16 once per call (so each step is a single
+  broadcast load instead of a byte-pair load, widen and broadcast).
   Widening to 16 bits keeps every product and pair sum exact (|255 * 128 * 2| < 2**31), which
   ``vpmaddubsw`` (int16 saturation at 32767) would not.
 
@@ -165,12 +167,10 @@ def _make_kernel(target: str, mr: int, ku: int, mode: str) -> Any:
                             bw = builder.bitcast(bvecs[v], vi32)
                             builder.store(builder.call(fn, [builder.load(slot), abc, bw]), slot)
                     else:
-                        pair = builder.load(
-                            builder.bitcast(aptr, ir.VectorType(I8, 2).as_pointer())
-                        )
+                        # activations arrive widened to int16: one 4-byte broadcast load
+                        pair = builder.load(builder.bitcast(aptr, I32.as_pointer()))
                         pair.align = 1
-                        wide = builder.bitcast(builder.zext(pair, ir.VectorType(I16, 2)), I32)
-                        abc = builder.bitcast(_vec_broadcast(builder, wide, lanes), bvt)
+                        abc = builder.bitcast(_vec_broadcast(builder, pair, lanes), bvt)
                         for v in range(nvec):
                             slot = accs[r][u][v]
                             prod = builder.call(fn, [abc, bvecs[v]])
