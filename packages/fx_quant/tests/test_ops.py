@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import warnings
+from typing import Any
 
 import pytest
 import torch
@@ -415,3 +416,30 @@ def test_int16_matches_torch_decomposed_ops() -> None:
             qb.dequantize_per_channel(q_c, scales, zps, 0, lo, hi, torch.int16),
             qd.dequantize_per_channel(ref_c, scales, zps, 0, lo, hi, torch.int16),
         )
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: torch.tensor(1.37),
+        lambda: torch.empty(0),
+        lambda: torch.empty(0, 3),
+        lambda: torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last),
+        lambda: torch.randn(9)[::2],
+    ],
+    ids=["0-d", "empty", "empty-2d", "channels-last", "strided"],
+)
+@pytest.mark.parametrize("zp", [0, 7])
+def test_layouts_match_torch(make: Any, zp: int) -> None:
+    pytest.importorskip("torch.ao.quantization")
+    x = make()
+    ref = torch.quantize_per_tensor(x.contiguous(), 0.1, zp, torch.quint8)
+    q = qb.quantize_per_tensor(x, 0.1, zp, 0, 255, torch.uint8)
+    assert q.shape == x.shape
+    assert torch.equal(q, ref.int_repr())
+    assert torch.equal(qb.dequantize_per_tensor(q, 0.1, zp, 0, 255, torch.uint8), ref.dequantize())
+    if x.dim() == 4:
+        scales, zps = torch.tensor([0.1, 0.2, 0.05]), torch.tensor([0, 3, 9])
+        ref_c = torch.quantize_per_channel(x.contiguous(), scales.double(), zps, 1, torch.quint8)
+        q_c = qb.quantize_per_channel(x, scales, zps, 1, 0, 255, torch.uint8)
+        assert torch.equal(q_c, ref_c.int_repr())
