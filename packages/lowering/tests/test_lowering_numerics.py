@@ -95,9 +95,9 @@ class _TeacherForced(Interpreter):
 def _coarsest_step(reference: GraphModule) -> float:
     steps = []
     for n in reference.graph.nodes:
-        if n.op == "call_function" and n.target is _Q and isinstance(n.args[1], Node):
-            if n.args[1].op == "get_attr":
-                steps.append(float(getattr(reference, str(n.args[1].target))))
+        scale = n.args[1] if n.op == "call_function" and n.target is _Q else None
+        if isinstance(scale, Node) and scale.op == "get_attr":
+            steps.append(float(getattr(reference, str(scale.target))))
     return max(steps)
 
 

@@ -19,7 +19,7 @@ from quantbridge.lowering._backend import (
     unregister_backend,
 )
 from quantbridge.lowering._errors import LoweringError
-from quantbridge.lowering._lower import LoweringReport, lowering_report
+from quantbridge.lowering._lower import LoweringReport, lower_to_kernels, lowering_report
 from quantbridge.lowering._modules import LoweredModule
 from quantbridge.lowering._numba_backend import NumbaBackend
 from quantbridge.lowering._numba_config import numba_backend_config
@@ -60,6 +60,7 @@ __all__ = [
     "SupportedOp",
     "available_backends",
     "get_backend",
+    "lower_to_kernels",
     "lowering_report",
     "numba",
     "numba_avx2",
