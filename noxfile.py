@@ -33,7 +33,7 @@ else:  # pragma: no cover - nox itself runs on 3.11 here
 ROOT = Path(__file__).parent
 CONSTRAINTS = ROOT / "constraints.txt"
 PACKAGES = ("patterns", "qconfig", "kernels", "fx_quant", "lowering")
-TEST_REQUIREMENTS = ("pytest", "hypothesis", "torch")
+TEST_REQUIREMENTS = ("pytest", "hypothesis", "numpy", "torch")
 
 nox.options.sessions = ["tests", "lint", "typecheck"]
 nox.options.reuse_venv = "yes"
