@@ -224,7 +224,10 @@ def _conv(
             False,
             threads,
         )
-        out[..., gi * packed.ocg : (gi + 1) * packed.ocg] = res.reshape(n, oh, ow, packed.ocg)
+        if packed.groups == 1:
+            out = res.reshape(n, oh, ow, packed.oc)  # no per-group scatter needed
+        else:
+            out[..., gi * packed.ocg : (gi + 1) * packed.ocg] = res.reshape(n, oh, ow, packed.ocg)
     res_nchw = np.ascontiguousarray(out.transpose(0, 3, 1, 2))
     return res_nchw if dims == 2 else res_nchw[:, :, 0, :]
 
