@@ -225,7 +225,7 @@ def _conv(
             threads,
         )
         if packed.groups == 1:
-            out = res.reshape(n, oh, ow, packed.oc)  # no per-group scatter needed
+            out = res.reshape(n, oh, ow, packed.oc)  # type: ignore[assignment]  # no scatter
         else:
             out[..., gi * packed.ocg : (gi + 1) * packed.ocg] = res.reshape(n, oh, ow, packed.ocg)
     res_nchw = np.ascontiguousarray(out.transpose(0, 3, 1, 2))
