@@ -58,6 +58,13 @@ def _wkey(kind: str, w: torch.Tensor, *rest: Any) -> tuple[Any, ...]:
     return (kind, w.data_ptr(), w._version, tuple(w.shape), *rest)
 
 
+def _wqp(scale: torch.Tensor, zero_point: torch.Tensor) -> tuple[Any, Any]:
+    """Per-tensor weight qparams as Python numbers, per-channel as arrays."""
+    if scale.numel() == 1:
+        return float(scale.reshape(-1)[0]), int(zero_point.reshape(-1)[0])
+    return _np(scale), _np(zero_point)
+
+
 def _bias(b: torch.Tensor | None) -> Any:
     return None if b is None else _np(b.detach().to(torch.float32))
 
@@ -79,7 +86,7 @@ def linear_op(
     packed = _cached(
         _wkey("linear", weight, target),
         lambda: K.PackedLinearWeight(
-            _np(weight), _np(w_scale), _np(w_zero_point), _bias(bias), target=target
+            _np(weight), *_wqp(w_scale, w_zero_point), _bias(bias), target=target
         ),
     )
     out = K.linear(_np(x), packed, x_scale, x_zero_point, out_scale, out_zero_point, relu=relu)
@@ -103,7 +110,7 @@ def linear_dynamic_op(
     packed = _cached(
         _wkey("linear", weight, target),
         lambda: K.PackedLinearWeight(
-            _np(weight), _np(w_scale), _np(w_zero_point), _bias(bias), target=target
+            _np(weight), *_wqp(w_scale, w_zero_point), _bias(bias), target=target
         ),
     )
     return torch.from_numpy(K.linear_dynamic(_np(x.to(torch.float32)), packed))
@@ -136,8 +143,7 @@ def conv_op(
         _wkey("conv", weight, target, tuple(stride), tuple(padding), tuple(dilation), groups),
         lambda: K.PackedConvWeight(
             _np(weight),
-            _np(w_scale),
-            _np(w_zero_point),
+            *_wqp(w_scale, w_zero_point),
             _bias(bias),
             stride=tuple(stride),
             padding=tuple(padding),
