@@ -190,7 +190,7 @@ def binary_op(
 ) -> torch.Tensor:
     fn = getattr(K, kind)
     if a.shape != b.shape:
-        a, b = torch.broadcast_tensors(a, b)
+        a, b = torch.broadcast_tensors(a, b)  # type: ignore[no-untyped-call]
     out = fn(
         _np(a), a_scale, a_zero_point, _np(b), b_scale, b_zero_point, out_scale, out_zero_point,
         target=target,
@@ -200,7 +200,7 @@ def binary_op(
 
 @binary_op.register_fake
 def _(a: torch.Tensor, a_scale: float, a_zero_point: int, b: torch.Tensor, *args: Any) -> Any:
-    return torch.empty(torch.broadcast_shapes(a.shape, b.shape), dtype=torch.uint8)
+    return torch.empty(torch.broadcast_shapes(a.shape, b.shape), dtype=torch.uint8)  # type: ignore[no-untyped-call]
 
 
 @torch.library.custom_op(f"{_NS}::lut", mutates_args=())
@@ -331,7 +331,7 @@ def matmul_op(
     out_zero_point: int,
     target: str,
 ) -> torch.Tensor:
-    lead = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    lead = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])  # type: ignore[no-untyped-call]
     a3 = a.expand(*lead, *a.shape[-2:]).reshape(-1, *a.shape[-2:])
     b3 = b.expand(*lead, *b.shape[-2:]).reshape(-1, *b.shape[-2:])
     out = K.matmul(

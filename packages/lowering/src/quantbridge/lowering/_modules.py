@@ -287,7 +287,7 @@ class QuantizedBinary(LoweredModule):
                 self.kind, self.target,
             ))  # fmt: skip
         if a.shape != b.shape:  # the kernels take equal shapes: broadcast first
-            a, b = torch.broadcast_tensors(a, b)
+            a, b = torch.broadcast_tensors(a, b)  # type: ignore[no-untyped-call]
         out = self._fn(_np(a), self._xs, self._xz, _np(b), self._bs, self._bz, self._os,
                        self._oz, target=self.target)  # fmt: skip
         return torch.from_numpy(out)
@@ -323,7 +323,7 @@ class QuantizedMatmul(QuantizedBinary):
                 f"quantized matmul: operands need at least 2 dims, got {tuple(a.shape)} and "
                 f"{tuple(b.shape)}"
             )
-        lead = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+        lead = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])  # type: ignore[no-untyped-call]
         a3 = a.expand(*lead, *a.shape[-2:]).reshape(-1, *a.shape[-2:])
         b3 = b.expand(*lead, *b.shape[-2:]).reshape(-1, *b.shape[-2:])
         out = K.matmul(_np(a3), self._xs, self._xz, _np(b3), self._bs, self._bz, self._os,
