@@ -288,3 +288,11 @@ def test_linear_dynamic_byte_identical_to_torch(target):
         want = torch.ops.quantized.linear_dynamic(torch.from_numpy(x), tp, False).numpy()
         got = linear_dynamic(x, PackedLinearWeight(w, w_s, 0, bias, target=target))
         np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_k_mismatch_equal_to_padded_k_is_refused(target):
+    # K=5 is padded to 8 internally; an 8-wide input must still be refused
+    packed = PackedLinearWeight(np.ones((4, 5), np.int8), 0.1, target=target)
+    with pytest.raises(KernelError, match="K=5"):
+        linear(np.zeros((2, 8), np.uint8), packed, 0.1, 0, 0.1, 0, num_threads=1)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import numpy.typing as npt
 
@@ -37,6 +39,11 @@ _SERIAL = {
 _SERIAL_BELOW = 1 << 20
 
 _NR = {t: layout(t)[0] for t in ("avx512_vnni", "avx2", "generic")}
+
+
+def serial_driver(target: str, mode: str) -> Any:
+    """The one-thread IR driver for ``target`` (None for generic, which has none)."""
+    return _SERIAL.get((target, mode))
 
 
 def _row_chunk(m: int, npanels: int, threads: int) -> int:
