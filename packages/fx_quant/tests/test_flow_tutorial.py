@@ -1,5 +1,10 @@
 """The BackendConfig tutorial (seed 002) reproduced: a custom backend with quantized linear and
-fused conv-relu, its two faulty setups, and what explain / strict say about them."""
+fused conv-relu, its two faulty setups, and what explain / strict say about them.
+
+The tutorial's reference models are checked (``convert_to_reference_fx``): a lowering for
+"my_backend" may be installed (quantbridge.lowering's test plugin is), which ``convert_fx``
+would apply.
+"""
 
 from __future__ import annotations
 
@@ -13,7 +18,7 @@ from torch import nn
 
 from quantbridge.fx_quant import (
     StrictPrepareError,
-    convert_fx,
+    convert_to_reference_fx,
     explain,
     prepare_fx,
 )
@@ -136,7 +141,7 @@ def test_linear_and_conv_relu_quantized_sigmoid_float() -> None:
     assert report["sigmoid"].status == "float"
     assert report["linear"].candidates[0][1] is None
     assert report["linear"].chosen == 0
-    converted = convert_fx(prepared, backend_config=my_backend())
+    converted = convert_to_reference_fx(prepared, backend_config=my_backend())
     assert isinstance(converted.linear, nnqr.Linear)
     assert isinstance(converted.conv, nni.ConvReLU2d)
     assert isinstance(converted.conv[0], nnqr.Conv2d)
@@ -159,7 +164,7 @@ def test_conv_bn_relu_only_linear_quantized() -> None:
     for name in ("conv", "bn", "relu"):
         assert report[name].status == "float"
         assert "no pattern of backend 'my_backend'" in report[name].reason
-    converted = convert_fx(prepared, backend_config=my_backend())
+    converted = convert_to_reference_fx(prepared, backend_config=my_backend())
     assert isinstance(converted.linear, nnqr.Linear)
     assert type(converted.conv) is nn.Conv2d
     assert type(converted.bn) is nn.BatchNorm2d
@@ -180,7 +185,7 @@ def test_default_mapping_quantizes_nothing_and_explain_says_why() -> None:
     assert "activation eps 1.19e-07 below backend scale_min 2**-12" in text
     assert "linear" in text
     assert "no DTypeConfig accepts the qconfig" in text
-    converted = convert_fx(prepared, backend_config=my_backend())
+    converted = convert_to_reference_fx(prepared, backend_config=my_backend())
     assert not any(isinstance(m, nnqr.ReferenceQuantizedModule) for m in converted.modules())
     assert _quantize_inputs(converted) == []
     torch.manual_seed(0)
@@ -268,7 +273,7 @@ def test_tutorial_matches_torch_ao() -> None:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             ref_theirs = ao_fx.convert_to_reference_fx(theirs, backend_config=backend)
-        ref_ours = convert_fx(ours, backend_config=my_backend())
+        ref_ours = convert_to_reference_fx(ours, backend_config=my_backend())
         buffers_theirs = dict(ref_theirs.named_buffers())
         buffers_ours = dict(ref_ours.named_buffers())
         names = [k for k in buffers_theirs if "_scale_" in k or "_zero_point_" in k]
