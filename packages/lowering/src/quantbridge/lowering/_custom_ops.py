@@ -1,8 +1,9 @@
 """The torch.library path: lowered ops as ``torch.ops.quantbridge_lowering.*`` custom ops.
 
 Eager forward calls the numba kernels directly on numpy views (fastest, no dispatcher). While
-``torch.export``/``torch.compile`` traces (``torch.compiler.is_exporting()``, or any input is a
-fake tensor) the lowered modules call these custom ops instead: each has a fake (meta)
+``torch.export``/``torch.compile`` traces (``torch.compiler.is_compiling()``, which is also
+true while exporting, or any input is not a plain ``torch.Tensor``: fake, functional or proxy
+tensors) the lowered modules call these custom ops instead: each has a fake (meta)
 implementation giving the output shape and dtype, so the graph captures one opaque node per
 lowered op. Running the exported program eagerly executes the real implementation, which
 calls the same kernels; packed weights are rebuilt from the int8 weight tensors there and
@@ -17,7 +18,6 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torch._subclasses.fake_tensor import FakeTensor
 
 from quantbridge import kernels as K
 
@@ -30,9 +30,11 @@ _pack_lock = threading.Lock()
 
 def is_tracing(*tensors: torch.Tensor) -> bool:
     """True when the custom-op path must run (export/compile tracing, fake tensors)."""
-    if torch.compiler.is_compiling():
-        return True
-    return any(isinstance(t, FakeTensor) for t in tensors)
+    for t in tensors:
+        # plain eager tensors are exactly torch.Tensor; fake/functional/proxy ones subclass it
+        if type(t) is not torch.Tensor:
+            return True
+    return torch.compiler.is_compiling()
 
 
 def _p(v: list[int]) -> tuple[int, int]:
