@@ -36,7 +36,7 @@ from torch.fx import GraphModule, Node
 from quantbridge.fx_quant import get_x86_backend_config
 from quantbridge.fx_quant.nn import intrinsic as nni
 from quantbridge.fx_quant.nn import reference as nnqr
-from quantbridge.lowering._backend import Backend, SupportedOp
+from quantbridge.lowering._backend import Backend, SupportedOp, _pattern_name
 from quantbridge.lowering._errors import LoweringError
 
 __all__ = ["TorchNativeBackend", "is_available", "torch_native", "unavailable_reason"]
@@ -668,24 +668,46 @@ class TorchNativeBackend(Backend):
             return _Lowerer(reference_model).run()
 
     def supported_ops(self) -> list[SupportedOp]:
-        kernel = "torch.ops.quantized"
-        lowered = [
-            SupportedOp("nn.Linear (+ReLU)", ("static", "dynamic"), f"{kernel}.linear*"),
-            SupportedOp("nn.Conv1d/Conv2d (+ReLU, BN folded)", ("static",), f"{kernel}.conv*"),
-            SupportedOp("add/mul (+relu)", ("static",), f"{kernel}.add*/mul*"),
-            SupportedOp("torch.cat", ("static",), f"{kernel}.cat"),
-            SupportedOp(
-                "max/avg/adaptive pools, flatten/reshape/view, relu",
-                ("shared_qparams",),
-                "torch ops on quantized tensors",
-            ),
-        ]
-        rest = [
-            SupportedOp(o.op, o.modes, "reference")
+        """The x86 config's rows, each with the torch op it lowers to or ``reference``."""
+        runs_on: dict[str, str] = {}
+        for cfg in self.backend_config.configs:
+            pattern = cfg.pattern if cfg.pattern is not None else cfg.complex_pattern
+            runs_on.setdefault(_pattern_name(pattern), _runs_on(pattern))
+        return [
+            SupportedOp(o.op, o.modes, runs_on.get(o.op, "reference"))
             for o in super().supported_ops()
-            if o.modes and o.op not in {"nn.Linear", "nn.Conv1d", "nn.Conv2d"}
         ]
-        return lowered + rest
+
+
+_LINEAR_NAMES = {"Linear", "LinearReLU", "LinearBn1d"}
+_CONV_NAMES = {f"Conv{suffix}{d}d" for suffix in ("", "ReLU", "Bn", "BnReLU") for d in (1, 2)}
+
+
+def _runs_on(pattern: object) -> str:
+    """What a BackendConfig pattern runs on after this backend's lowering."""
+    parts = list(pattern) if isinstance(pattern, tuple) else [pattern]
+    root, rest = parts[0], parts[1:]
+    relu = any(p is nn.ReLU or p in _RELU_FUNCS for p in rest)
+    if isinstance(root, type) and root.__name__ in _LINEAR_NAMES and issubclass(root, nn.Module):
+        fused = relu or "ReLU" in root.__name__
+        op = "quantized::linear" + ("_relu" if fused else "")
+        return f"{op}; dynamic int8: {op}_dynamic; fp16: reference"
+    if isinstance(root, type) and root.__name__ in _CONV_NAMES and issubclass(root, nn.Module):
+        dim = root.__name__[-2]
+        fused = relu or "ReLU" in root.__name__
+        return f"quantized::conv{dim}d" + ("_relu" if fused else "")
+    if root in _ADD_FUNCS or root in _MUL_FUNCS:
+        kind = "add" if root in _ADD_FUNCS else "mul"
+        return f"quantized::{kind}" + ("_relu" if relu else "")
+    if root is torch.cat:
+        return "quantized::cat"
+    if rest:
+        return "reference"
+    if (isinstance(root, type) and issubclass(root, _SHARED_MODULES)) or (
+        root in _SHARED_FUNCS or root in _SHARED_METHODS
+    ):
+        return "torch op on the quantized tensor"
+    return "reference"
 
 
 torch_native = TorchNativeBackend()
