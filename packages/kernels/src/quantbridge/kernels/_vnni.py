@@ -39,6 +39,9 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+# k steps ahead that the one-row kernels prefetch packed weights (they stream from L2)
+PREFETCH_STEPS = 32
+
 I8 = ir.IntType(8)
 I16 = ir.IntType(16)
 I32 = ir.IntType(32)
@@ -129,6 +132,11 @@ def _make_kernel(target: str, mr: int, ku: int, mode: str) -> Any:
         else:
             fn = _declare(mod, ir.FunctionType(vi32, [bvt, bvt]), "llvm.x86.avx2.pmadd.wd")
         rint = _declare(mod, ir.FunctionType(vf32, [vf32]), f"llvm.rint.v{lanes}f32")
+        prefetch = _declare(
+            mod,
+            ir.FunctionType(ir.VoidType(), [I8.as_pointer(), I32, I32, I32]),
+            "llvm.prefetch.p0i8",
+        )
         vfma = _declare(mod, ir.FunctionType(vf32, [vf32, vf32, vf32]), f"llvm.fma.v{lanes}f32")
         # row base offsets, duplicating the last valid row for rows past mvalid
         last = builder.sub(mvalid, ir.Constant(I64, 1))
@@ -148,6 +156,20 @@ def _make_kernel(target: str, mr: int, ku: int, mode: str) -> Any:
                 )
                 koff = builder.load(builder.gep(ko_p, [step]))
                 bbase = builder.add(boff, builder.mul(step, panel_elems))
+                if mr == 1 and u == 0:
+                    # one row streams the weights from L2; fetch a few steps ahead
+                    for line in range(ku * nvec):
+                        ahead = builder.add(
+                            bbase,
+                            ir.Constant(
+                                I64, (PREFETCH_STEPS * nr * kstep) + line * 64 // belt.width * 8
+                            ),
+                        )
+                        pf_ptr = builder.bitcast(builder.gep(b_p, [ahead]), I8.as_pointer())
+                        builder.call(
+                            prefetch,
+                            [pf_ptr, ir.Constant(I32, 0), ir.Constant(I32, 3), ir.Constant(I32, 1)],
+                        )
                 bvecs = [
                     _load_vec(
                         builder,
