@@ -119,15 +119,13 @@ def lowerable_op_names() -> dict[str, str]:
         "Conv1d / Conv2d (+relu, BN folded), depthwise": "kernels.conv1d / conv2d",
         "dynamic Linear (float in/out, int8 weights)": "kernels.linear_dynamic",
         "add / mul (+relu) of two quantized tensors": "kernels.add / add_relu / mul / mul_relu",
-        "matmul / bmm": "kernels.matmul",
+        "matmul of two quantized tensors": "kernels.matmul",
         "MaxPool2d / max_pool2d": "kernels.max_pool2d",
         "AvgPool2d / avg_pool2d": "kernels.avg_pool2d",
         "AdaptiveAvgPool2d / adaptive_avg_pool2d": "kernels.adaptive_avg_pool2d",
-        "elementwise of one input (relu, relu6, hardtanh, clamp, hardswish, hardsigmoid, "
-        "sigmoid, tanh, leaky_relu, elu, gelu, silu; add/mul by a scalar)": "kernels.apply_lut",
-        "cat": "torch.cat on uint8 (+kernels.requantize per input if qparams differ)",
-        "flatten / reshape / view / (un)squeeze / permute / transpose / getitem / dropout / "
-        "Identity": "same op on the uint8 codes (+kernels.requantize if qparams differ)",
+        "activations of one input, scalar add/mul (lookup table)": "kernels.apply_lut",
+        "cat": "torch.cat on uint8 (+kernels.requantize)",
+        "flatten, reshape, view, permute, getitem, ...": "the op on uint8 (+kernels.requantize)",
         "EmbeddingBag / Embedding (8-bit weight-only)": "kernels.embedding_bag",
     }
 
