@@ -118,6 +118,54 @@ class QATConvBn(nn.Module):
         return self.fc(x)
 
 
+class FunctionalMix(nn.Module):
+    """Functional weighted ops (weight/bias by input_type_to_index), shared-observer ops,
+    fixed-qparams ops, shape ops with non-tensor arguments."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w1 = nn.Parameter(torch.randn(8, 3, 3, 3) * 0.2)
+        self.b1 = nn.Parameter(torch.randn(8) * 0.1)
+        self.w2 = nn.Parameter(torch.randn(6, 32) * 0.2)
+        self.b2 = nn.Parameter(torch.randn(6) * 0.1)
+        self.pool = nn.MaxPool2d(2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.nn.functional.conv2d(x, self.w1, self.b1, padding=1)
+        y = torch.cat([self.pool(y), torch.nn.functional.avg_pool2d(y, 2)], dim=1)
+        y = torch.sigmoid(y) + torch.tanh(y)
+        y = y.reshape(y.size(0), -1)[:, :32]
+        z = torch.nn.functional.linear(y, self.w2, self.b2)
+        return torch.nn.functional.hardsigmoid(z).view(z.shape[0], 2, 3)
+
+
+class Inner(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.add(self.fc(x), x)
+
+
+class Nested(nn.Module):
+    """Nested scopes for QConfigMapping precedence: module names, regexes, object types of
+    enclosing modules, call order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = Inner()
+        self.b = Inner()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.a(x)
+        x = self.b(x)
+        x = torch.add(x, 1.0)
+        x = torch.add(x, x)
+        return self.fc(x)
+
+
 def example_inputs(name: str, seed: int = 0) -> tuple[torch.Tensor, ...]:
     g = torch.Generator().manual_seed(seed)
     if name == "mlp":
@@ -128,6 +176,10 @@ def example_inputs(name: str, seed: int = 0) -> tuple[torch.Tensor, ...]:
         return (torch.randn(2, 8, 10, 10, generator=g),)
     if name == "attention":
         return (torch.randn(2, 5, 16, generator=g),)
+    if name == "functional_mix":
+        return (torch.randn(2, 3, 8, 8, generator=g),)
+    if name == "nested":
+        return (torch.randn(3, 8, generator=g),)
     if name == "embedding_bag":
         return (torch.randint(0, 50, (12,), generator=g), torch.tensor([0, 4, 9]))
     raise KeyError(name)
@@ -144,6 +196,8 @@ def build(name: str, seed: int = 0) -> nn.Module:
         "attention": AttentionBlock,
         "embedding_bag": EmbeddingBagModel,
         "qat_conv_bn": QATConvBn,
+        "functional_mix": FunctionalMix,
+        "nested": Nested,
     }[name]()
     for m in model.modules():
         if isinstance(m, nn.BatchNorm2d):
@@ -155,4 +209,12 @@ def build(name: str, seed: int = 0) -> nn.Module:
     return model
 
 
-PTQ_MODELS = ("mlp", "cnn", "residual", "depthwise", "attention", "embedding_bag")
+PTQ_MODELS = (
+    "mlp",
+    "cnn",
+    "residual",
+    "depthwise",
+    "attention",
+    "embedding_bag",
+    "functional_mix",
+)

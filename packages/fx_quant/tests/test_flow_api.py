@@ -428,3 +428,24 @@ def test_all_none_qconfig_reproduces_the_float_model(name: str, seed: int) -> No
     torch.testing.assert_close(converted(*x), model(*x), rtol=1e-5, atol=1e-6)
     if not any(isinstance(m, nn.BatchNorm2d) for m in model.modules()):
         torch.testing.assert_close(converted(*x), model(*x), rtol=0, atol=0)
+
+
+def test_quantized_input_index_takes_integers_with_settable_qparams() -> None:
+    pcc = PrepareCustomConfig().set_input_quantized_indexes([0])
+    model = zoo.MLP().eval()
+    example = (torch.randn(2, 16),)
+    prepared = prepare_fx(copy.deepcopy(model), get_default_qconfig_mapping(), example, pcc)
+    # No observer on the input: it arrives quantized.
+    placeholder = next(n for n in prepared.graph.nodes if n.op == "placeholder")
+    assert [u.target for u in placeholder.users] == ["fc1"]
+    prepared(*example)
+    converted = convert_to_reference_fx(prepared)
+    dq = next(iter(next(n for n in converted.graph.nodes if n.op == "placeholder").users))
+    assert dq.target == torch.ops.quantbridge.dequantize_per_tensor.tensor
+    assert [a.target for a in dq.args[1:3]] == ["x_input_scale_0", "x_input_zero_point_0"]
+    q = torch.randint(0, 256, (2, 16), dtype=torch.uint8)
+    converted.x_input_scale_0.fill_(0.02)
+    converted.x_input_zero_point_0.fill_(128)
+    first = converted(q)
+    converted.x_input_scale_0.fill_(0.04)
+    assert not torch.equal(converted(q), first)  # the buffers are the input's qparams

@@ -250,3 +250,53 @@ def test_dynamic_and_float16_match(name: str, qconfig_name: str) -> None:
     assert kinds == {n: type(m).__name__ for n, m in ref_theirs.named_modules() if n}
     x = zoo.example_inputs(name, 5)
     torch.testing.assert_close(ref_ours(*x), ref_theirs(*x), rtol=0, atol=0)
+
+
+def test_qconfig_mapping_precedence_matches() -> None:
+    """Global, object types (incl. a function inheriting its enclosing module's entry),
+    regexes, module names and call order: the same observers as torch.ao."""
+    import quantbridge.qconfig as qb
+
+    model = zoo.build("nested").eval()
+    example = zoo.example_inputs("nested")
+
+    def build(lib: Any, mapping: Any) -> Any:
+        minmax = lib.QConfig(
+            activation=lib.MinMaxObserver.with_args(dtype=torch.quint8),
+            weight=lib.default_weight_observer,
+        )
+        histogram = lib.get_default_qconfig("fbgemm")
+        return (
+            mapping.set_global(histogram)
+            .set_object_type(zoo.Inner, None)  # torch.add inside a and b inherits None
+            .set_module_name_regex("b\\.fc", minmax)
+            .set_module_name("fc", minmax)
+            .set_module_name_object_type_order("", torch.add, 1, None)  # second root add
+        )
+
+    ours_map = build(qb, qb.QConfigMapping())
+    theirs_map = build(ao, ao.QConfigMapping())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        theirs = ao_fx.prepare_fx(copy.deepcopy(model), theirs_map, example)
+    ours = prepare_fx(copy.deepcopy(model), ours_map, example)
+    for seed in (1, 2):
+        x = zoo.example_inputs("nested", seed)
+        ours(*x)
+        theirs(*x)
+    table = observer_table(ours)
+    assert table == observer_table(theirs)
+    kinds = {
+        n: type(m).__name__
+        for n, m in ours.named_modules(remove_duplicate=False)
+        if n.startswith("activation_post_process")
+    }
+    assert "MinMaxObserver" in kinds.values()
+    assert "HistogramObserver" in kinds.values()
+    report = explain(ours)
+    assert report["add"].qconfig is None  # torch.add in a: Inner's object-type entry
+    assert report["add"].qconfig_rule.startswith("object_type")
+    assert report["add_3"].qconfig is None
+    assert report["add_3"].qconfig_rule.startswith("module_name_object_type_order")
+    assert report["b_fc"].qconfig_rule == "module_name_regex 'b\\\\.fc'"
+    assert report["fc"].qconfig_rule == "module_name 'fc'"
