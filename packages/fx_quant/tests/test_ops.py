@@ -443,3 +443,25 @@ def test_layouts_match_torch(make: Any, zp: int) -> None:
         ref_c = torch.quantize_per_channel(x.contiguous(), scales.double(), zps, 1, torch.quint8)
         q_c = qb.quantize_per_channel(x, scales, zps, 1, 0, 255, torch.uint8)
         assert torch.equal(q_c, ref_c.int_repr())
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    bits=st.lists(st.integers(0, 2**32 - 1), min_size=4, max_size=4 * 12).filter(
+        lambda b: len(b) % 4 == 0
+    ),
+    scale_bits=st.lists(st.integers(0x33800000, 0x447A0000), min_size=4, max_size=4),
+    zps=st.lists(st.integers(-128, 127), min_size=4, max_size=4),
+)
+def test_per_channel_matches_torch_on_arbitrary_float_bits(
+    bits: list[int], scale_bits: list[int], zps: list[int]
+) -> None:
+    pytest.importorskip("torch.ao.quantization")
+    x = torch.tensor([_f32(b) for b in bits], dtype=torch.float32).reshape(-1, 4)
+    scales = torch.tensor([_f32(b) for b in scale_bits], dtype=torch.float32)
+    zp = torch.tensor(zps)
+    ref = torch.quantize_per_channel(x, scales.double(), zp, 1, torch.qint8)
+    q = qb.quantize_per_channel(x, scales, zp, 1, -128, 127, torch.int8)
+    assert torch.equal(q, ref.int_repr())
+    deq = qb.dequantize_per_channel(q, scales, zp, 1, -128, 127, torch.int8)
+    assert torch.equal(deq, ref.dequantize())

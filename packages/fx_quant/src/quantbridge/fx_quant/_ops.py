@@ -35,6 +35,7 @@ from quantbridge.fx_quant._errors import FxQuantError
 
 __all__ = [
     "QUANT_DTYPE_RANGES",
+    "choose_qparams_values",
     "dtype_range",
 ]
 
