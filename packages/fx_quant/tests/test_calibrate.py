@@ -251,6 +251,15 @@ class CountingObserver(nn.Module):
         self.syncs.append(group)
 
 
+class CustomMinMax(qbq.MinMaxObserver):
+    def __init__(self) -> None:
+        super().__init__()
+        self.syncs: list[Any] = []
+
+    def sync_statistics(self, group: Any) -> None:
+        self.syncs.append(group)
+
+
 class OpaqueObserver(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x
@@ -282,6 +291,12 @@ def test_custom_observer_hook_and_unknown_observers() -> None:
     counting = CountingObserver()
     sync_observers(nn.Sequential(qbq.MinMaxObserver(), counting))
     assert counting.syncs == [None]
+    # A known observer class with its own hook: the hook decides, min/max are left alone.
+    custom_minmax = CustomMinMax()
+    custom_minmax(torch.tensor([1.0, 2.0]))
+    sync_observers(nn.Sequential(custom_minmax))
+    assert custom_minmax.syncs == [None]
+    assert float(custom_minmax.max_val) == 2.0
     with pytest.raises(FxQuantError, match=r"module '1' \(OpaqueObserver\).*sync_statistics"):
         sync_observers(nn.Sequential(qbq.MinMaxObserver(), OpaqueObserver()))
     with pytest.raises(FxQuantError, match=r"model must be an nn\.Module"):

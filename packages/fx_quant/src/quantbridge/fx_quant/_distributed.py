@@ -104,7 +104,10 @@ def _plan(model: nn.Module) -> _Plan:
         where = name or "<root>"
         if isinstance(module, FakeQuantize) and not isinstance(module, FixedQParamsFakeQuantize):
             plan.fake_quants.append(module)
-        if isinstance(module, HistogramObserver):
+        if callable(getattr(module, "sync_statistics", None)):  # the class's own rule wins
+            plan.custom.append((where, module))
+            plan.signature.append((where, _qualname(module), "custom"))
+        elif isinstance(module, HistogramObserver):
             plan.histograms.append((where, module))
             plan.per_tensor.append((where, module))
             plan.signature.append((where, _qualname(module), module.bins))
@@ -114,9 +117,6 @@ def _plan(model: nn.Module) -> _Plan:
         elif isinstance(module, MinMaxObserver):
             plan.per_tensor.append((where, module))
             plan.signature.append((where, _qualname(module), None))
-        elif callable(getattr(module, "sync_statistics", None)):
-            plan.custom.append((where, module))
-            plan.signature.append((where, _qualname(module), "custom"))
         elif isinstance(module, _STATELESS):
             continue
         elif callable(getattr(module, "calculate_qparams", None)) and not hasattr(
