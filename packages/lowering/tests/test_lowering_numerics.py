@@ -228,6 +228,34 @@ def test_embedding_weight_only_lowered() -> None:
                 torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
 
 
+def test_embedding_bag_4bit_weight_only_lowered() -> None:
+    from quantbridge.fx_quant import convert_to_reference_fx, prepare_fx
+    from quantbridge.qconfig import QConfigMapping, float_qparams_weight_only_qconfig_4bit
+
+    class Bag(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.bag = torch.nn.EmbeddingBag(30, 8, mode="sum")
+
+        def forward(self, idx: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+            return self.bag(idx, offsets)
+
+    backend = L.get_backend("numba")
+    model = Bag().eval()
+    idx, offsets = torch.randint(0, 30, (12,)), torch.tensor([0, 4, 9])
+    mapping = QConfigMapping().set_object_type(
+        torch.nn.EmbeddingBag, float_qparams_weight_only_qconfig_4bit
+    )
+    prepared = prepare_fx(model, mapping, (idx, offsets), backend_config=backend.backend_config)
+    reference = convert_to_reference_fx(prepared, backend_config=backend.backend_config)
+    lowered = backend.lower(reference)
+    assert any(type(m).__name__ == "QuantizedEmbeddingBag" for m in lowered.modules())
+    codes = next(m for m in lowered.modules() if type(m).__name__ == "QuantizedEmbeddingBag")
+    assert int(codes.weight.max()) <= 15  # type: ignore[operator]
+    with torch.no_grad():
+        torch.testing.assert_close(lowered(idx, offsets), reference(idx, offsets))
+
+
 def test_reference_backend_returns_reference_model() -> None:
     backend = L.get_backend("reference")
     case = zoo.STATIC_CASES[0]

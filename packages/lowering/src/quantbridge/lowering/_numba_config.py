@@ -2,9 +2,9 @@
 
 Built from fx_quant's native building blocks, keeping only the patterns whose every op the
 pass lowers (see ``_lower``) and only the dtype modes the kernels run: static uint8
-activations with int8 weights, dynamic int8 linear, 8-bit weight-only embeddings. Conv3d,
-transposed convs, standalone BatchNorm, LayerNorm/GroupNorm/InstanceNorm, 1-d pools, RNN
-modules and float16 modes are left out, so ``prepare_fx`` keeps them in float instead of
+activations with int8 weights, dynamic int8 linear, 8-bit and 4-bit weight-only embeddings.
+Conv3d, transposed convs, standalone BatchNorm, LayerNorm/GroupNorm/InstanceNorm, 1-d pools,
+RNN modules and float16 modes are left out, so ``prepare_fx`` keeps them in float instead of
 producing reference ops the backend would run slowly.
 """
 
@@ -45,9 +45,9 @@ def _pattern_ok(cfg: BackendPatternConfig) -> bool:
 
 
 def _dtype_ok(dc: DTypeConfig) -> bool:
-    if dc.input_dtype == torch.float16 or dc.weight_dtype == torch.float16:
-        return False
-    return dc.weight_dtype != torch.quint4x2
+    # 4-bit weight-only embeddings are uint8 codes in [0, 15]: the 8-bit embedding path runs
+    # them exactly (one code per byte), so they stay
+    return dc.input_dtype != torch.float16 and dc.weight_dtype != torch.float16
 
 
 def numba_backend_config(name: str) -> BackendConfig:
