@@ -232,6 +232,42 @@ def _row(
     }
 
 
+_LOAD_PROBE = """
+import time, numpy as np
+from quantbridge.kernels import PackedLinearWeight, linear
+w = np.ones((8, 8), np.int8)
+times = []
+for target in {targets!r}:
+    p = PackedLinearWeight(w, 0.1, 0, None, target=target)
+    t0 = time.perf_counter()
+    linear(np.ones((2, 8), np.uint8), p, 0.1, 0, 0.5, 0, num_threads=1)
+    times.append(round(time.perf_counter() - t0, 4))
+print(times)
+"""
+
+
+def measure_cache_load(targets: list[str]) -> list[float] | None:
+    """First-call seconds per target in a fresh process (kernels come from numba's cache).
+
+    The probe runs twice; the second run is reported so the cache is warm. The first
+    target's time includes numba's one-time setup on its first compiled call.
+    """
+    import subprocess
+
+    out = None
+    for _ in range(2):
+        proc = subprocess.run(
+            [sys.executable, "-c", _LOAD_PROBE.format(targets=targets)],
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
+        if proc.returncode != 0:
+            return None
+        out = proc.stdout.strip()
+    return [float(t) for t in out.strip("[]").split(",")] if out else None
+
+
 def _table(rows: list[dict[str, Any]]) -> str:
     head = (
         f"{'op':8} {'shape':22} {'target':12} {'thr':>3} {'GOPS':>7} {'%peak':>6} "
@@ -273,7 +309,17 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"targets {unknown} cannot run here; available: {available_targets()}")
     rows = run(args.threads, args.repeat, args.min_time, targets, args.quick)
-    print(json.dumps(rows, indent=1) if args.json else _table(rows))
+    if args.json:
+        print(json.dumps(rows, indent=1))
+        return 0
+    print(_table(rows))
+    if not args.quick:
+        loads = measure_cache_load(targets)
+        if loads is not None:
+            print(
+                "first call in a fresh process (cached kernels), seconds per target "
+                f"{targets}: {loads} (the first includes numba's one-time setup)"
+            )
     return 0
 
 
