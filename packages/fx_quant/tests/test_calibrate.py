@@ -365,6 +365,28 @@ def test_sync_hook_counts_training_forwards_only() -> None:
 
 
 @pytest.mark.usefixtures("one_rank_group")
+def test_hundreds_of_observers_take_four_collectives(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Statistics travel in a few flat tensors, not one collective per observer."""
+    calls: list[str] = []
+    for name in ("all_reduce", "all_gather_object", "broadcast", "all_gather"):
+        original = getattr(dist, name)
+
+        def counted(*args: Any, _name: str = name, _orig: Any = original, **kw: Any) -> Any:
+            calls.append(_name)
+            return _orig(*args, **kw)
+
+        monkeypatch.setattr(dist, name, counted)
+    kinds = (qbq.MinMaxObserver, qbq.PerChannelMinMaxObserver, qbq.HistogramObserver)
+    model = nn.Sequential(*(kinds[i % 3]() for i in range(300)))
+    model(torch.randn(4, 3))
+    sync_observers(model)
+    assert sorted(calls) == ["all_gather_object", "all_reduce", "all_reduce", "all_reduce"]
+    calls.clear()
+    sync_observers(model, check=False)
+    assert calls == ["all_reduce", "all_reduce", "all_reduce"]
+
+
+@pytest.mark.usefixtures("one_rank_group")
 def test_sync_true_with_a_group() -> None:
     model = Recorder()
     calibrate(model, _batches(2), sync=True, progress=False)
