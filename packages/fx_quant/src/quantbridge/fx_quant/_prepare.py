@@ -55,6 +55,8 @@ __all__ = [
 ]
 
 PREPARED_ATTRS_KEY = "_quantbridge_preserved_attributes"
+# Reason for nodes with no tensor data to quantize (shape and size queries, int arithmetic).
+_NO_TENSOR_DATA = "no tensor data (shape or size query)"
 
 
 class StrictPrepareError(FxQuantError):
@@ -380,12 +382,32 @@ def _prepare_standalone(
     modules[target] = prepared
 
 
+def _describe_callable(fn: Any) -> str:
+    """``torch.conv2d``, ``F.linear``, ``operator.add`` rather than their internal homes."""
+    name = getattr(fn, "__name__", None)
+    module = getattr(fn, "__module__", None) or ""
+    if name is None:
+        return describe_pattern_element(fn)
+    if module == "torch.nn.functional" or module == "torch._C._nn":
+        return f"F.{name}"
+    if module in ("_operator", "operator"):
+        return f"operator.{name}"
+    if module == "builtins":
+        return str(name)
+    qualname = getattr(fn, "__qualname__", "")
+    if module.startswith("torch") and qualname.startswith("_VariableFunctionsClass"):
+        return f"torch.{name}"
+    if module.startswith("torch") and hasattr(torch, name) and getattr(torch, name) is fn:
+        return f"torch.{name}"
+    return describe_pattern_element(fn)
+
+
 def _describe_target(node: Node) -> str:
     if node.op == "call_module":
         return str(node.target)
     if node.op == "call_method":
         return f".{node.target}()"
-    return describe_pattern_element(node.target)
+    return _describe_callable(node.target)
 
 
 def _describe_pattern(pattern: Any) -> str:
@@ -398,7 +420,9 @@ def _describe_pattern(pattern: Any) -> str:
         if module.startswith("quantbridge.fx_quant.nn."):
             return f"{module.split('.')[3]}.{pattern.__name__}".replace("_fused.", "")
         return pattern.__name__
-    return describe_pattern_element(pattern)
+    if isinstance(pattern, str):
+        return f".{pattern}()"
+    return _describe_callable(pattern)
 
 
 def _decisions(
@@ -437,11 +461,11 @@ def _decisions(
                 chosen = next((i for i, r in enumerate(verdict) if r is None), None)
         if qconfig is None:
             status, reason = "float", f"qconfig is None ({rule})"
+        elif node.name not in observed and no_tensors(node):
+            status, reason = "float", _NO_TENSOR_DATA
         elif match is None:
             status = "float"
             reason = f"no pattern of backend {bc.name!r} matches this node"
-            if no_tensors(node):
-                reason = "no tensor arguments"
         elif match.is_custom:
             status, reason = "custom module", "swapped by PrepareCustomConfig"
         elif match.is_standalone:
@@ -478,7 +502,7 @@ def _raise_if_skipped(decisions: list[NodeDecision], bc: BackendConfig) -> None:
         for d in decisions
         if d.qconfig is not None
         and d.status == "float"
-        and d.reason != "no tensor arguments"
+        and d.reason != _NO_TENSOR_DATA
         and d.op != "get_attr"
     ]
     if not bad:
