@@ -165,9 +165,10 @@ def test_reference_outputs_match(name: str, backend: str) -> None:
         torch.testing.assert_close(got, expected, rtol=0, atol=0)
 
 
-def test_qat_forward_and_gradients_match() -> None:
-    model = zoo.build("qat_conv_bn").train()
-    example = zoo.example_inputs("qat_conv_bn")
+@pytest.mark.parametrize("name", ["qat_conv_bn", "mlp", "residual", "depthwise"])
+def test_qat_forward_and_gradients_match(name: str) -> None:
+    model = zoo.build(name).train()
+    example = zoo.example_inputs(name)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         theirs = ao_fx.prepare_qat_fx(
@@ -183,7 +184,7 @@ def test_qat_forward_and_gradients_match() -> None:
     opt_ours = torch.optim.SGD(ours.parameters(), lr=0.05)
     opt_theirs = torch.optim.SGD(theirs.parameters(), lr=0.05)
     for step in range(3):
-        x = zoo.example_inputs("qat_conv_bn", step + 1)[0].requires_grad_(True)
+        x = zoo.example_inputs(name, step + 1)[0].requires_grad_(True)
         x2 = x.detach().clone().requires_grad_(True)
         out_ours, out_theirs = ours(x), theirs(x2)
         torch.testing.assert_close(out_ours, out_theirs, rtol=1e-5, atol=1e-5)
@@ -207,7 +208,7 @@ def test_qat_forward_and_gradients_match() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         ref_theirs = ao_fx.convert_to_reference_fx(theirs)
-    x = zoo.example_inputs("qat_conv_bn", 9)[0]
+    x = zoo.example_inputs(name, 9)[0]
     torch.testing.assert_close(ref_ours(x), ref_theirs(x), rtol=0, atol=0)
 
 
