@@ -28,6 +28,7 @@ import argparse
 import copy
 import importlib
 import json
+import os
 import platform
 import statistics
 import sys
@@ -246,12 +247,12 @@ def _ratios(times: dict[str, float], best: str | None) -> dict[str, float | None
 
 
 def _best_numba(times: dict[str, float]) -> str | None:
-    best = get_backend("numba").name if "numba" in available_backends() else None
-    names = [k for k in times if k.startswith("numba_")]
-    if best is not None and best in times:
-        return best
-    # the alias "numba" names a target; fall back to the fastest measured target
-    return min(names, key=lambda k: times[k]) if names else None
+    """The column of the target the ``numba`` alias picks on this CPU (never the fastest run)."""
+    if "numba" not in available_backends():
+        return None
+    target = getattr(get_backend("numba"), "target", None)
+    name = f"numba_{target}"
+    return name if name in times else None
 
 
 def main() -> int:
@@ -268,8 +269,10 @@ def main() -> int:
         parser.error(f"unknown models {sorted(unknown)}; choose from {list(_models())}")
 
     results: list[dict[str, Any]] = []
+    load = os.getloadavg()
     print(
         f"torch {torch.__version__}, {platform.processor() or platform.machine()}, "
+        f"{os.cpu_count()} CPUs, load average {load[0]:.1f} at start, "
         f"backends: {', '.join(available_backends())}"
     )
     for name in args.models:
@@ -278,6 +281,7 @@ def main() -> int:
             torch.set_num_threads(threads)
             kernels.set_num_threads(threads)
             times, fastest = _time(columns, example, args.rounds)
+            load = os.getloadavg()
             best = _best_numba(times)
             ratios = _ratios(times, best)
             results.append(
@@ -286,6 +290,7 @@ def main() -> int:
                     "threads": threads,
                     "ms": times,
                     "min_ms": fastest,
+                    "load_average_1min": load[0],
                     "errors": errors,
                     "numba": best,
                     "ratios": ratios,
@@ -305,7 +310,10 @@ def main() -> int:
 def _print_row(r: dict[str, Any]) -> None:
     times: dict[str, float] = r["ms"]
     width = max(len(k) for k in times)
-    print(f"\n{r['model']}, {r['threads']} thread(s): ms per forward, median (min)")
+    print(
+        f"\n{r['model']}, {r['threads']} thread(s), load average "
+        f"{r['load_average_1min']:.1f}: ms per forward, median (min)"
+    )
     for k, v in times.items():
         print(f"  {k:<{width}} {v:>10.3f} ({r['min_ms'][k]:.3f})")
     for k, why in r["errors"].items():
