@@ -238,3 +238,21 @@ def test_conv2d_byte_identical_to_torch(target, case):
     )
     got = conv2d(x, packed, a_s, a_zp, o_s, o_zp, relu=case["relu"])
     np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_conv2d_threaded_batch_partial_panels(target):
+    # big enough for the parallel drivers; batch 2, 40 output channels (partial panel),
+    # 900 pixels (partial row block), non-zero weight zero points
+    rng = np.random.default_rng(8)
+    x = rng.integers(0, 256, (2, 32, 30, 30), dtype=np.uint8)
+    w = rng.integers(-128, 128, (40, 32, 3, 3), dtype=np.int8)
+    w_s = rng.uniform(0.002, 0.01, 40)
+    w_zp = rng.integers(-5, 5, 40)
+    bias = rng.normal(0, 2, 40).astype(F32)
+    packed = PackedConvWeight(w, w_s, w_zp, bias, padding=1, stride=1, target=target)
+    got = conv2d(x, packed, 0.05, 11, 3.0, 77, relu=True, num_threads=2)
+    want = reference_conv2d(
+        x, 0.05, 11, w, w_s, w_zp, bias, 3.0, 77, (1, 1), (1, 1), (1, 1), 1, relu=True
+    )
+    np.testing.assert_array_equal(got, want)

@@ -19,7 +19,8 @@ import numpy.typing as npt
 
 from quantbridge.kernels._checks import check_array
 from quantbridge.kernels._errors import KernelError
-from quantbridge.kernels._gemm_run import run_gemm
+from quantbridge.kernels._gemm_run import row_chunk, run_gemm
+from quantbridge.kernels._gemm_simd import drive_vnni_u8t, serial_vnni_u8t
 from quantbridge.kernels._linear import PackedLinearWeight, _fast_zp
 from quantbridge.kernels._pack import (
     K_ALIGN,
@@ -203,6 +204,24 @@ def _conv(
     m = rowoffs.shape[0]
     flat = xp.reshape(-1)
     koffs = packed.koffs(wp)
+    if packed.groups == 1 and packed.target == "avx512_vnni":
+        res_nchw = _conv_nchw_direct(
+            packed,
+            flat,
+            rowoffs,
+            koffs[0],
+            xp,
+            n,
+            oh,
+            ow,
+            x_scale,
+            out_scale,
+            a_zp,
+            o_zp,
+            relu,
+            threads,
+        )
+        return res_nchw if dims == 2 else res_nchw[:, :, 0, :]
     out = np.empty((n, oh, ow, packed.oc), np.uint8)
     for gi, pg in enumerate(packed.groups_packed):
         rowsum = _window_sums(xp, gi, packed, oh, ow) if pg.has_weight_zp else pg.rows(m)[1]
@@ -230,6 +249,60 @@ def _conv(
             out[..., gi * packed.ocg : (gi + 1) * packed.ocg] = res.reshape(n, oh, ow, packed.ocg)
     res_nchw = np.ascontiguousarray(out.transpose(0, 3, 1, 2))
     return res_nchw if dims == 2 else res_nchw[:, :, 0, :]
+
+
+def _conv_nchw_direct(
+    packed: PackedConvWeight,
+    flat: npt.NDArray[np.uint8],
+    rowoffs: npt.NDArray[np.int64],
+    koffs: npt.NDArray[np.int64],
+    xp: npt.NDArray[np.uint8],
+    n: int,
+    oh: int,
+    ow: int,
+    x_scale: float,
+    out_scale: float,
+    a_zp: int,
+    o_zp: int,
+    relu: bool,
+    threads: int,
+) -> npt.NDArray[np.uint8]:
+    """One image at a time, with kernels that store channel-major: NCHW without a transpose."""
+    pg = packed.groups_packed[0]
+    hw = oh * ow
+    biasq, mult = pg.epilogue(x_scale, out_scale)
+    colcorr = pg.colcorr(a_zp)
+    rowsum = _window_sums(xp, 0, packed, oh, ow) if pg.has_weight_zp else pg.rows(n * hw)[1]
+    npanels = pg.n_padded // 32
+    if threads == 1 or hw * pg.n_padded * koffs.shape[0] < (1 << 20):
+        drv, mchunk = serial_vnni_u8t, hw
+    else:
+        drv, mchunk = drive_vnni_u8t, row_chunk(hw, npanels, threads)
+    res = np.empty((n, pg.n_padded, hw), np.uint8)
+    for b in range(n):
+        drv(
+            flat,
+            rowoffs[b * hw : (b + 1) * hw],
+            hw,
+            koffs,
+            koffs.shape[0],
+            pg.packed,
+            npanels,
+            res[b].reshape(-1),
+            hw,
+            colcorr,
+            pg.zero_points,
+            rowsum[b * hw : (b + 1) * hw],
+            biasq,
+            mult,
+            o_zp,
+            o_zp if relu else 0,
+            255,
+            mchunk,
+        )
+    if pg.n_padded != packed.oc:
+        res = np.ascontiguousarray(res[:, : packed.oc])
+    return res.reshape(n, packed.oc, oh, ow)
 
 
 def _window_sums(

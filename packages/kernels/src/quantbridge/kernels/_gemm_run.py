@@ -46,7 +46,7 @@ def serial_driver(target: str, mode: str) -> Any:
     return _SERIAL.get((target, mode))
 
 
-def _row_chunk(m: int, npanels: int, threads: int) -> int:
+def row_chunk(m: int, npanels: int, threads: int) -> int:
     """Rows per tile: whole M when panels alone keep every thread busy, else split M."""
     if threads == 1 or npanels >= 4 * threads:
         return max(m, 1)
@@ -84,7 +84,7 @@ def run_gemm(
     npanels = np_ // _NR[target]
     out = np.empty((m, np_), np.float32 if f32_out else np.uint8)
     c = out.reshape(-1)
-    mchunk = m if threads == 1 else _row_chunk(m, npanels, threads)
+    mchunk = m if threads == 1 else row_chunk(m, npanels, threads)
     if target == "generic":
         drive_generic(
             a,

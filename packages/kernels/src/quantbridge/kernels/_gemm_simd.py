@@ -24,6 +24,9 @@ from quantbridge.kernels._vnni import (
     vnni_u8_1,
     vnni_u8_4,
     vnni_u8_8,
+    vnni_u8t_1,
+    vnni_u8t_4,
+    vnni_u8t_8,
 )
 
 
@@ -210,6 +213,212 @@ def serial_vnni_u8(
                 i += 4
             else:
                 vnni_u8_1(
+                    a,
+                    rowoffs,
+                    i,
+                    koffs,
+                    nk,
+                    bp,
+                    boff,
+                    c,
+                    ldc,
+                    1,
+                    colcorr,
+                    wzp,
+                    rowsum,
+                    biasq,
+                    mult,
+                    j0,
+                    ozp,
+                    qmin,
+                    qmax,
+                )
+                i += 1
+
+
+@njit(cache=True, parallel=True, nogil=True)
+def drive_vnni_u8t(
+    a,
+    rowoffs,
+    m,
+    koffs,
+    nk,
+    bp,
+    npanels,
+    c,
+    ldc,
+    colcorr,
+    wzp,
+    rowsum,
+    biasq,
+    mult,
+    ozp,
+    qmin,
+    qmax,
+    mchunk,
+):
+    nmc = (m + mchunk - 1) // mchunk
+    panel = nk * 128
+    for t in prange(npanels * nmc):
+        p = t // nmc
+        start = (t % nmc) * mchunk
+        end = min(m, start + mchunk)
+        boff = p * panel
+        j0 = p * 32
+        i = start
+        while i < end:
+            left = end - i
+            if left > 4:
+                vnni_u8t_8(
+                    a,
+                    rowoffs,
+                    i,
+                    koffs,
+                    nk,
+                    bp,
+                    boff,
+                    c,
+                    ldc,
+                    min(left, 8),
+                    colcorr,
+                    wzp,
+                    rowsum,
+                    biasq,
+                    mult,
+                    j0,
+                    ozp,
+                    qmin,
+                    qmax,
+                )
+                i += 8
+            elif left > 1:
+                vnni_u8t_4(
+                    a,
+                    rowoffs,
+                    i,
+                    koffs,
+                    nk,
+                    bp,
+                    boff,
+                    c,
+                    ldc,
+                    left,
+                    colcorr,
+                    wzp,
+                    rowsum,
+                    biasq,
+                    mult,
+                    j0,
+                    ozp,
+                    qmin,
+                    qmax,
+                )
+                i += 4
+            else:
+                vnni_u8t_1(
+                    a,
+                    rowoffs,
+                    i,
+                    koffs,
+                    nk,
+                    bp,
+                    boff,
+                    c,
+                    ldc,
+                    1,
+                    colcorr,
+                    wzp,
+                    rowsum,
+                    biasq,
+                    mult,
+                    j0,
+                    ozp,
+                    qmin,
+                    qmax,
+                )
+                i += 1
+
+
+@njit(cache=True, nogil=True)
+def serial_vnni_u8t(
+    a,
+    rowoffs,
+    m,
+    koffs,
+    nk,
+    bp,
+    npanels,
+    c,
+    ldc,
+    colcorr,
+    wzp,
+    rowsum,
+    biasq,
+    mult,
+    ozp,
+    qmin,
+    qmax,
+    mchunk,
+):
+    nmc = (m + mchunk - 1) // mchunk
+    panel = nk * 128
+    for t in range(npanels * nmc):
+        p = t // nmc
+        start = (t % nmc) * mchunk
+        end = min(m, start + mchunk)
+        boff = p * panel
+        j0 = p * 32
+        i = start
+        while i < end:
+            left = end - i
+            if left > 4:
+                vnni_u8t_8(
+                    a,
+                    rowoffs,
+                    i,
+                    koffs,
+                    nk,
+                    bp,
+                    boff,
+                    c,
+                    ldc,
+                    min(left, 8),
+                    colcorr,
+                    wzp,
+                    rowsum,
+                    biasq,
+                    mult,
+                    j0,
+                    ozp,
+                    qmin,
+                    qmax,
+                )
+                i += 8
+            elif left > 1:
+                vnni_u8t_4(
+                    a,
+                    rowoffs,
+                    i,
+                    koffs,
+                    nk,
+                    bp,
+                    boff,
+                    c,
+                    ldc,
+                    left,
+                    colcorr,
+                    wzp,
+                    rowsum,
+                    biasq,
+                    mult,
+                    j0,
+                    ozp,
+                    qmin,
+                    qmax,
+                )
+                i += 4
+            else:
+                vnni_u8t_1(
                     a,
                     rowoffs,
                     i,

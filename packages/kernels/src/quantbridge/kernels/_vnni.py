@@ -94,6 +94,71 @@ def _store_vec(builder: ir.IRBuilder, value: ir.Value, ptr: ir.Value) -> None:
     st.align = 1
 
 
+def _store_transposed(
+    builder: ir.IRBuilder,
+    rows: list[ir.Value],
+    c_p: ir.Value,
+    j0: ir.Value,
+    col0: int,
+    ldc: ir.Value,
+    r0: ir.Value,
+    mvalid: ir.Value,
+) -> None:
+    """Store an ``mr x lanes`` uint8 block channel-major: ``c[(j0+col0+ch)*ldc + r0 + r]``.
+
+    Used for conv's NCHW output (rows are pixels, columns channels): a full block is
+    transposed in registers and stored as one ``mr``-byte run per channel; a partial block
+    stores its valid bytes one by one.
+    """
+    mr = len(rows)
+    lanes = rows[0].type.count
+    full = builder.icmp_signed("==", mvalid, ir.Constant(I64, mr))
+    with builder.if_else(full) as (then, otherwise):
+        with then:
+            vecs = list(rows)
+            while len(vecs) > 1:  # concatenate pairwise (mr is a power of two)
+                width = vecs[0].type.count
+                vecs = [
+                    builder.shuffle_vector(
+                        vecs[i],
+                        vecs[i + 1],
+                        ir.Constant(ir.VectorType(I32, 2 * width), list(range(2 * width))),
+                    )
+                    for i in range(0, len(vecs), 2)
+                ]
+            block = vecs[0]
+            undef = ir.Constant(block.type, ir.Undefined)
+            order = [r * lanes + ch for ch in range(lanes) for r in range(mr)]
+            tblock = builder.shuffle_vector(
+                block, undef, ir.Constant(ir.VectorType(I32, mr * lanes), order)
+            )
+            for ch in range(lanes):
+                base = builder.add(
+                    builder.mul(builder.add(j0, ir.Constant(I64, col0 + ch)), ldc), r0
+                )
+                ptr = builder.gep(c_p, [base])
+                if mr == 1:
+                    byte = builder.extract_element(tblock, ir.Constant(I32, ch))
+                    builder.store(byte, ptr)
+                else:
+                    run = builder.shuffle_vector(
+                        tblock,
+                        undef,
+                        ir.Constant(ir.VectorType(I32, mr), [ch * mr + r for r in range(mr)]),
+                    )
+                    _store_vec(builder, run, ptr)
+        with otherwise:
+            for r in range(mr):
+                with builder.if_then(builder.icmp_signed("<", ir.Constant(I64, r), mvalid)):
+                    for ch in range(lanes):
+                        base = builder.add(
+                            builder.mul(builder.add(j0, ir.Constant(I64, col0 + ch)), ldc),
+                            builder.add(r0, ir.Constant(I64, r)),
+                        )
+                        byte = builder.extract_element(rows[r], ir.Constant(I32, ch))
+                        builder.store(byte, builder.gep(c_p, [base]))
+
+
 def _make_kernel(target: str, mr: int, ku: int, mode: str) -> Any:
     """Build the intrinsic for an ``mr x NR`` block, ``ku`` interleaved k accumulators."""
     lanes, nvec, kstep, belt = _SPEC[target]
@@ -199,6 +264,7 @@ def _make_kernel(target: str, mr: int, ku: int, mode: str) -> Any:
                             builder.store(builder.add(builder.load(slot), prod), slot)
         # epilogue, in registers
         for v in range(nvec):
+            row_vals: list[ir.Value] = []
             jv = builder.add(j0, ir.Constant(I64, v * lanes))
             cc = _load_vec(builder, builder.gep(cc_p, [jv]), vi32)
             wz = _load_vec(builder, builder.gep(wz_p, [jv]), vi32)
@@ -226,7 +292,7 @@ def _make_kernel(target: str, mr: int, ku: int, mode: str) -> Any:
                 col = builder.add(j0, ir.Constant(I64, v * lanes))
                 cidx = builder.add(builder.mul(ridx, ldc), col)
                 do_store = builder.icmp_signed("<", ir.Constant(I64, r), mvalid)
-                if mode == "u8":
+                if mode in ("u8", "u8t"):
                     x = builder.fmul(builder.fadd(fv, bq), mu)
                     x = builder.call(rint, [x])
                     lim = ir.Constant(vf32, [1.0e9] * lanes)
@@ -244,8 +310,13 @@ def _make_kernel(target: str, mr: int, ku: int, mode: str) -> Any:
                     outv = builder.trunc(q, ir.VectorType(I8, lanes))
                 else:
                     outv = builder.call(vfma, [fv, mu, bq])
+                if mode == "u8t":
+                    row_vals.append(outv)
+                    continue
                 with builder.if_then(do_store):
                     _store_vec(builder, outv, builder.gep(c_p, [cidx]))
+            if mode == "u8t":
+                _store_transposed(builder, row_vals, c_p, j0, v * lanes, ldc, r0, mvalid)
         return context.get_dummy_value()
 
     def typer(
@@ -348,6 +419,10 @@ vnni_u8_1 = _make_kernel("avx512_vnni", 1, 4, "u8")
 vnni_f32_8 = _make_kernel("avx512_vnni", 8, 1, "f32")
 vnni_f32_4 = _make_kernel("avx512_vnni", 4, 2, "f32")
 vnni_f32_1 = _make_kernel("avx512_vnni", 1, 4, "f32")
+# conv's NCHW output: channel-major transposed stores (VNNI; row counts are powers of two)
+vnni_u8t_8 = _make_kernel("avx512_vnni", 8, 1, "u8t")
+vnni_u8t_4 = _make_kernel("avx512_vnni", 4, 2, "u8t")
+vnni_u8t_1 = _make_kernel("avx512_vnni", 1, 4, "u8t")
 avx2_u8_6 = _make_kernel("avx2", 6, 1, "u8")
 avx2_u8_3 = _make_kernel("avx2", 3, 2, "u8")
 avx2_u8_1 = _make_kernel("avx2", 1, 4, "u8")
