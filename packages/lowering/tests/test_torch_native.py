@@ -279,3 +279,16 @@ def test_same_bytes_as_numba_backends(
         for x in _batches(shape, 2, seed=13):
             with torch.no_grad():
                 assert torch.equal(ours(x), theirs(x)), (name, backend_name)
+
+
+@pytest.mark.parametrize("qat", [False, True])
+def test_default_qconfigs_reduce_range_like_torch_ao_x86(qat: bool) -> None:
+    qconfig = native.torch_native.qconfig_mapping(qat=qat).global_qconfig
+    assert qconfig is not None
+    activation, weight = qconfig.activation(), qconfig.weight()
+    # 7-bit activations: what torch's engine needs so that its 16-bit pair sums cannot saturate
+    assert (activation.quant_min, activation.quant_max) == (0, 127)
+    assert weight.dtype == torch.int8
+    assert str(weight.qscheme.value if hasattr(weight.qscheme, "value") else weight.qscheme) == (
+        "per_channel_symmetric"
+    )

@@ -38,6 +38,11 @@ from quantbridge.fx_quant.nn import intrinsic as nni
 from quantbridge.fx_quant.nn import reference as nnqr
 from quantbridge.lowering._backend import Backend, SupportedOp, _pattern_name
 from quantbridge.lowering._errors import LoweringError
+from quantbridge.qconfig import (
+    QConfigMapping,
+    get_default_qat_qconfig_mapping,
+    get_default_qconfig_mapping,
+)
 
 __all__ = ["TorchNativeBackend", "is_available", "torch_native", "unavailable_reason"]
 
@@ -660,6 +665,12 @@ class TorchNativeBackend(Backend):
 
     def unavailable_reason(self) -> str:
         return unavailable_reason()
+
+    def qconfig_mapping(self, qat: bool = False) -> QConfigMapping:
+        """torch.ao's x86 defaults: per-channel int8 weights, ``reduce_range=True`` activations."""
+        if qat:
+            return get_default_qat_qconfig_mapping("x86")
+        return get_default_qconfig_mapping("x86")
 
     def lower(self, reference_model: GraphModule) -> GraphModule:
         """Replace the supported reference patterns with torch quantized ops (in place)."""
