@@ -77,8 +77,10 @@ def shared_groups(model: torch.fx.GraphModule) -> list[list[str]]:
 
 
 def _mappings(name: str, backend: str) -> tuple[Any, Any]:
-    ours = get_default_qconfig_mapping(backend)
-    theirs = ao.get_default_qconfig_mapping(backend)
+    # executorch and native have no default qconfig mapping of their own.
+    mapping_name = "x86" if backend in ("executorch", "native") else backend
+    ours = get_default_qconfig_mapping(mapping_name)
+    theirs = ao.get_default_qconfig_mapping(mapping_name)
     if name == "embedding_bag":
         ours.set_object_type(nn.EmbeddingBag, float_qparams_weight_only_qconfig)
         theirs.set_object_type(nn.EmbeddingBag, ao.float_qparams_weight_only_qconfig)
@@ -131,6 +133,14 @@ def test_same_observers_and_qparams(name: str, backend: str) -> None:
     assert mine == ref
     assert shared_groups(ours) == shared_groups(theirs)
     assert len(mine) > 0
+
+
+@pytest.mark.parametrize("backend", ["onednn", "executorch", "native"])
+@pytest.mark.parametrize("name", ["mlp", "residual", "attention", "functional_mix"])
+def test_same_observers_other_backends(name: str, backend: str) -> None:
+    ours, theirs = _prepare_both(name, backend)
+    assert observer_table(ours) == observer_table(theirs)
+    assert shared_groups(ours) == shared_groups(theirs)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
