@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import numba
 import numpy as np
 import numpy.typing as npt
 
@@ -97,6 +98,7 @@ class PackedLinearWeight:
         # the VNNI kernels read uint8 activations directly; AVX2 wants them widened first
         self.serial_u8 = serial_driver(self.target, "u8") if self.target == "avx512_vnni" else None
         self._fast: dict[tuple[float, float, int], Any] = {}
+        self._entry: dict[bool, Any] = {}
         self._colcorr: dict[int, npt.NDArray[np.int32]] = {}
         self._requant: dict[tuple[float, float | None, bool], Any] = {}
         self._rows: dict[int, tuple[npt.NDArray[np.int64], npt.NDArray[np.int32]]] = {}
@@ -247,7 +249,7 @@ def linear(
         if packed.has_weight_zp:
             rowsum = x.sum(axis=1, dtype=np.int64).astype(np.int32)
         res = np.empty((m, packed.n_padded), np.uint8)
-        fast(
+        args = (
             x.reshape(-1),
             rowoffs,
             m,
@@ -267,6 +269,17 @@ def linear(
             255,
             m,
         )
+        # the compiled entry point skips numba's per-call type dispatch (~0.4 us); it is
+        # looked up by the exact argument types once, through the dispatcher
+        writeable = x.flags.writeable
+        entry = packed._entry.get(writeable)
+        if entry is None:
+            fast(*args)
+            entry = fast.overloads.get(tuple(numba.typeof(v) for v in args))  # type: ignore[no-untyped-call]
+            if entry is not None:
+                packed._entry[writeable] = entry.entry_point
+        else:
+            entry(*args)
         return res if packed.n_padded == packed.n else np.ascontiguousarray(res[:, : packed.n])
     biasq, mult = packed.epilogue(x_scale, out_scale)
     a, m, lead = _activation_rows(x, packed, "x")
