@@ -296,3 +296,19 @@ def test_k_mismatch_equal_to_padded_k_is_refused(target):
     packed = PackedLinearWeight(np.ones((4, 5), np.int8), 0.1, target=target)
     with pytest.raises(KernelError, match="K=5"):
         linear(np.zeros((2, 8), np.uint8), packed, 0.1, 0, 0.1, 0, num_threads=1)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_read_only_and_writeable_inputs_alternate(target):
+    # the one-thread fast path caches a compiled entry point per input writeability
+    rng = np.random.default_rng(21)
+    a, a_s, a_zp, w, w_s, w_zp, bias, o_s, o_zp = _case(rng, 9, 64, 40, False, True, True)
+    packed = PackedLinearWeight(w, w_s, w_zp, bias, target=target)
+    want = reference_linear(a, a_s, a_zp, w, w_s, w_zp, bias, o_s, o_zp)
+    frozen = a.copy()
+    frozen.flags.writeable = False
+    for x in (a, frozen, a, frozen):
+        np.testing.assert_array_equal(linear(x, packed, a_s, a_zp, o_s, o_zp, num_threads=1), want)
+        np.testing.assert_array_equal(
+            linear(x[:1], packed, a_s, a_zp, o_s, o_zp, num_threads=1), want[:1]
+        )
