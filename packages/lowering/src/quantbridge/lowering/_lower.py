@@ -570,8 +570,29 @@ class _Lowerer:
 
     # cleanup -----------------------------------------------------------------------------
 
+    def _boundaries(self) -> None:
+        """Remaining static uint8 quantize/dequantize ops → kernel-backed modules (the
+        reference ops are exact but slow); ones on dynamic qparams stay as they are."""
+        for node in list(self.graph.nodes):
+            if node.op != "call_function" or node.target not in (_Q, _DQ) or not node.users:
+                continue
+            qp = self._static_qparams(node)
+            if qp is None or not isinstance(node.args[0], Node):
+                continue
+            if node.target is _Q:
+                mod: lm.LoweredModule = lm.Quantize(self.target, None, qp)
+                base = f"{node.args[0].name}_quantize"
+            else:
+                mod = lm.Dequantize(self.target, qp, None)
+                base = f"{node.args[0].name}_dequantize"
+            new = self._add_module(base, mod, (node.args[0],), node)
+            node.replace_all_uses_with(new)
+            self.report.origins[new.name] = node.name
+
     def _cleanup(self) -> None:
         before = {n.target for n in self.graph.nodes if n.op == "get_attr"}
+        self.graph.eliminate_dead_code()  # first: dequantizes read only by replaced ops go
+        self._boundaries()
         self.graph.eliminate_dead_code()
         after = {n.target for n in self.graph.nodes if n.op == "get_attr"}
         for t in before - after:

@@ -37,6 +37,8 @@ __all__ = [
     "QuantizedLookupTable",
     "QuantizedMatmul",
     "QuantizedMaxPool2d",
+    "Dequantize",
+    "Quantize",
     "Requantize",
 ]
 
@@ -365,6 +367,42 @@ class QuantizedLookupTable(LoweredModule):
 
     def _details(self) -> str:
         return f"fn={self.what}"
+
+
+class Quantize(LoweredModule):
+    """float32 → uint8 where a float value enters a quantized chain (``quantize_per_tensor``).
+
+    Same numbers as the reference ``quantbridge::quantize_per_tensor`` op (both follow
+    torch.quantize_per_tensor), at kernel speed.
+    """
+
+    kernel = "kernels.quantize_per_tensor"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if is_tracing(x):
+            return _t(torch.ops.quantbridge.quantize_per_tensor.tensor(
+                x, self.scale, self.zero_point, 0, 255, torch.uint8
+            ))  # fmt: skip
+        if x.dtype != torch.float32:
+            x = x.to(torch.float32)
+        return torch.from_numpy(
+            K.quantize_per_tensor(_np(x), self._os, self._oz, target=self.target)
+        )
+
+
+class Dequantize(LoweredModule):
+    """uint8 → float32 where a quantized chain ends (``dequantize_per_tensor``)."""
+
+    kernel = "kernels.dequantize_per_tensor"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if is_tracing(x):
+            return _t(torch.ops.quantbridge.dequantize_per_tensor.tensor(
+                x, self.input_scale, self.input_zero_point, 0, 255, torch.uint8
+            ))  # fmt: skip
+        return torch.from_numpy(
+            K.dequantize_per_tensor(_np(x), self._xs, self._xz, target=self.target)
+        )
 
 
 class Requantize(LoweredModule):
