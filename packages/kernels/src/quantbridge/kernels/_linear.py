@@ -223,14 +223,17 @@ def linear(
     if type(packed) is not PackedLinearWeight:
         raise KernelError(f"packed: expected a PackedLinearWeight, got {type(packed).__name__}")
     # uint8 data is always aligned, so contiguity, rank and size are all the fast path checks
-    if not (
-        type(x) is np.ndarray and x.dtype == np.uint8 and x.ndim and x.size and x.flags.c_contiguous
-    ):
+    flags = x.flags if type(x) is np.ndarray else None
+    if not (flags is not None and x.dtype == np.uint8 and x.ndim and x.size and flags.c_contiguous):
         check_array("x", x, np.uint8, None)
         raise KernelError(f"x: expected at least 1 dimension [..., K], got shape {x.shape}")
-    # epilogue() and colcorr() validate scales/zero points on their first use (cache miss)
-    a_zp = _fast_zp(x_zero_point, "x_zero_point")
-    o_zp = _fast_zp(out_zero_point, "out_zero_point")
+    # epilogue() and colcorr() validate scales on their first use (cache miss)
+    a_zp = x_zero_point
+    if not (type(a_zp) is int and 0 <= a_zp <= 255):
+        a_zp = check_zero_point("x_zero_point", x_zero_point, 0, 255)
+    o_zp = out_zero_point
+    if not (type(o_zp) is int and 0 <= o_zp <= 255):
+        o_zp = check_zero_point("out_zero_point", out_zero_point, 0, 255)
     threads = 1 if num_threads == 1 else apply_num_threads(num_threads, "linear")
     fast = packed.serial_u8
     if fast is not None and threads == 1 and x.ndim == 2 and x.shape[1] == packed.k == packed.lda:
@@ -245,7 +248,8 @@ def linear(
         # the common small-batch case, without the general path's bookkeeping (M = 1 is
         # dominated by per-call overhead: every microsecond here is ~10 % of the call)
         m = x.shape[0]
-        rowoffs, rowsum = packed.rows(m)
+        rows = packed._rows.get(m)
+        rowoffs, rowsum = rows if rows is not None else packed.rows(m)
         if packed.has_weight_zp:
             rowsum = x.sum(axis=1, dtype=np.int64).astype(np.int32)
         res = np.empty((m, packed.n_padded), np.uint8)
@@ -271,7 +275,7 @@ def linear(
         )
         # the compiled entry point skips numba's per-call type dispatch (~0.4 us); it is
         # looked up by the exact argument types once, through the dispatcher
-        writeable = x.flags.writeable
+        writeable = flags.writeable
         entry = packed._entry.get(writeable)
         if entry is None:
             fast(*args)
