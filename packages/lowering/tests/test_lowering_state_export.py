@@ -107,3 +107,13 @@ def test_eager_forward_does_not_go_through_the_dispatcher(monkeypatch: pytest.Mo
     monkeypatch.setattr(_modules.ops, "linear_op", boom)
     with torch.no_grad():
         assert torch.equal(lowered(*x), want)
+
+
+def test_torch_compile_traces_through_custom_ops() -> None:
+    backend = L.get_backend("numba")
+    case = _case("conv_bn_cnn")
+    lowered = backend.lower(zoo.reference_model(case, backend))
+    compiled = torch.compile(lowered, backend="aot_eager", fullgraph=True)
+    x = case.inputs(2)
+    with torch.no_grad():
+        assert torch.equal(compiled(*x), lowered(*x))
