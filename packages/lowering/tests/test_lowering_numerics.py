@@ -3,6 +3,7 @@ its outputs are within one quantization step of the reference model, element by 
 
 from __future__ import annotations
 
+import copy
 import sys
 from pathlib import Path
 from typing import Any
@@ -286,3 +287,38 @@ def test_lower_leaves_reference_model_unchanged() -> None:
     before = reference.code
     backend.lower(reference)
     assert reference.code == before
+
+
+def test_qat_prepared_model_converts_and_lowers() -> None:
+    from quantbridge.fx_quant import convert_to_reference_fx, prepare_qat_fx
+
+    backend = L.get_backend("numba")
+    torch.manual_seed(0)
+    model = zoo.ConvBnCNN().train()
+    x = torch.randn(4, 3, 16, 16)
+    prepared = prepare_qat_fx(
+        model, backend.qconfig_mapping(qat=True), (x,), backend_config=backend.backend_config
+    )
+    opt = torch.optim.SGD(prepared.parameters(), lr=0.01)
+    for _ in range(3):
+        loss = prepared(torch.randn(4, 3, 16, 16)).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    prepared.eval()
+    reference = convert_to_reference_fx(
+        copy.deepcopy(prepared), backend_config=backend.backend_config
+    )
+    lowered = backend.convert(prepared)
+    assert L.lowering_report(lowered).kept == []
+    step = _coarsest_step(reference)
+    with torch.no_grad():
+        diff = (reference(x) - lowered(x)).abs()
+    assert float(diff.max()) <= step * (1 + 1e-5)
+
+
+def test_pass_errors_are_clear() -> None:
+    with pytest.raises(L.LoweringError, match="convert_to_reference_fx"):
+        L.lower_to_kernels(torch.nn.Linear(2, 2), "generic")  # type: ignore[arg-type]
+    with pytest.raises(L.LoweringError, match="was not produced by"):
+        L.lowering_report(torch.fx.symbolic_trace(torch.nn.Linear(2, 2)))
