@@ -449,3 +449,22 @@ def test_quantized_input_index_takes_integers_with_settable_qparams() -> None:
     first = converted(q)
     converted.x_input_scale_0.fill_(0.04)
     assert not torch.equal(converted(q), first)  # the buffers are the input's qparams
+
+
+def test_convert_qconfig_mapping_can_only_keep_or_disable() -> None:
+    model = zoo.MLP().eval()
+    example = (torch.randn(2, 16),)
+
+    def calibrated() -> torch.fx.GraphModule:
+        prepared = prepare_fx(copy.deepcopy(model), get_default_qconfig_mapping(), example)
+        prepared(*example)
+        return prepared
+
+    disable_fc3 = get_default_qconfig_mapping().set_module_name("fc3", None)
+    converted = convert_to_reference_fx(calibrated(), qconfig_mapping=disable_fc3)
+    assert isinstance(converted.fc1, nni.LinearReLU)
+    assert isinstance(converted.fc1[0], nnqr.Linear)
+    assert type(converted.fc3) is nn.Linear  # disabled at convert: stays float
+    changed = get_default_qconfig_mapping().set_module_name("fc3", default_qconfig)
+    with pytest.raises(FxQuantError, match="can only be kept or set to None"):
+        convert_to_reference_fx(calibrated(), qconfig_mapping=changed)
