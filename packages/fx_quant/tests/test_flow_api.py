@@ -468,3 +468,29 @@ def test_convert_qconfig_mapping_can_only_keep_or_disable() -> None:
     changed = get_default_qconfig_mapping().set_module_name("fc3", default_qconfig)
     with pytest.raises(FxQuantError, match="can only be kept or set to None"):
         convert_to_reference_fx(calibrated(), qconfig_mapping=changed)
+
+
+def test_dynamic_and_qat_reference_models_export() -> None:
+    import quantbridge.qconfig as qb
+
+    example = (torch.randn(2, 16),)
+    dynamic = qb.default_dynamic_qconfig
+    mapping = QConfigMapping().set_object_type(nn.Linear, dynamic).set_object_type(nn.ReLU, dynamic)
+    prepared = prepare_fx(zoo.build("mlp").eval(), mapping, example)
+    prepared(*example)
+    reference = convert_to_reference_fx(prepared)
+    exported = torch.export.export(reference, example)
+    targets = [n.target for n in exported.graph.nodes]
+    assert torch.ops.quantbridge.choose_qparams_per_tensor.default in targets
+    torch.testing.assert_close(exported.module()(*example), reference(*example), rtol=0, atol=0)
+
+    example = zoo.example_inputs("qat_conv_bn")
+    prepared = prepare_qat_fx(
+        zoo.build("qat_conv_bn").train(), get_default_qat_qconfig_mapping(), example
+    )
+    prepared(*example)
+    prepared.eval()
+    reference = convert_to_reference_fx(prepared)
+    assert any(isinstance(m, nnqr.Conv2d) for m in reference.modules())
+    exported = torch.export.export(reference, example)
+    torch.testing.assert_close(exported.module()(*example), reference(*example), rtol=0, atol=0)
