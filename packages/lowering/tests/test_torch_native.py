@@ -292,3 +292,30 @@ def test_default_qconfigs_reduce_range_like_torch_ao_x86(qat: bool) -> None:
     assert str(weight.qscheme.value if hasattr(weight.qscheme, "value") else weight.qscheme) == (
         "per_channel_symmetric"
     )
+
+
+def test_dynamic_linear_same_as_torch_ao_convert_fx() -> None:
+    pytest.importorskip("torch.ao.quantization")
+    importlib.import_module("torch.ao.quantization.backend_config.utils")  # torch 2.13 quirk
+    ao_fx = importlib.import_module("torch.ao.quantization.quantize_fx")
+    ao_q = importlib.import_module("torch.ao.quantization")
+    ao_bc = importlib.import_module("torch.ao.quantization.backend_config.x86")
+    torch.manual_seed(21)
+    model = LinearNet().eval()
+    data = _batches((8, 32), 2, seed=22)
+    mapping = QConfigMapping().set_global(default_dynamic_qconfig)
+    ours = native.torch_native.lower(
+        _reference(copy.deepcopy(model), mapping, data, "torch_native")
+    )
+    previous = torch.backends.quantized.engine
+    torch.backends.quantized.engine = "x86"
+    try:
+        ao_mapping = ao_q.QConfigMapping().set_global(ao_q.default_dynamic_qconfig)
+        config = ao_bc.get_x86_backend_config()
+        prepared = ao_fx.prepare_fx(model, ao_mapping, (data[0],), backend_config=config)
+        theirs = ao_fx.convert_fx(prepared, backend_config=config)
+        for x in _batches((8, 32), 3, seed=23):
+            with torch.no_grad():
+                assert torch.equal(ours(x), theirs(x))
+    finally:
+        torch.backends.quantized.engine = previous
