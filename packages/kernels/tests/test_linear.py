@@ -312,3 +312,10 @@ def test_read_only_and_writeable_inputs_alternate(target):
         np.testing.assert_array_equal(
             linear(x[:1], packed, a_s, a_zp, o_s, o_zp, num_threads=1), want[:1]
         )
+
+
+@pytest.mark.parametrize("bad", [0, -1, 10_000, True, 2.0, "2"])
+def test_bad_thread_counts_are_refused_even_for_tiny_products(bad):
+    packed = PackedLinearWeight(np.ones((4, 8), np.int8), 0.1)
+    with pytest.raises(KernelError, match="num_threads"):
+        linear(np.ones((1, 8), np.uint8), packed, 0.1, 0, 0.1, 0, num_threads=bad)

@@ -36,7 +36,7 @@ _SERIAL = {
 
 
 # m * Np * k-steps below which one thread wins (launch ~20 us vs ~5 us of work at M = 1)
-_SERIAL_BELOW = 1 << 20
+SERIAL_BELOW = 1 << 20
 
 _NR = {t: layout(t)[0] for t in ("avx512_vnni", "avx2", "generic")}
 
@@ -79,7 +79,7 @@ def run_gemm(
     m = rowoffs.shape[0]
     nk = koffs.shape[0]
     np_ = colcorr.shape[0]
-    if threads > 1 and m * np_ * nk < _SERIAL_BELOW:
+    if threads > 1 and m * np_ * nk < SERIAL_BELOW:
         threads = 1  # a parallel-region launch costs more than it saves on small products
     npanels = np_ // _NR[target]
     out = np.empty((m, np_), np.float32 if f32_out else np.uint8)

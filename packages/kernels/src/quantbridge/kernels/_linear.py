@@ -26,7 +26,7 @@ from quantbridge.kernels._checks import (
 )
 from quantbridge.kernels._errors import KernelError
 from quantbridge.kernels._gemm import quantize_u8_fma
-from quantbridge.kernels._gemm_run import run_gemm, serial_driver
+from quantbridge.kernels._gemm_run import SERIAL_BELOW, run_gemm, serial_driver
 from quantbridge.kernels._pack import (
     K_ALIGN,
     layout,
@@ -37,7 +37,7 @@ from quantbridge.kernels._pack import (
 )
 from quantbridge.kernels._requant import multipliers, scaled_bias
 from quantbridge.kernels._targets import resolve_target
-from quantbridge.kernels._threads import apply_num_threads
+from quantbridge.kernels._threads import apply_num_threads, max_threads
 
 _CACHE_LIMIT = 64
 
@@ -234,7 +234,14 @@ def linear(
     o_zp = out_zero_point
     if not (type(o_zp) is int and 0 <= o_zp <= 255):
         o_zp = check_zero_point("out_zero_point", out_zero_point, 0, 255)
-    threads = 1 if num_threads == 1 else apply_num_threads(num_threads, "linear")
+    if (num_threads == 1 and type(num_threads) is int) or (
+        # small products run on one thread whatever the setting (a parallel launch costs more)
+        x.size // packed.k * packed.n_padded * packed.nk < SERIAL_BELOW
+        and (num_threads is None or (type(num_threads) is int and 1 < num_threads <= max_threads()))
+    ):
+        threads = 1
+    else:
+        threads = apply_num_threads(num_threads, "linear")
     fast = packed.serial_u8
     if fast is not None and threads == 1 and x.ndim == 2 and x.shape[1] == packed.k == packed.lda:
         key = (x_scale, out_scale, a_zp)
