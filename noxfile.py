@@ -34,6 +34,11 @@ ROOT = Path(__file__).parent
 CONSTRAINTS = ROOT / "constraints.txt"
 PACKAGES = ("patterns", "qconfig", "kernels", "fx_quant", "lowering")
 TEST_REQUIREMENTS = ("pytest", "hypothesis", "numpy", "torch")
+# Extra installs a package's tests need: lowering's tests load a third-party backend through
+# the `quantbridge.backends` entry point, from a small plugin distribution kept in its tests.
+TEST_EXTRAS: dict[str, tuple[str, ...]] = {
+    "lowering": ("-e", str(ROOT / "packages" / "lowering" / "tests" / "plugin")),
+}
 
 nox.options.sessions = ["tests", "lint", "typecheck"]
 nox.options.reuse_venv = "yes"
