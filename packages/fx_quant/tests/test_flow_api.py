@@ -494,3 +494,28 @@ def test_dynamic_and_qat_reference_models_export() -> None:
     assert any(isinstance(m, nnqr.Conv2d) for m in reference.modules())
     exported = torch.export.export(reference, example)
     torch.testing.assert_close(exported.module()(*example), reference(*example), rtol=0, atol=0)
+
+
+# -- reference models under autograd --------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["cnn", "mlp", "qat_conv_bn"])
+def test_reference_model_runs_with_grad_enabled(name: str) -> None:
+    # Regression: reference models failed inside the quantize ops when called without
+    # torch.no_grad() on inputs that require grad (users evaluating, QAT -> convert flows).
+    example = zoo.example_inputs(name)
+    model = zoo.build(name)
+    if name == "qat_conv_bn":
+        prepared = prepare_qat_fx(model.train(), get_default_qat_qconfig_mapping("fbgemm"), example)
+        prepared(*example)
+        prepared.eval()
+    else:
+        prepared = prepare_fx(model.eval(), get_default_qconfig_mapping("fbgemm"), example)
+        prepared(*example)
+    converted = convert_to_reference_fx(prepared)
+    with torch.no_grad():
+        expected = converted(*example)
+    x = example[0].clone().requires_grad_(True)
+    with torch.enable_grad():
+        got = converted(x)
+    assert torch.equal(got.detach(), expected)

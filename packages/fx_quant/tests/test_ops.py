@@ -465,3 +465,88 @@ def test_per_channel_matches_torch_on_arbitrary_float_bits(
     assert torch.equal(q, ref.int_repr())
     deq = qb.dequantize_per_channel(q, scales, zp, 1, -128, 127, torch.int8)
     assert torch.equal(deq, ref.dequantize())
+
+
+# -- autograd: the ops run on inputs that require grad, with grad mode on --------------------
+
+
+def _grad_cases(x: torch.Tensor) -> dict[str, Any]:
+    chan = x.shape[1]
+    scales = torch.full((chan,), 0.05, requires_grad=True)
+    zps = torch.arange(chan)
+    scale_t = torch.tensor(0.05, requires_grad=True)
+    zp_t = torch.tensor(3)
+    return {
+        "per_tensor uint8": lambda: qb.dequantize_per_tensor(
+            qb.quantize_per_tensor(x, 0.05, 3, 0, 255, torch.uint8), 0.05, 3, 0, 255, torch.uint8
+        ),
+        "per_tensor int32": lambda: qb.quantize_per_tensor(
+            x, 0.05, 0, -(2**31), 2**31 - 1, torch.int32
+        ),
+        "per_tensor int16": lambda: qb.quantize_per_tensor(x, 0.05, 1, -32768, 32767, torch.int16),
+        "per_tensor.tensor int8": lambda: qb.dequantize_per_tensor.tensor(
+            qb.quantize_per_tensor.tensor(x, scale_t, zp_t, -128, 127, torch.int8),
+            scale_t,
+            zp_t,
+            -128,
+            127,
+            torch.int8,
+        ),
+        "per_channel int8": lambda: qb.dequantize_per_channel(
+            qb.quantize_per_channel(x, scales, zps, 1, -128, 127, torch.int8),
+            scales,
+            zps,
+            1,
+            -128,
+            127,
+            torch.int8,
+        ),
+        "per_channel float zero points": lambda: qb.quantize_per_channel(
+            x, scales, zps.float().requires_grad_(True), 1, 0, 255, torch.uint8
+        ),
+        "choose_qparams": lambda: torch.stack(
+            [t.to(torch.float64) for t in qb.choose_qparams_per_tensor(x, 0, 255)]
+        ),
+    }
+
+
+def test_ops_run_with_grad_enabled_on_inputs_that_require_grad() -> None:
+    # Regression: the in-place kernel steps failed under autograd ("functions with out=...
+    # arguments don't support automatic differentiation").
+    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(3)) * 4
+    with torch.no_grad():
+        expected = {name: fn() for name, fn in _grad_cases(x).items()}
+    xg = x.clone().requires_grad_(True)
+    with torch.enable_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the ops have no autograd formula, which torch notes
+        got = {name: fn() for name, fn in _grad_cases(xg).items()}
+    assert got.keys() == expected.keys()
+    for name, value in got.items():
+        assert value.dtype == expected[name].dtype, name
+        assert torch.equal(value.detach(), expected[name]), name
+
+
+def test_python_kernels_run_with_grad_enabled() -> None:
+    # The registered kernels themselves turn tracking off, also when called without the
+    # dispatcher (which is how torch.library may run them under some modes).
+    from quantbridge.fx_quant import _ops
+
+    x = (torch.randn(3, 6, generator=torch.Generator().manual_seed(4)) * 3).requires_grad_(True)
+    with torch.enable_grad():
+        q8 = _ops._quantize_per_tensor(x, 0.03, 5, 0, 255, torch.uint8)
+        q32 = _ops._quantize_per_tensor(x, 0.03, 0, -(2**31), 2**31 - 1, torch.int32)
+        qc = _ops._quantize_per_channel(
+            x,
+            torch.full((6,), 0.03, requires_grad=True),
+            torch.zeros(6, dtype=torch.int64),
+            1,
+            -128,
+            127,
+            torch.int8,
+        )
+    assert not q8.requires_grad
+    assert not q32.requires_grad
+    assert not qc.requires_grad
+    assert torch.equal(q8, torch.clamp(torch.round(x.detach() / 0.03) + 5, 0, 255).to(torch.uint8))
+    assert torch.equal(q32, torch.round(x.detach() / 0.03).to(torch.int32))
+    assert torch.equal(qc, torch.clamp(torch.round(x.detach() / 0.03), -128, 127).to(torch.int8))

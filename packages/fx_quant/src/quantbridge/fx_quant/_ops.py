@@ -25,9 +25,10 @@ Inputs are float32; float16/bfloat16/float64 inputs are converted to float32 fir
 
 from __future__ import annotations
 
+import functools
 import struct
 from collections.abc import Callable
-from typing import TypeVar
+from typing import TypeVar, cast
 
 import torch
 
@@ -233,9 +234,22 @@ _define(
 
 
 def _impl(name: str) -> Callable[[_F], _F]:
+    """Register ``fn`` as the real kernel of ``name``, run with gradient tracking off.
+
+    The outputs are integers (or floats computed from integers), so no gradient flows through
+    these ops; tracking would only make the in-place steps fail on inputs that require grad
+    (reference models run without ``torch.no_grad()``, e.g. right after QAT).
+    """
+
     def register(fn: _F) -> _F:
-        _lib.impl(name, fn, "CompositeExplicitAutograd")  # type: ignore[no-untyped-call]
-        return fn
+        @functools.wraps(fn)
+        def untracked(*args: object, **kwargs: object) -> object:
+            with torch.no_grad():
+                return fn(*args, **kwargs)
+
+        kernel = cast(_F, untracked)
+        _lib.impl(name, kernel, "CompositeExplicitAutograd")  # type: ignore[no-untyped-call]
+        return kernel
 
     return register
 
