@@ -4,6 +4,10 @@ Depends on numpy and numba only. Target selection is here now; the kernels thems
 (GEMM, conv, elementwise, pools, lookup tables, embedding_bag) arrive with the kernels issue.
 """
 
+# First: numba picks each function's cache locator when its @njit(cache=True) runs.
+from quantbridge.kernels import _jitcache
+
+# isort: split
 from quantbridge.kernels._activation import clamp, hardtanh, relu, relu6
 from quantbridge.kernels._conv import PackedConvWeight, conv1d, conv2d
 from quantbridge.kernels._elementwise import add, add_relu, mul, mul_relu
@@ -37,6 +41,9 @@ from quantbridge.kernels._targets import (
     target_supported,
 )
 from quantbridge.kernels._threads import get_num_threads, set_num_threads
+
+# Every kernel module is imported now: switch their caches to key-named data files.
+_jitcache.harden(_jitcache.package_dispatchers(_jitcache.package_modules()))
 
 __all__ = [
     "ENV_VAR",

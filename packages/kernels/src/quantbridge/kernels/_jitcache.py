@@ -1,0 +1,170 @@
+"""Keep numba's on-disk cache (``cache=True``) from ever loading machine code built from old source.
+
+numba stamps a cached function with a hash of *its own* source file only. Kernels here inline
+code from other modules (``_vnni.py``/``_fma.py`` intrinsics into the GEMM drivers, helpers
+from ``_quantize.py``), so after editing an intrinsic the drivers' stale machine code would
+still load -- wrong results at best, out-of-bounds access when a layout changed. The locators
+below stamp every function of this package with a hash of *all* of the package's ``.py``
+files (and the numba/llvmlite versions): any source change invalidates every cache entry of the
+package, and numba's own stamp check then treats the old entries as absent and overwrites them.
+
+They must be registered before the first ``@njit(cache=True)`` of the package runs, because
+numba picks the locator at decoration time: the package ``__init__`` imports this module first.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import sys
+import warnings
+from typing import Any
+
+import llvmlite
+import numba
+from numba.core import caching, config
+
+PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def package_stamp(package_dir: str = PACKAGE_DIR) -> str:
+    """sha256 over every ``.py`` file of ``package_dir`` (names and bytes) and tool versions."""
+    return _stamp(package_dir, _file_states(package_dir))
+
+
+def _file_states(package_dir: str) -> tuple[tuple[str, int, int], ...]:
+    names = sorted(n for n in os.listdir(package_dir) if n.endswith(".py"))
+    states = []
+    for name in names:
+        st = os.stat(os.path.join(package_dir, name))
+        states.append((name, st.st_mtime_ns, st.st_size))
+    return tuple(states)
+
+
+@functools.lru_cache(maxsize=8)
+def _stamp(package_dir: str, states: tuple[tuple[str, int, int], ...]) -> str:
+    # keyed on (mtime, size) so an edit while the process runs is re-hashed, as numba does
+    h = hashlib.sha256()
+    h.update(f"numba {numba.__version__} llvmlite {llvmlite.__version__}\n".encode())
+    for name, _, _ in states:
+        with open(os.path.join(package_dir, name), "rb") as f:
+            data = f.read()
+        h.update(f"{name} {len(data)}\n".encode())
+        h.update(data)
+    return h.hexdigest()
+
+
+def _in_package(py_file: str) -> bool:
+    return os.path.dirname(os.path.abspath(py_file)) == PACKAGE_DIR
+
+
+class _PackageStampMixin:
+    """Claims only this package's functions; stamps them with the whole-package hash."""
+
+    def get_source_stamp(self) -> Any:
+        return (super().get_source_stamp(), package_stamp())  # type: ignore[misc]
+
+    @classmethod
+    def from_function(cls, py_func: Any, py_file: str) -> Any:
+        if not _in_package(py_file):
+            return None
+        return super().from_function(py_func, py_file)  # type: ignore[misc]
+
+
+# Same three places numba itself would use ($NUMBA_CACHE_DIR, __pycache__, user-wide), in order.
+class PackageUserProvidedLocator(_PackageStampMixin, caching.UserProvidedCacheLocator):
+    pass
+
+
+class PackageInTreeLocator(_PackageStampMixin, caching.InTreeCacheLocator):
+    pass
+
+
+class PackageUserWideLocator(_PackageStampMixin, caching.UserWideCacheLocator):
+    pass
+
+
+LOCATORS: tuple[type, ...] = (
+    PackageUserProvidedLocator,
+    PackageInTreeLocator,
+    PackageUserWideLocator,
+)
+
+
+def register() -> None:
+    """Put the package locators first in numba's list (idempotent)."""
+    classes: list[Any] = caching.CacheImpl._locator_classes
+    for cls in reversed(LOCATORS):
+        if cls not in classes:
+            classes.insert(0, cls)
+    if getattr(config, "CACHE_LOCATOR_CLASSES", None):
+        # an explicit locator list bypasses ours: say so rather than risk stale machine code
+        warnings.warn(
+            "NUMBA_CACHE_LOCATOR_CLASSES is set, so quantbridge.kernels cannot stamp its numba "
+            "cache with the package hash; after editing the package, clear the cache "
+            "(or unset the variable).",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+
+
+class KeyNamedCacheFile(caching.IndexDataCacheFile):
+    """numba's index/data files, but each data file is named by a hash of its index key.
+
+    numba numbers data files ``1, 2, ...`` from the index it just read: two processes saving
+    *different* signatures of one function at once can both pick ``.1.nbc``, and the index of
+    one can end up pointing at the other's machine code (a wrong-signature load). Named by key,
+    concurrent writers of different keys never share a file, and writers of the same key write
+    the same code; files are still written to a temporary name and ``os.replace``d (atomic), and
+    a lost index update only costs a recompile.
+    """
+
+    def save(self, key: Any, data: Any) -> None:
+        overloads = self._load_index()
+        name = self._data_name_pattern.replace(
+            "{number:d}", hashlib.sha256(repr(key).encode()).hexdigest()[:20]
+        )
+        self._save_data(name, data)  # data before index: the index never names a missing file
+        if overloads.get(key) != name:
+            overloads = self._load_index()  # re-read: keep what others saved meanwhile
+            overloads[key] = name
+            self._save_index(overloads)
+
+
+def harden(dispatchers: list[Any]) -> None:
+    """Give each ``cache=True`` dispatcher key-named data files; check it uses our locator."""
+    for d in dispatchers:
+        cache = getattr(d, "_cache", None)
+        if cache is None or not hasattr(cache, "_cache_file"):
+            continue  # not cached (NullCache)
+        if not isinstance(cache._impl.locator, LOCATORS):
+            # only with $NUMBA_CACHE_LOCATOR_CLASSES set (warned above): leave numba's default
+            continue
+        cache._cache_file.__class__ = KeyNamedCacheFile
+
+
+def package_modules() -> list[Any]:
+    """This package's modules imported so far."""
+    prefix = __name__.rsplit(".", 1)[0] + "."
+    return [m for name, m in list(sys.modules.items()) if name.startswith(prefix)]
+
+
+def package_dispatchers(modules: list[Any]) -> list[Any]:
+    """Every numba dispatcher defined at module level in ``modules``."""
+    from numba.core.dispatcher import Dispatcher
+
+    found = []
+    for mod in modules:
+        for value in vars(mod).values():
+            if isinstance(value, Dispatcher) and value.py_func.__module__ == mod.__name__:
+                found.append(value)
+    return found
+
+
+def locator_of(dispatcher: Any) -> Any:
+    """The cache locator numba chose for a ``cache=True`` dispatcher (for tests)."""
+    return dispatcher._cache._impl.locator
+
+
+register()

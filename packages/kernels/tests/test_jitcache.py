@@ -1,0 +1,102 @@
+"""numba's on-disk cache never hands back machine code built from older package source."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+import quantbridge.kernels as qk
+from quantbridge.kernels import _jitcache
+
+SCRIPT = """
+import json, sys
+import numpy as np
+import quantbridge.kernels as qk
+assert qk.__file__.startswith(sys.argv[1]), qk.__file__
+rng = np.random.default_rng(0)
+w = rng.integers(-128, 128, (40, 24), dtype=np.int8)
+x = rng.standard_normal((5, 24)).astype(np.float32)
+y = qk.linear_dynamic(x, qk.PackedLinearWeight(w, 0.01, target="generic"), num_threads=1)
+print(json.dumps(y.ravel().tolist()))
+"""
+
+# the edit a developer might make to an intrinsic: fma_f32 (inlined into _gemm.py's driver)
+OLD_IR = "        return builder.call(fn, list(args))\n"
+NEW_IR = "        return builder.fadd(builder.call(fn, list(args)), ir.Constant(F32T, 1.0))\n"
+
+
+def _run(root: Path) -> np.ndarray:
+    env = dict(os.environ, PYTHONPATH=str(root))
+    env.pop("NUMBA_CACHE_DIR", None)  # cache in the copy's __pycache__
+    proc = subprocess.run(
+        [sys.executable, "-c", SCRIPT, str(root)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr
+    return np.array(json.loads(proc.stdout), dtype=np.float32)
+
+
+def test_editing_an_intrinsic_invalidates_cached_callers(tmp_path: Path) -> None:
+    pkg = tmp_path / "quantbridge" / "kernels"
+    shutil.copytree(Path(qk.__file__).parent, pkg, ignore=shutil.ignore_patterns("__pycache__"))
+    before = _run(tmp_path)
+    cached = list((pkg / "__pycache__").glob("_gemm.drive_generic-*.nbi"))
+    assert cached, "the first run should have written the driver's cache index"
+    vnni = pkg / "_vnni.py"
+    src = vnni.read_text()
+    assert src.count(OLD_IR) == 1
+    vnni.write_text(src.replace(OLD_IR, NEW_IR))
+    after = _run(tmp_path)  # warm cache; _gemm.py itself is unchanged
+    shutil.rmtree(pkg / "__pycache__")
+    fresh = _run(tmp_path)  # cold cache: what the edited source really computes
+    # fma_f32 also quantizes the activations, so the edit changes more than "+1.0"
+    assert not np.array_equal(fresh, before)
+    np.testing.assert_array_equal(after, fresh)
+
+
+def test_package_stamp_covers_every_module(tmp_path: Path) -> None:
+    for name in ("a.py", "b.py"):
+        (tmp_path / name).write_text("x = 1\n")
+    (tmp_path / "notes.txt").write_text("ignored\n")
+    first = _jitcache.package_stamp(str(tmp_path))
+    (tmp_path / "notes.txt").write_text("still ignored\n")
+    assert _jitcache.package_stamp(str(tmp_path)) == first
+    (tmp_path / "b.py").write_text("x = 2\n")
+    second = _jitcache.package_stamp(str(tmp_path))
+    assert second != first
+    (tmp_path / "c.py").write_text("")
+    assert _jitcache.package_stamp(str(tmp_path)) not in (first, second)
+
+
+def test_every_cached_kernel_uses_the_package_stamp() -> None:
+    dispatchers = _jitcache.package_dispatchers(_jitcache.package_modules())
+    cached = [d for d in dispatchers if hasattr(d._cache, "_cache_file")]
+    assert len(cached) >= 40
+    for d in cached:
+        assert isinstance(_jitcache.locator_of(d), _jitcache.LOCATORS), d
+        assert type(d._cache._cache_file) is _jitcache.KeyNamedCacheFile, d
+        stamp = d._cache._cache_file._source_stamp
+        assert stamp[1] == _jitcache.package_stamp()
+
+
+def test_concurrent_writers_of_different_keys_keep_both(tmp_path: Path) -> None:
+    # two "processes" with the same stamp, each unaware of the other's entry
+    one = _jitcache.KeyNamedCacheFile(str(tmp_path), "f-1.py311", "stamp")
+    two = _jitcache.KeyNamedCacheFile(str(tmp_path), "f-1.py311", "stamp")
+    one.save(("sig_a",), {"code": "A"})
+    two.save(("sig_b",), {"code": "B"})
+    reader = _jitcache.KeyNamedCacheFile(str(tmp_path), "f-1.py311", "stamp")
+    assert reader.load(("sig_a",)) == {"code": "A"}
+    assert reader.load(("sig_b",)) == {"code": "B"}
+    assert len(list(tmp_path.glob("*.nbc"))) == 2
+    stale = _jitcache.KeyNamedCacheFile(str(tmp_path), "f-1.py311", "other stamp")
+    assert stale.load(("sig_a",)) is None
