@@ -236,3 +236,87 @@ def demo(session: nox.Session) -> None:
     """The main job: see examples/demo.py."""
     _install(session, "torch", "scikit-learn", *_editable(*PACKAGES))
     session.run("python", str(ROOT / "examples" / "demo.py"), *session.posargs)
+
+
+# --- benchmarks (asv_bench/, see asv_bench/README.md) ------------------------------------------
+
+ASV_DIR = ROOT / "asv_bench"
+ASV_CONFIG = str(ASV_DIR / "asv.conf.json")
+# One fixed machine name, so results from every run here land in one comparable series.
+ASV_MACHINE = "qb-shared-2core"
+ASV_REQUIREMENTS = ("asv==0.6.6", "virtualenv")
+
+
+def _asv_machine(session: nox.Session) -> None:
+    """Write ~/.asv-machine.json for ASV_MACHINE (non-interactive, facts from this machine)."""
+    import os
+    import platform
+
+    cpu = platform.processor() or platform.machine()
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    ram = ""
+    meminfo = Path("/proc/meminfo")
+    if meminfo.exists():
+        ram = meminfo.read_text().splitlines()[0].split(":", 1)[1].strip()
+    session.run(
+        "asv", "machine", "--yes", "--config", ASV_CONFIG, "--machine", ASV_MACHINE,
+        "--os", f"{platform.system()} {platform.release()}", "--arch", platform.machine(),
+        "--cpu", cpu, "--num_cpu", str(os.cpu_count()), "--ram", ram,
+    )  # fmt: skip
+
+
+@nox.session
+def bench(session: nox.Session) -> None:
+    """asv run --quick on HEAD: every benchmark once, results in asv_bench/results/.
+
+    Extra arguments go to asv run, e.g. ``nox -s bench -- --bench models``.
+    """
+    _install(session, *ASV_REQUIREMENTS)
+    _asv_machine(session)
+    session.run(
+        "asv", "run", "--config", ASV_CONFIG, "--machine", ASV_MACHINE,
+        "--quick", "--show-stderr", "HEAD^!", *session.posargs,
+    )  # fmt: skip
+
+
+@nox.session
+def bench_compare(session: nox.Session) -> None:
+    """asv continuous BASE HEAD: fails when a benchmark got slower by more than the factor.
+
+    ``nox -s bench_compare -- [BASE [HEAD]] [asv continuous options]``; BASE defaults to
+    HEAD~1, the factor to 1.5 (the machine is shared: smaller factors flag noise).
+    """
+    _install(session, *ASV_REQUIREMENTS)
+    _asv_machine(session)
+    refs = [a for a in session.posargs[:2] if not a.startswith("-")]
+    options = session.posargs[len(refs) :]
+    base, head = (refs + ["HEAD~1", "HEAD"][len(refs) :])[:2]
+    if not any(o.startswith(("--factor", "-f")) for o in options):
+        options = ["--factor", "1.5", *options]
+    session.run(
+        "asv", "continuous", "--config", ASV_CONFIG, "--machine", ASV_MACHINE,
+        "--show-stderr", "--split", *options, base, head,
+    )  # fmt: skip
+
+
+@nox.session
+def dashboard(session: nox.Session) -> None:
+    """asv publish into asv_bench/html/, then the headless-Chromium check of the page.
+
+    Preview it with ``asv preview --config asv_bench/asv.conf.json`` (serves html/ locally).
+    Chromium comes from Debian (apt-get) when it is not installed yet.
+    """
+    _install(session, *ASV_REQUIREMENTS, "pytest")
+    session.run("asv", "publish", "--config", ASV_CONFIG)
+    if shutil.which("chromium") is None:
+        session.run("apt-get", "update", "-q", external=True)
+        session.run("apt-get", "install", "-y", "-q", "chromium", external=True)
+    session.run(
+        "pytest", "-v", str(ASV_DIR / "tests" / "test_dashboard.py"),
+        env={"QB_REQUIRE_CHROMIUM": "1"},
+    )  # fmt: skip
