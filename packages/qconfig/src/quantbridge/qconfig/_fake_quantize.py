@@ -21,6 +21,7 @@ from quantbridge.qconfig._dtypes import QScheme, natural_quant_range
 from quantbridge.qconfig._errors import QConfigError
 from quantbridge.qconfig._factory import PartialWrapper, with_args, with_callable_args
 from quantbridge.qconfig._minmax import MovingAverageMinMaxObserver
+from quantbridge.qconfig._observer_base import resize_for_state_dict
 from quantbridge.qconfig._passthrough import FixedQParamsObserver
 from quantbridge.qconfig._per_channel import MovingAveragePerChannelMinMaxObserver
 
@@ -187,10 +188,7 @@ class FakeQuantize(FakeQuantizeBase):
         error_msgs: list[str],
     ) -> None:
         # Per-channel qparams are [C], not the initial [1]: resize before copying.
-        for name in ("scale", "zero_point"):
-            value = state_dict.get(prefix + name)
-            if isinstance(value, torch.Tensor):
-                getattr(self, name).resize_(value.shape)
+        resize_for_state_dict(self, state_dict, prefix, ("scale", "zero_point"))
         super()._load_from_state_dict(
             state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
         )

@@ -12,6 +12,7 @@ from quantbridge.qconfig._observer_base import (
     _FLOAT32_EPS,
     UniformQuantizationObserverBase,
     buffer_kwargs,
+    moving_average,
 )
 
 
@@ -119,9 +120,8 @@ class MovingAverageMinMaxObserver(MinMaxObserver):
         if bool(self.min_val == float("inf")) and bool(self.max_val == float("-inf")):
             new_min, new_max = cur_min, cur_max
         else:
-            c = self.averaging_constant
-            new_min = self.min_val + c * (cur_min - self.min_val)
-            new_max = self.max_val + c * (cur_max - self.max_val)
+            new_min = moving_average(self.min_val, cur_min, self.averaging_constant)
+            new_max = moving_average(self.max_val, cur_max, self.averaging_constant)
         self.min_val.copy_(new_min)
         self.max_val.copy_(new_max)
         return x_orig

@@ -32,6 +32,27 @@ def reject_unknown_kwargs(where: str, kwargs: dict[str, Any]) -> None:
         )
 
 
+def moving_average(
+    current: torch.Tensor, observed: torch.Tensor, averaging_constant: float
+) -> torch.Tensor:
+    """One exponential moving-average step: ``current + c * (observed - current)``."""
+    return current + averaging_constant * (observed - current)
+
+
+def resize_for_state_dict(
+    module: nn.Module, state_dict: dict[str, Any], prefix: str, names: tuple[str, ...]
+) -> None:
+    """Resize ``module``'s buffers ``names`` to the shapes ``state_dict`` holds for them.
+
+    Buffers whose shape depends on what was observed (per-channel ``[C]``) start out with
+    another shape; resizing first lets ``load_state_dict`` copy the values in.
+    """
+    for name in names:
+        value = state_dict.get(prefix + name)
+        if isinstance(value, torch.Tensor):
+            getattr(module, name).resize_(value.shape)
+
+
 class ObserverBase(nn.Module, metaclass=abc.ABCMeta):
     """An observer: ``forward`` records statistics and returns its input unchanged;
     ``calculate_qparams`` turns the statistics into quantization parameters.

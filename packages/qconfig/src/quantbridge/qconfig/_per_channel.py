@@ -12,6 +12,8 @@ from quantbridge.qconfig._observer_base import (
     _FLOAT32_EPS,
     UniformQuantizationObserverBase,
     buffer_kwargs,
+    moving_average,
+    resize_for_state_dict,
 )
 
 
@@ -121,10 +123,7 @@ class PerChannelMinMaxObserver(UniformQuantizationObserverBase):
         error_msgs: list[str],
     ) -> None:
         # A fresh observer has [0] buffers; resize them so [C] values can be copied in.
-        for name in ("min_val", "max_val"):
-            value = state_dict.get(prefix + name)
-            if isinstance(value, torch.Tensor):
-                getattr(self, name).resize_(value.shape)
+        resize_for_state_dict(self, state_dict, prefix, ("min_val", "max_val"))
         super()._load_from_state_dict(
             state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
         )
@@ -168,9 +167,8 @@ class MovingAveragePerChannelMinMaxObserver(PerChannelMinMaxObserver):
         if self.min_val.numel() == 0 or self.max_val.numel() == 0:
             self._store(cur_min, cur_max)
         else:
-            c = self.averaging_constant
             self._store(
-                self.min_val + c * (cur_min - self.min_val),
-                self.max_val + c * (cur_max - self.max_val),
+                moving_average(self.min_val, cur_min, self.averaging_constant),
+                moving_average(self.max_val, cur_max, self.averaging_constant),
             )
         return x_orig
