@@ -6,8 +6,8 @@ from typing import Any, ClassVar
 
 import torch
 from torch import nn
-from torch.nn.modules.utils import _pair, _single, _triple
 
+from quantbridge.fx_quant.nn._module_args import conv_args, copy_parameters, float_with_relu
 from quantbridge.fx_quant.nn.intrinsic import FusedModule
 from quantbridge.fx_quant.nn.qat._common import (
     build_weight_fake_quant,
@@ -28,7 +28,11 @@ class _ConvNd(nn.modules.conv._ConvNd):
 
     weight_fake_quant: nn.Module
 
-    def _setup_qat(self, qconfig: Any, device: Any, dtype: Any) -> None:
+    def _qat_init(
+        self, base: type[nn.Module], args: tuple[Any, ...], qconfig: Any, device: Any, dtype: Any
+    ) -> None:
+        """``__init__``: the float conv's (``base``), then the qconfig and weight fake-quant."""
+        base.__init__(self, *args, device=device, dtype=dtype)
         self.qconfig = require_qconfig(qconfig, type(self).__name__)
         self.weight_fake_quant = build_weight_fake_quant(qconfig, device, dtype)
 
@@ -41,18 +45,7 @@ class _ConvNd(nn.modules.conv._ConvNd):
         qconfig = float_module_qconfig(mod, cls._FLOAT_MODULE, f"qat.{cls.__name__}")
         conv = mod[0] if isinstance(mod, FusedModule) else mod
         assert isinstance(conv, nn.modules.conv._ConvNd)
-        qat = cls(  # type: ignore[call-arg]
-            conv.in_channels,
-            conv.out_channels,
-            conv.kernel_size,
-            stride=conv.stride,
-            padding=conv.padding,
-            dilation=conv.dilation,
-            groups=conv.groups,
-            bias=conv.bias is not None,
-            padding_mode=conv.padding_mode,
-            qconfig=qconfig,
-        )
+        qat = cls(*conv_args(conv), qconfig=qconfig)  # type: ignore[call-arg]
         qat.weight = conv.weight
         qat.bias = conv.bias
         return qat
@@ -60,26 +53,9 @@ class _ConvNd(nn.modules.conv._ConvNd):
     def to_float(self) -> nn.Module:
         """The float conv (or fused conv-relu) with copies of this module's parameters."""
         float_cls: Any = self._FLOAT_CONV_MODULE
-        conv: nn.Module = float_cls(
-            self.in_channels,
-            self.out_channels,
-            self.kernel_size,
-            self.stride,
-            self.padding,
-            self.dilation,
-            self.groups,
-            self.bias is not None,
-            self.padding_mode,
-        )
-        conv.weight = nn.Parameter(self.weight.detach())
-        if self.bias is not None:
-            conv.bias = nn.Parameter(self.bias.detach())
-        if self._FLOAT_RELU_MODULE is not None and self._FUSED_FLOAT_MODULE is not None:
-            fused = self._FUSED_FLOAT_MODULE(conv, self._FLOAT_RELU_MODULE())
-            fused.train(self.training)
-            return fused
-        conv.train(self.training)
-        return conv
+        conv: nn.Module = float_cls(*conv_args(self))
+        copy_parameters(conv, self, ("weight", "bias"))
+        return float_with_relu(self, conv)
 
 
 class Conv1d(_ConvNd, nn.Conv1d):
@@ -103,23 +79,9 @@ class Conv1d(_ConvNd, nn.Conv1d):
         device: Any = None,
         dtype: Any = None,
     ) -> None:
-        nn.modules.conv._ConvNd.__init__(
-            self,
-            in_channels,
-            out_channels,
-            _single(kernel_size),
-            _single(stride),
-            padding if isinstance(padding, str) else _single(padding),
-            _single(dilation),
-            False,
-            _single(0),
-            groups,
-            bias,
-            padding_mode,
-            device=device,
-            dtype=dtype,
-        )
-        self._setup_qat(qconfig, device, dtype)
+        args = (in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias,
+                padding_mode)  # fmt: skip
+        self._qat_init(nn.Conv1d, args, qconfig, device, dtype)
 
 
 class Conv2d(_ConvNd, nn.Conv2d):
@@ -143,23 +105,9 @@ class Conv2d(_ConvNd, nn.Conv2d):
         device: Any = None,
         dtype: Any = None,
     ) -> None:
-        nn.modules.conv._ConvNd.__init__(
-            self,
-            in_channels,
-            out_channels,
-            _pair(kernel_size),
-            _pair(stride),
-            padding if isinstance(padding, str) else _pair(padding),
-            _pair(dilation),
-            False,
-            _pair(0),
-            groups,
-            bias,
-            padding_mode,
-            device=device,
-            dtype=dtype,
-        )
-        self._setup_qat(qconfig, device, dtype)
+        args = (in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias,
+                padding_mode)  # fmt: skip
+        self._qat_init(nn.Conv2d, args, qconfig, device, dtype)
 
 
 class Conv3d(_ConvNd, nn.Conv3d):
@@ -183,20 +131,6 @@ class Conv3d(_ConvNd, nn.Conv3d):
         device: Any = None,
         dtype: Any = None,
     ) -> None:
-        nn.modules.conv._ConvNd.__init__(
-            self,
-            in_channels,
-            out_channels,
-            _triple(kernel_size),
-            _triple(stride),
-            padding if isinstance(padding, str) else _triple(padding),
-            _triple(dilation),
-            False,
-            _triple(0),
-            groups,
-            bias,
-            padding_mode,
-            device=device,
-            dtype=dtype,
-        )
-        self._setup_qat(qconfig, device, dtype)
+        args = (in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias,
+                padding_mode)  # fmt: skip
+        self._qat_init(nn.Conv3d, args, qconfig, device, dtype)

@@ -13,6 +13,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from quantbridge.fx_quant._errors import FxQuantError
+from quantbridge.fx_quant.nn._module_args import (
+    copy_parameters,
+    embedding_bag_args,
+    embedding_options,
+)
 from quantbridge.fx_quant.nn.qat._common import (
     build_weight_fake_quant,
     float_module_qconfig,
@@ -71,15 +76,7 @@ class Embedding(nn.Embedding):
         self.weight_fake_quant = build_weight_fake_quant(qconfig, device, dtype)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        return F.embedding(
-            input,
-            self.weight_fake_quant(self.weight),
-            self.padding_idx,
-            self.max_norm,
-            self.norm_type,
-            self.scale_grad_by_freq,
-            self.sparse,
-        )
+        return F.embedding(input, self.weight_fake_quant(self.weight), *embedding_options(self))
 
     @classmethod
     def from_float(cls, mod: nn.Module, use_precomputed_fake_quant: bool = False) -> Embedding:
@@ -89,28 +86,15 @@ class Embedding(nn.Embedding):
         return cls(
             mod.num_embeddings,
             mod.embedding_dim,
-            mod.padding_idx,
-            mod.max_norm,
-            mod.norm_type,
-            mod.scale_grad_by_freq,
-            mod.sparse,
+            *embedding_options(mod),
             mod.weight,
             qconfig=qconfig,
         )
 
     def to_float(self) -> nn.Embedding:
         """A plain nn.Embedding with a copy of the table."""
-        emb = nn.Embedding(
-            self.num_embeddings,
-            self.embedding_dim,
-            self.padding_idx,
-            self.max_norm,
-            self.norm_type,
-            self.scale_grad_by_freq,
-            self.sparse,
-            None,
-        )
-        emb.weight = nn.Parameter(self.weight.detach())
+        emb = nn.Embedding(self.num_embeddings, self.embedding_dim, *embedding_options(self), None)
+        copy_parameters(emb, self, ("weight",))
         emb.train(self.training)
         return emb
 
@@ -178,34 +162,11 @@ class EmbeddingBag(nn.EmbeddingBag):
         """The QAT module for float ``mod`` (sharing its table), using ``mod.qconfig``."""
         qconfig = float_module_qconfig(mod, (nn.EmbeddingBag,), "qat.EmbeddingBag")
         assert isinstance(mod, nn.EmbeddingBag)
-        return cls(
-            mod.num_embeddings,
-            mod.embedding_dim,
-            mod.max_norm,
-            mod.norm_type,
-            mod.scale_grad_by_freq,
-            mod.mode,
-            mod.sparse,
-            mod.weight,
-            mod.include_last_offset,
-            mod.padding_idx,
-            qconfig=qconfig,
-        )
+        return cls(*embedding_bag_args(mod, mod.weight), qconfig=qconfig)
 
     def to_float(self) -> nn.EmbeddingBag:
         """A plain nn.EmbeddingBag with a copy of the table."""
-        bag = nn.EmbeddingBag(
-            self.num_embeddings,
-            self.embedding_dim,
-            self.max_norm,
-            self.norm_type,
-            self.scale_grad_by_freq,
-            self.mode,
-            self.sparse,
-            None,
-            self.include_last_offset,
-            self.padding_idx,
-        )
-        bag.weight = nn.Parameter(self.weight.detach())
+        bag = nn.EmbeddingBag(*embedding_bag_args(self, None))
+        copy_parameters(bag, self, ("weight",))
         bag.train(self.training)
         return bag

@@ -14,6 +14,7 @@ from torch.nn.utils.parametrize import (
 )
 
 from quantbridge.fx_quant._errors import FxQuantError
+from quantbridge.fx_quant.nn._module_args import copy_parameters
 from quantbridge.fx_quant.nn.intrinsic import LinearReLU as FusedLinearReLU
 from quantbridge.fx_quant.nn.qat._common import build_weight_fake_quant, require_qconfig
 
@@ -65,8 +66,6 @@ class Linear(nn.Linear):
     def to_float(self) -> nn.Module:
         """A plain nn.Linear with copies of this module's weight and bias."""
         linear = nn.Linear(self.in_features, self.out_features, self.bias is not None)
-        linear.weight = nn.Parameter(self.weight.detach())
-        if self.bias is not None:
-            linear.bias = nn.Parameter(self.bias.detach())
+        copy_parameters(linear, self, ("weight", "bias"))
         linear.train(self.training)
         return linear

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from quantbridge.fx_quant.nn._module_args import conv_args, conv_transpose_args, copy_parameters
 from quantbridge.fx_quant.nn.reference._base import ReferenceQuantizedModule
 
 __all__ = [
@@ -19,6 +20,30 @@ __all__ = [
     "ConvTranspose2d",
     "ConvTranspose3d",
 ]
+
+
+def _conv_init(
+    self: Any,
+    base: type[nn.Module],
+    args: tuple[Any, ...],
+    device: Any,
+    dtype: Any,
+    weight_qparams: Mapping[str, Any] | None,
+) -> None:
+    """``__init__`` of a reference (transposed) conv: the float conv's, then the qparams."""
+    base.__init__(self, *args, device=device, dtype=dtype)
+    self._init_weight_qparams(weight_qparams, device)
+
+
+def _from_float(
+    cls: Any, args: tuple[Any, ...], float_conv: nn.Module, weight_qparams: Mapping[str, Any]
+) -> Any:
+    """``cls(*args)`` on ``float_conv``'s device and dtype, with copies of its parameters."""
+    weight: torch.Tensor = float_conv.weight  # type: ignore[assignment]
+    ref: Any = cls(*args, device=weight.device, dtype=weight.dtype, weight_qparams=weight_qparams)
+    copy_parameters(ref, float_conv, ("weight", "bias"))
+    ref._check_weight_qparams()
+    return ref
 
 
 class _ConvNd(ReferenceQuantizedModule):
@@ -36,38 +61,7 @@ class _ConvNd(ReferenceQuantizedModule):
     @classmethod
     def from_float(cls, float_conv: nn.Module, weight_qparams: Mapping[str, Any]) -> Any:
         """A reference conv with ``float_conv``'s parameters (detached) and these qparams."""
-        conv: Any = float_conv
-        ref: Any = cls(
-            conv.in_channels,
-            conv.out_channels,
-            conv.kernel_size,
-            conv.stride,
-            conv.padding,
-            conv.dilation,
-            conv.groups,
-            conv.bias is not None,
-            conv.padding_mode,
-            device=conv.weight.device,
-            dtype=conv.weight.dtype,
-            weight_qparams=weight_qparams,
-        )
-        ref.weight = nn.Parameter(conv.weight.detach())
-        if conv.bias is not None:
-            ref.bias = nn.Parameter(conv.bias.detach())
-        ref._check_weight_qparams()
-        return ref
-
-
-def _conv_init(
-    self: Any,
-    base: type[nn.Module],
-    args: tuple[Any, ...],
-    device: Any,
-    dtype: Any,
-    weight_qparams: Mapping[str, Any] | None,
-) -> None:
-    base.__init__(self, *args, device=device, dtype=dtype)
-    self._init_weight_qparams(weight_qparams, device)
+        return _from_float(cls, conv_args(float_conv), float_conv, weight_qparams)
 
 
 class Conv1d(_ConvNd, nn.Conv1d):
@@ -169,39 +163,7 @@ class _ConvTransposeNd(ReferenceQuantizedModule):
     @classmethod
     def from_float(cls, float_conv: nn.Module, weight_qparams: Mapping[str, Any]) -> Any:
         """A reference transposed conv with ``float_conv``'s parameters and these qparams."""
-        conv: Any = float_conv
-        ref: Any = cls(
-            conv.in_channels,
-            conv.out_channels,
-            conv.kernel_size,
-            conv.stride,
-            conv.padding,
-            conv.output_padding,
-            conv.groups,
-            conv.bias is not None,
-            conv.dilation,
-            conv.padding_mode,
-            device=conv.weight.device,
-            dtype=conv.weight.dtype,
-            weight_qparams=weight_qparams,
-        )
-        ref.weight = nn.Parameter(conv.weight.detach())
-        if conv.bias is not None:
-            ref.bias = nn.Parameter(conv.bias.detach())
-        ref._check_weight_qparams()
-        return ref
-
-
-def _transpose_init(
-    self: Any,
-    base: type[nn.Module],
-    args: tuple[Any, ...],
-    device: Any,
-    dtype: Any,
-    weight_qparams: Mapping[str, Any] | None,
-) -> None:
-    base.__init__(self, *args, device=device, dtype=dtype)
-    self._init_weight_qparams(weight_qparams, device)
+        return _from_float(cls, conv_transpose_args(float_conv), float_conv, weight_qparams)
 
 
 class ConvTranspose1d(_ConvTransposeNd, nn.ConvTranspose1d):
@@ -227,7 +189,7 @@ class ConvTranspose1d(_ConvTransposeNd, nn.ConvTranspose1d):
     ) -> None:
         args = (in_channels, out_channels, kernel_size, stride, padding, output_padding, groups,
                 bias, dilation, padding_mode)  # fmt: skip
-        _transpose_init(self, nn.ConvTranspose1d, args, device, dtype, weight_qparams)
+        _conv_init(self, nn.ConvTranspose1d, args, device, dtype, weight_qparams)
 
     def _get_name(self) -> str:
         return "QuantizedConvTranspose1d(Reference)"
@@ -256,7 +218,7 @@ class ConvTranspose2d(_ConvTransposeNd, nn.ConvTranspose2d):
     ) -> None:
         args = (in_channels, out_channels, kernel_size, stride, padding, output_padding, groups,
                 bias, dilation, padding_mode)  # fmt: skip
-        _transpose_init(self, nn.ConvTranspose2d, args, device, dtype, weight_qparams)
+        _conv_init(self, nn.ConvTranspose2d, args, device, dtype, weight_qparams)
 
     def _get_name(self) -> str:
         return "QuantizedConvTranspose2d(Reference)"
@@ -285,7 +247,7 @@ class ConvTranspose3d(_ConvTransposeNd, nn.ConvTranspose3d):
     ) -> None:
         args = (in_channels, out_channels, kernel_size, stride, padding, output_padding, groups,
                 bias, dilation, padding_mode)  # fmt: skip
-        _transpose_init(self, nn.ConvTranspose3d, args, device, dtype, weight_qparams)
+        _conv_init(self, nn.ConvTranspose3d, args, device, dtype, weight_qparams)
 
     def _get_name(self) -> str:
         return "QuantizedConvTranspose3d(Reference)"

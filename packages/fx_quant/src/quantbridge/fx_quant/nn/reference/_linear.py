@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from quantbridge.fx_quant.nn._module_args import copy_parameters
 from quantbridge.fx_quant.nn.reference._base import ReferenceQuantizedModule
 
 __all__ = ["Linear"]
@@ -48,8 +49,6 @@ class Linear(nn.Linear, ReferenceQuantizedModule):
             dtype=float_linear.weight.dtype,
             weight_qparams=weight_qparams,
         )
-        ref.weight = nn.Parameter(float_linear.weight.detach())
-        if float_linear.bias is not None:
-            ref.bias = nn.Parameter(float_linear.bias.detach())
+        copy_parameters(ref, float_linear, ("weight", "bias"))
         ref._check_weight_qparams()
         return ref

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from quantbridge.fx_quant.nn._module_args import embedding_bag_args, embedding_options
 from quantbridge.fx_quant.nn.reference._base import ReferenceQuantizedModule
 
 __all__ = ["Embedding", "EmbeddingBag"]
@@ -51,15 +52,7 @@ class Embedding(nn.Embedding, ReferenceQuantizedModule):
         return "QuantizedEmbedding(Reference)"
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        return F.embedding(
-            input,
-            self.get_weight(),
-            self.padding_idx,
-            self.max_norm,
-            self.norm_type,
-            self.scale_grad_by_freq,
-            self.sparse,
-        )
+        return F.embedding(input, self.get_weight(), *embedding_options(self))
 
     @classmethod
     def from_float(cls, mod: nn.Embedding, weight_qparams: Mapping[str, Any]) -> Embedding:
@@ -67,15 +60,11 @@ class Embedding(nn.Embedding, ReferenceQuantizedModule):
         return cls(
             mod.num_embeddings,
             mod.embedding_dim,
-            mod.padding_idx,
-            mod.max_norm,
-            mod.norm_type,
-            mod.scale_grad_by_freq,
-            mod.sparse,
-            mod.weight,
-            mod.weight.device,
-            mod.weight.dtype,
-            weight_qparams,
+            *embedding_options(mod),
+            _weight=mod.weight,
+            device=mod.weight.device,
+            dtype=mod.weight.dtype,
+            weight_qparams=weight_qparams,
         )
 
 
@@ -142,18 +131,7 @@ class EmbeddingBag(nn.EmbeddingBag, ReferenceQuantizedModule):
     @classmethod
     def from_float(cls, mod: nn.EmbeddingBag, weight_qparams: Mapping[str, Any]) -> EmbeddingBag:
         """A reference EmbeddingBag sharing ``mod``'s table, with these qparams."""
+        args = embedding_bag_args(mod, mod.weight)
         return cls(
-            mod.num_embeddings,
-            mod.embedding_dim,
-            mod.max_norm,
-            mod.norm_type,
-            mod.scale_grad_by_freq,
-            mod.mode,
-            mod.sparse,
-            mod.weight,
-            mod.include_last_offset,
-            mod.padding_idx,
-            mod.weight.device,
-            mod.weight.dtype,
-            weight_qparams,
+            *args, device=mod.weight.device, dtype=mod.weight.dtype, weight_qparams=weight_qparams
         )

@@ -17,11 +17,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn import init
-from torch.nn.modules.utils import _pair, _single, _triple
 from torch.nn.utils.fusion import fuse_conv_bn_weights
 
 from quantbridge.fx_quant.nn import intrinsic as nni
 from quantbridge.fx_quant.nn import qat as nnqat
+from quantbridge.fx_quant.nn._module_args import conv_args, copy_parameters, float_with_relu
 from quantbridge.fx_quant.nn.intrinsic.qat._bn import adopt_bn, make_bn
 from quantbridge.fx_quant.nn.intrinsic.qat._linear_bn import LinearBn1d
 from quantbridge.fx_quant.nn.qat._common import (
@@ -44,12 +44,9 @@ __all__ = [
     "update_bn_stats",
 ]
 
-_TUPLE = {1: _single, 2: _pair, 3: _triple}
-
 
 class _ConvBnNd(nn.modules.conv._ConvNd, nni.FusedModule):
     _version = 2
-    _DIM: ClassVar[int]
     _FLOAT_MODULE: ClassVar[type[nn.Module]]
     _FLOAT_CONV_MODULE: ClassVar[type[nn.modules.conv._ConvNd]]
     _FLOAT_BN_MODULE: ClassVar[type[nn.Module]]
@@ -74,17 +71,15 @@ class _ConvBnNd(nn.modules.conv._ConvNd, nni.FusedModule):
         freeze_bn: bool = False,
         qconfig: Any = None,
     ) -> None:
-        to_tuple = _TUPLE[self._DIM]
-        nn.modules.conv._ConvNd.__init__(
+        conv_cls: Any = self._FLOAT_CONV_MODULE
+        conv_cls.__init__(
             self,
             in_channels,
             out_channels,
-            to_tuple(kernel_size),
-            to_tuple(stride),
-            padding if isinstance(padding, str) else to_tuple(padding),
-            to_tuple(dilation),
-            False,
-            to_tuple(0),
+            kernel_size,
+            stride,
+            padding,
+            dilation,
             groups,
             False,  # the conv bias is kept apart: it is added after undoing the BN scale
             padding_mode,
@@ -213,21 +208,8 @@ class _ConvBnNd(nn.modules.conv._ConvNd, nni.FusedModule):
         """QAT module for a fused float ConvBn(ReLU) (parameters and BN statistics shared)."""
         qconfig = float_module_qconfig(mod, (cls._FLOAT_MODULE,), f"qat.{cls.__name__}")
         conv, bn = mod[0], mod[1]  # type: ignore[index]
-        qat = cls(
-            conv.in_channels,
-            conv.out_channels,
-            conv.kernel_size,
-            conv.stride,
-            conv.padding,
-            conv.dilation,
-            conv.groups,
-            conv.bias is not None,
-            conv.padding_mode,
-            bn.eps,
-            bn.momentum,
-            False,
-            qconfig,
-        )
+        args = (*conv_args(conv), bn.eps, bn.momentum, False, qconfig)
+        qat = cls(*args)
         qat.weight = conv.weight
         qat.bias = conv.bias
         adopt_bn(qat, bn)
@@ -236,20 +218,8 @@ class _ConvBnNd(nn.modules.conv._ConvNd, nni.FusedModule):
     def to_float(self) -> nn.Module:
         """A float conv with the running BN statistics folded in (plus ReLU if fused)."""
         float_cls: Any = self._FLOAT_CONV_MODULE
-        conv: Any = float_cls(
-            self.in_channels,
-            self.out_channels,
-            self.kernel_size,
-            self.stride,
-            self.padding,
-            self.dilation,
-            self.groups,
-            self.bias is not None,
-            self.padding_mode,
-        )
-        conv.weight = nn.Parameter(self.weight.detach())
-        if self.bias is not None:
-            conv.bias = nn.Parameter(self.bias.detach())
+        conv: Any = float_cls(*conv_args(self))
+        copy_parameters(conv, self, ("weight", "bias"))
         assert self.bn.running_mean is not None
         assert self.bn.running_var is not None
         conv.weight, conv.bias = fuse_conv_bn_weights(
@@ -261,19 +231,12 @@ class _ConvBnNd(nn.modules.conv._ConvNd, nni.FusedModule):
             self.bn.weight,
             self.bn.bias,
         )
-        if self._FLOAT_RELU_MODULE is not None and self._FUSED_FLOAT_MODULE is not None:
-            fused = self._FUSED_FLOAT_MODULE(conv, self._FLOAT_RELU_MODULE())
-            fused.train(self.training)
-            return fused
-        conv.train(self.training)
-        result: nn.Module = conv
-        return result
+        return float_with_relu(self, conv)
 
 
 class ConvBn1d(_ConvBnNd, nn.Conv1d):
     """QAT ``Conv1d -> BatchNorm1d`` with BN folded into the fake-quantized weight."""
 
-    _DIM = 1
     _FLOAT_MODULE: ClassVar[type[nn.Module]] = nni.ConvBn1d
     _FLOAT_CONV_MODULE = nn.Conv1d
     _FLOAT_BN_MODULE = nn.BatchNorm1d
@@ -282,7 +245,6 @@ class ConvBn1d(_ConvBnNd, nn.Conv1d):
 class ConvBn2d(_ConvBnNd, nn.Conv2d):
     """QAT ``Conv2d -> BatchNorm2d`` with BN folded into the fake-quantized weight."""
 
-    _DIM = 2
     _FLOAT_MODULE: ClassVar[type[nn.Module]] = nni.ConvBn2d
     _FLOAT_CONV_MODULE = nn.Conv2d
     _FLOAT_BN_MODULE = nn.BatchNorm2d
@@ -291,7 +253,6 @@ class ConvBn2d(_ConvBnNd, nn.Conv2d):
 class ConvBn3d(_ConvBnNd, nn.Conv3d):
     """QAT ``Conv3d -> BatchNorm3d`` with BN folded into the fake-quantized weight."""
 
-    _DIM = 3
     _FLOAT_MODULE: ClassVar[type[nn.Module]] = nni.ConvBn3d
     _FLOAT_CONV_MODULE = nn.Conv3d
     _FLOAT_BN_MODULE = nn.BatchNorm3d
