@@ -21,7 +21,7 @@ from quantbridge.fx_quant import (
     FuseCustomConfig,
     FusionQConfigError,
     FxQuantError,
-    LoweringError,
+    LoweringRegistryError,
     NotPreparedError,
     PrepareCustomConfig,
     QuantizationTracer,
@@ -341,7 +341,7 @@ def test_convert_fx_uses_the_registered_lowering() -> None:
         lowered = convert_fx(prepared, backend_config=bc)
         assert lowered.lowered_by_test is True
         assert len(seen) == 1
-        with pytest.raises(LoweringError, match="already registered"):
+        with pytest.raises(LoweringRegistryError, match="already registered"):
             register_lowering("flow_test_backend", lambda m: m)
     finally:
         unregister_lowering("flow_test_backend")

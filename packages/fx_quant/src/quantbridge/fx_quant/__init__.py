@@ -41,7 +41,7 @@ from quantbridge.fx_quant._errors import FxQuantError
 from quantbridge.fx_quant._explain import ExplainReport, explain
 from quantbridge.fx_quant._fuse import FusionError
 from quantbridge.fx_quant._lowering_registry import (
-    LoweringError,
+    LoweringRegistryError,
     get_lowering,
     register_lowering,
     registered_lowerings,
@@ -80,7 +80,7 @@ __all__ = [
     "get_lowering",
     "registered_lowerings",
     "unregister_lowering",
-    "LoweringError",
+    "LoweringRegistryError",
     # built-in BackendConfigs
     "backend_config_names",
     "get_backend_config",

@@ -14,7 +14,7 @@ from quantbridge.fx_quant._custom_config import (
     PrepareCustomConfig,
 )
 from quantbridge.fx_quant._errors import FxQuantError
-from quantbridge.fx_quant._lowering_registry import LoweringError, get_lowering
+from quantbridge.fx_quant._lowering_registry import LoweringRegistryError, get_lowering
 from quantbridge.fx_quant._prepare import fuse_model, prepare, resolve_backend_config
 from quantbridge.qconfig import BackendConfig, QConfigMapping
 
@@ -151,7 +151,7 @@ def convert_fx(
         return reference
     lowered = lowering(reference)
     if not isinstance(lowered, nn.Module):
-        raise LoweringError(
+        raise LoweringRegistryError(
             f"the lowering registered for backend {bc.name!r} returned "
             f"{type(lowered).__name__}, not a module"
         )

@@ -19,7 +19,7 @@ from quantbridge.fx_quant._errors import FxQuantError
 
 __all__ = [
     "ENTRY_POINT_GROUP",
-    "LoweringError",
+    "LoweringRegistryError",
     "get_lowering",
     "register_lowering",
     "registered_lowerings",
@@ -35,13 +35,15 @@ _entry_points_loaded = False
 _lock = threading.Lock()
 
 
-class LoweringError(FxQuantError):
+class LoweringRegistryError(FxQuantError):
     """A lowering could not be registered, loaded or run."""
 
 
 def _check_name(name: object, where: str) -> str:
     if not isinstance(name, str) or not name:
-        raise LoweringError(f"{where}: backend name must be a non-empty string, got {name!r}")
+        raise LoweringRegistryError(
+            f"{where}: backend name must be a non-empty string, got {name!r}"
+        )
     return name
 
 
@@ -52,13 +54,13 @@ def register_lowering(backend_name: str, fn: Lowering, *, replace: bool = False)
     """
     name = _check_name(backend_name, "register_lowering")
     if not callable(fn):
-        raise LoweringError(
+        raise LoweringRegistryError(
             f"register_lowering({name!r}): fn must be callable, got {type(fn).__name__}"
         )
     with _lock:
         existing = _registry.get(name)
         if existing is not None and existing is not fn and not replace:
-            raise LoweringError(
+            raise LoweringRegistryError(
                 f"register_lowering({name!r}): a different lowering "
                 f"({getattr(existing, '__qualname__', existing)!r}) is already registered; pass "
                 "replace=True to override it"
@@ -85,7 +87,7 @@ def _load_entry_points() -> None:
         try:
             fn = ep.load()
         except Exception as e:
-            raise LoweringError(
+            raise LoweringRegistryError(
                 f"entry point {ep.name!r} = {ep.value!r} in group {ENTRY_POINT_GROUP!r} failed "
                 f"to load: {type(e).__name__}: {e}"
             ) from e
