@@ -121,15 +121,17 @@ class KeyNamedCacheFile(caching.IndexDataCacheFile):
     """
 
     def save(self, key: Any, data: Any) -> None:
-        overloads = self._load_index()
+        overloads = self._load_index()  # type: ignore[no-untyped-call]
         name = self._data_name_pattern.replace(
             "{number:d}", hashlib.sha256(repr(key).encode()).hexdigest()[:20]
         )
-        self._save_data(name, data)  # data before index: the index never names a missing file
+        # data before index: the index never names a missing file
+        self._save_data(name, data)  # type: ignore[no-untyped-call]
         if overloads.get(key) != name:
-            overloads = self._load_index()  # re-read: keep what others saved meanwhile
+            # re-read: keep what other processes saved meanwhile
+            overloads = self._load_index()  # type: ignore[no-untyped-call]
             overloads[key] = name
-            self._save_index(overloads)
+            self._save_index(overloads)  # type: ignore[no-untyped-call]
 
 
 def harden(dispatchers: list[Any]) -> None:

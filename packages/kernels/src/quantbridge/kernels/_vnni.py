@@ -364,7 +364,12 @@ def _make_kernel(target: str, mr: int, ku: int, mode: str) -> Any:
         ), codegen
 
     typer.__name__ = f"mk_{target}_{mr}_{mode}"
+    _TYPERS[(target, mr, mode)] = typer
     return intrinsic(typer)
+
+
+# (target, rows, mode) -> the typer of that block kernel, for ``block_kernel``
+_TYPERS: dict[tuple[str, int, str], Any] = {}
 
 
 @intrinsic
@@ -429,6 +434,53 @@ avx2_u8_1 = _make_kernel("avx2", 1, 4, "u8")
 avx2_f32_6 = _make_kernel("avx2", 6, 1, "f32")
 avx2_f32_3 = _make_kernel("avx2", 3, 2, "f32")
 avx2_f32_1 = _make_kernel("avx2", 1, 4, "f32")
+
+# Block kernels by number, so a driver can name its kernels with plain ints (closure constants
+# pickle deterministically; the intrinsic objects do not, which would defeat numba's cache key).
+KERNEL_IDS: dict[tuple[str, int, str], int] = {key: i for i, key in enumerate(_TYPERS)}
+_BY_ID = list(_TYPERS.values())
+
+
+@intrinsic
+def block_kernel(
+    typingctx: Any,
+    kind: Any,
+    a: Any,
+    rowoffs: Any,
+    r0: Any,
+    koffs: Any,
+    nk: Any,
+    bp: Any,
+    boff: Any,
+    c: Any,
+    ldc: Any,
+    mvalid: Any,
+    colcorr: Any,
+    wzp: Any,
+    rowsum: Any,
+    biasq: Any,
+    mult: Any,
+    j0: Any,
+    ozp: Any,
+    qmin: Any,
+    qmax: Any,
+) -> Any:
+    """``block_kernel(KERNEL_IDS[(target, rows, mode)], <that block kernel's 19 arguments>)``.
+
+    ``kind`` must be a compile-time constant; the call then is exactly that block kernel.
+    """
+    if not isinstance(kind, types.IntegerLiteral):
+        return None  # numba retries with the literal type when the value is a constant
+    inner_sig, inner_codegen = _BY_ID[kind.literal_value](
+        typingctx, a, rowoffs, r0, koffs, nk, bp, boff, c, ldc, mvalid,
+        colcorr, wzp, rowsum, biasq, mult, j0, ozp, qmin, qmax,
+    )  # fmt: skip
+
+    def codegen(context: Any, builder: ir.IRBuilder, sig: Any, cargs: Any) -> ir.Value:
+        return inner_codegen(context, builder, inner_sig, cargs[1:])
+
+    return types.void(kind, *inner_sig.args), codegen
+
 
 # k steps are padded so every kernel's accumulator interleave divides them
 K_UNROLL = 4
