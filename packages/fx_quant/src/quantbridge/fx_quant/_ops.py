@@ -262,6 +262,41 @@ def _fake(name: str) -> Callable[[_F], _F]:
     return register
 
 
+def _fake_like_input(name: str, out_dtype: torch.dtype | None, per_channel: bool = False) -> None:
+    """Register the fake kernel of quantize/dequantize op ``name``: an empty tensor shaped like
+    the input, of ``out_dtype`` (``None``: the op's ``dtype`` argument), after the checks that
+    need no data (the range fits the dtype; for per-channel ops, the axis is in range)."""
+    op = f"quantbridge::{name}"
+
+    def per_tensor(
+        input: torch.Tensor,
+        scale: object,
+        zero_point: object,
+        quant_min: int,
+        quant_max: int,
+        dtype: torch.dtype,
+    ) -> torch.Tensor:
+        _check_range(op, quant_min, quant_max, dtype)
+        return torch.empty_like(input, dtype=dtype if out_dtype is None else out_dtype)
+
+    def per_channel_fake(
+        input: torch.Tensor,
+        scales: torch.Tensor,
+        zero_points: torch.Tensor,
+        axis: int,
+        quant_min: int,
+        quant_max: int,
+        dtype: torch.dtype,
+    ) -> torch.Tensor:
+        _check_range(op, quant_min, quant_max, dtype)
+        if not -input.dim() <= axis < input.dim():
+            raise FxQuantError(f"{op}: axis={axis} is out of range for a {input.dim()}-d input")
+        return torch.empty_like(input, dtype=dtype if out_dtype is None else out_dtype)
+
+    fake: Callable[..., torch.Tensor] = per_channel_fake if per_channel else per_tensor
+    torch.library.register_fake(op, fake, lib=_lib)
+
+
 def _scalar_qparams(op: str, scale: torch.Tensor, zero_point: torch.Tensor) -> tuple[float, int]:
     if scale.numel() != 1 or zero_point.numel() != 1:
         raise FxQuantError(
@@ -313,30 +348,8 @@ def _quantize_per_tensor_tensor(
     return _quantize_per_tensor(input, s, zp, quant_min, quant_max, dtype)
 
 
-@_fake("quantize_per_tensor")
-def _quantize_per_tensor_fake(
-    input: torch.Tensor,
-    scale: float,
-    zero_point: int,
-    quant_min: int,
-    quant_max: int,
-    dtype: torch.dtype,
-) -> torch.Tensor:
-    _check_range("quantbridge::quantize_per_tensor", quant_min, quant_max, dtype)
-    return torch.empty_like(input, dtype=dtype)
-
-
-@_fake("quantize_per_tensor.tensor")
-def _quantize_per_tensor_tensor_fake(
-    input: torch.Tensor,
-    scale: torch.Tensor,
-    zero_point: torch.Tensor,
-    quant_min: int,
-    quant_max: int,
-    dtype: torch.dtype,
-) -> torch.Tensor:
-    _check_range("quantbridge::quantize_per_tensor.tensor", quant_min, quant_max, dtype)
-    return torch.empty_like(input, dtype=dtype)
+_fake_like_input("quantize_per_tensor", None)
+_fake_like_input("quantize_per_tensor.tensor", None)
 
 
 # --- dequantize_per_tensor -----------------------------------------------------------------
@@ -379,30 +392,8 @@ def _dequantize_per_tensor_tensor(
     return _dequantize_per_tensor(input, s, zp, quant_min, quant_max, dtype)
 
 
-@_fake("dequantize_per_tensor")
-def _dequantize_per_tensor_fake(
-    input: torch.Tensor,
-    scale: float,
-    zero_point: int,
-    quant_min: int,
-    quant_max: int,
-    dtype: torch.dtype,
-) -> torch.Tensor:
-    _check_range("quantbridge::dequantize_per_tensor", quant_min, quant_max, dtype)
-    return torch.empty_like(input, dtype=torch.float32)
-
-
-@_fake("dequantize_per_tensor.tensor")
-def _dequantize_per_tensor_tensor_fake(
-    input: torch.Tensor,
-    scale: torch.Tensor,
-    zero_point: torch.Tensor,
-    quant_min: int,
-    quant_max: int,
-    dtype: torch.dtype,
-) -> torch.Tensor:
-    _check_range("quantbridge::dequantize_per_tensor.tensor", quant_min, quant_max, dtype)
-    return torch.empty_like(input, dtype=torch.float32)
+_fake_like_input("dequantize_per_tensor", torch.float32)
+_fake_like_input("dequantize_per_tensor.tensor", torch.float32)
 
 
 # --- per channel ---------------------------------------------------------------------------
@@ -476,21 +467,7 @@ def _quantize_per_channel(
     return _quantize(x, 1.0 / scales32, zp, quant_min, quant_max, dtype, False)
 
 
-@_fake("quantize_per_channel")
-def _quantize_per_channel_fake(
-    input: torch.Tensor,
-    scales: torch.Tensor,
-    zero_points: torch.Tensor,
-    axis: int,
-    quant_min: int,
-    quant_max: int,
-    dtype: torch.dtype,
-) -> torch.Tensor:
-    op = "quantbridge::quantize_per_channel"
-    _check_range(op, quant_min, quant_max, dtype)
-    if not -input.dim() <= axis < input.dim():
-        raise FxQuantError(f"{op}: axis={axis} is out of range for a {input.dim()}-d input")
-    return torch.empty_like(input, dtype=dtype)
+_fake_like_input("quantize_per_channel", None, per_channel=True)
 
 
 @_impl("dequantize_per_channel")
@@ -523,21 +500,7 @@ def _dequantize_per_channel(
     return _dequantize(input, scales32, zp.to(torch.int32))
 
 
-@_fake("dequantize_per_channel")
-def _dequantize_per_channel_fake(
-    input: torch.Tensor,
-    scales: torch.Tensor,
-    zero_points: torch.Tensor,
-    axis: int,
-    quant_min: int,
-    quant_max: int,
-    dtype: torch.dtype,
-) -> torch.Tensor:
-    op = "quantbridge::dequantize_per_channel"
-    _check_range(op, quant_min, quant_max, dtype)
-    if not -input.dim() <= axis < input.dim():
-        raise FxQuantError(f"{op}: axis={axis} is out of range for a {input.dim()}-d input")
-    return torch.empty_like(input, dtype=torch.float32)
+_fake_like_input("dequantize_per_channel", torch.float32, per_channel=True)
 
 
 # --- dynamic qparams -----------------------------------------------------------------------
