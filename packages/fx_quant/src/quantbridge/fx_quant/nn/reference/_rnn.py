@@ -9,7 +9,7 @@ dict); biases stay float.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -253,6 +253,9 @@ class _RNNBase(_PerWeightQParams, nn.RNNBase):
         return ref
 
 
+_Cell = TypeVar("_Cell", bound="_CellBase")
+
+
 class _CellBase(_PerWeightQParams, nn.RNNCellBase):
     """Cells: ``weight_ih`` and ``weight_hh`` round-trip, the biases stay float."""
 
@@ -298,6 +301,29 @@ class _CellBase(_PerWeightQParams, nn.RNNCellBase):
             setattr(self, name, getattr(mod, name))
         for name in self._weight_names:
             self._check(name)
+
+    @classmethod
+    def _extra_args(cls, cell: Any) -> tuple[Any, ...]:
+        """Constructor arguments between ``bias`` and ``device`` (RNNCell's nonlinearity)."""
+        return ()
+
+    @classmethod
+    def from_float(
+        cls: type[_Cell], mod: nn.Module, weight_qparams_dict: Mapping[str, Any]
+    ) -> _Cell:
+        """A reference cell sharing ``mod``'s parameters, with per-weight qparams."""
+        cell: Any = mod
+        ref = cls(  # type: ignore[call-arg]
+            cell.input_size,
+            cell.hidden_size,
+            cell.bias,
+            *cls._extra_args(cell),
+            cell.weight_ih.device,
+            cell.weight_ih.dtype,
+            weight_qparams_dict,
+        )
+        ref._share(cell)
+        return ref
 
 
 class LSTM(_RNNBase, nn.LSTM):
@@ -353,20 +379,8 @@ class RNNCell(_CellBase):
         return out if is_batched else out.squeeze(0)
 
     @classmethod
-    def from_float(cls, mod: nn.Module, weight_qparams_dict: Mapping[str, Any]) -> RNNCell:
-        """A reference cell sharing ``mod``'s parameters, with per-weight qparams."""
-        cell: Any = mod
-        ref = cls(
-            cell.input_size,
-            cell.hidden_size,
-            cell.bias,
-            cell.nonlinearity,
-            cell.weight_ih.device,
-            cell.weight_ih.dtype,
-            weight_qparams_dict,
-        )
-        ref._share(cell)
-        return ref
+    def _extra_args(cls, cell: Any) -> tuple[Any, ...]:
+        return (cell.nonlinearity,)
 
 
 class LSTMCell(_CellBase):
@@ -402,21 +416,6 @@ class LSTMCell(_CellBase):
         )
         return (h, c) if is_batched else (h.squeeze(0), c.squeeze(0))
 
-    @classmethod
-    def from_float(cls, mod: nn.Module, weight_qparams_dict: Mapping[str, Any]) -> LSTMCell:
-        """A reference cell sharing ``mod``'s parameters, with per-weight qparams."""
-        cell: Any = mod
-        ref = cls(
-            cell.input_size,
-            cell.hidden_size,
-            cell.bias,
-            cell.weight_ih.device,
-            cell.weight_ih.dtype,
-            weight_qparams_dict,
-        )
-        ref._share(cell)
-        return ref
-
 
 class GRUCell(_CellBase):
     """Reference quantized GRUCell."""
@@ -444,18 +443,3 @@ class GRUCell(_CellBase):
             x, h, self.get_weight_ih(), self.get_weight_hh(), self.bias_ih, self.bias_hh
         )
         return out if is_batched else out.squeeze(0)
-
-    @classmethod
-    def from_float(cls, mod: nn.Module, weight_qparams_dict: Mapping[str, Any]) -> GRUCell:
-        """A reference cell sharing ``mod``'s parameters, with per-weight qparams."""
-        cell: Any = mod
-        ref = cls(
-            cell.input_size,
-            cell.hidden_size,
-            cell.bias,
-            cell.weight_ih.device,
-            cell.weight_ih.dtype,
-            weight_qparams_dict,
-        )
-        ref._share(cell)
-        return ref
