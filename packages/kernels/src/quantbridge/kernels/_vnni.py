@@ -1,7 +1,7 @@
 """Register-blocked int8 GEMM micro-kernels, emitted as LLVM IR through numba ``@intrinsic``.
 
 Plain numba loops never make LLVM emit ``vpdpbusd`` or ``vpmaddubsw``, so the inner kernels
-are written as IR: one intrinsic per (target, rows, output mode) computes an ``MR x NR`` block
+are written as IR: one block kernel per (target, rows, output mode) computes an ``MR x NR`` block
 of C over the whole reduction in vector registers and requantizes it in registers before the
 single store (a separate requantization pass costs ~20 %).
 
@@ -27,7 +27,8 @@ Epilogue per output element (the rule in ``_requant.py``):
 ``clamp(rint((float(v) + biasq[j]) * mult[j]) + ozp, qmin, qmax)``; mode ``f32``:
 ``fma(float(v), mult[j], biasq[j])`` (one rounding, as fbgemm's float output does).
 
-Intrinsics are module-level names so numba's ``cache=True`` can reload callers.
+All block kernels go through the one module-level intrinsic ``block_kernel`` (numbered by
+``KERNEL_IDS``), so numba's ``cache=True`` can reload the drivers that call them.
 """
 
 from __future__ import annotations
@@ -160,7 +161,7 @@ def _store_transposed(
 
 
 def _make_kernel(target: str, mr: int, ku: int, mode: str) -> Any:
-    """Build the intrinsic for an ``mr x NR`` block, ``ku`` interleaved k accumulators."""
+    """IR codegen for an ``mr x NR`` block, ``ku`` interleaved k accumulators."""
     lanes, nvec, kstep, belt = _SPEC[target]
     nr = lanes * nvec
     vi32 = ir.VectorType(I32, lanes)
@@ -319,57 +320,7 @@ def _make_kernel(target: str, mr: int, ku: int, mode: str) -> Any:
                 _store_transposed(builder, row_vals, c_p, j0, v * lanes, ldc, r0, mvalid)
         return context.get_dummy_value()
 
-    def typer(
-        typingctx: Any,
-        a: Any,
-        rowoffs: Any,
-        r0: Any,
-        koffs: Any,
-        nk: Any,
-        bp: Any,
-        boff: Any,
-        c: Any,
-        ldc: Any,
-        mvalid: Any,
-        colcorr: Any,
-        wzp: Any,
-        rowsum: Any,
-        biasq: Any,
-        mult: Any,
-        j0: Any,
-        ozp: Any,
-        qmin: Any,
-        qmax: Any,
-    ) -> Any:
-        return types.void(
-            a,
-            rowoffs,
-            r0,
-            koffs,
-            nk,
-            bp,
-            boff,
-            c,
-            ldc,
-            mvalid,
-            colcorr,
-            wzp,
-            rowsum,
-            biasq,
-            mult,
-            j0,
-            ozp,
-            qmin,
-            qmax,
-        ), codegen
-
-    typer.__name__ = f"mk_{target}_{mr}_{mode}"
-    _TYPERS[(target, mr, mode)] = typer
-    return intrinsic(typer)
-
-
-# (target, rows, mode) -> the typer of that block kernel, for ``block_kernel``
-_TYPERS: dict[tuple[str, int, str], Any] = {}
+    return codegen
 
 
 @intrinsic
@@ -415,30 +366,25 @@ def vpdpbusd_peak_loop(typingctx: Any, iters: Any) -> Any:
     return sig, codegen
 
 
-# Module-level instances (cache=True needs importable names). Rows per block: 8 fills 16 of
-# the 32 zmm registers for VNNI; AVX2 has 16 ymm registers, so 6 rows (12 accumulators).
-# The 1-row kernels split k over 4 accumulator sets to hide the 4-cycle latency.
-vnni_u8_8 = _make_kernel("avx512_vnni", 8, 1, "u8")
-vnni_u8_4 = _make_kernel("avx512_vnni", 4, 2, "u8")
-vnni_u8_1 = _make_kernel("avx512_vnni", 1, 4, "u8")
-vnni_f32_8 = _make_kernel("avx512_vnni", 8, 1, "f32")
-vnni_f32_4 = _make_kernel("avx512_vnni", 4, 2, "f32")
-vnni_f32_1 = _make_kernel("avx512_vnni", 1, 4, "f32")
-# conv's NCHW output: channel-major transposed stores (VNNI; row counts are powers of two)
-vnni_u8t_8 = _make_kernel("avx512_vnni", 8, 1, "u8t")
-vnni_u8t_4 = _make_kernel("avx512_vnni", 4, 2, "u8t")
-vnni_u8t_1 = _make_kernel("avx512_vnni", 1, 4, "u8t")
-avx2_u8_6 = _make_kernel("avx2", 6, 1, "u8")
-avx2_u8_3 = _make_kernel("avx2", 3, 2, "u8")
-avx2_u8_1 = _make_kernel("avx2", 1, 4, "u8")
-avx2_f32_6 = _make_kernel("avx2", 6, 1, "f32")
-avx2_f32_3 = _make_kernel("avx2", 3, 2, "f32")
-avx2_f32_1 = _make_kernel("avx2", 1, 4, "f32")
-
-# Block kernels by number, so a driver can name its kernels with plain ints (closure constants
-# pickle deterministically; the intrinsic objects do not, which would defeat numba's cache key).
-KERNEL_IDS: dict[tuple[str, int, str], int] = {key: i for i, key in enumerate(_TYPERS)}
-_BY_ID = list(_TYPERS.values())
+# (target, rows, k accumulator sets, mode) of every block kernel; its index is its number.
+# Rows per block: 8 fills 16 of the 32 zmm registers for VNNI; AVX2 has 16 ymm registers, so
+# 6 rows (12 accumulators). The 1-row kernels split k over 4 accumulator sets to hide the
+# 4-cycle latency. ``u8t``: conv's NCHW output, channel-major transposed stores (VNNI only).
+_BLOCKS = [
+    (target, mr, ku, mode)
+    for target, sizes, modes in (
+        ("avx512_vnni", ((8, 1), (4, 2), (1, 4)), ("u8", "f32", "u8t")),
+        ("avx2", ((6, 1), (3, 2), (1, 4)), ("u8", "f32")),
+    )
+    for mode in modes
+    for mr, ku in sizes
+]
+# Drivers name kernels by number: plain ints as closure constants pickle deterministically,
+# which numba's on-disk cache key needs.
+KERNEL_IDS: dict[tuple[str, int, str], int] = {
+    (target, mr, mode): i for i, (target, mr, _, mode) in enumerate(_BLOCKS)
+}
+_CODEGENS = [_make_kernel(*block) for block in _BLOCKS]
 
 
 @intrinsic
@@ -471,10 +417,9 @@ def block_kernel(
     """
     if not isinstance(kind, types.IntegerLiteral):
         return None  # numba retries with the literal type when the value is a constant
-    inner_sig, inner_codegen = _BY_ID[kind.literal_value](
-        typingctx, a, rowoffs, r0, koffs, nk, bp, boff, c, ldc, mvalid,
-        colcorr, wzp, rowsum, biasq, mult, j0, ozp, qmin, qmax,
-    )  # fmt: skip
+    args = (a, rowoffs, r0, koffs, nk, bp, boff, c, ldc, mvalid, colcorr, wzp, rowsum)
+    inner_sig = types.void(*args, biasq, mult, j0, ozp, qmin, qmax)
+    inner_codegen = _CODEGENS[kind.literal_value]
 
     def codegen(context: Any, builder: ir.IRBuilder, sig: Any, cargs: Any) -> ir.Value:
         return inner_codegen(context, builder, inner_sig, cargs[1:])
