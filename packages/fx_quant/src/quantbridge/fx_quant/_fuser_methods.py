@@ -50,7 +50,8 @@ def _any(module: nn.Module) -> Any:
     return module
 
 
-def _same_mode(where: str, *modules: nn.Module) -> None:
+def check_same_mode(where: str, *modules: nn.Module) -> None:
+    """FxQuantError unless ``modules`` are all in train mode or all in eval mode."""
     if len({m.training for m in modules}) > 1:
         modes = ", ".join(
             f"{type(m).__name__}={'train' if m.training else 'eval'}" for m in modules
@@ -83,7 +84,7 @@ def _lookup(where: str, table: dict[type[nn.Module], type[nn.Module]], mod: nn.M
 
 def fuse_conv_bn(is_qat: bool, conv: nn.Module, bn: nn.Module) -> nn.Module:
     """conv + bn: ``ConvBnNd(conv, bn)`` for QAT, else a conv with bn folded in."""
-    _same_mode("fuse_conv_bn", conv, bn)
+    check_same_mode("fuse_conv_bn", conv, bn)
     if is_qat:
         fused = _lookup("fuse_conv_bn", _CONV_BN, conv)
         _check_bn("fuse_conv_bn", bn, conv.out_channels)  # type: ignore[arg-type]
@@ -95,7 +96,7 @@ def fuse_conv_bn(is_qat: bool, conv: nn.Module, bn: nn.Module) -> nn.Module:
 
 def fuse_conv_bn_relu(is_qat: bool, conv: nn.Module, bn: nn.Module, relu: nn.Module) -> nn.Module:
     """conv + bn + relu: ``ConvBnReLUNd`` for QAT, else ``ConvReLUNd(folded conv, relu)``."""
-    _same_mode("fuse_conv_bn_relu", conv, bn, relu)
+    check_same_mode("fuse_conv_bn_relu", conv, bn, relu)
     if is_qat:
         fused = _lookup("fuse_conv_bn_relu", _CONV_BN_RELU, conv)
         _check_bn("fuse_conv_bn_relu", bn, conv.out_channels)  # type: ignore[arg-type]
@@ -108,7 +109,7 @@ def fuse_conv_bn_relu(is_qat: bool, conv: nn.Module, bn: nn.Module, relu: nn.Mod
 
 def fuse_linear_bn(is_qat: bool, linear: nn.Module, bn: nn.Module) -> nn.Module:
     """linear + bn1d: ``LinearBn1d`` for QAT, else a Linear with bn folded in."""
-    _same_mode("fuse_linear_bn", linear, bn)
+    check_same_mode("fuse_linear_bn", linear, bn)
     if is_qat:
         _check_bn("fuse_linear_bn", bn, linear.out_features)  # type: ignore[arg-type]
         return nni.LinearBn1d(linear, bn)
@@ -118,7 +119,7 @@ def fuse_linear_bn(is_qat: bool, linear: nn.Module, bn: nn.Module) -> nn.Module:
 
 def fuse_convtranspose_bn(is_qat: bool, convt: nn.Module, bn: nn.Module) -> nn.Module:
     """conv-transpose + bn: folded for post-training fusion; QAT has no such fused module."""
-    _same_mode("fuse_convtranspose_bn", convt, bn)
+    check_same_mode("fuse_convtranspose_bn", convt, bn)
     if is_qat:
         raise FxQuantError(
             "fuse_convtranspose_bn: ConvTranspose + BatchNorm cannot be fused for QAT (there "

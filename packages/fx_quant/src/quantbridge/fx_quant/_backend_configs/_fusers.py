@@ -19,6 +19,7 @@ from torch import nn
 from torch.nn.utils.fusion import fuse_conv_bn_eval, fuse_linear_bn_eval
 
 from quantbridge.fx_quant._errors import FxQuantError
+from quantbridge.fx_quant._fuser_methods import check_same_mode
 from quantbridge.fx_quant.nn import intrinsic as nni
 
 Add = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -70,17 +71,6 @@ def fuse_linear_tanh(is_qat: bool, linear: nn.Module, tanh: nn.Module) -> nn.Mod
 # -- fusions that fold batch norm (post-training only) ---------------------------------------
 
 
-def _check_same_mode(where: str, *modules: nn.Module) -> None:
-    if len({m.training for m in modules}) > 1:
-        modes = ", ".join(
-            f"{type(m).__name__}={'train' if m.training else 'eval'}" for m in modules
-        )
-        raise FxQuantError(
-            f"{where}: the modules must all be in train or all in eval mode ({modes}); call "
-            ".train() or .eval() on the model before fusing"
-        )
-
-
 def _no_qat(where: str, is_qat: bool) -> None:
     if is_qat:
         raise FxQuantError(
@@ -91,7 +81,7 @@ def _no_qat(where: str, is_qat: bool) -> None:
 
 
 def _check_eval(where: str, *modules: nn.Module) -> None:
-    _check_same_mode(where, *modules)
+    check_same_mode(where, *modules)
     if modules[0].training:
         raise FxQuantError(
             f"{where}: folding batch norm needs modules in eval mode; call .eval() on the model "
@@ -112,7 +102,7 @@ def fuse_linear_bn_leaky_relu(
 ) -> nn.Module:
     """``Linear, BatchNorm1d, LeakyReLU`` -> ``LinearLeakyReLU`` with bn folded into the linear."""
     where = "fuse_linear_bn_leaky_relu"
-    _check_same_mode(where, linear, bn, leaky_relu)
+    check_same_mode(where, linear, bn, leaky_relu)
     _no_qat(where, is_qat)
     if type(linear) is not nn.Linear:
         raise FxQuantError(f"{where}: expected an nn.Linear, got {type(linear).__name__}")
