@@ -310,6 +310,25 @@ def _scalar_qparams(op: str, scale: torch.Tensor, zero_point: torch.Tensor) -> t
     return float(scale.item()), int(zero_point.item())
 
 
+def _impl_tensor_overload(name: str, scalar_kernel: Callable[..., torch.Tensor]) -> None:
+    """Register ``name.tensor``: ``scalar_kernel`` with scale and zero point passed as
+    one-element tensors (as convert's graphs hold them) instead of Python numbers."""
+    op = f"quantbridge::{name}.tensor"
+
+    def kernel(
+        input: torch.Tensor,
+        scale: torch.Tensor,
+        zero_point: torch.Tensor,
+        quant_min: int,
+        quant_max: int,
+        dtype: torch.dtype,
+    ) -> torch.Tensor:
+        s, zp = _scalar_qparams(op, scale, zero_point)
+        return scalar_kernel(input, s, zp, quant_min, quant_max, dtype)
+
+    _impl(f"{name}.tensor")(kernel)
+
+
 def _check_zero_point(op: str, zero_point: int, quant_min: int, quant_max: int) -> None:
     if not quant_min <= zero_point <= quant_max:
         raise FxQuantError(
@@ -335,19 +354,7 @@ def _quantize_per_tensor(
     return _quantize(x, inv, zero_point, quant_min, quant_max, dtype, dtype in _FUSED_DTYPES)
 
 
-@_impl("quantize_per_tensor.tensor")
-def _quantize_per_tensor_tensor(
-    input: torch.Tensor,
-    scale: torch.Tensor,
-    zero_point: torch.Tensor,
-    quant_min: int,
-    quant_max: int,
-    dtype: torch.dtype,
-) -> torch.Tensor:
-    s, zp = _scalar_qparams("quantbridge::quantize_per_tensor.tensor", scale, zero_point)
-    return _quantize_per_tensor(input, s, zp, quant_min, quant_max, dtype)
-
-
+_impl_tensor_overload("quantize_per_tensor", _quantize_per_tensor)
 _fake_like_input("quantize_per_tensor", None)
 _fake_like_input("quantize_per_tensor.tensor", None)
 
@@ -379,19 +386,7 @@ def _dequantize_per_tensor(
     return _dequantize(input, _float32(scale), zero_point)
 
 
-@_impl("dequantize_per_tensor.tensor")
-def _dequantize_per_tensor_tensor(
-    input: torch.Tensor,
-    scale: torch.Tensor,
-    zero_point: torch.Tensor,
-    quant_min: int,
-    quant_max: int,
-    dtype: torch.dtype,
-) -> torch.Tensor:
-    s, zp = _scalar_qparams("quantbridge::dequantize_per_tensor.tensor", scale, zero_point)
-    return _dequantize_per_tensor(input, s, zp, quant_min, quant_max, dtype)
-
-
+_impl_tensor_overload("dequantize_per_tensor", _dequantize_per_tensor)
 _fake_like_input("dequantize_per_tensor", torch.float32)
 _fake_like_input("dequantize_per_tensor.tensor", torch.float32)
 
