@@ -2,9 +2,33 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeVar
 
 from torch import nn
+
+_M = TypeVar("_M", bound="BnStatsMixin")
+
+
+class BnStatsMixin:
+    """Running-statistics switches of a BN-folding QAT module (one with a ``bn`` child)."""
+
+    bn: Any
+    freeze_bn: bool
+
+    def reset_running_stats(self) -> None:
+        self.bn.reset_running_stats()
+
+    def update_bn_stats(self: _M) -> _M:
+        """Let batch norm learn running statistics again (it trains with the module)."""
+        self.freeze_bn = False
+        self.bn.training = True
+        return self
+
+    def freeze_bn_stats(self: _M) -> _M:
+        """Freeze batch norm: running statistics stop changing, even in train mode."""
+        self.freeze_bn = True
+        self.bn.training = False
+        return self
 
 
 def make_bn(

@@ -22,7 +22,7 @@ from torch.nn.utils.fusion import fuse_conv_bn_weights
 from quantbridge.fx_quant.nn import intrinsic as nni
 from quantbridge.fx_quant.nn import qat as nnqat
 from quantbridge.fx_quant.nn._module_args import conv_args, copy_parameters, float_with_relu
-from quantbridge.fx_quant.nn.intrinsic.qat._bn import adopt_bn, make_bn
+from quantbridge.fx_quant.nn.intrinsic.qat._bn import BnStatsMixin, adopt_bn, make_bn
 from quantbridge.fx_quant.nn.intrinsic.qat._linear_bn import LinearBn1d
 from quantbridge.fx_quant.nn.qat._common import (
     build_weight_fake_quant,
@@ -45,7 +45,7 @@ __all__ = [
 ]
 
 
-class _ConvBnNd(nn.modules.conv._ConvNd, nni.FusedModule):
+class _ConvBnNd(BnStatsMixin, nn.modules.conv._ConvNd, nni.FusedModule):
     _version = 2
     _FLOAT_MODULE: ClassVar[type[nn.Module]]
     _FLOAT_CONV_MODULE: ClassVar[type[nn.modules.conv._ConvNd]]
@@ -100,9 +100,6 @@ class _ConvBnNd(nn.modules.conv._ConvNd, nni.FusedModule):
         # torch.ao's switch for the two-pass forward (exact with bn.weight == 0).
         self._enable_slow_path_for_better_numerical_stability = False
 
-    def reset_running_stats(self) -> None:
-        self.bn.reset_running_stats()
-
     def reset_bn_parameters(self) -> None:
         self.reset_running_stats()
         init.uniform_(self.bn.weight)
@@ -111,18 +108,6 @@ class _ConvBnNd(nn.modules.conv._ConvNd, nni.FusedModule):
             fan_in, _ = init._calculate_fan_in_and_fan_out(self.weight)
             bound = 1 / math.sqrt(fan_in)
             init.uniform_(self.bias, -bound, bound)
-
-    def update_bn_stats(self) -> _ConvBnNd:
-        """Let batch norm learn running statistics again (it trains with the module)."""
-        self.freeze_bn = False
-        self.bn.training = True
-        return self
-
-    def freeze_bn_stats(self) -> _ConvBnNd:
-        """Freeze batch norm: running statistics stop changing, even in train mode."""
-        self.freeze_bn = True
-        self.bn.training = False
-        return self
 
     def _shapes(self) -> tuple[list[int], list[int]]:
         """Broadcast shapes of a per-output-channel vector: over the weight, over the output."""

@@ -11,7 +11,7 @@ from torch.nn import init
 from torch.nn.utils.fusion import fuse_linear_bn_weights
 
 from quantbridge.fx_quant.nn import intrinsic as nni
-from quantbridge.fx_quant.nn.intrinsic.qat._bn import adopt_bn, make_bn
+from quantbridge.fx_quant.nn.intrinsic.qat._bn import BnStatsMixin, adopt_bn, make_bn
 from quantbridge.fx_quant.nn.qat._common import (
     build_weight_fake_quant,
     float_module_qconfig,
@@ -21,7 +21,7 @@ from quantbridge.fx_quant.nn.qat._common import (
 __all__ = ["LinearBn1d"]
 
 
-class LinearBn1d(nn.Linear, nni.FusedModule):
+class LinearBn1d(BnStatsMixin, nn.Linear, nni.FusedModule):
     """``Linear -> BatchNorm1d`` for QAT, folding BN's scale into the weight before fake-quant.
 
     Forward: with ``s = bn.weight / sqrt(running_var + eps)``, compute
@@ -52,25 +52,10 @@ class LinearBn1d(nn.Linear, nni.FusedModule):
         else:
             self.freeze_bn_stats()
 
-    def reset_running_stats(self) -> None:
-        self.bn.reset_running_stats()
-
     def reset_bn_parameters(self) -> None:
         self.reset_running_stats()
         init.uniform_(self.bn.weight)
         init.zeros_(self.bn.bias)
-
-    def update_bn_stats(self) -> LinearBn1d:
-        """Let batch norm learn running statistics again (it trains with the module)."""
-        self.freeze_bn = False
-        self.bn.training = True
-        return self
-
-    def freeze_bn_stats(self) -> LinearBn1d:
-        """Freeze batch norm: running statistics stop changing, even in train mode."""
-        self.freeze_bn = True
-        self.bn.training = False
-        return self
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         running_std = torch.sqrt(self.bn.running_var + self.bn.eps)
