@@ -26,9 +26,9 @@ y = qk.linear_dynamic(x, qk.PackedLinearWeight(w, 0.01, target="generic"), num_t
 print(json.dumps(y.ravel().tolist()))
 """
 
-# the edit a developer might make to an intrinsic: fma_f32 (inlined into _gemm.py's driver)
-OLD_IR = "        return builder.call(fn, list(args))\n"
-NEW_IR = "        return builder.fadd(builder.call(fn, list(args)), ir.Constant(F32T, 1.0))\n"
+# the edit a developer might make to an intrinsic: _fma.py's fma32, inlined into _gemm.py
+OLD_IR = "        return builder.call(fn, values)\n"
+NEW_IR = "        return builder.fadd(builder.call(fn, values), ir.Constant(f32, 1.0))\n"
 
 
 def _run(root: Path) -> np.ndarray:
@@ -51,14 +51,14 @@ def test_editing_an_intrinsic_invalidates_cached_callers(tmp_path: Path) -> None
     before = _run(tmp_path)
     cached = list((pkg / "__pycache__").glob("_gemm.drive_generic-*.nbi"))
     assert cached, "the first run should have written the driver's cache index"
-    vnni = pkg / "_vnni.py"
-    src = vnni.read_text()
+    fma = pkg / "_fma.py"
+    src = fma.read_text()
     assert src.count(OLD_IR) == 1
-    vnni.write_text(src.replace(OLD_IR, NEW_IR))
+    fma.write_text(src.replace(OLD_IR, NEW_IR))
     after = _run(tmp_path)  # warm cache; _gemm.py itself is unchanged
     shutil.rmtree(pkg / "__pycache__")
     fresh = _run(tmp_path)  # cold cache: what the edited source really computes
-    # fma_f32 also quantizes the activations, so the edit changes more than "+1.0"
+    # fma32 also quantizes the activations, so the edit changes more than "+1.0"
     assert not np.array_equal(fresh, before)
     np.testing.assert_array_equal(after, fresh)
 
@@ -100,3 +100,19 @@ def test_concurrent_writers_of_different_keys_keep_both(tmp_path: Path) -> None:
     assert len(list(tmp_path.glob("*.nbc"))) == 2
     stale = _jitcache.KeyNamedCacheFile(str(tmp_path), "f-1.py311", "other stamp")
     assert stale.load(("sig_a",)) is None
+
+
+def test_writers_of_different_source_versions_never_share_a_data_file(tmp_path: Path) -> None:
+    # same key (only a dependency changed, so the function's own bytecode did not)
+    new = _jitcache.KeyNamedCacheFile(str(tmp_path), "f-1.py311", "new stamp")
+    old = _jitcache.KeyNamedCacheFile(str(tmp_path), "f-1.py311", "old stamp")
+    new.save(("sig",), {"code": "NEW"})
+    (new_file,) = tmp_path.glob("*.nbc")
+    old.save(("sig",), {"code": "OLD"})  # a process still running the older source
+    files = sorted(tmp_path.glob("*.nbc"))
+    assert len(files) == 2
+    assert new._load_data(new_file.name) == {"code": "NEW"}
+    assert new.load(("sig",)) is None  # the index now has the old stamp: a miss, not OLD code
+    new.save(("sig",), {"code": "NEW"})
+    assert new.load(("sig",)) == {"code": "NEW"}
+    assert old.load(("sig",)) is None

@@ -5,16 +5,16 @@ exact because the wrappers refuse reductions whose true sum could leave int32), 
 float32 requantization sequence as the vector kernels, so every target is bit-identical.
 """
 
-# mypy: ignore-errors
+from __future__ import annotations
 
 import numpy as np
 from numba import njit, prange
 
-from quantbridge.kernels._vnni import fma_f32
+from quantbridge.kernels._fma import fma32
 
 
 @njit(cache=True, parallel=True, nogil=True)
-def drive_generic(
+def drive_generic(  # type: ignore[no-untyped-def]  # numba types the arguments
     a,
     rowoffs,
     m,
@@ -55,7 +55,7 @@ def drive_generic(
                 v = np.int32(np.int64(np.int32(acc)) + colcorr[j] - np.int64(wzp[j]) * rowsum[i])
                 fv = np.float32(v)
                 if f32_out:
-                    c[i * ldc + j] = fma_f32(fv, mult[j], biasq[j])
+                    c[i * ldc + j] = fma32(fv, mult[j], biasq[j])
                 else:
                     x = np.rint((fv + biasq[j]) * mult[j])
                     x = min(max(x, np.float32(-1.0e9)), np.float32(1.0e9))
@@ -65,9 +65,9 @@ def drive_generic(
 
 
 @njit(cache=True, nogil=True)
-def quantize_u8_fma(x, inv_scale, zero_point, out):
+def quantize_u8_fma(x, inv_scale, zero_point, out):  # type: ignore[no-untyped-def]
     """``out = clamp(rint(fma(x, 1/scale, zp)), 0, 255)`` in float32 (fbgemm's Quantize)."""
     zp = np.float32(zero_point)
     for i in range(x.shape[0]):
-        v = np.rint(fma_f32(x[i], inv_scale, zp))
+        v = np.rint(fma32(x[i], inv_scale, zp))
         out[i] = min(max(v, np.float32(0.0)), np.float32(255.0))

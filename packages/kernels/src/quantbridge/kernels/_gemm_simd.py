@@ -11,7 +11,9 @@ so each driver compiles exactly as a hand-written copy did, and its on-disk cach
 hashes the pickled closure) is the same in every process.
 """
 
-# mypy: ignore-errors
+from __future__ import annotations
+
+from typing import Any
 
 from numba import njit, prange
 
@@ -22,7 +24,7 @@ _ROWS = {"avx512_vnni": (8, 4), "avx2": (6, 3)}
 _SHORT = {"avx512_vnni": "vnni", "avx2": "avx2"}
 
 
-def _make_driver(target, mode, parallel):
+def _make_driver(target: str, mode: str, parallel: bool) -> Any:
     big_rows, mid_rows = _ROWS[target]
     big = KERNEL_IDS[(target, big_rows, mode)]
     mid = KERNEL_IDS[(target, mid_rows, mode)]
@@ -30,7 +32,7 @@ def _make_driver(target, mode, parallel):
     nr = block_cols(target)
     panel_step = nr * k_step(target)  # packed B elements per k step of one panel
 
-    def driver(
+    def driver(  # type: ignore[no-untyped-def]  # numba types the arguments
         a,
         rowoffs,
         m,

@@ -114,17 +114,19 @@ class KeyNamedCacheFile(caching.IndexDataCacheFile):
 
     numba numbers data files ``1, 2, ...`` from the index it just read: two processes saving
     *different* signatures of one function at once can both pick ``.1.nbc``, and the index of
-    one can end up pointing at the other's machine code (a wrong-signature load). Named by key,
-    concurrent writers of different keys never share a file, and writers of the same key write
-    the same code; files are still written to a temporary name and ``os.replace``d (atomic), and
-    a lost index update only costs a recompile.
+    one can end up pointing at the other's machine code (a wrong-signature load); likewise a
+    process still running older source rewrites ``.1.nbc`` under a fresher index. Named by
+    (source stamp, key), two writers share a file only when they write the same code; files
+    are still written to a temporary name and ``os.replace``d (atomic), and a lost index update
+    only costs a recompile.
     """
 
     def save(self, key: Any, data: Any) -> None:
         overloads = self._load_index()  # type: ignore[no-untyped-call]
-        name = self._data_name_pattern.replace(
-            "{number:d}", hashlib.sha256(repr(key).encode()).hexdigest()[:20]
-        )
+        # the stamp is part of the name: a process still running older source (same key when
+        # only a dependency changed) writes its own file and never overwrites ours
+        tag = hashlib.sha256(repr((self._source_stamp, key)).encode()).hexdigest()[:20]
+        name = self._data_name_pattern.replace("{number:d}", tag)
         # data before index: the index never names a missing file
         self._save_data(name, data)  # type: ignore[no-untyped-call]
         if overloads.get(key) != name:

@@ -324,18 +324,6 @@ def _make_kernel(target: str, mr: int, ku: int, mode: str) -> Any:
 
 
 @intrinsic
-def fma_f32(typingctx: Any, x: Any, y: Any, z: Any) -> Any:
-    """Scalar float32 fused multiply-add (one rounding); LLVM uses libm where no FMA unit."""
-    sig = types.float32(types.float32, types.float32, types.float32)
-
-    def codegen(context: Any, builder: ir.IRBuilder, sig: Any, args: Any) -> ir.Value:
-        fn = _declare(builder.module, ir.FunctionType(F32T, [F32T, F32T, F32T]), "llvm.fma.f32")
-        return builder.call(fn, list(args))
-
-    return sig, codegen
-
-
-@intrinsic
 def vpdpbusd_peak_loop(typingctx: Any, iters: Any) -> Any:
     """Run ``iters`` x 16 independent register-only vpdpbusd (the int8 peak probe).
 
@@ -387,8 +375,7 @@ KERNEL_IDS: dict[tuple[str, int, str], int] = {
 _CODEGENS = [_make_kernel(*block) for block in _BLOCKS]
 
 
-@intrinsic
-def block_kernel(
+def _block_kernel(
     typingctx: Any,
     kind: Any,
     a: Any,
@@ -425,6 +412,10 @@ def block_kernel(
         return inner_codegen(context, builder, inner_sig, cargs[1:])
 
     return types.void(kind, *inner_sig.args), codegen
+
+
+# typed Any: callers pass the 20 arguments, not numba's typing context
+block_kernel: Any = intrinsic(_block_kernel)
 
 
 # k steps are padded so every kernel's accumulator interleave divides them
