@@ -116,26 +116,26 @@ default_embedding_qat_qconfig_4bit = QConfig(
     weight=default_embedding_fake_quant_4bit,
 )
 default_quint8_weight_qconfig = QConfig(activation=HistogramObserver, weight=MinMaxObserver)
-default_symmetric_qnnpack_qat_qconfig = QConfig(
-    activation=FusedMovingAvgObsFakeQuantize.with_args(
+
+
+def _symmetric_qnnpack_qat_activation() -> PartialWrapper:
+    """A fresh int8 activation fake-quant factory with QNNPACK's minimum scale (2**-12)."""
+    return FusedMovingAvgObsFakeQuantize.with_args(
         observer=MovingAverageMinMaxObserver,
         quant_min=-128,
         quant_max=127,
         dtype=torch.int8,
         reduce_range=False,
         eps=2**-12,
-    ),
+    )
+
+
+default_symmetric_qnnpack_qat_qconfig = QConfig(
+    activation=_symmetric_qnnpack_qat_activation(),
     weight=fused_wt_fake_quant_range_neg_127_to_127,
 )
 default_per_channel_symmetric_qnnpack_qat_qconfig = QConfig(
-    activation=FusedMovingAvgObsFakeQuantize.with_args(
-        observer=MovingAverageMinMaxObserver,
-        quant_min=-128,
-        quant_max=127,
-        dtype=torch.int8,
-        reduce_range=False,
-        eps=2**-12,
-    ),
+    activation=_symmetric_qnnpack_qat_activation(),
     weight=fused_per_channel_wt_fake_quant_range_neg_127_to_127,
 )
 # What FX prepare puts around ops that stay in float, and around uint8 placeholders
