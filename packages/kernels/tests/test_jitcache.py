@@ -39,6 +39,7 @@ def _run(root: Path) -> np.ndarray:
         capture_output=True,
         text=True,
         env=env,
+        cwd=root,  # the copy, never whatever package the current directory holds
         timeout=600,
     )
     assert proc.returncode == 0, proc.stderr
