@@ -309,13 +309,17 @@ def dashboard(session: nox.Session) -> None:
     """asv publish into asv_bench/html/, then the headless-Chromium check of the page.
 
     Preview it with ``asv preview --config asv_bench/asv.conf.json`` (serves html/ locally).
-    Chromium comes from Debian (apt-get) when it is not installed yet.
+    Chromium and npm come from Debian (apt-get) when they are not installed yet.
     """
     _install(session, *ASV_REQUIREMENTS, "pytest")
     session.run("asv", "publish", "--config", ASV_CONFIG)
-    if shutil.which("chromium") is None:
+    # Debian's chromium (the browser check) and npm (the page's JavaScript libraries, which
+    # asv loads from CDNs; offline_dashboard.py serves them from html/vendor/ instead)
+    missing = [tool for tool in ("chromium", "npm") if shutil.which(tool) is None]
+    if missing:
         session.run("apt-get", "update", "-q", external=True)
-        session.run("apt-get", "install", "-y", "-q", "chromium", external=True)
+        session.run("apt-get", "install", "-y", "-q", *missing, external=True)
+    session.run("python", str(ASV_DIR / "offline_dashboard.py"))
     session.run(
         "pytest", "-v", str(ASV_DIR / "tests" / "test_dashboard.py"),
         env={"QB_REQUIRE_CHROMIUM": "1"},
