@@ -82,11 +82,14 @@ def test_every_cached_kernel_uses_the_package_stamp() -> None:
     dispatchers = _jitcache.package_dispatchers(_jitcache.package_modules())
     cached = [d for d in dispatchers if hasattr(d._cache, "_cache_file")]
     assert len(cached) >= 40
+    stamps = set()
     for d in cached:
         assert isinstance(_jitcache.locator_of(d), _jitcache.LOCATORS), d
         assert type(d._cache._cache_file) is _jitcache.KeyNamedCacheFile, d
-        stamp = d._cache._cache_file._source_stamp
-        assert stamp[1] == _jitcache.package_stamp()
+        stamps.add(d._cache._cache_file._source_stamp[1])
+    # one whole-package hash for all (taken at import; the sources may change after that)
+    assert len(stamps) == 1
+    assert len(stamps.pop()) == 64
 
 
 def test_concurrent_writers_of_different_keys_keep_both(tmp_path: Path) -> None:
