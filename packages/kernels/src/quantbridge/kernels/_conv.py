@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 import numpy.typing as npt
+from numba import njit
 
 from quantbridge.kernels._checks import check_array
 from quantbridge.kernels._errors import KernelError
@@ -251,6 +252,22 @@ def _conv(
     return res_nchw if dims == 2 else res_nchw[:, :, 0, :]
 
 
+@njit(cache=True, nogil=True)
+def _serial_u8t_batch(  # type: ignore[no-untyped-def]  # numba types the arguments
+    n, hw, flat, rowoffs, koffs, bp, npanels, res, colcorr, wzp, rowsum, biasq, mult, ozp, qmin
+):  # fmt: skip
+    # the batch loop in compiled code: one Python call per conv instead of one per image, whose
+    # dispatch and slicing cost more than the kernels themselves on small images
+    per = res.shape[1] * hw
+    flat_res = res.reshape(-1)
+    for b in range(n):
+        serial_vnni_u8t(
+            flat, rowoffs[b * hw : (b + 1) * hw], hw, koffs, koffs.shape[0], bp, npanels,
+            flat_res[b * per : (b + 1) * per], hw, colcorr, wzp, rowsum[b * hw : (b + 1) * hw],
+            biasq, mult, ozp, qmin, 255, hw,
+        )  # fmt: skip
+
+
 def _conv_nchw_direct(
     packed: PackedConvWeight,
     flat: npt.NDArray[np.uint8],
@@ -279,27 +296,33 @@ def _conv_nchw_direct(
     else:
         drv, mchunk = drive_vnni_u8t, row_chunk(hw, npanels, threads)
     res = np.empty((n, pg.n_padded, hw), np.uint8)
-    for b in range(n):
-        drv(
-            flat,
-            rowoffs[b * hw : (b + 1) * hw],
-            hw,
-            koffs,
-            koffs.shape[0],
-            pg.packed,
-            npanels,
-            res[b].reshape(-1),
-            hw,
-            colcorr,
-            pg.zero_points,
-            rowsum[b * hw : (b + 1) * hw],
-            biasq,
-            mult,
-            o_zp,
-            o_zp if relu else 0,
-            255,
-            mchunk,
-        )
+    if drv is serial_vnni_u8t:
+        _serial_u8t_batch(
+            n, hw, flat, rowoffs, koffs, pg.packed, npanels, res, colcorr, pg.zero_points,
+            rowsum, biasq, mult, o_zp, o_zp if relu else 0,
+        )  # fmt: skip
+    else:
+        for b in range(n):
+            drv(
+                flat,
+                rowoffs[b * hw : (b + 1) * hw],
+                hw,
+                koffs,
+                koffs.shape[0],
+                pg.packed,
+                npanels,
+                res[b].reshape(-1),
+                hw,
+                colcorr,
+                pg.zero_points,
+                rowsum[b * hw : (b + 1) * hw],
+                biasq,
+                mult,
+                o_zp,
+                o_zp if relu else 0,
+                255,
+                mchunk,
+            )
     if pg.n_padded != packed.oc:
         res = np.ascontiguousarray(res[:, : packed.oc])
     return res.reshape(n, packed.oc, oh, ow)

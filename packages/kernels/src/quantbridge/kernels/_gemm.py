@@ -7,61 +7,74 @@ float32 requantization sequence as the vector kernels, so every target is bit-id
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 from numba import njit, prange
 
 from quantbridge.kernels._fma import fma32
 
 
-@njit(cache=True, parallel=True, nogil=True)
-def drive_generic(  # type: ignore[no-untyped-def]  # numba types the arguments
-    a,
-    rowoffs,
-    m,
-    koffs,
-    nk,
-    bp,
-    npanels,
-    c,
-    ldc,
-    colcorr,
-    wzp,
-    rowsum,
-    biasq,
-    mult,
-    ozp,
-    qmin,
-    qmax,
-    mchunk,
-    f32_out,
-):
-    nmc = (m + mchunk - 1) // mchunk
-    panel = nk * 128
-    for t in prange(npanels * nmc):
-        p = t // nmc
-        start = (t % nmc) * mchunk
-        end = min(m, start + mchunk)
-        boff = p * panel
-        for i in range(start, end):
-            rbase = rowoffs[i]
-            for jj in range(32):
-                acc = 0
-                for s in range(nk):
-                    off = rbase + koffs[s]
-                    bo = boff + s * 128 + jj * 4
-                    for u in range(4):
-                        acc += np.int64(a[off + u]) * np.int64(bp[bo + u])
-                j = p * 32 + jj
-                v = np.int32(np.int64(np.int32(acc)) + colcorr[j] - np.int64(wzp[j]) * rowsum[i])
-                fv = np.float32(v)
-                if f32_out:
-                    c[i * ldc + j] = fma32(fv, mult[j], biasq[j])
-                else:
-                    x = np.rint((fv + biasq[j]) * mult[j])
-                    x = min(max(x, np.float32(-1.0e9)), np.float32(1.0e9))
-                    q = np.int64(x) + ozp
-                    q = min(max(q, qmin), qmax)
-                    c[i * ldc + j] = q
+def _make_generic(parallel: bool) -> Any:
+    # one loop body, compiled with ``prange`` (parallel=True) and as a plain loop: at one thread
+    # or on small work, waking numba's pool costs milliseconds on a busy machine
+    def driver(  # type: ignore[no-untyped-def]  # numba types the arguments
+        a,
+        rowoffs,
+        m,
+        koffs,
+        nk,
+        bp,
+        npanels,
+        c,
+        ldc,
+        colcorr,
+        wzp,
+        rowsum,
+        biasq,
+        mult,
+        ozp,
+        qmin,
+        qmax,
+        mchunk,
+        f32_out,
+    ):
+        nmc = (m + mchunk - 1) // mchunk
+        panel = nk * 128
+        for t in prange(npanels * nmc):  # a plain range when parallel=False
+            p = t // nmc
+            start = (t % nmc) * mchunk
+            end = min(m, start + mchunk)
+            boff = p * panel
+            for i in range(start, end):
+                rbase = rowoffs[i]
+                for jj in range(32):
+                    acc = 0
+                    for s in range(nk):
+                        off = rbase + koffs[s]
+                        bo = boff + s * 128 + jj * 4
+                        for u in range(4):
+                            acc += np.int64(a[off + u]) * np.int64(bp[bo + u])
+                    j = p * 32 + jj
+                    v = np.int32(
+                        np.int64(np.int32(acc)) + colcorr[j] - np.int64(wzp[j]) * rowsum[i]
+                    )
+                    fv = np.float32(v)
+                    if f32_out:
+                        c[i * ldc + j] = fma32(fv, mult[j], biasq[j])
+                    else:
+                        x = np.rint((fv + biasq[j]) * mult[j])
+                        x = min(max(x, np.float32(-1.0e9)), np.float32(1.0e9))
+                        q = np.int64(x) + ozp
+                        q = min(max(q, qmin), qmax)
+                        c[i * ldc + j] = q
+
+    driver.__name__ = driver.__qualname__ = "drive_generic" if parallel else "serial_generic"
+    return njit(cache=True, parallel=parallel, nogil=True)(driver)
+
+
+drive_generic = _make_generic(True)
+serial_generic = _make_generic(False)
 
 
 @njit(cache=True, nogil=True)

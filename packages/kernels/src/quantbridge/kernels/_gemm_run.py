@@ -7,7 +7,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from quantbridge.kernels._gemm import drive_generic
+from quantbridge.kernels._gemm import drive_generic, serial_generic
 from quantbridge.kernels._gemm_simd import (
     drive_avx2_f32,
     drive_avx2_u8,
@@ -86,7 +86,7 @@ def run_gemm(
     c = out.reshape(-1)
     mchunk = m if threads == 1 else row_chunk(m, npanels, threads)
     if target == "generic":
-        drive_generic(
+        (serial_generic if threads == 1 else drive_generic)(
             a,
             rowoffs,
             m,
