@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from quantbridge.kernels import KernelError, PackedConvWeight, available_targets, conv1d, conv2d
@@ -18,6 +18,17 @@ def reference_conv2d(
     x, a_s, a_zp, w, w_s, w_zp, bias, o_s, o_zp, stride, padding, dilation, groups, relu=False
 ):
     """Direct int64 convolution (zero point padding), then the float32 requantization rule."""
+    xf = reference_conv2d_unrounded(
+        x, a_s, a_zp, w, w_s, w_zp, bias, o_s, stride, padding, dilation, groups
+    )
+    q = np.rint(xf).astype(np.int64) + o_zp
+    return np.clip(q, o_zp if relu else 0, 255).astype(np.uint8)
+
+
+def reference_conv2d_unrounded(
+    x, a_s, a_zp, w, w_s, w_zp, bias, o_s, stride, padding, dilation, groups
+):
+    """The requantized float32 value before rounding (``(acc + bias_q) * mult``)."""
     n, c, h, wd = x.shape
     oc, cg, kh, kw = w.shape
     ocg = oc // groups
@@ -51,9 +62,9 @@ def reference_conv2d(
         bq = (bias / atws).astype(F32)
     else:
         bq = (bias * F32(F32(1) / atws[0])).astype(F32)
-    xf = ((acc.astype(np.int32).astype(F32) + bq[:, None, None]) * mult[:, None, None]).astype(F32)
-    q = np.rint(xf).astype(np.int64) + o_zp
-    return np.clip(q, o_zp if relu else 0, 255).astype(np.uint8)
+    return ((acc.astype(np.int32).astype(F32) + bq[:, None, None]) * mult[:, None, None]).astype(
+        F32
+    )
 
 
 @st.composite
@@ -206,6 +217,7 @@ def test_conv2d_byte_identical_to_torch(target, case):
 
     torch.backends.quantized.engine = "x86"
     case = case | {"wzp": False}  # torch's x86 conv takes symmetric (zero point 0) weights
+    assume(not _window_wholly_in_padding(case))
     x, a_s, a_zp, w, w_s, _w_zp, bias, o_s, o_zp = _make(case)
     oc = w.shape[0]
     if case["per_channel"]:
@@ -237,7 +249,44 @@ def test_conv2d_byte_identical_to_torch(target, case):
         target=target,
     )
     got = conv2d(x, packed, a_s, a_zp, o_s, o_zp, relu=case["relu"])
-    np.testing.assert_array_equal(got, want)
+    # torch's x86 conv sometimes rounds an exact .5 tie the other way (README, "Numerics"):
+    # every other element must be identical, and a tie may differ by one code only.
+    unrounded = reference_conv2d_unrounded(
+        x,
+        a_s,
+        a_zp,
+        w,
+        w_s,
+        0,
+        bias,
+        o_s,
+        case["stride"],
+        case["padding"],
+        case["dilation"],
+        case["groups"],
+    )
+    differs = got != want
+    at_tie = np.abs(np.abs(unrounded - np.trunc(unrounded)) - 0.5) < 1e-4
+    assert not (differs & ~at_tie).any(), f"{int((differs & ~at_tie).sum())} non-tie mismatches"
+    assert (np.abs(got.astype(int) - want.astype(int))[differs] == 1).all()
+
+
+def _window_wholly_in_padding(case):
+    """True if some output window reads only padding (torch's x86 conv leaves it undefined)."""
+    for size, k, s, p, d in zip(
+        (case["h"], case["w"]),
+        (case["kh"], case["kw"]),
+        case["stride"],
+        case["padding"],
+        case["dilation"],
+        strict=True,
+    ):
+        out = (size + 2 * p - d * (k - 1) - 1) // s + 1
+        for o in range(out):
+            taps = [o * s - p + d * t for t in range(k)]
+            if all(not 0 <= i < size for i in taps):
+                return True
+    return False
 
 
 @pytest.mark.parametrize("target", TARGETS)
