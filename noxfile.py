@@ -102,7 +102,12 @@ def tests(session: nox.Session, package: str) -> None:
         _install(session, *TEST_REQUIREMENTS, *_editable(*PACKAGES))
         paths = [str(ROOT / "tests")]
     else:
-        _install(session, *TEST_REQUIREMENTS, *_editable(package, *_sibling_dependencies(package)))
+        _install(
+            session,
+            *TEST_REQUIREMENTS,
+            *_editable(package, *_sibling_dependencies(package)),
+            *TEST_EXTRAS.get(package, ()),
+        )
         paths = [str(ROOT / "packages" / package / "tests")]
     session.run("pytest", *paths, *session.posargs)
 
