@@ -36,6 +36,7 @@ import time
 import traceback
 import warnings
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -55,78 +56,9 @@ TARGETS: dict[str, tuple[float | None, float]] = {
 }
 
 
-class MLP(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(768, 3072)
-        self.relu = nn.ReLU()
-        self.fc2 = nn.Linear(3072, 768)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = self.fc2(self.relu(self.fc1(x)))
-        return out
-
-
-class BasicBlock(nn.Module):
-    def __init__(self, channels: int) -> None:
-        super().__init__()
-        self.conv1 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
-        self.bn1 = nn.BatchNorm2d(channels)
-        self.relu1 = nn.ReLU()
-        self.conv2 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
-        self.bn2 = nn.BatchNorm2d(channels)
-        self.relu2 = nn.ReLU()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.bn2(self.conv2(self.relu1(self.bn1(self.conv1(x)))))
-        out: torch.Tensor = self.relu2(x + y)
-        return out
-
-
-class ResNetish(nn.Module):
-    def __init__(self, channels: int = 64, blocks: int = 2) -> None:
-        super().__init__()
-        self.stem = nn.Conv2d(3, channels, 3, padding=1, bias=False)
-        self.bn = nn.BatchNorm2d(channels)
-        self.relu = nn.ReLU()
-        self.blocks = nn.Sequential(*[BasicBlock(channels) for _ in range(blocks)])
-        self.pool = nn.AdaptiveAvgPool2d(1)
-        self.flatten = nn.Flatten()
-        self.fc = nn.Linear(channels, 10)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.blocks(self.relu(self.bn(self.stem(x))))
-        out: torch.Tensor = self.fc(self.flatten(self.pool(x)))
-        return out
-
-
-class EncoderLayer(nn.Module):
-    """A post-norm transformer encoder layer written with traceable ops (no fast path)."""
-
-    def __init__(self, hidden: int = 384, heads: int = 12, ffn: int = 1536) -> None:
-        super().__init__()
-        self.heads = heads
-        self.q = nn.Linear(hidden, hidden)
-        self.k = nn.Linear(hidden, hidden)
-        self.v = nn.Linear(hidden, hidden)
-        self.out = nn.Linear(hidden, hidden)
-        self.norm1 = nn.LayerNorm(hidden)
-        self.ff1 = nn.Linear(hidden, ffn)
-        self.act = nn.GELU()  # stays float: no int8 GELU in either flow
-        self.ff2 = nn.Linear(ffn, hidden)
-        self.norm2 = nn.LayerNorm(hidden)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, h = x.shape
-        d = h // self.heads
-        q = self.q(x).reshape(b, s, self.heads, d).transpose(1, 2)
-        k = self.k(x).reshape(b, s, self.heads, d).transpose(1, 2)
-        v = self.v(x).reshape(b, s, self.heads, d).transpose(1, 2)
-        attn = torch.softmax(torch.matmul(q, k.transpose(-2, -1)) * (d**-0.5), dim=-1)
-        ctx = torch.matmul(attn, v).transpose(1, 2).reshape(b, s, h)
-        x = self.norm1(x + self.out(ctx))
-        out: torch.Tensor = self.norm2(x + self.ff2(self.act(self.ff1(x))))
-        return out
+# The model builders live with the asv suite (importable there); both benches time the same models.
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "asv_bench" / "benchmarks"))
+from _models import MLP, EncoderLayer, ResNetish  # noqa: E402
 
 
 def _models() -> dict[str, tuple[Callable[[], nn.Module], tuple[int, ...], str]]:
