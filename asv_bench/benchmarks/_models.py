@@ -1,9 +1,9 @@
 """Model builders shared by the asv benchmarks (the lowering issue's performance targets).
 
-The architectures are those of ``packages/lowering/bench/bench_models.py`` (MLP, ResNet-style
-CNN, transformer encoder layer) and of ``examples/demo.py`` (the digits CNN), kept here in an
-importable module because asv imports benchmark modules from ``benchmark_dir`` only. Weights
-are random: these models measure speed, not accuracy.
+The lowering issue's MLP, ResNet-style CNN and transformer encoder layer (also imported by
+``packages/lowering/bench/bench_models.py``, so both benches time the same models) and the
+digits CNN of ``examples/demo.py``. They live here because asv imports benchmark modules from
+``benchmark_dir`` only. Weights are random: these models measure speed, not accuracy.
 """
 
 from __future__ import annotations
