@@ -35,9 +35,14 @@ CONSTRAINTS = ROOT / "constraints.txt"
 PACKAGES = ("patterns", "qconfig", "kernels", "fx_quant", "lowering")
 TEST_REQUIREMENTS = ("pytest", "hypothesis", "numpy", "torch")
 # Extra installs a package's tests need: lowering's tests load a third-party backend through
-# the `quantbridge.backends` entry point, from a small plugin distribution kept in its tests.
+# the `quantbridge.backends` entry point, from a small plugin distribution kept in its tests,
+# and smoke-test the demo, which reads scikit-learn's digits data.
 TEST_EXTRAS: dict[str, tuple[str, ...]] = {
-    "lowering": ("-e", str(ROOT / "packages" / "lowering" / "tests" / "plugin")),
+    "lowering": (
+        "scikit-learn",
+        "-e",
+        str(ROOT / "packages" / "lowering" / "tests" / "plugin"),
+    ),
 }
 
 nox.options.sessions = ["tests", "lint", "typecheck"]
