@@ -50,6 +50,29 @@ class _ConvNd(ReferenceQuantizedModule):
     """Convolution on the round-tripped weight; padding_mode is honoured."""
 
     _IS_REFERENCE = True
+    _FLOAT: type[nn.Module]  # the float conv class this reference module extends
+
+    def __init__(
+        self,
+        in_channels: int,
+        out_channels: int,
+        kernel_size: Any,
+        stride: Any = 1,
+        padding: Any = 0,
+        dilation: Any = 1,
+        groups: int = 1,
+        bias: bool = True,
+        padding_mode: Any = "zeros",
+        device: Any = None,
+        dtype: Any = None,
+        weight_qparams: Mapping[str, Any] | None = None,
+    ) -> None:
+        args = (in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias,
+                padding_mode)  # fmt: skip
+        _conv_init(self, self._FLOAT, args, device, dtype, weight_qparams)
+
+    def _get_name(self) -> str:
+        return f"Quantized{self._FLOAT.__name__}(Reference)"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # _conv_forward applies non-zero padding modes; with "zeros" it is the plain F.convNd
@@ -67,79 +90,19 @@ class _ConvNd(ReferenceQuantizedModule):
 class Conv1d(_ConvNd, nn.Conv1d):
     """Reference quantized Conv1d."""
 
-    def __init__(
-        self,
-        in_channels: int,
-        out_channels: int,
-        kernel_size: Any,
-        stride: Any = 1,
-        padding: Any = 0,
-        dilation: Any = 1,
-        groups: int = 1,
-        bias: bool = True,
-        padding_mode: Any = "zeros",
-        device: Any = None,
-        dtype: Any = None,
-        weight_qparams: Mapping[str, Any] | None = None,
-    ) -> None:
-        args = (in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias,
-                padding_mode)  # fmt: skip
-        _conv_init(self, nn.Conv1d, args, device, dtype, weight_qparams)
-
-    def _get_name(self) -> str:
-        return "QuantizedConv1d(Reference)"
+    _FLOAT = nn.Conv1d
 
 
 class Conv2d(_ConvNd, nn.Conv2d):
     """Reference quantized Conv2d."""
 
-    def __init__(
-        self,
-        in_channels: int,
-        out_channels: int,
-        kernel_size: Any,
-        stride: Any = 1,
-        padding: Any = 0,
-        dilation: Any = 1,
-        groups: int = 1,
-        bias: bool = True,
-        padding_mode: Any = "zeros",
-        device: Any = None,
-        dtype: Any = None,
-        weight_qparams: Mapping[str, Any] | None = None,
-    ) -> None:
-        args = (in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias,
-                padding_mode)  # fmt: skip
-        _conv_init(self, nn.Conv2d, args, device, dtype, weight_qparams)
-
-    def _get_name(self) -> str:
-        return "QuantizedConv2d(Reference)"
+    _FLOAT = nn.Conv2d
 
 
 class Conv3d(_ConvNd, nn.Conv3d):
     """Reference quantized Conv3d."""
 
-    def __init__(
-        self,
-        in_channels: int,
-        out_channels: int,
-        kernel_size: Any,
-        stride: Any = 1,
-        padding: Any = 0,
-        dilation: Any = 1,
-        groups: int = 1,
-        bias: bool = True,
-        padding_mode: Any = "zeros",
-        device: Any = None,
-        dtype: Any = None,
-        weight_qparams: Mapping[str, Any] | None = None,
-    ) -> None:
-        args = (in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias,
-                padding_mode)  # fmt: skip
-        _conv_init(self, nn.Conv3d, args, device, dtype, weight_qparams)
-
-    def _get_name(self) -> str:
-        return "QuantizedConv3d(Reference)"
+    _FLOAT = nn.Conv3d
 
 
 class _ConvTransposeNd(ReferenceQuantizedModule):
@@ -147,6 +110,30 @@ class _ConvTransposeNd(ReferenceQuantizedModule):
 
     _IS_REFERENCE = True
     _DIM: int
+    _FLOAT: type[nn.Module]
+
+    def __init__(
+        self,
+        in_channels: int,
+        out_channels: int,
+        kernel_size: Any,
+        stride: Any = 1,
+        padding: Any = 0,
+        output_padding: Any = 0,
+        groups: int = 1,
+        bias: bool = True,
+        dilation: Any = 1,
+        padding_mode: Any = "zeros",
+        device: Any = None,
+        dtype: Any = None,
+        weight_qparams: Mapping[str, Any] | None = None,
+    ) -> None:
+        args = (in_channels, out_channels, kernel_size, stride, padding, output_padding, groups,
+                bias, dilation, padding_mode)  # fmt: skip
+        _conv_init(self, self._FLOAT, args, device, dtype, weight_qparams)
+
+    def _get_name(self) -> str:
+        return f"Quantized{self._FLOAT.__name__}(Reference)"
 
     def forward(self, x: torch.Tensor, output_size: list[int] | None = None) -> torch.Tensor:
         mod: Any = self
@@ -170,84 +157,18 @@ class ConvTranspose1d(_ConvTransposeNd, nn.ConvTranspose1d):
     """Reference quantized ConvTranspose1d."""
 
     _DIM = 1
-
-    def __init__(
-        self,
-        in_channels: int,
-        out_channels: int,
-        kernel_size: Any,
-        stride: Any = 1,
-        padding: Any = 0,
-        output_padding: Any = 0,
-        groups: int = 1,
-        bias: bool = True,
-        dilation: Any = 1,
-        padding_mode: Any = "zeros",
-        device: Any = None,
-        dtype: Any = None,
-        weight_qparams: Mapping[str, Any] | None = None,
-    ) -> None:
-        args = (in_channels, out_channels, kernel_size, stride, padding, output_padding, groups,
-                bias, dilation, padding_mode)  # fmt: skip
-        _conv_init(self, nn.ConvTranspose1d, args, device, dtype, weight_qparams)
-
-    def _get_name(self) -> str:
-        return "QuantizedConvTranspose1d(Reference)"
+    _FLOAT = nn.ConvTranspose1d
 
 
 class ConvTranspose2d(_ConvTransposeNd, nn.ConvTranspose2d):
     """Reference quantized ConvTranspose2d."""
 
     _DIM = 2
-
-    def __init__(
-        self,
-        in_channels: int,
-        out_channels: int,
-        kernel_size: Any,
-        stride: Any = 1,
-        padding: Any = 0,
-        output_padding: Any = 0,
-        groups: int = 1,
-        bias: bool = True,
-        dilation: Any = 1,
-        padding_mode: Any = "zeros",
-        device: Any = None,
-        dtype: Any = None,
-        weight_qparams: Mapping[str, Any] | None = None,
-    ) -> None:
-        args = (in_channels, out_channels, kernel_size, stride, padding, output_padding, groups,
-                bias, dilation, padding_mode)  # fmt: skip
-        _conv_init(self, nn.ConvTranspose2d, args, device, dtype, weight_qparams)
-
-    def _get_name(self) -> str:
-        return "QuantizedConvTranspose2d(Reference)"
+    _FLOAT = nn.ConvTranspose2d
 
 
 class ConvTranspose3d(_ConvTransposeNd, nn.ConvTranspose3d):
     """Reference quantized ConvTranspose3d."""
 
     _DIM = 3
-
-    def __init__(
-        self,
-        in_channels: int,
-        out_channels: int,
-        kernel_size: Any,
-        stride: Any = 1,
-        padding: Any = 0,
-        output_padding: Any = 0,
-        groups: int = 1,
-        bias: bool = True,
-        dilation: Any = 1,
-        padding_mode: Any = "zeros",
-        device: Any = None,
-        dtype: Any = None,
-        weight_qparams: Mapping[str, Any] | None = None,
-    ) -> None:
-        args = (in_channels, out_channels, kernel_size, stride, padding, output_padding, groups,
-                bias, dilation, padding_mode)  # fmt: skip
-        _conv_init(self, nn.ConvTranspose3d, args, device, dtype, weight_qparams)
-
-    def _get_name(self) -> str:
-        return "QuantizedConvTranspose3d(Reference)"
+    _FLOAT = nn.ConvTranspose3d
