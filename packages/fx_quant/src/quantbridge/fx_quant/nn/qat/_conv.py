@@ -28,11 +28,27 @@ class _ConvNd(nn.modules.conv._ConvNd):
 
     weight_fake_quant: nn.Module
 
-    def _qat_init(
-        self, base: type[nn.Module], args: tuple[Any, ...], qconfig: Any, device: Any, dtype: Any
+    def __init__(
+        self,
+        in_channels: int,
+        out_channels: int,
+        kernel_size: Any,
+        stride: Any = 1,
+        padding: Any = 0,
+        dilation: Any = 1,
+        groups: int = 1,
+        bias: bool = True,
+        padding_mode: Any = "zeros",
+        qconfig: Any = None,
+        device: Any = None,
+        dtype: Any = None,
     ) -> None:
-        """``__init__``: the float conv's (``base``), then the qconfig and weight fake-quant."""
-        base.__init__(self, *args, device=device, dtype=dtype)
+        # The float conv's __init__, then the qconfig and the weight fake-quant.
+        float_init: Any = self._FLOAT_CONV_MODULE.__init__
+        float_init(
+            self, in_channels, out_channels, kernel_size, stride, padding, dilation, groups,
+            bias, padding_mode, device=device, dtype=dtype,
+        )  # fmt: skip
         self.qconfig = require_qconfig(qconfig, type(self).__name__)
         self.weight_fake_quant = build_weight_fake_quant(qconfig, device, dtype)
 
@@ -45,7 +61,7 @@ class _ConvNd(nn.modules.conv._ConvNd):
         qconfig = float_module_qconfig(mod, cls._FLOAT_MODULE, f"qat.{cls.__name__}")
         conv = mod[0] if isinstance(mod, FusedModule) else mod
         assert isinstance(conv, nn.modules.conv._ConvNd)
-        qat = cls(*conv_args(conv), qconfig=qconfig)  # type: ignore[call-arg]
+        qat = cls(*conv_args(conv), qconfig=qconfig)
         qat.weight = conv.weight
         qat.bias = conv.bias
         return qat
@@ -64,25 +80,6 @@ class Conv1d(_ConvNd, nn.Conv1d):
     _FLOAT_MODULE: ClassVar[tuple[type[nn.Module], ...]] = (nn.Conv1d,)
     _FLOAT_CONV_MODULE = nn.Conv1d
 
-    def __init__(
-        self,
-        in_channels: int,
-        out_channels: int,
-        kernel_size: Any,
-        stride: Any = 1,
-        padding: Any = 0,
-        dilation: Any = 1,
-        groups: int = 1,
-        bias: bool = True,
-        padding_mode: Any = "zeros",
-        qconfig: Any = None,
-        device: Any = None,
-        dtype: Any = None,
-    ) -> None:
-        args = (in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias,
-                padding_mode)  # fmt: skip
-        self._qat_init(nn.Conv1d, args, qconfig, device, dtype)
-
 
 class Conv2d(_ConvNd, nn.Conv2d):
     """QAT Conv2d."""
@@ -90,47 +87,9 @@ class Conv2d(_ConvNd, nn.Conv2d):
     _FLOAT_MODULE: ClassVar[tuple[type[nn.Module], ...]] = (nn.Conv2d,)
     _FLOAT_CONV_MODULE = nn.Conv2d
 
-    def __init__(
-        self,
-        in_channels: int,
-        out_channels: int,
-        kernel_size: Any,
-        stride: Any = 1,
-        padding: Any = 0,
-        dilation: Any = 1,
-        groups: int = 1,
-        bias: bool = True,
-        padding_mode: Any = "zeros",
-        qconfig: Any = None,
-        device: Any = None,
-        dtype: Any = None,
-    ) -> None:
-        args = (in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias,
-                padding_mode)  # fmt: skip
-        self._qat_init(nn.Conv2d, args, qconfig, device, dtype)
-
 
 class Conv3d(_ConvNd, nn.Conv3d):
     """QAT Conv3d."""
 
     _FLOAT_MODULE: ClassVar[tuple[type[nn.Module], ...]] = (nn.Conv3d,)
     _FLOAT_CONV_MODULE = nn.Conv3d
-
-    def __init__(
-        self,
-        in_channels: int,
-        out_channels: int,
-        kernel_size: Any,
-        stride: Any = 1,
-        padding: Any = 0,
-        dilation: Any = 1,
-        groups: int = 1,
-        bias: bool = True,
-        padding_mode: Any = "zeros",
-        qconfig: Any = None,
-        device: Any = None,
-        dtype: Any = None,
-    ) -> None:
-        args = (in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias,
-                padding_mode)  # fmt: skip
-        self._qat_init(nn.Conv3d, args, qconfig, device, dtype)

@@ -276,37 +276,35 @@ class ConvBnReLU3d(ConvBn3d):
         return F.relu(self._forward(input))
 
 
-class ConvReLU1d(nnqat.Conv1d, nni.FusedModule):
+class _ReLUAfterConv:
+    """The QAT conv's forward followed by ReLU (ConvReLU1d/2d/3d)."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return F.relu(super().forward(input))  # type: ignore[misc]
+
+
+class ConvReLU1d(_ReLUAfterConv, nnqat.Conv1d, nni.FusedModule):
     """QAT ``Conv1d -> ReLU``."""
 
     _FLOAT_MODULE: ClassVar[tuple[type[nn.Module], ...]] = (nni.ConvReLU1d,)
     _FLOAT_RELU_MODULE = nn.ReLU
     _FUSED_FLOAT_MODULE = nni.ConvReLU1d
 
-    def forward(self, input: torch.Tensor) -> torch.Tensor:
-        return F.relu(self._conv_forward(input, self.weight_fake_quant(self.weight), self.bias))
 
-
-class ConvReLU2d(nnqat.Conv2d, nni.FusedModule):
+class ConvReLU2d(_ReLUAfterConv, nnqat.Conv2d, nni.FusedModule):
     """QAT ``Conv2d -> ReLU``."""
 
     _FLOAT_MODULE: ClassVar[tuple[type[nn.Module], ...]] = (nni.ConvReLU2d,)
     _FLOAT_RELU_MODULE = nn.ReLU
     _FUSED_FLOAT_MODULE = nni.ConvReLU2d
 
-    def forward(self, input: torch.Tensor) -> torch.Tensor:
-        return F.relu(self._conv_forward(input, self.weight_fake_quant(self.weight), self.bias))
 
-
-class ConvReLU3d(nnqat.Conv3d, nni.FusedModule):
+class ConvReLU3d(_ReLUAfterConv, nnqat.Conv3d, nni.FusedModule):
     """QAT ``Conv3d -> ReLU``."""
 
     _FLOAT_MODULE: ClassVar[tuple[type[nn.Module], ...]] = (nni.ConvReLU3d,)
     _FLOAT_RELU_MODULE = nn.ReLU
     _FUSED_FLOAT_MODULE = nni.ConvReLU3d
-
-    def forward(self, input: torch.Tensor) -> torch.Tensor:
-        return F.relu(self._conv_forward(input, self.weight_fake_quant(self.weight), self.bias))
 
 
 def update_bn_stats(mod: nn.Module) -> None:
