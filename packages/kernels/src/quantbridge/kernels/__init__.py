@@ -1,7 +1,9 @@
 """quantbridge.kernels: numba-JIT int8 CPU kernels on numpy arrays, one implementation per target.
 
-Depends on numpy and numba only. Target selection is here now; the kernels themselves
-(GEMM, conv, elementwise, pools, lookup tables, embedding_bag) arrive with the kernels issue.
+Depends on numpy and numba only: GEMM (static and dynamic linear, conv1d/conv2d, quantized
+matmul), quantize/dequantize/requantize, elementwise add/mul and clamps, pools, 256-entry
+lookup tables and weight-only embedding_bag, for the ``avx512_vnni``, ``avx2`` and ``generic``
+targets (chosen at import, overridable). Layouts: see ``_layout.py``.
 """
 
 # First: numba picks each function's cache locator when its @njit(cache=True) runs.

@@ -15,8 +15,9 @@ import numba
 import numpy as np
 import numpy.typing as npt
 
-from quantbridge.kernels._checks import check_array, check_out, check_zero_point
+from quantbridge.kernels._checks import check_out, check_zero_point
 from quantbridge.kernels._errors import KernelError
+from quantbridge.kernels._layout import check_dense, empty_in_order, flat
 from quantbridge.kernels._quantize import f32_scale, use_parallel
 from quantbridge.kernels._targets import check_target
 
@@ -67,13 +68,13 @@ def _bound(name: str, value: object) -> float:
 
 
 def _run(q: object, lo: int, hi: int, out: U8 | None) -> U8:
-    arr = check_array("q", q, np.uint8)
+    arr, order = check_dense("q", q, np.uint8)
     if out is None:
-        out = np.empty(arr.shape, np.uint8)
+        out = empty_in_order(arr, np.uint8)
     else:
-        check_out(out, arr.shape, np.uint8, arr)
+        check_out(out, arr.shape, np.uint8, arr, order=order)
     kernel = _clamp_par if use_parallel(arr.size, "clamp") else _clamp
-    kernel(arr.reshape(-1), out.reshape(-1), lo, hi)
+    kernel(flat(arr, order), flat(out, order), lo, hi)
     return out
 
 

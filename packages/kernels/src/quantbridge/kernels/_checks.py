@@ -91,12 +91,18 @@ def check_accumulation_fits_int32(name: str, k: int, a_max: int = 255, b_max: in
 
 
 def check_out(
-    out: object, shape: tuple[int, ...], dtype: npt.DTypeLike, *inputs: npt.NDArray[np.generic]
+    out: object,
+    shape: tuple[int, ...],
+    dtype: npt.DTypeLike,
+    *inputs: npt.NDArray[np.generic],
+    order: tuple[int, ...] | None = None,
 ) -> npt.NDArray[Any]:
-    """Validate a caller-provided ``out=`` array: exact shape and dtype, C-contiguous, writeable.
+    """Validate a caller-provided ``out=`` array: exact shape and dtype, layout, writeable.
 
-    ``out`` may not overlap any of ``inputs`` unless it *is* that input (same buffer, same
-    layout), which elementwise kernels handle; pass no ``inputs`` to forbid any overlap check.
+    The layout is C-contiguous, or with ``order`` (elementwise kernels on a dense input, see
+    ``_layout.py``) the input's axis order in memory. ``out`` may not overlap any of ``inputs``
+    unless it *is* that input (same buffer, same layout), which elementwise kernels handle;
+    pass no ``inputs`` to forbid any overlap check.
     """
     if not isinstance(out, np.ndarray):
         raise KernelError(f"out: expected a numpy array, got {type(out).__name__}")
@@ -104,14 +110,22 @@ def check_out(
         raise KernelError(f"out: expected dtype {np.dtype(dtype)}, got {out.dtype}")
     if out.shape != shape:
         raise KernelError(f"out: expected shape {shape}, got {out.shape}")
-    if not out.flags.c_contiguous or not out.flags.aligned:
+    if not out.flags.aligned:
+        raise KernelError("out: expected an aligned array")
+    if order is None and not out.flags.c_contiguous:
         raise KernelError("out: expected a C-contiguous, aligned array")
+    if order is not None and not out.transpose(order).flags.c_contiguous:
+        raise KernelError(
+            f"out: expected a C-contiguous array, or for a channels-last or other dense input "
+            f"the input's layout (np.empty_like(input)); got strides {out.strides}"
+        )
     if not out.flags.writeable:
         raise KernelError("out: array is read-only")
     for array in inputs:
         if np.may_share_memory(out, array) and not (
             out.dtype == array.dtype
             and out.shape == array.shape
+            and out.strides == array.strides
             and out.__array_interface__["data"][0] == array.__array_interface__["data"][0]
         ):
             raise KernelError(

@@ -1,12 +1,18 @@
 """Quantized conv1d/conv2d (+relu): stride, padding, dilation, groups (incl. depthwise).
 
-Layouts: input and output are NCHW (NCL for 1-D) uint8, like torch. Internally each call
-builds a zero-point-padded NHWC copy of the input, ``[N, H + 2ph, W + 2pw, G, Cg4]`` with the
-channels of each group padded to a multiple of 4, and runs one implicit-im2col GEMM per group:
-row m = output pixel (n, oh, ow) starts at that pixel's window origin, and the k steps walk
-(kh, kw, channel) through per-tap offsets — no im2col matrix is materialized. Weights are
-packed once per group as a [OCg, KH*KW*Cg4] matrix (``_pack.py`` layouts). Requantization is
-the rule in ``_requant.py``; the result is transposed back to NCHW.
+Layouts: input and output have torch's NCHW shape (NCL for 1-D), uint8. The input may be
+C-contiguous or channels-last (NHWC data viewed as NCHW, what ``channels_last=True`` returns,
+as torch's quantized conv does): chains of convs then never transpose. Internally each call
+reads a zero-point-padded NHWC buffer ``[N, H + 2ph, W + 2pw, G, Cg4]`` with the channels of
+each group padded to a multiple of 4 — the channels-last input itself when no padding is
+needed, else a copy (a vector-tile transpose from NCHW, ``_transpose.py``) — and runs one
+implicit-im2col GEMM per group: row m = output pixel (n, oh, ow) starts at that pixel's
+window origin, and the k steps walk (kh, kw, channel) through per-tap offsets — no im2col
+matrix is materialized. Weights are packed once per group as a [OCg, KH*KW*Cg4] matrix
+(``_pack.py`` layouts). Requantization is the rule in ``_requant.py``. The GEMM's rows are
+output pixels, so channels-last output is its natural result; C-contiguous NCHW output is
+stored channel-major from registers on ``avx512_vnni`` (one group) and transposed by numpy
+otherwise.
 
 Depthwise and small-group convolutions run through the same GEMM (correct, but each group
 pads its output channels to a full panel, so they are not fast).
@@ -22,6 +28,7 @@ from quantbridge.kernels._checks import check_array
 from quantbridge.kernels._errors import KernelError
 from quantbridge.kernels._gemm_run import row_chunk, run_gemm
 from quantbridge.kernels._gemm_simd import drive_vnni_u8t, serial_vnni_u8t
+from quantbridge.kernels._layout import channels_last_data
 from quantbridge.kernels._linear import PackedLinearWeight, _fast_zp
 from quantbridge.kernels._pack import (
     K_ALIGN,
@@ -31,6 +38,7 @@ from quantbridge.kernels._pack import (
     weight_zero_points,
 )
 from quantbridge.kernels._threads import apply_num_threads
+from quantbridge.kernels._transpose import nchw_into_padded_nhwc
 
 
 def _pair(name: str, value: int | tuple[int, ...], dims: int, minimum: int) -> tuple[int, ...]:
@@ -114,6 +122,7 @@ class PackedConvWeight:
         self.target = self.groups_packed[0].target
         self.has_weight_zp = any(p.has_weight_zp for p in self.groups_packed)
         self._koffs: dict[tuple[int, int], npt.NDArray[np.int64]] = {}
+        self._rowoffs: dict[tuple[int, ...], npt.NDArray[np.int64]] = {}
 
     def koffs(self, wp: int) -> list[npt.NDArray[np.int64]]:
         """Per-group activation offsets of each k step for padded input width ``wp``."""
@@ -140,6 +149,22 @@ class PackedConvWeight:
             out.append(got)
         return out
 
+    def row_offsets(self, n: int, hp: int, wp: int, oh: int, ow: int) -> npt.NDArray[np.int64]:
+        """Offset of each output pixel's window origin in the padded NHWC buffer (cached)."""
+        key = (n, hp, wp, oh, ow)
+        got = self._rowoffs.get(key)
+        if got is None:
+            sh, sw = self.stride
+            pix = (
+                np.arange(n, dtype=np.int64)[:, None, None] * hp
+                + np.arange(oh, dtype=np.int64)[None, :, None] * sh
+            ) * wp + np.arange(ow, dtype=np.int64)[None, None, :] * sw
+            got = (pix * (self.groups * self.cg4)).reshape(-1)
+            got.flags.writeable = False
+            if len(self._rowoffs) < 64:
+                self._rowoffs[key] = got
+        return got
+
     def output_size(self, h: int, w: int) -> tuple[int, int]:
         oh = (h + 2 * self.padding[0] - self.dilation[0] * (self.kh - 1) - 1) // self.stride[0] + 1
         ow = (w + 2 * self.padding[1] - self.dilation[1] * (self.kw - 1) - 1) // self.stride[1] + 1
@@ -162,6 +187,7 @@ def _conv(
     out_zero_point: int,
     relu: bool,
     num_threads: int | None,
+    channels_last: bool,
     dims: int,
     name: str,
 ) -> npt.NDArray[np.uint8]:
@@ -169,7 +195,13 @@ def _conv(
         raise KernelError(f"packed: expected a PackedConvWeight, got {type(packed).__name__}")
     if packed.dims != dims:
         raise KernelError(f"{name}: packed weight is for conv{packed.dims}d, not conv{dims}d")
-    xa = check_array("x", x, np.uint8, dims + 2)
+    xa = check_array("x", x, np.uint8, dims + 2, contiguous=False)
+    nhwc = None if xa.flags.c_contiguous else channels_last_data(xa)
+    if nhwc is None and not xa.flags.c_contiguous:
+        raise KernelError(
+            f"x: expected a C-contiguous (N, C, ...) array or channels-last data viewed as one, "
+            f"got strides {xa.strides}; pass np.ascontiguousarray(x)"
+        )
     x4 = xa if dims == 2 else xa[:, :, None, :]
     n, c, h, w = (int(s) for s in x4.shape)
     if c != packed.in_channels:
@@ -187,25 +219,23 @@ def _conv(
             f"{(packed.kh, packed.kw)[2 - dims :]} with padding/dilation; output would be empty"
         )
     ph, pw = packed.padding
-    sh, sw = packed.stride
     hp, wp = h + 2 * ph, w + 2 * pw
     g, cg, cg4 = packed.groups, packed.cg, packed.cg4
-    xp = np.full((n, hp, wp, g, cg4), a_zp, np.uint8)
-    xp[:, ph : ph + h, pw : pw + w, :, :cg] = x4.transpose(0, 2, 3, 1).reshape(n, h, w, g, cg)
-    ctot = g * cg4
-    pix = (
-        (
-            np.arange(n, dtype=np.int64)[:, None, None] * hp
-            + np.arange(oh, dtype=np.int64)[None, :, None] * sh
-        )
-        * wp
-        + np.arange(ow, dtype=np.int64)[None, None, :] * sw
-    ) * ctot
-    rowoffs = pix.reshape(-1)
+    if nhwc is not None and ph == pw == 0 and cg == cg4:
+        xp = nhwc.reshape(n, h, w, g, cg4)  # already the layout the kernels read: no copy
+    else:
+        xp = np.full((n, hp, wp, g, cg4), a_zp, np.uint8)
+        if nhwc is not None:
+            xp[:, ph : ph + h, pw : pw + w, :, :cg] = nhwc.reshape(n, h, w, g, cg)
+        else:
+            nchw_into_padded_nhwc(
+                x4.reshape(-1), n, c, h, w, g, cg, cg4, ph, pw, wp, hp, xp.reshape(-1)
+            )
+    rowoffs = packed.row_offsets(n, hp, wp, oh, ow)
     m = rowoffs.shape[0]
     flat = xp.reshape(-1)
     koffs = packed.koffs(wp)
-    if packed.groups == 1 and packed.target == "avx512_vnni":
+    if packed.groups == 1 and packed.target == "avx512_vnni" and not channels_last:
         res_nchw = _conv_nchw_direct(
             packed,
             flat,
@@ -248,7 +278,9 @@ def _conv(
             out = res.reshape(n, oh, ow, packed.oc)  # type: ignore[assignment]  # no scatter
         else:
             out[..., gi * packed.ocg : (gi + 1) * packed.ocg] = res.reshape(n, oh, ow, packed.ocg)
-    res_nchw = np.ascontiguousarray(out.transpose(0, 3, 1, 2))
+    res_nchw = out.transpose(0, 3, 1, 2)
+    if not channels_last:
+        res_nchw = np.ascontiguousarray(res_nchw)
     return res_nchw if dims == 2 else res_nchw[:, :, 0, :]
 
 
@@ -353,11 +385,18 @@ def conv2d(
     *,
     relu: bool = False,
     num_threads: int | None = None,
+    channels_last: bool = False,
 ) -> npt.NDArray[np.uint8]:
-    """Quantized 2-D convolution, uint8 NCHW in and out (relu fused if asked)."""
+    """Quantized 2-D convolution of uint8 ``x`` [N, C, H, W] (relu fused if asked).
+
+    ``x`` is C-contiguous or channels-last. The result is C-contiguous NCHW, or with
+    ``channels_last=True`` NHWC data viewed as NCHW (faster: no output transpose, and the
+    next conv reads it without a copy when it needs no padding).
+    """
     return _conv(
-        x, packed, x_scale, x_zero_point, out_scale, out_zero_point, relu, num_threads, 2, "conv2d"
-    )
+        x, packed, x_scale, x_zero_point, out_scale, out_zero_point, relu, num_threads,
+        channels_last, 2, "conv2d",
+    )  # fmt: skip
 
 
 def conv1d(
@@ -370,8 +409,14 @@ def conv1d(
     *,
     relu: bool = False,
     num_threads: int | None = None,
+    channels_last: bool = False,
 ) -> npt.NDArray[np.uint8]:
-    """Quantized 1-D convolution, uint8 NCL in and out (relu fused if asked)."""
+    """Quantized 1-D convolution of uint8 ``x`` [N, C, L] (relu fused if asked).
+
+    Layouts as ``conv2d``: C-contiguous or channels-last (NLC data) in; NCL out, or NLC data
+    viewed as NCL with ``channels_last=True``.
+    """
     return _conv(
-        x, packed, x_scale, x_zero_point, out_scale, out_zero_point, relu, num_threads, 1, "conv1d"
-    )
+        x, packed, x_scale, x_zero_point, out_scale, out_zero_point, relu, num_threads,
+        channels_last, 1, "conv1d",
+    )  # fmt: skip

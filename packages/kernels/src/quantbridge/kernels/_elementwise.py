@@ -22,6 +22,7 @@ import numpy.typing as npt
 from quantbridge.kernels._checks import check_array, check_out, check_zero_point
 from quantbridge.kernels._errors import KernelError
 from quantbridge.kernels._fma import fma32
+from quantbridge.kernels._layout import check_dense, empty_in_order, flat, in_order
 from quantbridge.kernels._quantize import f32_scale, use_parallel
 from quantbridge.kernels._targets import check_target
 
@@ -124,8 +125,8 @@ def _binary(
     target: str | None,
 ) -> U8:
     check_target(target)
-    qa = check_array("a", a, np.uint8)
-    qb = check_array("b", b, np.uint8)
+    qa, order = check_dense("a", a, np.uint8)
+    qb = check_array("b", b, np.uint8, contiguous=False)
     if qa.shape != qb.shape:
         raise KernelError(
             f"b: shape {qb.shape} differs from a's shape {qa.shape}; quantized {kind} needs "
@@ -137,14 +138,15 @@ def _binary(
     za = check_zero_point("a_zero_point", a_zero_point, 0, 255)
     zb = check_zero_point("b_zero_point", b_zero_point, 0, 255)
     zo = check_zero_point("out_zero_point", out_zero_point, 0, 255)
+    qb = in_order(qb, order)  # b in a's layout (a copy only when the layouts differ)
     if out is None:
-        out = np.empty(qa.shape, np.uint8)
+        out = empty_in_order(qa, np.uint8)
     else:
-        check_out(out, qa.shape, np.uint8, qa, qb)
+        check_out(out, qa.shape, np.uint8, qa, qb, order=order)
     big = use_parallel(qa.size, kind)
     kernels = (_add, _add_par) if kind == "add" else (_mul, _mul_par)
     kernel = kernels[1] if big else kernels[0]
-    kernel(qa.reshape(-1), qb.reshape(-1), out.reshape(-1), sa, za, sb, zb, so, zo, relu)
+    kernel(flat(qa, order), flat(qb, order), flat(out, order), sa, za, sb, zb, so, zo, relu)
     return out
 
 

@@ -16,6 +16,7 @@ import numpy.typing as npt
 
 from quantbridge.kernels._checks import check_array, check_out, check_quant_range, check_zero_point
 from quantbridge.kernels._errors import KernelError
+from quantbridge.kernels._layout import check_dense, empty_in_order, flat
 from quantbridge.kernels._quantize import (
     _dequantize_flat,
     _quantize_flat,
@@ -48,7 +49,7 @@ def _gather_par(q, table, out):  # type: ignore[no-untyped-def]
 
 
 def apply_table(q: U8, table: U8, out: U8) -> None:
-    """Unchecked gather ``out = table[q]`` on validated contiguous uint8 arrays."""
+    """Unchecked gather ``out = table[q]`` on validated flat (1-D) uint8 views."""
     kernel = _gather_par if use_parallel(q.size, "apply_lut") else _gather
     kernel(q.reshape(-1), table, out.reshape(-1))
 
@@ -159,13 +160,13 @@ def build_lut(
 def apply_lut(q: U8, table: U8, *, out: U8 | None = None, target: str | None = None) -> U8:
     """``table[q]`` elementwise for uint8 ``q`` and a uint8[256] ``table`` (see build_lut)."""
     check_target(target)
-    q = check_array("q", q, np.uint8)
+    q, order = check_dense("q", q, np.uint8)
     table = check_array("table", table, np.uint8, 1)
     if table.shape[0] != 256:
         raise KernelError(f"table: expected 256 entries, got {table.shape[0]}")
     if out is None:
-        out = np.empty(q.shape, np.uint8)
+        out = empty_in_order(q, np.uint8)
     else:
-        check_out(out, q.shape, np.uint8, q, table)
-    apply_table(q, table, out)
+        check_out(out, q.shape, np.uint8, q, table, order=order)
+    apply_table(flat(q, order), table, flat(out, order))
     return out

@@ -37,6 +37,7 @@ from quantbridge.kernels._checks import (
 )
 from quantbridge.kernels._errors import KernelError
 from quantbridge.kernels._fma import fma32
+from quantbridge.kernels._layout import check_dense, empty_in_order, flat
 from quantbridge.kernels._targets import check_target
 from quantbridge.kernels._threads import apply_num_threads
 
@@ -280,16 +281,16 @@ def quantize_per_tensor(
     """
     check_target(target)
     qdtype = quant_dtype(dtype)
-    x = check_array("x", x, np.float32)
+    x, order = check_dense("x", x, np.float32)
     lo, hi = check_quant_range(qdtype, quant_min, quant_max)
     s32 = f32_scale("scale", scale)
     zp = check_zero_point("zero_point", zero_point, lo, hi)
     if out is None:
-        out = np.empty(x.shape, qdtype)
+        out = empty_in_order(x, qdtype)
     else:
-        check_out(out, x.shape, qdtype, x)
+        check_out(out, x.shape, qdtype, x, order=order)
     kernel = _quantize_flat_par if use_parallel(x.size, "quantize_per_tensor") else _quantize_flat
-    kernel(x.reshape(-1), out.reshape(-1), s32, zp, lo, hi)
+    kernel(flat(x, order), flat(out, order), s32, zp, lo, hi)
     return out
 
 
@@ -345,17 +346,17 @@ def dequantize_per_tensor(
 ) -> F32:
     """``float32(scale) * float32(q - zero_point)`` for uint8 or int8 ``q``."""
     check_target(target)
-    q = check_array("q", q, _QDTYPES)
+    q, order = check_dense("q", q, _QDTYPES)
     qmin, qmax = INT_RANGES[q.dtype]
     s32 = f32_scale("scale", scale)
     zp = check_zero_point("zero_point", zero_point, qmin, qmax)
     if out is None:
-        out = np.empty(q.shape, np.float32)
+        out = empty_in_order(q, np.float32)
     else:
-        check_out(out, q.shape, np.float32, q)
+        check_out(out, q.shape, np.float32, q, order=order)
     par = use_parallel(q.size, "dequantize_per_tensor")
     kernel = _dequantize_flat_par if par else _dequantize_flat
-    kernel(q.reshape(-1), out.reshape(-1), s32, zp)
+    kernel(flat(q, order), flat(out, order), s32, zp)
     return out
 
 
@@ -424,15 +425,16 @@ def requantize(
     from quantbridge.kernels._lut import apply_table  # deferred: _lut builds on this module
 
     check_target(target)
-    q = check_array("q", q, np.uint8)
+    q, order = check_dense("q", q, np.uint8)
     lo, hi = check_quant_range(np.uint8, quant_min, quant_max)
     s_in = f32_scale("in_scale", in_scale)
     s_out = f32_scale("out_scale", out_scale)
     zp_in = check_zero_point("in_zero_point", in_zero_point, 0, 255)
     zp_out = check_zero_point("out_zero_point", out_zero_point, lo, hi)
     if out is None:
-        out = np.empty(q.shape, np.uint8)
+        out = empty_in_order(q, np.uint8)
     else:
-        check_out(out, q.shape, np.uint8, q)
-    apply_table(q, requantize_table(s_in, zp_in, s_out, zp_out, lo, hi), out)
+        check_out(out, q.shape, np.uint8, q, order=order)
+    table = requantize_table(s_in, zp_in, s_out, zp_out, lo, hi)
+    apply_table(flat(q, order), table, flat(out, order))
     return out

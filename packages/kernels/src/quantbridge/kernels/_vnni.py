@@ -212,7 +212,17 @@ def _make_kernel(target: str, mr: int, ku: int, mode: str) -> Any:
             ridx = builder.select(builder.icmp_signed("<", rr, last), rr, last)
             rbase.append(builder.load(builder.gep(ro_p, [builder.add(r0, ridx)])))
         zero = ir.Constant(vi32, [0] * lanes)
-        accs = [[[_slot(builder, zero) for _ in range(nvec)] for _ in range(ku)] for _ in range(mr)]
+        # the first accumulator set starts from the column correction: one add fewer per output
+        ccs = [
+            _load_vec(
+                builder, builder.gep(cc_p, [builder.add(j0, ir.Constant(I64, v * lanes))]), vi32
+            )
+            for v in range(nvec)
+        ]
+        accs = [
+            [[_slot(builder, ccs[v] if u == 0 else zero) for v in range(nvec)] for u in range(ku)]
+            for _ in range(mr)
+        ]
         panel_elems = ir.Constant(I64, nr * kstep)
         nouter = builder.sdiv(nk, ir.Constant(I64, ku))
         with cgutils.for_range(builder, nouter) as loop:
@@ -264,57 +274,64 @@ def _make_kernel(target: str, mr: int, ku: int, mode: str) -> Any:
                             prod = builder.call(fn, [abc, bvecs[v]])
                             builder.store(builder.add(builder.load(slot), prod), slot)
         # epilogue, in registers
+        ozp_f = builder.sitofp(builder.trunc(ozp, I32), F32T)
+        qmin_f = _vec_broadcast(builder, builder.sitofp(builder.trunc(qmin, I32), F32T), lanes)
+        qmax_f = _vec_broadcast(builder, builder.sitofp(builder.trunc(qmax, I32), F32T), lanes)
+        ozp_v = _vec_broadcast(builder, ozp_f, lanes)
         for v in range(nvec):
-            row_vals: list[ir.Value] = []
             jv = builder.add(j0, ir.Constant(I64, v * lanes))
-            cc = _load_vec(builder, builder.gep(cc_p, [jv]), vi32)
             wz = _load_vec(builder, builder.gep(wz_p, [jv]), vi32)
             bq = _load_vec(builder, builder.gep(bq_p, [jv]), vf32)
             mu = _load_vec(builder, builder.gep(mu_p, [jv]), vf32)
+            raw = []
             for r in range(mr):
                 acc = builder.load(accs[r][0][v])
                 for u in range(1, ku):
                     acc = builder.add(acc, builder.load(accs[r][u][v]))
+                raw.append(acc)
+            # - wzp[j] * rowsum[i], skipped for the usual all-zero weight zero points
+            wz_any = builder.icmp_unsigned(
+                "!=",
+                builder.bitcast(wz, ir.IntType(32 * lanes)),
+                ir.Constant(ir.IntType(32 * lanes), 0),
+            )
+            before = builder.block
+            with builder.if_then(wz_any, likely=False):
+                fixed = []
+                for r in range(mr):
+                    ridx = builder.add(r0, ir.Constant(I64, r))
+                    valid = builder.icmp_signed("<", ir.Constant(I64, r), mvalid)
+                    rs = builder.load(builder.gep(rs_p, [builder.select(valid, ridx, r0)]))
+                    fixed.append(
+                        builder.sub(raw[r], builder.mul(wz, _vec_broadcast(builder, rs, lanes)))
+                    )
+                fixed_end = builder.block
+            vals = []
+            for r in range(mr):  # phis first: they must open the merge block
+                val = builder.phi(vi32)
+                val.add_incoming(fixed[r], fixed_end)
+                val.add_incoming(raw[r], before)
+                vals.append(val)
+            row_vals: list[ir.Value] = []
+            for r in range(mr):
+                fv = builder.sitofp(vals[r], vf32)
                 ridx = builder.add(r0, ir.Constant(I64, r))
-                rs = builder.load(
-                    builder.gep(
-                        rs_p,
-                        [
-                            builder.select(
-                                builder.icmp_signed("<", ir.Constant(I64, r), mvalid), ridx, r0
-                            )
-                        ],
-                    )
-                )
-                val = builder.sub(
-                    builder.add(acc, cc), builder.mul(wz, _vec_broadcast(builder, rs, lanes))
-                )
-                fv = builder.sitofp(val, vf32)
-                col = builder.add(j0, ir.Constant(I64, v * lanes))
-                cidx = builder.add(builder.mul(ridx, ldc), col)
-                do_store = builder.icmp_signed("<", ir.Constant(I64, r), mvalid)
+                cidx = builder.add(builder.mul(ridx, ldc), jv)
                 if mode in ("u8", "u8t"):
-                    x = builder.fmul(builder.fadd(fv, bq), mu)
-                    x = builder.call(rint, [x])
-                    lim = ir.Constant(vf32, [1.0e9] * lanes)
-                    x = builder.select(builder.fcmp_ordered(">", x, lim), lim, x)
-                    nlim = ir.Constant(vf32, [-1.0e9] * lanes)
-                    x = builder.select(builder.fcmp_ordered("<", x, nlim), nlim, x)
-                    q = builder.add(
-                        builder.fptosi(x, vi32),
-                        _vec_broadcast(builder, builder.trunc(ozp, I32), lanes),
+                    # rint, + zero point and the clamp in float (all exact on integral values;
+                    # NaN goes to qmin): one conversion back to int
+                    x = builder.fadd(
+                        builder.call(rint, [builder.fmul(builder.fadd(fv, bq), mu)]), ozp_v
                     )
-                    lo = _vec_broadcast(builder, builder.trunc(qmin, I32), lanes)
-                    hi = _vec_broadcast(builder, builder.trunc(qmax, I32), lanes)
-                    q = builder.select(builder.icmp_signed("<", q, lo), lo, q)
-                    q = builder.select(builder.icmp_signed(">", q, hi), hi, q)
-                    outv = builder.trunc(q, ir.VectorType(I8, lanes))
+                    x = builder.select(builder.fcmp_unordered("<", x, qmin_f), qmin_f, x)
+                    x = builder.select(builder.fcmp_ordered(">", x, qmax_f), qmax_f, x)
+                    outv = builder.trunc(builder.fptosi(x, vi32), ir.VectorType(I8, lanes))
                 else:
                     outv = builder.call(vfma, [fv, mu, bq])
                 if mode == "u8t":
                     row_vals.append(outv)
                     continue
-                with builder.if_then(do_store):
+                with builder.if_then(builder.icmp_signed("<", ir.Constant(I64, r), mvalid)):
                     _store_vec(builder, outv, builder.gep(c_p, [cidx]))
             if mode == "u8t":
                 _store_transposed(builder, row_vals, c_p, j0, v * lanes, ldc, r0, mvalid)

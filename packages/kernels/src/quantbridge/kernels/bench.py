@@ -118,10 +118,14 @@ def _torch_linear(torch: Any, a: Any, w: Any, bias: Any, scales: tuple[float, ..
     return lambda: qops.linear(aq, packed, o_s, int(o_zp))
 
 
-def _torch_conv(torch: Any, x: Any, w: Any, bias: Any, scales: tuple[float, ...]) -> Any:
+def _torch_conv(
+    torch: Any, x: Any, w: Any, bias: Any, scales: tuple[float, ...], channels_last: bool
+) -> Any:
     a_s, a_zp, w_s, o_s, o_zp = scales
     qops = torch.ops.quantized
     xq = torch._make_per_tensor_quantized_tensor(torch.from_numpy(x), a_s, int(a_zp))
+    if channels_last:
+        xq = xq.contiguous(memory_format=torch.channels_last)
     wq = torch._make_per_tensor_quantized_tensor(torch.from_numpy(w), w_s, 0)
     packed = qops.conv2d_prepack(wq, torch.from_numpy(bias), [1, 1], [1, 1], [1, 1], 1)
     return lambda: qops.conv2d(xq, packed, o_s, int(o_zp))
@@ -169,28 +173,27 @@ def run(
     x = rng.integers(0, 256, (bn, c, h, wd), dtype=np.uint8)
     wc = rng.integers(-128, 128, (oc, c, ks, ks), dtype=np.int8)
     bias = rng.normal(0, 1, oc).astype(np.float32)
-    base = _torch_conv(torch, x, wc, bias, scales) if torch is not None else None
-    for target in targets:
-        cp = PackedConvWeight(wc, scales[2], 0, bias, padding=1, target=target)
-
-        def ours_conv(cp: PackedConvWeight = cp) -> object:
-            return conv2d(x, cp, 0.05, 3, 2.0, 5, num_threads=threads)
-
-        ops = 2.0 * bn * oc * h * wd * c * ks * ks
-        rows.append(
-            _row(
-                "conv2d",
-                f"{bn}x{c}x{h}x{wd}->{oc},k{ks}",
-                ops,
-                target,
-                threads,
-                ours_conv,
-                base,
-                repeat,
-                min_time,
-                peak,
-            )
+    # torch's quantized conv returns channels-last data; ours does too with channels_last=True.
+    # Row "conv2d": NCHW input (both sides transpose it); "conv2d_cl": channels-last input, as
+    # between two convs of a lowered model.
+    x_cl = np.ascontiguousarray(x.transpose(0, 2, 3, 1)).transpose(0, 3, 1, 2)
+    ops = 2.0 * bn * oc * h * wd * c * ks * ks
+    shape = f"{bn}x{c}x{h}x{wd}->{oc},k{ks}"
+    for op, xin in (("conv2d", x), ("conv2d_cl", x_cl)):
+        base = (
+            _torch_conv(torch, x, wc, bias, scales, op == "conv2d_cl")
+            if torch is not None
+            else None
         )
+        for target in targets:
+            cp = PackedConvWeight(wc, scales[2], 0, bias, padding=1, target=target)
+
+            def ours_conv(cp: PackedConvWeight = cp, xin: np.ndarray[Any, Any] = xin) -> object:
+                return conv2d(xin, cp, 0.05, 3, 2.0, 5, num_threads=threads, channels_last=True)
+
+            rows.append(
+                _row(op, shape, ops, target, threads, ours_conv, base, repeat, min_time, peak)
+            )
     return rows
 
 
@@ -270,13 +273,13 @@ def measure_cache_load(targets: list[str]) -> list[float] | None:
 
 def _table(rows: list[dict[str, Any]]) -> str:
     head = (
-        f"{'op':8} {'shape':22} {'target':12} {'thr':>3} {'GOPS':>7} {'%peak':>6} "
+        f"{'op':9} {'shape':22} {'target':12} {'thr':>3} {'GOPS':>7} {'%peak':>6} "
         f"{'torch':>7} {'ratio':>6} {'us':>9}"
     )
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(
-            f"{r['op']:8} {r['shape']:22} {r['target']:12} {r['threads']:>3} {r['gops']:>7} "
+            f"{r['op']:9} {r['shape']:22} {r['target']:12} {r['threads']:>3} {r['gops']:>7} "
             f"{r['percent_of_peak']!s:>6} {r['baseline_gops']!s:>7} "
             f"{r['ratio']!s:>6} {r['microseconds']:>9}"
         )
