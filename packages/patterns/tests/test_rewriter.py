@@ -309,3 +309,57 @@ def test_keyword_default_and_missing_argument() -> None:
     assert len(find_rewrite_matches(gm, rule)) == 1
     rule = ReplacementPattern(pattern=F.hardtanh, build=_sigmoid_by_hand, constraints=[missing])
     assert find_rewrite_matches(gm, rule) == []
+
+
+# --- first-argument index ------------------------------------------------------------------
+
+
+class _ReluOverMany(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(2, 2, 1)
+        self.bn = nn.BatchNorm2d(2)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return torch.relu(self.conv(x)), torch.relu(self.bn(x)), torch.relu(x)
+
+
+def _rule(pattern: Any, name: str) -> ReplacementPattern:
+    return ReplacementPattern(pattern=pattern, build=lambda m, g: m.anchor, name=name)
+
+
+def test_rules_sharing_an_anchor_keep_their_order_across_first_argument_operators() -> None:
+    gm = symbolic_trace(_ReluOverMany())
+    rules = [
+        _rule((torch.relu, nn.Conv2d), "relu(conv)"),
+        _rule((torch.relu, MatchAllNode), "relu(any)"),
+        _rule((torch.relu, nn.BatchNorm2d), "relu(bn)"),
+    ]
+    found = {m.anchor.name: m.rule.name for m in find_rewrite_matches(gm, rules)}
+    # relu(bn) comes after relu(any) in the list, so relu(any) takes the bn node's relu
+    assert found == {"relu": "relu(conv)", "relu_1": "relu(any)", "relu_2": "relu(any)"}
+    found = {m.anchor.name: m.rule.name for m in find_rewrite_matches(gm, rules[::-1])}
+    assert found == {"relu": "relu(any)", "relu_1": "relu(bn)", "relu_2": "relu(any)"}
+
+
+def test_a_node_is_only_tried_against_rules_whose_first_argument_operator_fits(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from quantbridge.patterns import _rewriter
+
+    gm = symbolic_trace(_ReluOverMany())
+    fillers = [torch.sigmoid, torch.tanh, F.gelu, F.silu, torch.exp, torch.neg, torch.abs]
+    rules = [_rule((torch.relu, f), f"relu({f.__name__})") for f in fillers]
+    rules.append(_rule((torch.relu, nn.Conv2d), "relu(conv)"))
+    tried: list[str] = []
+    original = _rewriter._try
+
+    def counting(rule: ReplacementPattern, node: Node, resolver: Any) -> RewriteMatch | None:
+        tried.append(f"{rule.name}@{node.name}")
+        return original(rule, node, resolver)
+
+    monkeypatch.setattr(_rewriter, "_try", counting)
+    found = find_rewrite_matches(gm, rules)
+    assert [(m.anchor.name, m.rule.name) for m in found] == [("relu", "relu(conv)")]
+    # the relus over bn and over the placeholder have no candidate rule at all
+    assert tried == ["relu(conv)@relu"]

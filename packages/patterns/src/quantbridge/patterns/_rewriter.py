@@ -218,6 +218,7 @@ class _ROp:
 
 
 _RArg: TypeAlias = "_ROp | _RInput | _RLiteral | _RSeq"
+_Key: TypeAlias = tuple[int, object]
 
 
 def _compile_complex(pattern: Pattern) -> tuple[_ROp, int]:
@@ -429,9 +430,17 @@ def find_rewrite_matches(
             raise PatternError(
                 f"rules[{i}]: expected a ReplacementPattern, got {type(rule).__name__}"
             )
-    by_key: dict[tuple[int, object], list[ReplacementPattern]] = {}
+    # Index: anchor operator -> rules (in order), each with the operator its first argument
+    # must be (None: anything), so a node is only tried against rules that can match it.
+    by_key: dict[tuple[int, object], list[tuple[ReplacementPattern, _Key | None]]] = {}
     for rule in rule_list:
-        by_key.setdefault((rule._compiled.kind, rule._compiled.ident), []).append(rule)
+        root = rule._compiled
+        first = root.args[0] if root.args else None
+        first_key = (first.kind, first.ident) if isinstance(first, _ROp) else None
+        by_key.setdefault((root.kind, root.ident), []).append((rule, first_key))
+    checks_arg = {k: any(fk is not None for _, fk in v) for k, v in by_key.items()}
+    # (anchor key, first argument's key) -> the rules to try there, merged on first use
+    merged: dict[tuple[_Key, _Key | None], list[ReplacementPattern]] = {}
     resolver = _Resolver(graph_module)
     claimed: set[Node] = set()
     found: list[RewriteMatch] = []
@@ -441,7 +450,18 @@ def find_rewrite_matches(
         key = resolver.key(node)
         if key is None:
             continue
-        for rule in by_key.get(key, ()):
+        entries = by_key.get(key)
+        if entries is None:
+            continue
+        arg_key = None
+        if checks_arg[key]:
+            first_arg = node.args[0] if node.args else None
+            arg_key = resolver.key(first_arg) if isinstance(first_arg, Node) else None
+        candidates = merged.get((key, arg_key))
+        if candidates is None:
+            candidates = [r for r, fk in entries if fk is None or fk == arg_key]
+            merged[(key, arg_key)] = candidates
+        for rule in candidates:
             match = _try(rule, node, resolver)
             if match is None or any(n in claimed for n in match.nodes):
                 continue
