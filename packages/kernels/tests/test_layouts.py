@@ -191,3 +191,60 @@ def test_binary_ops_on_mixed_layouts(kind):
 def test_non_dense_input_is_refused():
     with pytest.raises(KernelError, match="q: expected a C-contiguous"):
         qk.relu(X[:, ::2], 40)
+
+
+# --- pools run channels-last loops on channels-last input ----------------------------------
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    n=st.integers(1, 2),
+    c=st.integers(1, 20),
+    h=st.integers(3, 9),
+    w=st.integers(3, 9),
+    k=st.integers(1, 3),
+    stride=st.integers(1, 2),
+    pad=st.integers(0, 1),
+    dilation=st.integers(1, 2),
+    ceil_mode=st.booleans(),
+    include_pad=st.booleans(),
+    out_hw=st.tuples(st.integers(1, 4), st.integers(1, 4)),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_pools_on_channels_last_equal_nchw(
+    n, c, h, w, k, stride, pad, dilation, ceil_mode, include_pad, out_hw, seed
+):
+    x = np.random.default_rng(seed).integers(0, 256, (n, c, h, w), dtype=np.uint8)
+    pad = min(pad, k // 2)
+    calls = {
+        "max": lambda a, **kw: qk.max_pool2d(a, k, stride, pad, dilation, ceil_mode, **kw),
+        "avg": lambda a, **kw: qk.avg_pool2d(
+            a,
+            k,
+            stride,
+            pad,
+            ceil_mode,
+            include_pad,
+            None,
+            scale=0.1,
+            zero_point=30,
+            out_scale=0.13,
+            out_zero_point=50,
+            **kw,
+        ),
+        "adaptive": lambda a, **kw: qk.adaptive_avg_pool2d(a, out_hw, **kw),
+    }
+    for name, fn in calls.items():
+        want = fn(x)
+        got = fn(channels_last(x))
+        np.testing.assert_array_equal(got, want, err_msg=name)
+        assert is_channels_last(got) or got.flags.c_contiguous  # 1x1 outputs are both
+        out = np.empty_like(channels_last(np.empty(want.shape, np.uint8)))
+        assert fn(channels_last(x), out=out) is out
+        np.testing.assert_array_equal(out, want, err_msg=name)
+
+
+def test_pool_out_must_match_channels_last_input():
+    x = channels_last(np.zeros((1, 8, 6, 6), np.uint8))
+    with pytest.raises(KernelError, match="out: expected a C-contiguous"):
+        qk.max_pool2d(x, 2, out=np.empty((1, 8, 3, 3), np.uint8))

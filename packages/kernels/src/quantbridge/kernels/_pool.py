@@ -1,4 +1,8 @@
-"""2-D pooling on NCHW (or CHW) uint8 activations.
+"""2-D pooling on NCHW (or CHW) uint8 activations, C-contiguous or channels-last.
+
+Channels-last input (NHWC data viewed as NCHW, what conv returns with ``channels_last=True``)
+runs NHWC loops with the channel loop innermost and returns channels-last output: the same
+numbers, without transposing the activations.
 
 * max_pool2d: exact (a max of codes); padding never wins.
 * avg_pool2d: torch's quantized NCHW kernel bit for bit: ``s = sum(q) - n * zp_in`` in int32,
@@ -10,7 +14,8 @@
   with the divisions in float32, output ``rint(float32(sum(q)) * ((1 / kh) / kw))`` in float32,
   qparams unchanged (the zero point cancels out of a mean).
 
-One numba implementation serves every target; planes (N*C) run in parallel for large inputs.
+One numba implementation serves every target; planes (N*C) run in parallel for large
+C-contiguous inputs.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import numpy.typing as npt
 
 from quantbridge.kernels._checks import check_array, check_int, check_out, check_zero_point
 from quantbridge.kernels._errors import KernelError
+from quantbridge.kernels._layout import channels_last_data
 from quantbridge.kernels._quantize import f32_scale, use_parallel
 from quantbridge.kernels._targets import check_target
 
@@ -56,10 +62,19 @@ def _out_size(size: int, k: int, pad: int, stride: int, dilation: int, ceil_mode
     return out
 
 
-def _planes(name: str, x: object) -> tuple[U8, int, int, int]:
-    arr = check_array(name, x, np.uint8, (3, 4))
+def _planes(name: str, x: object) -> tuple[U8, int, int, int, U8 | None]:
+    """(array, planes, H, W, NHWC data if ``x`` is a channels-last 4-D array else None)."""
+    arr = check_array(name, x, np.uint8, (3, 4), contiguous=False)
+    nhwc = None
+    if not arr.flags.c_contiguous:
+        nhwc = channels_last_data(arr) if arr.ndim == 4 else None
+        if nhwc is None:
+            raise KernelError(
+                f"{name}: expected a C-contiguous CHW/NCHW array or channels-last NCHW data, "
+                f"got strides {arr.strides}; pass np.ascontiguousarray({name})"
+            )
     h, w = arr.shape[-2], arr.shape[-1]
-    return arr, math.prod(arr.shape[:-2]), h, w
+    return arr, math.prod(arr.shape[:-2]), h, w, nhwc
 
 
 def _pool_geometry(
@@ -98,14 +113,21 @@ def _pool_geometry(
     return kh, kw, sh, sw, ph, pw, dh, dw, oh, ow
 
 
-def _output(x: U8, oh: int, ow: int, out: U8 | None) -> U8:
+def _output(x: U8, oh: int, ow: int, out: U8 | None, nhwc: U8 | None) -> tuple[U8, U8 | None]:
+    """(result, its NHWC data when the input is channels-last, else None)."""
     shape = (*x.shape[:-2], oh, ow)
     if out is None:
-        return np.empty(shape, np.uint8)
-    check_out(out, shape, np.uint8)
+        if nhwc is None:
+            return np.empty(shape, np.uint8), None
+        data = np.empty((shape[0], oh, ow, shape[1]), np.uint8)
+        return data.transpose(0, 3, 1, 2), data
+    if nhwc is None:
+        check_out(out, shape, np.uint8)
+    else:
+        check_out(out, shape, np.uint8, order=(0, 2, 3, 1))
     if np.may_share_memory(out, x):
         raise KernelError("out: must not overlap the input x")
-    return out
+    return out, (None if nhwc is None else out.transpose(0, 2, 3, 1))
 
 
 # --------------------------------------------------------------------------- max pool
@@ -164,6 +186,27 @@ def _max_pool_dense(x, out, kh, kw, sh, sw):  # type: ignore[no-untyped-def]
                 out[p, oy, ox] = best
 
 
+@numba.njit(cache=True)
+def _max_pool_nhwc(x, out, kh, kw, sh, sw, ph, pw, dh, dw):  # type: ignore[no-untyped-def]
+    # x [N, H, W, C], out [N, OH, OW, C]: the channel loop innermost, contiguous
+    h, w, c = x.shape[1], x.shape[2], x.shape[3]
+    for b in range(x.shape[0]):
+        for oy in range(out.shape[1]):
+            y0 = oy * sh - ph
+            i0, i1 = _taps(y0, kh, dh, h)
+            for ox in range(out.shape[2]):
+                x0 = ox * sw - pw
+                j0, j1 = _taps(x0, kw, dw, w)
+                dst = out[b, oy, ox]
+                dst[:] = 0  # a window entirely in the padding gives 0, as in torch
+                for i in range(i0, i1):
+                    for j in range(j0, j1):
+                        src = x[b, y0 + i * dh, x0 + j * dw]
+                        for ch in range(c):
+                            if src[ch] > dst[ch]:
+                                dst[ch] = src[ch]
+
+
 @numba.njit(cache=True, parallel=True)
 def _max_pool_par(x, out, kh, kw, sh, sw, ph, pw, dh, dw):  # type: ignore[no-untyped-def]
     for p in numba.prange(x.shape[0]):
@@ -181,13 +224,19 @@ def max_pool2d(
     out: U8 | None = None,
     target: str | None = None,
 ) -> U8:
-    """Max pooling over the last two axes of a CHW/NCHW uint8 array (qparams unchanged)."""
+    """Max pooling over the last two axes of a CHW/NCHW uint8 array (qparams unchanged).
+
+    C-contiguous or channels-last input; the result has the input's layout.
+    """
     check_target(target)
-    arr, planes, h, w = _planes("x", x)
+    arr, planes, h, w, nhwc = _planes("x", x)
     kh, kw, sh, sw, ph, pw, dh, dw, oh, ow = _pool_geometry(
         h, w, kernel_size, stride, padding, dilation, ceil_mode, True
     )
-    result = _output(arr, oh, ow, out)
+    result, result_nhwc = _output(arr, oh, ow, out, nhwc)
+    if nhwc is not None:
+        _max_pool_nhwc(nhwc, result_nhwc, kh, kw, sh, sw, ph, pw, dh, dw)
+        return result
     par = planes > 1 and use_parallel(result.size * kh * kw, "max_pool2d")
     xr, outr = arr.reshape(planes, h, w), result.reshape(planes, oh, ow)
     dense = ph == pw == 0 and dh == dw == 1 and (oh - 1) * sh + kh <= h and (ow - 1) * sw + kw <= w
@@ -242,6 +291,41 @@ def _avg_pool(x, out, kh, kw, sh, sw, ph, pw, include_pad, divisor, ratio, zp_in
         _avg_plane(x, out, p, kh, kw, sh, sw, ph, pw, include_pad, divisor, ratio, zp_in, zp_out)
 
 
+@numba.njit(cache=True)
+def _avg_pool_nhwc(x, out, kh, kw, sh, sw, ph, pw, include_pad, divisor, ratio, zp_in, zp_out):  # type: ignore[no-untyped-def]
+    # x [N, H, W, C], out [N, OH, OW, C]; the numbers of _avg_plane, channel loop innermost
+    h, w, c = x.shape[1], x.shape[2], x.shape[3]
+    zpf = np.float32(zp_out)
+    total = np.empty(c, np.int32)
+    for b in range(x.shape[0]):
+        for oy in range(out.shape[1]):
+            y0 = oy * sh - ph
+            y1 = min(y0 + kh, h + ph)
+            for ox in range(out.shape[2]):
+                x0 = ox * sw - pw
+                x1 = min(x0 + kw, w + pw)
+                pool = (y1 - y0) * (x1 - x0)
+                ya, yb = max(y0, 0), min(y1, h)
+                xa, xb = max(x0, 0), min(x1, w)
+                count = (yb - ya) * (xb - xa)
+                total[:] = 0
+                for y in range(ya, yb):
+                    for xx in range(xa, xb):
+                        src = x[b, y, xx]
+                        for ch in range(c):
+                            total[ch] += np.int32(src[ch])
+                if divisor > 0:
+                    div = divisor
+                elif include_pad:
+                    div = pool
+                else:
+                    div = count
+                m = np.float32(ratio / div)
+                for ch in range(c):
+                    r = np.rint(np.float32(total[ch] - np.int32(count * zp_in)) * m + zpf)
+                    out[b, oy, ox, ch] = np.uint8(min(max(r, np.float32(0.0)), np.float32(255.0)))
+
+
 @numba.njit(cache=True, parallel=True)
 def _avg_pool_par(x, out, kh, kw, sh, sw, ph, pw, include_pad, divisor, ratio, zp_in, zp_out):  # type: ignore[no-untyped-def]
     for p in numba.prange(x.shape[0]):
@@ -266,11 +350,13 @@ def avg_pool2d(
 ) -> U8:
     """Average pooling of a CHW/NCHW uint8 array (torch's quantized avg_pool2d numerics).
 
+    C-contiguous or channels-last input; the result has the input's layout.
+
     The output qparams default to the input's (what torch does); only their ratio
     ``scale / out_scale`` and the zero points enter the computation.
     """
     check_target(target)
-    arr, planes, h, w = _planes("x", x)
+    arr, planes, h, w, nhwc = _planes("x", x)
     kh, kw, sh, sw, ph, pw, _, _, oh, ow = _pool_geometry(
         h, w, kernel_size, stride, padding, 1, ceil_mode, False
     )
@@ -291,15 +377,14 @@ def avg_pool2d(
     )
     if kh * kw > (1 << 23):
         raise KernelError(f"kernel_size: window {(kh, kw)} too large for int32 sums")
-    result = _output(arr, oh, ow, out)
+    result, result_nhwc = _output(arr, oh, ow, out, nhwc)
+    params = (kh, kw, sh, sw, ph, pw, bool(count_include_pad), divisor, s_in / s_out, zp_in, zp_out)
+    if nhwc is not None:
+        _avg_pool_nhwc(nhwc, result_nhwc, *params)
+        return result
     par = planes > 1 and use_parallel(result.size * kh * kw, "avg_pool2d")
     kernel = _avg_pool_par if par else _avg_pool
-    kernel(
-        arr.reshape(planes, h, w),
-        result.reshape(planes, oh, ow),
-        kh, kw, sh, sw, ph, pw,
-        bool(count_include_pad), divisor, s_in / s_out, zp_in, zp_out,
-    )  # fmt: skip
+    kernel(arr.reshape(planes, h, w), result.reshape(planes, oh, ow), *params)
     return result
 
 
@@ -341,6 +426,30 @@ def _adaptive(x, out):  # type: ignore[no-untyped-def]
         _adaptive_plane(x, out, p)
 
 
+@numba.njit(cache=True)
+def _adaptive_nhwc(x, out):  # type: ignore[no-untyped-def]
+    # x [N, H, W, C], out [N, OH, OW, C]; the numbers of _adaptive_plane, channel loop innermost
+    h, w, c = x.shape[1], x.shape[2], x.shape[3]
+    oh, ow = out.shape[1], out.shape[2]
+    total = np.empty(c, np.int64)
+    for b in range(x.shape[0]):
+        for oy in range(oh):
+            ya, yb = _window(oy, oh, h)
+            rh = np.float32(1.0) / np.float32(yb - ya)
+            for ox in range(ow):
+                xa, xb = _window(ox, ow, w)
+                r = rh / np.float32(xb - xa)
+                total[:] = 0
+                for y in range(ya, yb):
+                    for xx in range(xa, xb):
+                        src = x[b, y, xx]
+                        for ch in range(c):
+                            total[ch] += np.int64(src[ch])
+                for ch in range(c):
+                    v = np.rint(np.float32(total[ch]) * r)
+                    out[b, oy, ox, ch] = np.uint8(min(v, 255.0))
+
+
 @numba.njit(cache=True, parallel=True)
 def _adaptive_par(x, out):  # type: ignore[no-untyped-def]
     for p in numba.prange(x.shape[0]):
@@ -354,11 +463,17 @@ def adaptive_avg_pool2d(
     out: U8 | None = None,
     target: str | None = None,
 ) -> U8:
-    """Adaptive average pooling of a CHW/NCHW uint8 array to ``output_size`` (qparams unchanged)."""
+    """Adaptive average pooling of a CHW/NCHW uint8 array to ``output_size`` (qparams unchanged).
+
+    C-contiguous or channels-last input; the result has the input's layout.
+    """
     check_target(target)
-    arr, planes, h, w = _planes("x", x)
+    arr, planes, h, w, nhwc = _planes("x", x)
     oh, ow = _pair("output_size", output_size, minimum=1)
-    result = _output(arr, oh, ow, out)
+    result, result_nhwc = _output(arr, oh, ow, out, nhwc)
+    if nhwc is not None:
+        _adaptive_nhwc(nhwc, result_nhwc)
+        return result
     par = planes > 1 and use_parallel(arr.size, "adaptive_avg_pool2d")
     kernel = _adaptive_par if par else _adaptive
     kernel(arr.reshape(planes, h, w), result.reshape(planes, oh, ow))

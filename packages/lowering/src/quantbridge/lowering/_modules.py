@@ -53,7 +53,21 @@ def _p(v: list[int]) -> tuple[int, int]:
 
 
 def _np(t: torch.Tensor) -> Any:
+    """C-contiguous numpy view (a copy only when ``t`` is laid out otherwise)."""
     return (t if t.is_contiguous() else t.contiguous()).numpy()
+
+
+def _np_dense(t: torch.Tensor) -> Any:
+    """Zero-copy numpy view of a C-contiguous or channels-last tensor, else a C-contiguous copy.
+
+    For the kernels that take either layout (conv, elementwise): convs return channels-last
+    data, so activations stay channels-last from conv to conv without transposes.
+    """
+    if t.is_contiguous():
+        return t.numpy()
+    if t.dim() >= 3 and t.movedim(1, -1).is_contiguous():
+        return t.numpy()
+    return t.contiguous().numpy()
 
 
 class LoweredModule(nn.Module):
@@ -171,7 +185,7 @@ class QuantizedLinear(_WeightedBase):
                 x, self.weight, self.weight_scale, self.weight_zero_point, self.bias,
                 self._xs, self._xz, self._os, self._oz, self.relu, self.target,
             ))  # fmt: skip
-        out = K.linear(x.numpy(), self._packed, self._xs, self._xz, self._os, self._oz,
+        out = K.linear(_np(x), self._packed, self._xs, self._xz, self._os, self._oz,
                        relu=self.relu)  # fmt: skip
         return torch.from_numpy(out)
 
@@ -210,7 +224,11 @@ class QuantizedDynamicLinear(_WeightedBase):
 
 
 class QuantizedConv(_WeightedBase):
-    """uint8 NCL/NCHW → uint8: ``kernels.conv1d``/``conv2d`` (depthwise via groups)."""
+    """uint8 NCL/NCHW → uint8: ``kernels.conv1d``/``conv2d`` (depthwise via groups).
+
+    Returns channels-last data (NHWC in memory, NCHW shape), like torch's quantized conv: the
+    next conv, add, relu or lookup table reads it in place, so a CNN transposes only its input.
+    """
 
     def __init__(
         self,
@@ -244,8 +262,8 @@ class QuantizedConv(_WeightedBase):
                 self.stride, self.padding, self.dilation, self.groups,
                 self._xs, self._xz, self._os, self._oz, self.relu, self.target,
             ))  # fmt: skip
-        out = self._fn(_np(x), self._packed, self._xs, self._xz, self._os, self._oz,
-                       relu=self.relu)  # fmt: skip
+        out = self._fn(_np_dense(x), self._packed, self._xs, self._xz, self._os, self._oz,
+                       relu=self.relu, channels_last=True)  # fmt: skip
         return torch.from_numpy(out)
 
     def _details(self) -> str:
@@ -290,8 +308,8 @@ class QuantizedBinary(LoweredModule):
             ))  # fmt: skip
         if a.shape != b.shape:  # the kernels take equal shapes: broadcast first
             a, b = torch.broadcast_tensors(a, b)  # type: ignore[no-untyped-call]
-        out = self._fn(_np(a), self._xs, self._xz, _np(b), self._bs, self._bz, self._os,
-                       self._oz, target=self.target)  # fmt: skip
+        out = self._fn(_np_dense(a), self._xs, self._xz, _np_dense(b), self._bs, self._bz,
+                       self._os, self._oz, target=self.target)  # fmt: skip
         return torch.from_numpy(out)
 
     def _qparams_repr(self) -> str:
@@ -363,7 +381,7 @@ class QuantizedLookupTable(LoweredModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if is_tracing(x):
             return _t(ops.lut_op(x, self.table, self.target))
-        return torch.from_numpy(K.apply_lut(_np(x), self._table, target=self.target))
+        return torch.from_numpy(K.apply_lut(_np_dense(x), self._table, target=self.target))
 
     def _details(self) -> str:
         return f"fn={self.what}"
@@ -386,7 +404,7 @@ class Quantize(LoweredModule):
         if x.dtype != torch.float32:
             x = x.to(torch.float32)
         return torch.from_numpy(
-            K.quantize_per_tensor(_np(x), self._os, self._oz, target=self.target)
+            K.quantize_per_tensor(_np_dense(x), self._os, self._oz, target=self.target)
         )
 
 
@@ -401,7 +419,7 @@ class Dequantize(LoweredModule):
                 x, self.input_scale, self.input_zero_point, 0, 255, torch.uint8
             ))  # fmt: skip
         return torch.from_numpy(
-            K.dequantize_per_tensor(_np(x), self._xs, self._xz, target=self.target)
+            K.dequantize_per_tensor(_np_dense(x), self._xs, self._xz, target=self.target)
         )
 
 
@@ -413,12 +431,12 @@ class Requantize(LoweredModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if is_tracing(x):
             return _t(ops.requantize_op(x, self._xs, self._xz, self._os, self._oz, self.target))
-        out = K.requantize(_np(x), self._xs, self._xz, self._os, self._oz, target=self.target)
+        out = K.requantize(_np_dense(x), self._xs, self._xz, self._os, self._oz, target=self.target)
         return torch.from_numpy(out)
 
 
 class QuantizedMaxPool2d(LoweredModule):
-    """uint8 NCHW max pooling (qparams unchanged)."""
+    """uint8 NCHW max pooling (qparams unchanged), C-contiguous or channels-last."""
 
     kernel = "kernels.max_pool2d"
 
@@ -433,7 +451,7 @@ class QuantizedMaxPool2d(LoweredModule):
         if is_tracing(x):
             return _t(ops.max_pool2d_op(x, self.kernel_size, self.stride, self.padding,
                                         self.dilation, self.ceil_mode, self.target))  # fmt: skip
-        out = K.max_pool2d(_np(x), _p(self.kernel_size), _p(self.stride), _p(self.padding),
+        out = K.max_pool2d(_np_dense(x), _p(self.kernel_size), _p(self.stride), _p(self.padding),
                            _p(self.dilation), self.ceil_mode, target=self.target)  # fmt: skip
         return torch.from_numpy(out)
 
@@ -442,7 +460,7 @@ class QuantizedMaxPool2d(LoweredModule):
 
 
 class QuantizedAvgPool2d(LoweredModule):
-    """uint8 NCHW average pooling (torch's quantized avg_pool2d numerics)."""
+    """uint8 NCHW average pooling (torch's quantized avg_pool2d numerics), either layout."""
 
     kernel = "kernels.avg_pool2d"
 
@@ -465,7 +483,7 @@ class QuantizedAvgPool2d(LoweredModule):
                 self._oz, self.target,
             ))  # fmt: skip
         out = K.avg_pool2d(
-            _np(x), _p(self.kernel_size), _p(self.stride), _p(self.padding),
+            _np_dense(x), _p(self.kernel_size), _p(self.stride), _p(self.padding),
             self.ceil_mode, self.count_include_pad, self.divisor_override, scale=self._xs,
             zero_point=self._xz, out_scale=self._os, out_zero_point=self._oz, target=self.target,
         )  # fmt: skip
@@ -476,7 +494,7 @@ class QuantizedAvgPool2d(LoweredModule):
 
 
 class QuantizedAdaptiveAvgPool2d(LoweredModule):
-    """uint8 NCHW adaptive average pooling (qparams unchanged)."""
+    """uint8 NCHW adaptive average pooling (qparams unchanged), either layout."""
 
     kernel = "kernels.adaptive_avg_pool2d"
 
@@ -487,7 +505,7 @@ class QuantizedAdaptiveAvgPool2d(LoweredModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if is_tracing(x):
             return _t(ops.adaptive_avg_pool2d_op(x, self.output_size, self.target))
-        out = K.adaptive_avg_pool2d(_np(x), _p(self.output_size), target=self.target)
+        out = K.adaptive_avg_pool2d(_np_dense(x), _p(self.output_size), target=self.target)
         return torch.from_numpy(out)
 
     def _details(self) -> str:

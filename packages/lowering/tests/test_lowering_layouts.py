@@ -1,0 +1,76 @@
+"""Lowered CNNs keep activations channels-last from conv to conv, with unchanged numbers."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch.fx import GraphModule, Interpreter
+
+if str(Path(__file__).parent) not in sys.path:  # helpers, under --import-mode=importlib
+    sys.path.insert(0, str(Path(__file__).parent))
+import lowering_zoo as zoo
+
+import quantbridge.lowering as L
+from quantbridge import kernels as K
+from quantbridge.lowering._modules import QuantizedBinary, QuantizedConv
+
+NUMBA = [f"numba_{t}" for t in K.available_targets()]
+CASES = {c.name: c for c in zoo.STATIC_CASES}
+
+
+def _module_outputs(gm: GraphModule, *args: torch.Tensor) -> list[tuple[object, torch.Tensor]]:
+    """(module, output) of every call_module node, in execution order."""
+    seen: list[tuple[object, torch.Tensor]] = []
+
+    class Recorder(Interpreter):
+        def call_module(self, target, args, kwargs):  # type: ignore[no-untyped-def]
+            out = super().call_module(target, args, kwargs)
+            seen.append((self.module.get_submodule(str(target)), out))
+            return out
+
+    Recorder(gm).run(*args)
+    return seen
+
+
+def _channels_last(t: torch.Tensor) -> bool:
+    return t.movedim(1, -1).is_contiguous() and not t.is_contiguous()
+
+
+def _lowered(case_name: str, backend_name: str) -> tuple[GraphModule, tuple[torch.Tensor, ...]]:
+    case = CASES[case_name]
+    backend = L.get_backend(backend_name)
+    return backend.lower(zoo.reference_model(case, backend)), case.inputs(1)
+
+
+@pytest.mark.parametrize("backend_name", NUMBA)
+@pytest.mark.parametrize("case_name", ["residual_add_mul", "conv_bn_cnn", "depthwise"])
+def test_conv_outputs_stay_channels_last_through_the_chain(case_name: str, backend_name: str):
+    lowered, x = _lowered(case_name, backend_name)
+    seen = _module_outputs(lowered, *x)
+    convs = [out for mod, out in seen if isinstance(mod, QuantizedConv)]
+    assert convs
+    for out in convs:
+        assert _channels_last(out), (case_name, out.shape, out.stride())
+    binaries = [out for mod, out in seen if isinstance(mod, QuantizedBinary)]
+    for out in binaries:
+        assert _channels_last(out)  # add/mul of conv outputs: no transpose back
+    assert binaries or case_name != "residual_add_mul"
+
+
+@pytest.mark.parametrize("backend_name", NUMBA)
+@pytest.mark.parametrize(
+    "case_name", ["residual_add_mul", "conv_bn_cnn", "depthwise", "pools", "conv1d"]
+)
+def test_channels_last_chain_gives_the_numbers_of_nchw_convs(case_name: str, backend_name: str):
+    lowered, x = _lowered(case_name, backend_name)
+    want = lowered(*x)
+    convs = [m for m in lowered.modules() if isinstance(m, QuantizedConv)]
+    assert convs
+    for mod in convs:  # the same convs returning C-contiguous NCHW instead
+        fn = mod._fn
+        mod._fn = lambda *a, _fn=fn, **kw: _fn(*a, **{**kw, "channels_last": False})
+    got = lowered(*x)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
