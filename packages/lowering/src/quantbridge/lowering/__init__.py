@@ -5,6 +5,10 @@
 ``.supported_ops()``); ``available_backends()`` lists those that run on this machine. Every
 backend is registered in fx_quant's lowering registry, so ``convert_fx(prepared,
 backend_config=get_backend(name).backend_config)`` lowers with it.
+
+The lowering pass onto the kernels (``lower_to_kernels``) is driven by a table of
+:class:`LoweringRule` (a quantbridge.patterns pattern and a builder); ``default_lowering_rules()``
+is the built-in table, and ``lower_to_kernels(model, target, rules=...)`` takes an extended one.
 """
 
 import importlib
@@ -18,12 +22,14 @@ from quantbridge.lowering._backend import (
     register_backend,
     unregister_backend,
 )
+from quantbridge.lowering._context import LoweringContext, NotLowerableError
 from quantbridge.lowering._errors import LoweringError
 from quantbridge.lowering._lower import LoweringReport, lower_to_kernels, lowering_report
 from quantbridge.lowering._modules import LoweredModule
 from quantbridge.lowering._numba_backend import NumbaBackend
 from quantbridge.lowering._numba_config import numba_backend_config
 from quantbridge.lowering._reference import ReferenceBackend, reference
+from quantbridge.lowering._rules import LoweringRule, RuleMatch, default_lowering_rules
 
 # built-in instances; the pyproject's entry points name these objects
 numba = NumbaBackend("numba", None)
@@ -53,12 +59,17 @@ __all__ = [
     "Backend",
     "BackendUnavailableError",
     "LoweredModule",
+    "LoweringContext",
     "LoweringError",
     "LoweringReport",
+    "LoweringRule",
+    "NotLowerableError",
     "NumbaBackend",
     "ReferenceBackend",
+    "RuleMatch",
     "SupportedOp",
     "available_backends",
+    "default_lowering_rules",
     "get_backend",
     "lower_to_kernels",
     "lowering_report",

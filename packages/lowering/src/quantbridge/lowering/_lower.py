@@ -112,11 +112,13 @@ class _Pass:
                     self.owner[extra] = rule
         return out
 
-    def _find(self, kind: str) -> dict[Node, RewriteMatch]:
+    def _find(self, kind: str) -> dict[Node, RuleMatch]:
+        """Matches of the ``kind`` rules on the graph as it is now, by anchor node."""
         patterns = self._compile(kind)
         if not patterns:
             return {}
-        return {m.anchor: m for m in find_rewrite_matches(self.ctx.graph_module, patterns)}
+        found = find_rewrite_matches(self.ctx.graph_module, patterns)
+        return {m.anchor: self._rule_match(m) for m in found}
 
     def _rule_match(self, found: RewriteMatch) -> RuleMatch:
         rule = self.owner[found.rule]
@@ -137,12 +139,11 @@ class _Pass:
         static = self._find("static")
         floats = self._find("float_output")
         for node in list(gm.graph.nodes):
-            found = floats.get(node)
-            if found is not None:
-                self._apply(self._rule_match(found))
+            match = floats.get(node)
+            if match is not None:
+                self._apply(match)
             elif node.op == "call_function" and node.target is QUANTIZE:
-                found = static.get(node)
-                match = self._rule_match(found) if found is not None else None
+                match = static.get(node)
                 # matched on the reference graph: the op may since have been lowered as a
                 # float-output op (dynamic linear) and the quantize now reads its result
                 if match is not None and node.args[0] is match.node:

@@ -50,6 +50,7 @@ from quantbridge.patterns import (
     PatternError,
     ReplacementPattern,
     RewriteMatch,
+    check_complex_pattern,
 )
 
 __all__ = [
@@ -176,6 +177,13 @@ class LoweringRule:
                 f"got {ops!r}"
             )
         object.__setattr__(self, "ops", ops)
+        for i, op in enumerate(ops):
+            if op is MatchAllNode:
+                continue  # static rules only: any input of the quantize, narrowed by constraints
+            try:
+                check_complex_pattern(op, where=f"{where}.ops[{i}]")
+            except PatternError as e:
+                raise LoweringError(str(e)) from e
         object.__setattr__(self, "constraints", tuple(self.constraints))
         object.__setattr__(self, "_compiled", tuple(self.compile(op) for op in self.ops))
 
