@@ -29,7 +29,8 @@ from quantbridge.lowering._modules import LoweredModule
 from quantbridge.lowering._numba_backend import NumbaBackend
 from quantbridge.lowering._numba_config import numba_backend_config
 from quantbridge.lowering._reference import ReferenceBackend, reference
-from quantbridge.lowering._rules import LoweringRule, RuleMatch, default_lowering_rules
+from quantbridge.lowering._rules import LoweringRule, RuleMatch
+from quantbridge.lowering._table import default_lowering_rules
 
 # built-in instances; the pyproject's entry points name these objects
 numba = NumbaBackend("numba", None)

@@ -1,7 +1,7 @@
 """The lowering pass: reference graph (dequantize → float op → quantize) → kernel calls on uint8.
 
 Finding and replacing are separate. The reference patterns are found with quantbridge.patterns
-(``find_rewrite_matches``) from the lowering table (``_rules``): each static rule's pattern is
+(``find_rewrite_matches``) from the lowering table (``_table``): each static rule's pattern is
 ``quantize_per_tensor(op, scale, zero_point, 0, 255, torch.uint8)`` with constant qparams
 and ``op`` feeding only that quantize; float-output rules (dynamic linear, embeddings) match
 the module node alone. Both sets are matched on the unchanged reference graph.
@@ -34,13 +34,8 @@ from quantbridge.lowering._context import (
     NotLowerableError,
 )
 from quantbridge.lowering._errors import LoweringError
-from quantbridge.lowering._rules import (
-    LoweringRule,
-    RuleMatch,
-    _no_kernel,
-    default_lowering_rules,
-    lowerable_op_names,
-)
+from quantbridge.lowering._rules import LoweringRule, RuleMatch
+from quantbridge.lowering._table import _no_kernel, default_lowering_rules, lowerable_op_names
 from quantbridge.patterns import Pattern, ReplacementPattern, RewriteMatch, find_rewrite_matches
 
 __all__ = ["LoweringReport", "lower_to_kernels", "lowerable_op_names", "lowering_report"]
@@ -179,7 +174,7 @@ class _Pass:
         if not isinstance(src, Node) or src.op in ("placeholder", "get_attr"):
             return  # model input: stays a quantize op
         if src.op == "call_function" and src.target is DEQUANTIZE:
-            return  # quantize(dequantize(x)) on per-call qparams
+            return  # quantize(dequantize(x)): the requantize rule takes the static ones
         if len(src.users) != 1:
             self.ctx.report.kept.append((src.name, "its float output has other users"))
             return

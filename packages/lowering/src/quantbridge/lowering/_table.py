@@ -1,0 +1,532 @@
+"""The built-in lowering table: one :class:`LoweringRule` per kernel family, with its builder.
+
+Rules are tried in table order at each quantize node (the first whose pattern and constraints
+match wins), so nested patterns such as ``relu(add(a, b))`` come before ``relu`` alone. Module
+classes in patterns also match their subclasses (``isinstance``; the pass adds the variants).
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.fx import Node
+
+from quantbridge.fx_quant.nn import intrinsic as nni
+from quantbridge.fx_quant.nn import reference as nnqr
+from quantbridge.lowering import _modules as lm
+from quantbridge.lowering._context import (
+    DEQUANTIZE,
+    QUANTIZE,
+    LoweringContext,
+    NotLowerableError,
+    QParams,
+    quantized_input,
+    static_qparams,
+)
+from quantbridge.lowering._rules import LoweringRule, RuleMatch
+from quantbridge.patterns import ArgConstraint, MatchAllNode, Pattern, RewriteMatch
+
+__all__ = ["default_lowering_rules", "lowerable_op_names"]
+
+
+# --- op families ---------------------------------------------------------------------------
+
+_RELU_FNS: tuple[Any, ...] = (F.relu, torch.relu, "relu")
+_ADD_FNS: tuple[Any, ...] = (operator.add, torch.add, "add", operator.iadd)
+_MUL_FNS: tuple[Any, ...] = (operator.mul, torch.mul, "mul", operator.imul)
+_MATMUL_FNS: tuple[Any, ...] = (torch.matmul, operator.matmul, torch.bmm, "matmul", "bmm")
+_CAT_FNS: tuple[Any, ...] = (torch.cat, torch.concat)
+# pure data movement on the codes: run the same op on the uint8 tensor
+_SHAPE_FNS: tuple[Any, ...] = (
+    torch.flatten, torch.reshape, torch.squeeze, torch.unsqueeze, torch.permute,
+    torch.transpose, torch.narrow, torch.repeat_interleave, operator.getitem, torch.detach,
+    F.pixel_shuffle, F.pixel_unshuffle, torch.pixel_shuffle, torch.pixel_unshuffle,
+    "flatten", "reshape", "view", "squeeze", "unsqueeze", "permute", "transpose", "contiguous",
+    "detach", "narrow", "repeat", "repeat_interleave", "squeeze_", "unsqueeze_", "detach_",
+    F.dropout,
+)  # fmt: skip
+_SHAPE_MODULES: tuple[type[nn.Module], ...] = (
+    nn.Flatten, nn.Identity, nn.Dropout, nn.PixelShuffle, nn.PixelUnshuffle,
+)  # fmt: skip
+# elementwise functions of one quantized input: lookup tables
+_LUT_MODULES: tuple[type[nn.Module], ...] = (
+    nn.ReLU, nn.ReLU6, nn.Hardtanh, nn.Hardswish, nn.Hardsigmoid, nn.Sigmoid, nn.Tanh,
+    nn.LeakyReLU, nn.ELU, nn.GELU, nn.SiLU, nn.Mish, nn.Softplus, nn.CELU, nn.SELU,
+)  # fmt: skip
+_LUT_FNS: tuple[Any, ...] = (
+    F.relu, torch.relu, F.relu6, F.hardtanh, F.hardswish, F.hardsigmoid, torch.sigmoid,
+    F.sigmoid, torch.tanh, F.tanh, F.leaky_relu, F.elu, F.gelu, F.silu, F.mish, torch.clamp,
+    torch.clip, F.relu_, torch.relu_, F.hardtanh_, F.leaky_relu_, F.elu_,
+    "relu", "relu_", "sigmoid", "sigmoid_", "tanh", "tanh_", "clamp", "clamp_", "clip",
+    "hardtanh", "hardtanh_",
+)  # fmt: skip
+_FUSED_WEIGHTED: tuple[type[nn.Module], ...] = (nni.LinearReLU, nni.ConvReLU1d, nni.ConvReLU2d)
+_REF_WEIGHTED: tuple[type[nn.Module], ...] = (nnqr.Linear, nnqr.Conv1d, nnqr.Conv2d)
+
+
+def _unique(ops: Sequence[Any]) -> tuple[Any, ...]:
+    """Drop repeats (``F.sigmoid is torch.sigmoid``, ...), keeping the first occurrence."""
+    out: list[Any] = []
+    for op in ops:
+        if not any(op is seen for seen in out):
+            out.append(op)
+    return tuple(out)
+
+
+def _fn_key(node: Node) -> Any:
+    return node.target if node.op in ("call_function", "call_method") else None
+
+
+def _in(key: Any, ops: tuple[Any, ...]) -> bool:
+    return any(key is op or (isinstance(op, str) and key == op) for op in ops)
+
+
+# --- argument helpers ----------------------------------------------------------------------
+
+
+def _flat_args(node: Node) -> list[Any]:
+    return [*node.args, *node.kwargs.values()]
+
+
+def _nodes_in(value: Any) -> list[Node]:
+    if isinstance(value, Node):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [n for v in value for n in _nodes_in(v)]
+    if isinstance(value, dict):
+        return [n for v in value.values() for n in _nodes_in(v)]
+    return []
+
+
+def _fn_args(node: Node, names: list[str], defaults: list[Any]) -> dict[str, Any]:
+    out = dict(zip(names, defaults, strict=True))
+    for name, value in zip(names, node.args, strict=False):
+        out[name] = value
+    for k, v in node.kwargs.items():
+        if k not in out:
+            raise NotLowerableError(f"unsupported keyword argument {k!r}")
+        out[k] = v
+    return out
+
+
+def _pair(v: Any) -> tuple[Any, Any]:
+    if isinstance(v, (list, tuple)):
+        if len(v) == 1:
+            return (v[0], v[0])
+        if len(v) != 2:
+            raise NotLowerableError(f"expected 1 or 2 values, got {v!r}")
+        return (v[0], v[1])
+    return (v, v)
+
+
+def _single_input(ctx: LoweringContext, node: Node, sizes_ok: bool = False) -> tuple[Node, QParams]:
+    """The one quantized input (first argument); other node arguments are refused unless
+    ``sizes_ok`` (shape ops take sizes computed in the graph, e.g. ``x.shape[0]``)."""
+    first = node.args[0] if node.args else node.kwargs.get("input")
+    qin = ctx.quantized_input(first)
+    if qin is None:
+        raise NotLowerableError("input is not a static uint8 quantized value")
+    for a in _flat_args(node)[1:]:
+        for n in _nodes_in(a):
+            if not sizes_ok or (n.op == "call_function" and n.target is DEQUANTIZE):
+                raise NotLowerableError("more than one tensor input")
+    return qin
+
+
+def _int8_weight(mod: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    assert isinstance(mod, nnqr.ReferenceQuantizedModule)
+    qw = mod.get_quantized_weight()
+    if qw.dtype != torch.int8:
+        raise NotLowerableError(f"weight dtype {qw.dtype} (kernels take int8 weights)")
+    if qw.axis not in (None, 0):
+        raise NotLowerableError(f"per-channel weight axis {qw.axis} (kernels take axis 0)")
+    if qw.zero_point.dtype.is_floating_point:
+        raise NotLowerableError("float weight zero points")
+    zp = qw.zero_point.reshape(-1)
+    if bool(((zp < -128) | (zp > 127)).any()):
+        raise NotLowerableError("weight zero point outside [-128, 127]")
+    return qw.values, qw.scale.reshape(-1), zp
+
+
+def _no_kernel(ctx: LoweringContext, node: Node) -> str:
+    """Why an op no rule lowers stays reference (also the pass's reason for unmatched ops)."""
+    mod = ctx.module(node)
+    if mod is not None:
+        return f"no kernel for module {type(mod).__name__}"
+    fn = _fn_key(node)
+    if fn is None:
+        return f"{node.op} nodes are not lowered"
+    return f"no kernel for {getattr(fn, '__name__', fn)}"
+
+
+# --- builders ------------------------------------------------------------------------------
+
+
+def _build_requantize(ctx: LoweringContext, m: RuleMatch) -> Node:
+    """quantize(dequantize(x)): only the qparams change."""
+    qin = ctx.quantized_input(m.node)
+    assert qin is not None  # the rule's constraint
+    return ctx.requantize(qin[0], qin[1], m.out_qparams)
+
+
+def _build_weighted(ctx: LoweringContext, m: RuleMatch) -> Node:
+    node, out_qp = m.node, m.out_qparams
+    mod = ctx.module(node)
+    assert mod is not None
+    relu = False
+    inner = mod
+    if isinstance(mod, (nni.LinearReLU, nni.ConvReLU1d, nni.ConvReLU2d)):
+        inner, relu = mod[0], True
+        if not isinstance(mod[1], nn.ReLU) and mod[1] not in (F.relu, torch.relu):
+            raise NotLowerableError(f"fused activation {type(mod[1]).__name__} is not relu")
+    if not isinstance(inner, _REF_WEIGHTED):
+        if isinstance(inner, (nn.Linear, nn.Conv1d, nn.Conv2d)) and inner is not mod:
+            raise NotLowerableError("fused module holds a float (not reference) weighted module")
+        raise NotLowerableError(_no_kernel(ctx, node))
+    if len(node.args) != 1 or node.kwargs:
+        raise NotLowerableError("weighted module called with extra arguments")
+    qin = ctx.quantized_input(node.args[0])
+    if qin is None:
+        raise NotLowerableError("input is not a static uint8 quantized value")
+    w, ws, wz = _int8_weight(inner)
+    bias = inner.bias
+    new_mod: lm.LoweredModule
+    if isinstance(inner, nnqr.Linear):
+        new_mod = lm.QuantizedLinear(w, ws, wz, bias, ctx.target, qin[1], out_qp, relu=relu)
+    else:
+        assert isinstance(inner, (nnqr.Conv1d, nnqr.Conv2d))
+        if inner.padding_mode != "zeros" or isinstance(inner.padding, str):
+            raise NotLowerableError(
+                f"conv padding={inner.padding!r}, padding_mode={inner.padding_mode!r} "
+                "(kernels take explicit zero padding)"
+            )
+        new_mod = lm.QuantizedConv(
+            w, ws, wz, bias, ctx.target, qin[1], out_qp,
+            stride=tuple(inner.stride), padding=tuple(int(p) for p in inner.padding),
+            dilation=tuple(inner.dilation), groups=inner.groups, relu=relu,
+        )  # fmt: skip
+    new = ctx.add_module(f"{node.target}", new_mod, (qin[0],))
+    ctx.record(new, f"{new_mod.kernel} ({ctx.target})")
+    return new
+
+
+def _binary(ctx: LoweringContext, node: Node, kind: str, out_qp: QParams, relu: bool = False
+            ) -> Node:  # fmt: skip
+    if node.kwargs and set(node.kwargs) - {"other", "input"}:
+        raise NotLowerableError(f"{kind} with keyword arguments {sorted(node.kwargs)}")
+    args = list(node.args) + [node.kwargs[k] for k in ("input", "other") if k in node.kwargs]
+    if len(args) != 2:
+        raise NotLowerableError(f"{kind} with {len(args)} arguments")
+    qa, qb = ctx.quantized_input(args[0]), ctx.quantized_input(args[1])
+    if qa is not None and qb is not None:
+        mod: lm.LoweredModule
+        if kind == "matmul":
+            mod = lm.QuantizedMatmul(ctx.target, qa[1], qb[1], out_qp)
+        else:
+            full = f"{kind}_relu" if relu else kind
+            mod = lm.QuantizedBinary(full, ctx.target, qa[1], qb[1], out_qp)
+        new = ctx.add_module(f"{node.name}_q", mod, (qa[0], qb[0]))
+        ctx.record(new, mod.kernel)
+        return new
+    if kind == "matmul":
+        raise NotLowerableError("matmul needs two static uint8 quantized inputs")
+    # one quantized input and a Python scalar: an elementwise function, as a table
+    scalar_i = 1 if qa is not None else 0
+    qin = qa if qa is not None else qb
+    c = args[scalar_i]
+    if qin is None or not isinstance(c, (int, float)) or isinstance(c, bool):
+        raise NotLowerableError(
+            f"{kind} operands are not two quantized tensors or tensor and scalar"
+        )
+    op = operator.add if kind == "add" else operator.mul
+
+    def fn(t: torch.Tensor) -> torch.Tensor:
+        y = op(t, c)
+        return torch.relu(y) if relu else y
+
+    what = f"{kind} {c!r}" + (" + relu" if relu else "")
+    return ctx.lookup_table(node, qin[0], fn, what, qin[1], out_qp)
+
+
+def _build_matmul(ctx: LoweringContext, m: RuleMatch) -> Node:
+    return _binary(ctx, m.node, "matmul", m.out_qparams)
+
+
+def _build_add_mul(ctx: LoweringContext, m: RuleMatch) -> Node:
+    kind = "add" if _in(_fn_key(m.node), _ADD_FNS) else "mul"
+    return _binary(ctx, m.node, kind, m.out_qparams)
+
+
+def _build_add_mul_relu(ctx: LoweringContext, m: RuleMatch) -> Node:
+    """relu(add(a, b)) / relu(mul(a, b)) → add_relu / mul_relu (``m.nodes``: relu, add)."""
+    inner = m.nodes[1]
+    kind = "add" if _in(_fn_key(inner), _ADD_FNS) else "mul"
+    return _binary(ctx, inner, kind, m.out_qparams, relu=True)
+
+
+def _build_lut(ctx: LoweringContext, m: RuleMatch) -> Node:
+    node, out_qp = m.node, m.out_qparams
+    mod = ctx.module(node)
+    if mod is not None:
+        if len(node.args) != 1 or node.kwargs:
+            raise NotLowerableError("module called with extra arguments")
+        x, in_qp = _single_input(ctx, node)
+        module = mod
+        return ctx.lookup_table(node, x, lambda t: module(t), type(mod).__name__, in_qp, out_qp)
+    x, in_qp = _single_input(ctx, node)
+    target = node.target
+    rest, kwargs = node.args[1:], dict(node.kwargs)
+    kwargs.pop("inplace", None)
+    if node.op == "call_method":
+        name = str(target).rstrip("_")
+        return ctx.lookup_table(
+            node, x, lambda t: getattr(t, name)(*rest, **kwargs), name, in_qp, out_qp
+        )
+    f: Any = target
+    what = getattr(f, "__name__", str(f))
+    return ctx.lookup_table(node, x, lambda t: f(t.clone(), *rest, **kwargs), what, in_qp, out_qp)
+
+
+def _build_max_pool2d(ctx: LoweringContext, m: RuleMatch) -> Node:
+    node = m.node
+    mod = ctx.module(node)
+    if isinstance(mod, nn.MaxPool2d):
+        ks, stride, padding, dilation, ceil = (
+            mod.kernel_size, mod.stride, mod.padding, mod.dilation, mod.ceil_mode,
+        )  # fmt: skip
+    else:
+        a = _fn_args(node, ["input", "kernel_size", "stride", "padding", "dilation",
+                            "ceil_mode", "return_indices"],
+                     [None, None, None, 0, 1, False, False])  # fmt: skip
+        if a["return_indices"]:
+            raise NotLowerableError("max_pool2d with return_indices=True")
+        ks, padding, dilation, ceil = a["kernel_size"], a["padding"], a["dilation"], a["ceil_mode"]
+        stride = a["stride"] if a["stride"] not in (None, []) else ks
+    x, in_qp = _single_input(ctx, node)
+    pool = lm.QuantizedMaxPool2d(_pair(ks), _pair(stride if stride else ks), _pair(padding),
+                                 _pair(dilation), bool(ceil), ctx.target)  # fmt: skip
+    new = ctx.add_module(f"{node.name}_q", pool, (x,))
+    ctx.record(new, pool.kernel)
+    return ctx.requantize(new, in_qp, m.out_qparams)
+
+
+def _build_avg_pool2d(ctx: LoweringContext, m: RuleMatch) -> Node:
+    node = m.node
+    mod = ctx.module(node)
+    if isinstance(mod, nn.AvgPool2d):
+        ks, stride, padding, ceil, count_pad, divisor = (
+            mod.kernel_size, mod.stride, mod.padding, mod.ceil_mode, mod.count_include_pad,
+            mod.divisor_override,
+        )  # fmt: skip
+    else:
+        a = _fn_args(node, ["input", "kernel_size", "stride", "padding", "ceil_mode",
+                            "count_include_pad", "divisor_override"],
+                     [None, None, None, 0, False, True, None])  # fmt: skip
+        ks, padding, ceil = a["kernel_size"], a["padding"], a["ceil_mode"]
+        count_pad, divisor = a["count_include_pad"], a["divisor_override"]
+        stride = a["stride"] if a["stride"] not in (None, []) else ks
+    x, in_qp = _single_input(ctx, node)
+    pool = lm.QuantizedAvgPool2d(_pair(ks), _pair(stride if stride else ks), _pair(padding),
+                                 bool(ceil), bool(count_pad), divisor, ctx.target, in_qp,
+                                 m.out_qparams)  # fmt: skip
+    new = ctx.add_module(f"{node.name}_q", pool, (x,))
+    ctx.record(new, pool.kernel)
+    return new
+
+
+def _build_adaptive_avg_pool2d(ctx: LoweringContext, m: RuleMatch) -> Node:
+    node = m.node
+    mod = ctx.module(node)
+    if isinstance(mod, nn.AdaptiveAvgPool2d):
+        output_size = mod.output_size
+    else:
+        output_size = _fn_args(node, ["input", "output_size"], [None, None])["output_size"]
+    x, in_qp = _single_input(ctx, node)
+    size = _pair(output_size)
+    if any(s is None for s in size):
+        raise NotLowerableError("adaptive pool output size with None")
+    pool = lm.QuantizedAdaptiveAvgPool2d(size, ctx.target)
+    new = ctx.add_module(f"{node.name}_q", pool, (x,))
+    ctx.record(new, pool.kernel)
+    return ctx.requantize(new, in_qp, m.out_qparams)
+
+
+def _build_cat(ctx: LoweringContext, m: RuleMatch) -> Node:
+    node, out_qp = m.node, m.out_qparams
+    tensors = node.args[0] if node.args else node.kwargs.get("tensors")
+    if not isinstance(tensors, (list, tuple)) or not tensors:
+        raise NotLowerableError("cat of a non-literal list")
+    new_inputs = []
+    for t in tensors:
+        qin = ctx.quantized_input(t)
+        if qin is None:
+            raise NotLowerableError("cat input is not a static uint8 quantized value")
+        new_inputs.append(ctx.requantize(qin[0], qin[1], out_qp))
+    new = ctx.create_node(
+        "call_function",
+        node.target,
+        (new_inputs, *node.args[1:]),
+        {k: v for k, v in node.kwargs.items() if k != "tensors"},
+    )
+    ctx.record(new, "torch.cat on uint8 codes")
+    return new
+
+
+def _build_shape(ctx: LoweringContext, m: RuleMatch) -> Node:
+    node = m.node
+    x, in_qp = _single_input(ctx, node, sizes_ok=True)
+    if not node.args:
+        raise NotLowerableError("shape op with its input passed by keyword")
+    new = ctx.create_node(node.op, node.target, (x, *node.args[1:]), dict(node.kwargs))
+    what = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
+    ctx.record(new, f"{what} on uint8 codes")
+    return ctx.requantize(new, in_qp, m.out_qparams)
+
+
+def _build_dynamic_linear(ctx: LoweringContext, m: RuleMatch) -> Node:
+    node = m.node
+    mod = ctx.module(node)
+    assert isinstance(mod, nnqr.Linear)
+    dq = node.args[0]
+    assert isinstance(dq, Node)  # the rule's constraint: dequantize(quantize(x))
+    q = dq.args[0]
+    assert isinstance(q, Node)
+    x = q.args[0]
+    assert isinstance(x, Node)
+    w, ws, wz = _int8_weight(mod)
+    new_mod = lm.QuantizedDynamicLinear(w, ws, wz, mod.bias, ctx.target, None, None)
+    new = ctx.add_module(f"{node.target}_dynamic", new_mod, (x,))
+    ctx.record(new, f"{new_mod.kernel} ({ctx.target})")
+    return new
+
+
+def _build_embedding(ctx: LoweringContext, m: RuleMatch) -> Node:
+    node = m.node
+    mod = ctx.module(node)
+    assert isinstance(mod, (nnqr.EmbeddingBag, nnqr.Embedding))
+    qw = mod.get_quantized_weight()
+    if qw.dtype != torch.uint8 or qw.axis != 0 or qw.zero_point.dtype.is_floating_point is False:
+        raise NotLowerableError(
+            f"weight {qw.dtype} {qw.qscheme} (8-bit per-row float-qparams only)"
+        )
+    if mod.max_norm is not None or mod.padding_idx is not None:
+        raise NotLowerableError("max_norm / padding_idx are not supported by kernels.embedding_bag")
+    if isinstance(mod, nnqr.EmbeddingBag) and mod.mode not in ("sum", "mean", "max"):
+        raise NotLowerableError(f"mode {mod.mode!r}")
+    scale = qw.scale.to(torch.float32)
+    row_bias = -qw.zero_point.to(torch.float32) * scale
+    new_mod: lm.LoweredModule
+    if isinstance(mod, nnqr.EmbeddingBag):
+        new_mod = lm.QuantizedEmbeddingBag(
+            qw.values, scale, row_bias, mod.mode, mod.include_last_offset, ctx.target
+        )
+    else:
+        new_mod = lm.QuantizedEmbedding(qw.values, scale, row_bias, ctx.target)
+    new = ctx.add_module(f"{node.target}_lowered", new_mod, node.args, dict(node.kwargs))
+    ctx.record(new, f"{new_mod.kernel} ({ctx.target})")
+    return new
+
+
+# --- constraints of the table --------------------------------------------------------------
+
+
+def _is_static_dequantize(value: Any) -> bool:
+    """A static uint8 dequantize node (the input of quantize(dequantize(x)))."""
+    owner = value.graph.owning_module if isinstance(value, Node) else None
+    return owner is not None and quantized_input(owner, value) is not None
+
+
+def _is_dynamic_quantized_input(value: Any) -> bool:
+    """dequantize(quantize(x, ...)) on per-call qparams (dynamic linear's input)."""
+    if not (isinstance(value, Node) and value.op == "call_function"):
+        return False
+    owner = value.graph.owning_module
+    if value.target is not DEQUANTIZE or owner is None or static_qparams(owner, value) is not None:
+        return False
+    q = value.args[0]
+    if not (isinstance(q, Node) and q.op == "call_function" and q.target is QUANTIZE):
+        return False
+    return isinstance(q.args[0], Node)
+
+
+def _no_kwargs(match: RewriteMatch) -> bool:
+    return not match.anchor.kwargs
+
+
+def _relu_over(binary_ops: tuple[Any, ...]) -> tuple[Pattern, ...]:
+    """relu(op(...)) for every relu spelling; F.relu also with ``inplace`` positional."""
+    pats: list[Pattern] = []
+    for relu in (nn.ReLU, *_RELU_FNS):
+        for op in binary_ops:
+            pats.append((relu, op))
+            if relu is F.relu:
+                pats.append((relu, op, MatchAllNode))
+    return tuple(pats)
+
+
+def default_lowering_rules() -> tuple[LoweringRule, ...]:
+    """The built-in table in matching order; extend it with ``(*default_lowering_rules(), rule)``
+    (a rule placed before a built-in one takes precedence on the ops they share)."""
+    return _DEFAULT_RULES
+
+
+_DEFAULT_RULES: tuple[LoweringRule, ...] = (
+    LoweringRule(
+        "requantize",
+        (MatchAllNode,),
+        _build_requantize,
+        constraints=(ArgConstraint(op=0, position=0, predicate=_is_static_dequantize),),
+    ),
+    LoweringRule("linear / conv (+relu)", _FUSED_WEIGHTED + _REF_WEIGHTED, _build_weighted),
+    LoweringRule("matmul", _MATMUL_FNS, _build_matmul),
+    LoweringRule("add / mul", _ADD_FNS + _MUL_FNS, _build_add_mul),
+    LoweringRule("add / mul + relu", _relu_over(_ADD_FNS + _MUL_FNS), _build_add_mul_relu),
+    LoweringRule("lookup table", _unique(_LUT_MODULES + _LUT_FNS), _build_lut),
+    LoweringRule("max_pool2d", (nn.MaxPool2d, F.max_pool2d, torch.max_pool2d), _build_max_pool2d),
+    LoweringRule(
+        "avg_pool2d",
+        _unique((nn.AvgPool2d, F.avg_pool2d, torch._C._nn.avg_pool2d)),
+        _build_avg_pool2d,
+    ),
+    LoweringRule(
+        "adaptive_avg_pool2d",
+        _unique((nn.AdaptiveAvgPool2d, F.adaptive_avg_pool2d, torch._C._nn.adaptive_avg_pool2d)),
+        _build_adaptive_avg_pool2d,
+    ),
+    LoweringRule("cat", _CAT_FNS, _build_cat),
+    LoweringRule("shape ops", _unique(_SHAPE_MODULES + _SHAPE_FNS), _build_shape),
+    LoweringRule(
+        "dynamic linear",
+        ((nnqr.Linear, MatchAllNode),),
+        _build_dynamic_linear,
+        kind="float_output",
+        constraints=(ArgConstraint(op=0, position=0, predicate=_is_dynamic_quantized_input),),
+        match_filter=_no_kwargs,
+    ),
+    LoweringRule(
+        "embedding", (nnqr.EmbeddingBag, nnqr.Embedding), _build_embedding, kind="float_output"
+    ),
+)
+
+
+def lowerable_op_names() -> dict[str, str]:
+    """Readable op name → kernel, for the support table (one row per kernel family)."""
+    return {
+        "Linear / linear (+relu), fused LinearReLU": "kernels.linear",
+        "Conv1d / Conv2d (+relu, BN folded), depthwise": "kernels.conv1d / conv2d",
+        "dynamic Linear (float in/out, int8 weights)": "kernels.linear_dynamic",
+        "add / mul (+relu) of two quantized tensors": "kernels.add / add_relu / mul / mul_relu",
+        "matmul of two quantized tensors": "kernels.matmul",
+        "MaxPool2d / max_pool2d": "kernels.max_pool2d",
+        "AvgPool2d / avg_pool2d": "kernels.avg_pool2d",
+        "AdaptiveAvgPool2d / adaptive_avg_pool2d": "kernels.adaptive_avg_pool2d",
+        "activations of one input, scalar add/mul (lookup table)": "kernels.apply_lut",
+        "cat": "torch.cat on uint8 (+kernels.requantize)",
+        "flatten, reshape, view, permute, getitem, ...": "the op on uint8 (+kernels.requantize)",
+        "EmbeddingBag / Embedding (8-bit weight-only)": "kernels.embedding_bag",
+    }
