@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 import quantbridge.kernels as qk
 from quantbridge.kernels import KernelError, PackedConvWeight, available_targets, conv1d, conv2d
-from quantbridge.kernels._transpose import nchw_into_padded_nhwc
+from quantbridge.kernels._transpose import nchw_into_padded_nhwc, nhwc_into_padded_nhwc
 
 HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:  # the conv reference, under --import-mode=importlib
@@ -45,7 +45,7 @@ def is_channels_last(x: np.ndarray) -> bool:
     pw=st.integers(0, 2),
     seed=st.integers(0, 2**32 - 1),
 )
-def test_tile_transpose_equals_numpy(n, groups, cg, h, w, ph, pw, seed):
+def test_padded_copies_equal_numpy(n, groups, cg, h, w, ph, pw, seed):
     # channel and width counts around the 16-wide tiles: full tiles, overlapping last tiles,
     # and the scalar path below 16
     rng = np.random.default_rng(seed)
@@ -54,10 +54,16 @@ def test_tile_transpose_equals_numpy(n, groups, cg, h, w, ph, pw, seed):
     hp, wp = h + 2 * ph, w + 2 * pw
     want = np.full((n, hp, wp, groups, cg4), 17, np.uint8)
     want[:, ph : ph + h, pw : pw + w, :, :cg] = x.transpose(0, 2, 3, 1).reshape(n, h, w, groups, cg)
-    got = np.full((n, hp, wp, groups, cg4), 17, np.uint8)
+    got = np.full((n, hp, wp, groups, cg4), 99, np.uint8)  # the border must be overwritten
     nchw_into_padded_nhwc(
-        x.reshape(-1), n, c, h, w, groups, cg, cg4, ph, pw, wp, hp, got.reshape(-1)
+        x.reshape(-1), n, c, h, w, groups, cg, cg4, ph, pw, wp, hp, 17, got.reshape(-1)
     )
+    np.testing.assert_array_equal(got, want)
+    got[...] = 99
+    nhwc_into_padded_nhwc(
+        np.ascontiguousarray(x.transpose(0, 2, 3, 1)).reshape(-1),
+        n, h, w, groups, cg, cg4, ph, pw, wp, hp, 17, got.reshape(-1),
+    )  # fmt: skip
     np.testing.assert_array_equal(got, want)
 
 

@@ -38,7 +38,7 @@ from quantbridge.kernels._pack import (
     weight_zero_points,
 )
 from quantbridge.kernels._threads import apply_num_threads
-from quantbridge.kernels._transpose import nchw_into_padded_nhwc
+from quantbridge.kernels._transpose import nchw_into_padded_nhwc, nhwc_into_padded_nhwc
 
 
 def _pair(name: str, value: int | tuple[int, ...], dims: int, minimum: int) -> tuple[int, ...]:
@@ -224,12 +224,14 @@ def _conv(
     if nhwc is not None and ph == pw == 0 and cg == cg4:
         xp = nhwc.reshape(n, h, w, g, cg4)  # already the layout the kernels read: no copy
     else:
-        xp = np.full((n, hp, wp, g, cg4), a_zp, np.uint8)
+        xp = np.empty((n, hp, wp, g, cg4), np.uint8)  # every byte is written below
         if nhwc is not None:
-            xp[:, ph : ph + h, pw : pw + w, :, :cg] = nhwc.reshape(n, h, w, g, cg)
+            nhwc_into_padded_nhwc(
+                nhwc.reshape(-1), n, h, w, g, cg, cg4, ph, pw, wp, hp, a_zp, xp.reshape(-1)
+            )
         else:
             nchw_into_padded_nhwc(
-                x4.reshape(-1), n, c, h, w, g, cg, cg4, ph, pw, wp, hp, xp.reshape(-1)
+                x4.reshape(-1), n, c, h, w, g, cg, cg4, ph, pw, wp, hp, a_zp, xp.reshape(-1)
             )
     rowoffs = packed.row_offsets(n, hp, wp, oh, ow)
     m = rowoffs.shape[0]

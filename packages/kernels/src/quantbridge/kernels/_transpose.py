@@ -1,4 +1,4 @@
-"""Channel-major (NCHW) uint8 input → zero-point-padded channels-last buffer for conv.
+"""uint8 conv input (NCHW or channels-last) → the zero-point-padded channels-last buffer.
 
 numpy's transposing copy moves ~3 bytes per ns here; the conv kernels then wait on it (60 µs
 of a 620 µs 64-channel 56x56 conv). The copy below moves 16x16 byte tiles through vector
@@ -79,25 +79,53 @@ def _tile_start(i, length):  # type: ignore[no-untyped-def]  # numba types the a
 
 
 @njit(cache=True, nogil=True)
-def nchw_into_padded_nhwc(  # type: ignore[no-untyped-def]  # numba types the arguments
-    x, n, c, h, w, groups, cg, cg4, ph, pw, wp, hp, out
-):  # fmt: skip
-    """Copy flat NCHW ``x`` into the interior of flat ``out`` laid out ``[n, hp, wp, groups, cg4]``.
+def _fill(out, start, stop, value):  # type: ignore[no-untyped-def]  # numba types the arguments
+    # loops over views indexed from 0 vectorize; numba's slice assignment (overlap checks)
+    # and loops over ``out[start + k]`` (negative-index wraparound) run 6-25x slower
+    view = out[start:stop]
+    for k in range(view.shape[0]):
+        view[k] = value
 
-    Input channel ``g*cg + k`` lands at ``g*cg4 + k``; the border and the channel padding of
-    ``out`` are left as they are (the caller fills them with the zero point).
+
+@njit(cache=True, nogil=True)
+def _copy(out, dst, x, src, count):  # type: ignore[no-untyped-def]  # numba types the arguments
+    to = out[dst : dst + count]
+    frm = x[src : src + count]
+    for k in range(count):
+        to[k] = frm[k]
+
+
+@njit(cache=True, nogil=True)
+def nchw_into_padded_nhwc(  # type: ignore[no-untyped-def]  # numba types the arguments
+    x, n, c, h, w, groups, cg, cg4, ph, pw, wp, hp, fill, out
+):  # fmt: skip
+    """Fill flat ``out`` laid out ``[n, hp, wp, groups, cg4]`` from flat NCHW ``x``.
+
+    Input channel ``g*cg + k`` lands at ``g*cg4 + k`` of pixel ``(ph + i, pw + j)``; the
+    border pixels and the channel padding get ``fill`` (the zero point), so ``out`` may start
+    uninitialized (saves a separate fill pass over the whole buffer).
     """
     ctot = groups * cg4
     hw = h * w
+    rowlen = wp * ctot
     tiled = cg >= TILE and w >= TILE
     ntc = (cg + TILE - 1) // TILE
     ntw = (w + TILE - 1) // TILE
     for b in range(n):
+        img = b * hp * rowlen
+        _fill(out, img, img + ph * rowlen, fill)
+        _fill(out, img + (ph + h) * rowlen, img + hp * rowlen, fill)
         for i in range(h):
-            drow = ((b * hp + ph + i) * wp + pw) * ctot
+            rbase = img + (ph + i) * rowlen
+            _fill(out, rbase, rbase + pw * ctot, fill)
+            _fill(out, rbase + (pw + w) * ctot, rbase + rowlen, fill)
+            drow = rbase + pw * ctot
             for g in range(groups):
                 src0 = ((b * c + g * cg) * h + i) * w
                 dst0 = drow + g * cg4
+                if cg4 > cg:
+                    for j in range(w):
+                        _fill(out, dst0 + j * ctot + cg, dst0 + j * ctot + cg4, fill)
                 if tiled:
                     for tc in range(ntc):
                         c0 = _tile_start(tc, cg)
@@ -110,3 +138,31 @@ def nchw_into_padded_nhwc(  # type: ignore[no-untyped-def]  # numba types the ar
                     for k in range(cg):
                         for j in range(w):
                             out[dst0 + j * ctot + k] = x[src0 + k * hw + j]
+
+
+@njit(cache=True, nogil=True)
+def nhwc_into_padded_nhwc(  # type: ignore[no-untyped-def]  # numba types the arguments
+    x, n, h, w, groups, cg, cg4, ph, pw, wp, hp, fill, out
+):  # fmt: skip
+    """``nchw_into_padded_nhwc`` for channels-last input: flat ``x`` laid out ``[n, h, w, C]``."""
+    ctot = groups * cg4
+    c = groups * cg
+    rowlen = wp * ctot
+    for b in range(n):
+        img = b * hp * rowlen
+        _fill(out, img, img + ph * rowlen, fill)
+        _fill(out, img + (ph + h) * rowlen, img + hp * rowlen, fill)
+        for i in range(h):
+            rbase = img + (ph + i) * rowlen
+            _fill(out, rbase, rbase + pw * ctot, fill)
+            _fill(out, rbase + (pw + w) * ctot, rbase + rowlen, fill)
+            src = (b * h + i) * w * c
+            dst = rbase + pw * ctot
+            if cg4 == cg:  # one contiguous run per input row
+                _copy(out, dst, x, src, w * c)
+                continue
+            for j in range(w):
+                for g in range(groups):
+                    d = dst + j * ctot + g * cg4
+                    _copy(out, d, x, src + j * c + g * cg, cg)
+                    _fill(out, d + cg, d + cg4, fill)
