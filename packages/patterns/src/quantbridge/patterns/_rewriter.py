@@ -430,15 +430,18 @@ def find_rewrite_matches(
             raise PatternError(
                 f"rules[{i}]: expected a ReplacementPattern, got {type(rule).__name__}"
             )
-    # Index: anchor operator -> rules (in order), each with the operator its first argument
-    # must be (None: anything), so a node is only tried against rules that can match it.
-    by_key: dict[tuple[int, object], list[tuple[ReplacementPattern, _Key | None]]] = {}
-    for rule in rule_list:
+    # Index: anchor operator -> (rules whose first argument may be anything, rules by the
+    # operator their first argument must be), each with its position in ``rules``; a node is
+    # only tried against the rules that can match it, in the order given.
+    by_key: dict[_Key, tuple[list[tuple[int, ReplacementPattern]], dict[_Key, list[Any]]]] = {}
+    for position, rule in enumerate(rule_list):
         root = rule._compiled
+        any_first, by_first = by_key.setdefault((root.kind, root.ident), ([], {}))
         first = root.args[0] if root.args else None
-        first_key = (first.kind, first.ident) if isinstance(first, _ROp) else None
-        by_key.setdefault((root.kind, root.ident), []).append((rule, first_key))
-    checks_arg = {k: any(fk is not None for _, fk in v) for k, v in by_key.items()}
+        if isinstance(first, _ROp):
+            by_first.setdefault((first.kind, first.ident), []).append((position, rule))
+        else:
+            any_first.append((position, rule))
     # (anchor key, first argument's key) -> the rules to try there, merged on first use
     merged: dict[tuple[_Key, _Key | None], list[ReplacementPattern]] = {}
     resolver = _Resolver(graph_module)
@@ -450,16 +453,18 @@ def find_rewrite_matches(
         key = resolver.key(node)
         if key is None:
             continue
-        entries = by_key.get(key)
-        if entries is None:
+        indexed = by_key.get(key)
+        if indexed is None:
             continue
+        any_first, by_first = indexed
         arg_key = None
-        if checks_arg[key]:
+        if by_first:
             first_arg = node.args[0] if node.args else None
             arg_key = resolver.key(first_arg) if isinstance(first_arg, Node) else None
         candidates = merged.get((key, arg_key))
         if candidates is None:
-            candidates = [r for r, fk in entries if fk is None or fk == arg_key]
+            own = by_first.get(arg_key, []) if arg_key is not None else []
+            candidates = [rule for _, rule in sorted(any_first + own, key=lambda e: e[0])]
             merged[(key, arg_key)] = candidates
         for rule in candidates:
             match = _try(rule, node, resolver)
