@@ -59,11 +59,9 @@ def lowering_report(model: GraphModule) -> LoweringReport:
 
 def _module_types(gm: GraphModule) -> set[type]:
     """Classes of the modules the graph calls (the original class of parametrized ones)."""
-    types: set[type] = set()
-    for node in gm.graph.nodes:
-        if node.op == "call_module":
-            types.add(type_before_parametrizations(gm.get_submodule(str(node.target))))
-    return types
+    modules = dict(gm.named_modules())
+    called = {str(n.target) for n in gm.graph.nodes if n.op == "call_module"}
+    return {type_before_parametrizations(modules[t]) for t in called if t in modules}
 
 
 def _subclass_variants(pattern: Pattern, types: set[type]) -> list[Pattern]:
@@ -129,7 +127,7 @@ class _Pass:
     def run(self) -> None:
         gm = self.ctx.graph_module
         # graph module classes that subclass a class the table names (rarely any)
-        named = {c for rule in self.rules for op in rule.ops for c in _module_classes(op)}
+        named = {c for rule in self.rules for c in rule._module_classes}
         self._types = {t for t in _module_types(gm) if any(b in named for b in t.__mro__[1:])}
         static = self._find("static")
         floats = self._find("float_output")
@@ -220,14 +218,6 @@ class _Pass:
         gm.delete_all_unused_submodules()
         graph.lint()
         gm.recompile()
-
-
-def _module_classes(pattern: Pattern) -> Iterable[type]:
-    if isinstance(pattern, tuple):
-        for p in pattern:
-            yield from _module_classes(p)
-    elif isinstance(pattern, type) and issubclass(pattern, nn.Module):
-        yield pattern
 
 
 def _check_rules(rules: Iterable[LoweringRule]) -> tuple[LoweringRule, ...]:

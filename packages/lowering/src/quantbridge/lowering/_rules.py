@@ -14,11 +14,12 @@ the reason when the kernels cannot run the match. The built-in table is in ``_ta
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeAlias
 
 import torch
+from torch import nn
 from torch.fx import Node
 
 from quantbridge.lowering._context import (
@@ -142,6 +143,7 @@ class LoweringRule:
     constraints: tuple[ArgConstraint, ...] = ()
     match_filter: Callable[[RewriteMatch], bool] | None = None
     _compiled: tuple[ReplacementPattern, ...] = field(init=False, repr=False)
+    _module_classes: frozenset[type] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         where = f"LoweringRule {self.name!r}"
@@ -171,6 +173,8 @@ class LoweringRule:
                 raise LoweringError(str(e)) from e
         object.__setattr__(self, "constraints", tuple(self.constraints))
         object.__setattr__(self, "_compiled", tuple(self.compile(op) for op in self.ops))
+        classes = frozenset(c for op in self.ops for c in _module_classes(op))
+        object.__setattr__(self, "_module_classes", classes)
 
     def full_pattern(self, op: Pattern) -> Pattern:
         """The complex pattern searched for ``op``: wrapped in the quantize if static."""
@@ -183,9 +187,18 @@ class LoweringRule:
             return ReplacementPattern(
                 pattern=self.full_pattern(op),
                 build=_not_rewritten,
-                constraints=extra + self.constraints,
+                constraints=self.constraints + extra,  # the rule's own first: more selective
                 match_filter=self.match_filter,
                 name=f"{self.name}: {op!r}",
             )
         except PatternError as e:
             raise LoweringError(f"LoweringRule {self.name!r}, op {op!r}: {e}") from e
+
+
+def _module_classes(pattern: Pattern) -> Iterator[type]:
+    """The nn.Module classes named anywhere in a complex pattern."""
+    if isinstance(pattern, tuple):
+        for p in pattern:
+            yield from _module_classes(p)
+    elif isinstance(pattern, type) and issubclass(pattern, nn.Module):
+        yield pattern
