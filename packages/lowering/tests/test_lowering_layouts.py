@@ -74,3 +74,30 @@ def test_channels_last_chain_gives_the_numbers_of_nchw_convs(case_name: str, bac
         mod._fn = lambda *a, _fn=fn, **kw: _fn(*a, **{**kw, "channels_last": False})
     got = lowered(*x)
     torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+class ConvView(torch.nn.Module):
+    """The classic ``x.view(x.size(0), -1)`` after a conv: NCHW-only on channels-last data."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 8, 3, padding=1)
+        self.fc = torch.nn.Linear(8 * 6 * 6, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.conv(x)
+        return self.fc(y.view(y.size(0), -1))
+
+
+@pytest.mark.parametrize("backend_name", NUMBA)
+def test_view_after_conv_runs_as_reshape(backend_name: str):
+    case = zoo.Case("conv_view", ConvView, zoo._randn(2, 3, 6, 6))
+    backend = L.get_backend(backend_name)
+    reference = zoo.reference_model(case, backend)
+    lowered = backend.lower(reference)
+    report = L.lowering_report(lowered)
+    assert any("reshape on uint8 codes" in what for _, what in report.lowered)
+    x = case.inputs(3)
+    out_dq = next(n for n in reference.graph.nodes if n.op == "output").args[0]
+    step = float(getattr(reference, str(out_dq.args[1].target)))  # the fc output's scale
+    assert (lowered(*x) - reference(*x)).abs().max() <= step + 1e-6  # within one code

@@ -382,8 +382,13 @@ def _build_shape(ctx: LoweringContext, m: RuleMatch) -> Node:
     x, in_qp = _single_input(ctx, node, sizes_ok=True)
     if not node.args:
         raise NotLowerableError("shape op with its input passed by keyword")
-    new = ctx.create_node(node.op, node.target, (x, *node.args[1:]), dict(node.kwargs))
-    what = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
+    target = node.target
+    if node.op == "call_method" and target == "view":
+        # lowered convs return channels-last codes, which ``view`` cannot always flatten;
+        # ``reshape`` gives the same values and copies only when a view is impossible
+        target = "reshape"
+    new = ctx.create_node(node.op, target, (x, *node.args[1:]), dict(node.kwargs))
+    what = target if isinstance(target, str) else getattr(target, "__name__", "")
     ctx.record(new, f"{what} on uint8 codes")
     return ctx.requantize(new, in_qp, m.out_qparams)
 
