@@ -188,7 +188,8 @@ def _max_pool_dense(x, out, kh, kw, sh, sw):  # type: ignore[no-untyped-def]
 
 @numba.njit(cache=True)
 def _max_pool_nhwc(x, out, kh, kw, sh, sw, ph, pw, dh, dw):  # type: ignore[no-untyped-def]
-    # x [N, H, W, C], out [N, OH, OW, C]: the channel loop innermost, contiguous
+    # x [N, H, W, C], out [N, OH, OW, C]: the channel loop innermost and branch-free, so it
+    # vectorizes (unsigned byte max); loops instead of slice assignment (numba's is slow)
     h, w, c = x.shape[1], x.shape[2], x.shape[3]
     for b in range(x.shape[0]):
         for oy in range(out.shape[1]):
@@ -198,13 +199,13 @@ def _max_pool_nhwc(x, out, kh, kw, sh, sw, ph, pw, dh, dw):  # type: ignore[no-u
                 x0 = ox * sw - pw
                 j0, j1 = _taps(x0, kw, dw, w)
                 dst = out[b, oy, ox]
-                dst[:] = 0  # a window entirely in the padding gives 0, as in torch
+                for ch in range(c):
+                    dst[ch] = 0  # a window entirely in the padding gives 0, as in torch
                 for i in range(i0, i1):
                     for j in range(j0, j1):
                         src = x[b, y0 + i * dh, x0 + j * dw]
                         for ch in range(c):
-                            if src[ch] > dst[ch]:
-                                dst[ch] = src[ch]
+                            dst[ch] = max(dst[ch], src[ch])
 
 
 @numba.njit(cache=True, parallel=True)
@@ -308,7 +309,8 @@ def _avg_pool_nhwc(x, out, kh, kw, sh, sw, ph, pw, include_pad, divisor, ratio, 
                 ya, yb = max(y0, 0), min(y1, h)
                 xa, xb = max(x0, 0), min(x1, w)
                 count = (yb - ya) * (xb - xa)
-                total[:] = 0
+                for ch in range(c):
+                    total[ch] = 0
                 for y in range(ya, yb):
                     for xx in range(xa, xb):
                         src = x[b, y, xx]
@@ -321,9 +323,10 @@ def _avg_pool_nhwc(x, out, kh, kw, sh, sw, ph, pw, include_pad, divisor, ratio, 
                 else:
                     div = count
                 m = np.float32(ratio / div)
+                dst = out[b, oy, ox]
                 for ch in range(c):
                     r = np.rint(np.float32(total[ch] - np.int32(count * zp_in)) * m + zpf)
-                    out[b, oy, ox, ch] = np.uint8(min(max(r, np.float32(0.0)), np.float32(255.0)))
+                    dst[ch] = np.uint8(min(max(r, np.float32(0.0)), np.float32(255.0)))
 
 
 @numba.njit(cache=True, parallel=True)
@@ -428,10 +431,13 @@ def _adaptive(x, out):  # type: ignore[no-untyped-def]
 
 @numba.njit(cache=True)
 def _adaptive_nhwc(x, out):  # type: ignore[no-untyped-def]
-    # x [N, H, W, C], out [N, OH, OW, C]; the numbers of _adaptive_plane, channel loop innermost
+    # x [N, H, W, C], out [N, OH, OW, C]; the numbers of _adaptive_plane, channel loop innermost.
+    # Sums run in int32 (twice the vector width of int64) over at most 2**23 codes at a time
+    # (255 * 2**23 < 2**31), flushed into int64 totals.
     h, w, c = x.shape[1], x.shape[2], x.shape[3]
     oh, ow = out.shape[1], out.shape[2]
     total = np.empty(c, np.int64)
+    part = np.empty(c, np.int32)
     for b in range(x.shape[0]):
         for oy in range(oh):
             ya, yb = _window(oy, oh, h)
@@ -439,15 +445,23 @@ def _adaptive_nhwc(x, out):  # type: ignore[no-untyped-def]
             for ox in range(ow):
                 xa, xb = _window(ox, ow, w)
                 r = rh / np.float32(xb - xa)
-                total[:] = 0
-                for y in range(ya, yb):
-                    for xx in range(xa, xb):
-                        src = x[b, y, xx]
-                        for ch in range(c):
-                            total[ch] += np.int64(src[ch])
+                rows = max(1, (1 << 23) // (xb - xa))
+                for ch in range(c):
+                    total[ch] = 0
+                for y0 in range(ya, yb, rows):
+                    for ch in range(c):
+                        part[ch] = 0
+                    for y in range(y0, min(yb, y0 + rows)):
+                        for xx in range(xa, xb):
+                            src = x[b, y, xx]
+                            for ch in range(c):
+                                part[ch] += np.int32(src[ch])
+                    for ch in range(c):
+                        total[ch] += part[ch]
+                dst = out[b, oy, ox]
                 for ch in range(c):
                     v = np.rint(np.float32(total[ch]) * r)
-                    out[b, oy, ox, ch] = np.uint8(min(v, 255.0))
+                    dst[ch] = np.uint8(min(v, 255.0))
 
 
 @numba.njit(cache=True, parallel=True)
@@ -470,6 +484,11 @@ def adaptive_avg_pool2d(
     check_target(target)
     arr, planes, h, w, nhwc = _planes("x", x)
     oh, ow = _pair("output_size", output_size, minimum=1)
+    if nhwc is not None and w >= 1 << 23:
+        raise KernelError(
+            f"x: channels-last input {w} wide; rows of 2**23 or more codes are only supported "
+            "C-contiguous (pass np.ascontiguousarray(x))"
+        )
     result, result_nhwc = _output(arr, oh, ow, out, nhwc)
     if nhwc is not None:
         _adaptive_nhwc(nhwc, result_nhwc)
