@@ -206,8 +206,8 @@ def test_non_dense_input_is_refused():
 @given(
     n=st.integers(1, 2),
     c=st.integers(1, 20),
-    h=st.integers(3, 9),
-    w=st.integers(3, 9),
+    h=st.integers(5, 9),  # a 3-tap window with dilation 2 spans 5
+    w=st.integers(5, 9),
     k=st.integers(1, 3),
     stride=st.integers(1, 2),
     pad=st.integers(0, 1),
