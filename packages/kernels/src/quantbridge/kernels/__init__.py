@@ -11,7 +11,7 @@ from quantbridge.kernels import _jitcache
 
 # isort: split
 from quantbridge.kernels._activation import clamp, hardtanh, relu, relu6
-from quantbridge.kernels._conv import PackedConvWeight, conv1d, conv2d
+from quantbridge.kernels._conv import PackedConvWeight, conv1d, conv2d, conv2d_add
 from quantbridge.kernels._elementwise import add, add_relu, mul, mul_relu
 from quantbridge.kernels._embedding import (
     PackedEmbedding,
@@ -62,6 +62,7 @@ __all__ = [
     "PackedLinearWeight",
     "conv1d",
     "conv2d",
+    "conv2d_add",
     "get_num_threads",
     "linear",
     "linear_dynamic",

@@ -24,9 +24,11 @@ import numpy as np
 import numpy.typing as npt
 from numba import njit
 
-from quantbridge.kernels._checks import check_array
+from quantbridge.kernels._checks import check_array, check_zero_point
+from quantbridge.kernels._elementwise import _add_params, add_relu
+from quantbridge.kernels._elementwise import add as add_plain
 from quantbridge.kernels._errors import KernelError
-from quantbridge.kernels._gemm_run import row_chunk, run_gemm
+from quantbridge.kernels._gemm_run import NO_ADD, NO_RESIDUAL, row_chunk, run_gemm
 from quantbridge.kernels._gemm_simd import drive_vnni_u8t, serial_vnni_u8t
 from quantbridge.kernels._layout import channels_last_data
 from quantbridge.kernels._linear import PackedLinearWeight, _fast_zp
@@ -37,6 +39,7 @@ from quantbridge.kernels._pack import (
     weight_scales,
     weight_zero_points,
 )
+from quantbridge.kernels._quantize import f32_scale
 from quantbridge.kernels._threads import apply_num_threads
 from quantbridge.kernels._transpose import nchw_into_padded_nhwc, nhwc_into_padded_nhwc
 
@@ -190,6 +193,7 @@ def _conv(
     channels_last: bool,
     dims: int,
     name: str,
+    fused_add: tuple[npt.NDArray[np.uint8], npt.NDArray[np.float32]] | None = None,
 ) -> npt.NDArray[np.uint8]:
     if not isinstance(packed, PackedConvWeight):
         raise KernelError(f"packed: expected a PackedConvWeight, got {type(packed).__name__}")
@@ -275,6 +279,7 @@ def _conv(
             o_zp if relu else 0,
             False,
             threads,
+            *(fused_add or (None, None)),
         )
         if packed.groups == 1:
             out = res.reshape(n, oh, ow, packed.oc)  # type: ignore[assignment]  # no scatter
@@ -298,7 +303,7 @@ def _serial_u8t_batch(  # type: ignore[no-untyped-def]  # numba types the argume
         serial_vnni_u8t(
             flat, rowoffs[b * hw : (b + 1) * hw], hw, koffs, koffs.shape[0], bp, npanels,
             flat_res[b * per : (b + 1) * per], hw, colcorr, wzp, rowsum[b * hw : (b + 1) * hw],
-            biasq, mult, ozp, qmin, 255, hw,
+            biasq, mult, ozp, qmin, 255, hw, NO_RESIDUAL, NO_ADD,
         )  # fmt: skip
 
 
@@ -356,6 +361,8 @@ def _conv_nchw_direct(
                 o_zp if relu else 0,
                 255,
                 mchunk,
+                NO_RESIDUAL,
+                NO_ADD,
             )
     if pg.n_padded != packed.oc:
         res = np.ascontiguousarray(res[:, : packed.oc])
@@ -422,3 +429,76 @@ def conv1d(
         x, packed, x_scale, x_zero_point, out_scale, out_zero_point, relu, num_threads,
         channels_last, 1, "conv1d",
     )  # fmt: skip
+
+
+def conv2d_add(
+    x: npt.NDArray[np.uint8],
+    packed: PackedConvWeight,
+    x_scale: float,
+    x_zero_point: int,
+    conv_scale: float,
+    conv_zero_point: int,
+    other: npt.NDArray[np.uint8],
+    other_scale: float,
+    other_zero_point: int,
+    out_scale: float,
+    out_zero_point: int,
+    *,
+    relu_conv: bool = False,
+    relu: bool = False,
+    num_threads: int | None = None,
+) -> npt.NDArray[np.uint8]:
+    """``add(conv2d(x), other)`` (``add_relu`` with ``relu=True``) in one pass: a residual block.
+
+    Exactly ``add[_relu](conv2d(x, packed, x_scale, x_zero_point, conv_scale,
+    conv_zero_point, relu=relu_conv), conv_scale, conv_zero_point, other, other_scale,
+    other_zero_point, out_scale, out_zero_point)``: the conv's output codes are computed and
+    rounded as usual, then added to ``other`` with the add kernel's arithmetic, in the GEMM's
+    epilogue while the block is still in registers (no conv output written and read back).
+    ``other`` has the conv output's shape, C-contiguous or channels-last; the result is
+    channels-last. Fused on ``avx512_vnni``/``avx2`` for groups = 1 and output channels a
+    multiple of the panel width; otherwise the two kernels run one after the other.
+    """
+    conv = conv2d(
+        x, packed, x_scale, x_zero_point, conv_scale, conv_zero_point,
+        relu=relu_conv, num_threads=num_threads, channels_last=True,
+    ) if not _fusable(packed) else None  # fmt: skip
+    if conv is not None:
+        add = add_relu if relu else add_plain
+        return add(
+            conv, conv_scale, conv_zero_point, other, other_scale, other_zero_point,
+            out_scale, out_zero_point,
+        )  # fmt: skip
+    xa = check_array("x", x, np.uint8, 4, contiguous=False)
+    ob = check_array("other", other, np.uint8, 4, contiguous=False)
+    want = (xa.shape[0], packed.oc, *packed.output_size(xa.shape[2], xa.shape[3]))
+    if ob.shape != want:
+        raise KernelError(f"other: expected the conv output's shape {want}, got {ob.shape}")
+    other_nhwc = channels_last_data(ob)
+    if other_nhwc is None:
+        other_nhwc = np.ascontiguousarray(ob.transpose(0, 2, 3, 1))
+    sa, pa, sb, pb, inv, zp = _add_params(
+        f32_scale("conv_scale", conv_scale),
+        check_zero_point("conv_zero_point", conv_zero_point, 0, 255),
+        f32_scale("other_scale", other_scale),
+        check_zero_point("other_zero_point", other_zero_point, 0, 255),
+        f32_scale("out_scale", out_scale),
+        check_zero_point("out_zero_point", out_zero_point, 0, 255),
+    )
+    floor = np.float32(0.0) if relu else np.float32(-np.inf)
+    addp = np.array([sa, pa, sb, pb, inv, floor, zp], np.float32)
+    return _conv(
+        xa, packed, x_scale, x_zero_point, conv_scale, conv_zero_point, relu_conv,
+        num_threads, True, 2, "conv2d_add", (other_nhwc.reshape(-1), addp),
+    )  # fmt: skip
+
+
+def _fusable(packed: PackedConvWeight) -> bool:
+    """The fused epilogue writes rows of the padded width: one group whose width is exact."""
+    return (
+        isinstance(packed, PackedConvWeight)
+        and packed.dims == 2
+        and packed.groups == 1
+        and packed.target in ("avx512_vnni", "avx2")
+        and packed.groups_packed[0].n_padded == packed.oc
+    )

@@ -11,12 +11,16 @@ from quantbridge.kernels._gemm import drive_generic, serial_generic
 from quantbridge.kernels._gemm_simd import (
     drive_avx2_f32,
     drive_avx2_u8,
+    drive_avx2_u8add,
     drive_vnni_f32,
     drive_vnni_u8,
+    drive_vnni_u8add,
     serial_avx2_f32,
     serial_avx2_u8,
+    serial_avx2_u8add,
     serial_vnni_f32,
     serial_vnni_u8,
+    serial_vnni_u8add,
 )
 from quantbridge.kernels._pack import layout, round_up
 
@@ -25,6 +29,8 @@ _DRIVERS = {
     ("avx512_vnni", "f32"): drive_vnni_f32,
     ("avx2", "u8"): drive_avx2_u8,
     ("avx2", "f32"): drive_avx2_f32,
+    ("avx512_vnni", "u8add"): drive_vnni_u8add,
+    ("avx2", "u8add"): drive_avx2_u8add,
 }
 # one thread: plain loops, no parallel-region launch (it costs ~20 us per call)
 _SERIAL = {
@@ -32,7 +38,12 @@ _SERIAL = {
     ("avx512_vnni", "f32"): serial_vnni_f32,
     ("avx2", "u8"): serial_avx2_u8,
     ("avx2", "f32"): serial_avx2_f32,
+    ("avx512_vnni", "u8add"): serial_vnni_u8add,
+    ("avx2", "u8add"): serial_avx2_u8add,
 }
+# what the drivers get for ``res``/``addp`` when no residual add is fused
+NO_RESIDUAL = np.zeros(0, np.uint8)
+NO_ADD = np.zeros(0, np.float32)
 
 
 # m * Np * k-steps below which one thread wins (launch ~20 us vs ~5 us of work at M = 1)
@@ -70,11 +81,15 @@ def run_gemm(
     qmin: int,
     f32_out: bool,
     threads: int,
+    residual: npt.NDArray[np.uint8] | None = None,
+    add_params: npt.NDArray[np.float32] | None = None,
 ) -> npt.NDArray[np.generic]:
     """C[M, n] for activations addressed by ``rowoffs``/``koffs`` and packed B ``bp``.
 
     ``a`` is flat uint8; every address the kernels form stays inside it (checked by the
-    callers' construction of ``rowoffs`` and ``koffs``).
+    callers' construction of ``rowoffs`` and ``koffs``). With ``residual`` (flat uint8 laid out
+    like C, so ``n`` must be the padded width) and ``add_params``, the u8 result goes through
+    the fused add of mode ``u8add`` (``_vnni.py``); IR targets only.
     """
     m = rowoffs.shape[0]
     nk = koffs.shape[0]
@@ -111,7 +126,8 @@ def run_gemm(
         if target == "avx2":
             a = a.astype(np.int16)  # the AVX2 kernels read activations as int16 pairs
         table = _SERIAL if threads == 1 else _DRIVERS
-        drv = table[(target, "f32" if f32_out else "u8")]
+        mode = "f32" if f32_out else ("u8" if residual is None else "u8add")
+        drv = table[(target, mode)]
         drv(
             a,
             rowoffs,
@@ -131,5 +147,7 @@ def run_gemm(
             qmin,
             255,
             mchunk,
+            NO_RESIDUAL if residual is None else residual,
+            NO_ADD if add_params is None else add_params,
         )
     return out if np_ == n else np.ascontiguousarray(out[:, :n])

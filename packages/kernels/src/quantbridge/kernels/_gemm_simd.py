@@ -51,6 +51,8 @@ def _make_driver(target: str, mode: str, parallel: bool) -> Any:
         qmin,
         qmax,
         mchunk,
+        res,
+        addp,
     ):
         nmc = (m + mchunk - 1) // mchunk
         panel = nk * panel_step
@@ -66,19 +68,19 @@ def _make_driver(target: str, mode: str, parallel: bool) -> Any:
                 if left > mid_rows:
                     block_kernel(
                         big, a, rowoffs, i, koffs, nk, bp, boff, c, ldc, min(left, big_rows),
-                        colcorr, wzp, rowsum, biasq, mult, j0, ozp, qmin, qmax,
+                        colcorr, wzp, rowsum, biasq, mult, j0, ozp, qmin, qmax, res, addp,
                     )  # fmt: skip
                     i += big_rows
                 elif left > 1:
                     block_kernel(
                         mid, a, rowoffs, i, koffs, nk, bp, boff, c, ldc, left,
-                        colcorr, wzp, rowsum, biasq, mult, j0, ozp, qmin, qmax,
+                        colcorr, wzp, rowsum, biasq, mult, j0, ozp, qmin, qmax, res, addp,
                     )  # fmt: skip
                     i += mid_rows
                 else:
                     block_kernel(
                         one, a, rowoffs, i, koffs, nk, bp, boff, c, ldc, 1,
-                        colcorr, wzp, rowsum, biasq, mult, j0, ozp, qmin, qmax,
+                        colcorr, wzp, rowsum, biasq, mult, j0, ozp, qmin, qmax, res, addp,
                     )  # fmt: skip
                     i += 1
 
@@ -92,9 +94,13 @@ drive_vnni_u8 = _make_driver("avx512_vnni", "u8", True)
 serial_vnni_u8 = _make_driver("avx512_vnni", "u8", False)
 drive_vnni_u8t = _make_driver("avx512_vnni", "u8t", True)
 serial_vnni_u8t = _make_driver("avx512_vnni", "u8t", False)
+drive_vnni_u8add = _make_driver("avx512_vnni", "u8add", True)
+serial_vnni_u8add = _make_driver("avx512_vnni", "u8add", False)
 drive_vnni_f32 = _make_driver("avx512_vnni", "f32", True)
 serial_vnni_f32 = _make_driver("avx512_vnni", "f32", False)
 drive_avx2_u8 = _make_driver("avx2", "u8", True)
 serial_avx2_u8 = _make_driver("avx2", "u8", False)
+drive_avx2_u8add = _make_driver("avx2", "u8add", True)
+serial_avx2_u8add = _make_driver("avx2", "u8add", False)
 drive_avx2_f32 = _make_driver("avx2", "f32", True)
 serial_avx2_f32 = _make_driver("avx2", "f32", False)

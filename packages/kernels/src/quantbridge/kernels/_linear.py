@@ -26,7 +26,7 @@ from quantbridge.kernels._checks import (
 )
 from quantbridge.kernels._errors import KernelError
 from quantbridge.kernels._gemm import quantize_u8_fma
-from quantbridge.kernels._gemm_run import SERIAL_BELOW, run_gemm, serial_driver
+from quantbridge.kernels._gemm_run import NO_ADD, NO_RESIDUAL, SERIAL_BELOW, run_gemm, serial_driver
 from quantbridge.kernels._pack import (
     K_ALIGN,
     layout,
@@ -279,6 +279,8 @@ def linear(
             o_zp if relu else 0,
             255,
             m,
+            NO_RESIDUAL,
+            NO_ADD,
         )
         # the compiled entry point skips numba's per-call type dispatch (~0.4 us); it is
         # looked up by the exact argument types once, through the dispatcher

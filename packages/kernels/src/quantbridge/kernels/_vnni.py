@@ -25,7 +25,13 @@ valid row (never read out of bounds) and are not stored.
 Epilogue per output element (the rule in ``_requant.py``):
 ``v = acc + colcorr[j] - wzp[j] * rowsum[i]``; mode ``u8``:
 ``clamp(rint((float(v) + biasq[j]) * mult[j]) + ozp, qmin, qmax)``; mode ``f32``:
-``fma(float(v), mult[j], biasq[j])`` (one rounding, as fbgemm's float output does).
+``fma(float(v), mult[j], biasq[j])`` (one rounding, as fbgemm's float output does); mode
+``u8add`` (conv fused with a following quantized add, channels-last output): the u8 code ``q``
+of the block, then with ``addp = [sa, pa, sb, pb, inv, floor, zp]`` and the residual code ``r``
+at the same place of ``res``: ``t = max(fma(sa, q, pa) + fma(sb, r, pb), floor)``,
+``clamp(rint(t * inv) + zp, 0, 255)`` -- exactly the ``add``/``add_relu`` kernel on the
+conv's output codes (``floor`` is 0 for add_relu, -inf for add). Other modes ignore ``res``
+and ``addp``.
 
 All block kernels go through the one module-level intrinsic ``block_kernel`` (numbered by
 ``KERNEL_IDS``), so numba's ``cache=True`` can reload the drivers that call them.
@@ -171,7 +177,7 @@ def _make_kernel(target: str, mr: int, ku: int, mode: str) -> Any:
 
     def codegen(context: Any, builder: ir.IRBuilder, sig: Any, args: Any) -> ir.Value:
         (a, rowoffs, r0, koffs, nk, bp, boff, c, ldc, mvalid) = args[:10]
-        (colcorr, wzp, rowsum, biasq, mult, j0, ozp, qmin, qmax) = args[10:]
+        (colcorr, wzp, rowsum, biasq, mult, j0, ozp, qmin, qmax, res, addp) = args[10:]
         aty = sig.args
 
         def data(i: int, v: ir.Value) -> ir.Value:
@@ -191,6 +197,7 @@ def _make_kernel(target: str, mr: int, ku: int, mode: str) -> Any:
             data(13, biasq),
             data(14, mult),
         )
+        res_p, ap_p = data(19, res), data(20, addp)
         mod = builder.module
         if target == "avx512_vnni":
             fn = _declare(
@@ -279,6 +286,15 @@ def _make_kernel(target: str, mr: int, ku: int, mode: str) -> Any:
         qmin_f = _vec_broadcast(builder, builder.sitofp(builder.trunc(qmin, I32), F32T), lanes)
         qmax_f = _vec_broadcast(builder, builder.sitofp(builder.trunc(qmax, I32), F32T), lanes)
         ozp_v = _vec_broadcast(builder, ozp_f, lanes)
+        if mode == "u8add":  # addp: [sa, pa, sb, pb, inv, floor, zp] (see the module docstring)
+            addv = [
+                _vec_broadcast(
+                    builder, builder.load(builder.gep(ap_p, [ir.Constant(I64, k)])), lanes
+                )
+                for k in range(7)
+            ]
+            zero_f = ir.Constant(vf32, [0.0] * lanes)
+            top_f = ir.Constant(vf32, [255.0] * lanes)
         for v in range(nvec):
             jv = builder.add(j0, ir.Constant(I64, v * lanes))
             wz = _load_vec(builder, builder.gep(wz_p, [jv]), vi32)
@@ -318,7 +334,7 @@ def _make_kernel(target: str, mr: int, ku: int, mode: str) -> Any:
                 fv = builder.sitofp(vals[r], vf32)
                 ridx = builder.add(r0, ir.Constant(I64, r))
                 cidx = builder.add(builder.mul(ridx, ldc), jv)
-                if mode in ("u8", "u8t"):
+                if mode in ("u8", "u8t", "u8add"):
                     # rint, + zero point and the clamp in float (all exact on integral values;
                     # NaN goes to qmin): one conversion back to int
                     x = builder.fadd(
@@ -326,6 +342,21 @@ def _make_kernel(target: str, mr: int, ku: int, mode: str) -> Any:
                     )
                     x = builder.select(builder.fcmp_unordered("<", x, qmin_f), qmin_f, x)
                     x = builder.select(builder.fcmp_ordered(">", x, qmax_f), qmax_f, x)
+                    if mode == "u8add":
+                        # x is the conv's output code; add the residual code as the add kernel
+                        # does: fma(sa, qa, pa) + fma(sb, qb, pb), floor, rint(t * inv) + zp
+                        sa, pa, sb, pb, inv, floor, zpa = addv
+                        rq = _load_vec(
+                            builder, builder.gep(res_p, [cidx]), ir.VectorType(I8, lanes)
+                        )
+                        rf = builder.uitofp(rq, vf32)
+                        t = builder.fadd(
+                            builder.call(vfma, [sa, x, pa]), builder.call(vfma, [sb, rf, pb])
+                        )
+                        t = builder.select(builder.fcmp_ordered("<", t, floor), floor, t)
+                        x = builder.fadd(builder.call(rint, [builder.fmul(t, inv)]), zpa)
+                        x = builder.select(builder.fcmp_unordered("<", x, zero_f), zero_f, x)
+                        x = builder.select(builder.fcmp_ordered(">", x, top_f), top_f, x)
                     outv = builder.trunc(builder.fptosi(x, vi32), ir.VectorType(I8, lanes))
                 else:
                     outv = builder.call(vfma, [fv, mu, bq])
@@ -379,8 +410,8 @@ def vpdpbusd_peak_loop(typingctx: Any, iters: Any) -> Any:
 _BLOCKS = [
     (target, mr, ku, mode)
     for target, sizes, modes in (
-        ("avx512_vnni", ((8, 1), (4, 2), (1, 4)), ("u8", "f32", "u8t")),
-        ("avx2", ((6, 1), (3, 2), (1, 4)), ("u8", "f32")),
+        ("avx512_vnni", ((8, 1), (4, 2), (1, 4)), ("u8", "f32", "u8t", "u8add")),
+        ("avx2", ((6, 1), (3, 2), (1, 4)), ("u8", "f32", "u8add")),
     )
     for mode in modes
     for mr, ku in sizes
@@ -415,15 +446,17 @@ def _block_kernel(
     ozp: Any,
     qmin: Any,
     qmax: Any,
+    res: Any,
+    addp: Any,
 ) -> Any:
-    """``block_kernel(KERNEL_IDS[(target, rows, mode)], <that block kernel's 19 arguments>)``.
+    """``block_kernel(KERNEL_IDS[(target, rows, mode)], <that block kernel's 21 arguments>)``.
 
     ``kind`` must be a compile-time constant; the call then is exactly that block kernel.
     """
     if not isinstance(kind, types.IntegerLiteral):
         return None  # numba retries with the literal type when the value is a constant
     args = (a, rowoffs, r0, koffs, nk, bp, boff, c, ldc, mvalid, colcorr, wzp, rowsum)
-    inner_sig = types.void(*args, biasq, mult, j0, ozp, qmin, qmax)
+    inner_sig = types.void(*args, biasq, mult, j0, ozp, qmin, qmax, res, addp)
     inner_codegen = _CODEGENS[kind.literal_value]
 
     def codegen(context: Any, builder: ir.IRBuilder, sig: Any, cargs: Any) -> ir.Value:
@@ -432,7 +465,7 @@ def _block_kernel(
     return types.void(kind, *inner_sig.args), codegen
 
 
-# typed Any: callers pass the 20 arguments, not numba's typing context
+# typed Any: callers pass the 22 arguments, not numba's typing context
 block_kernel: Any = intrinsic(_block_kernel)
 
 

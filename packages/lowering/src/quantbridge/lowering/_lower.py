@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from itertools import product
+from typing import TypeVar
 
 from torch import nn
 from torch.fx import GraphModule, Node
@@ -145,6 +146,48 @@ class _Pass:
                     self._unmatched_quantize(node)
         self._cleanup()
 
+    def _fuse_residual_adds(self) -> None:
+        """conv → add(+relu) pairs of lowered modules → one ``QuantizedConvAdd`` each.
+
+        A 2-D conv whose only user is a lowered add of the same qparams hands its output codes
+        straight to the add inside the conv kernel's epilogue (``kernels.conv2d_add``): the
+        same numbers without writing and re-reading the conv output (a ResNet block's add).
+        """
+        ctx = self.ctx
+        gm = ctx.graph_module
+        for node in list(ctx.graph.nodes):
+            add = _module_of(gm, node, lm.QuantizedBinary)
+            if add is None or type(add) is not lm.QuantizedBinary or add.kind not in _ADDS:
+                continue
+            operands = ((add._xs, add._xz), (add._bs, add._bz))
+            for i, arg in enumerate(node.args[:2]):
+                conv = _module_of(gm, arg, lm.QuantizedConv)
+                if (
+                    conv is None
+                    or type(conv) is not lm.QuantizedConv
+                    or conv.weight.dim() != 4
+                    or len(arg.users) != 1
+                    or operands[i] != (conv._os, conv._oz)
+                ):
+                    continue
+                assert isinstance(arg, Node)
+                other = node.args[1 - i]
+                fused = lm.QuantizedConvAdd(
+                    conv, operands[1 - i], (add._os, add._oz), add.kind == "add_relu"
+                )
+                new = ctx.add_module(
+                    f"{arg.name}_{add.kind}", fused, (arg.args[0], other), before=node
+                )
+                node.replace_all_uses_with(new)
+                rep = ctx.report
+                rep.lowered = [e for e in rep.lowered if e[0] not in (arg.name, node.name)]
+                rep.lowered.append((new.name, f"{fused.kernel} ({ctx.target}), conv + {add.kind}"))
+                rep.origins[new.name] = rep.origins.pop(node.name, node.name)
+                rep.origins.pop(arg.name, None)
+                ctx.graph.erase_node(node)
+                ctx.graph.erase_node(arg)
+                break
+
     def _apply(self, match: RuleMatch) -> None:
         ctx = self.ctx
         ctx.anchor = match.anchor
@@ -210,6 +253,7 @@ class _Pass:
         graph.eliminate_dead_code()  # first: dequantizes read only by replaced ops go
         self._boundaries()
         graph.eliminate_dead_code()
+        self._fuse_residual_adds()  # on the final graph: a conv's users are real users now
         after = {n.target for n in graph.nodes if n.op == "get_attr"}
         for t in before - after:
             path = str(t)
@@ -234,6 +278,18 @@ def _check_rules(rules: Iterable[LoweringRule]) -> tuple[LoweringRule, ...]:
                 "LoweringRule"
             )
     return table
+
+
+_ADDS = ("add", "add_relu")
+_M = TypeVar("_M", bound=nn.Module)
+
+
+def _module_of(gm: GraphModule, node: object, kind: type[_M]) -> _M | None:
+    """The ``kind`` submodule ``node`` calls, else None."""
+    if not isinstance(node, Node) or node.op != "call_module":
+        return None
+    mod = gm.get_submodule(str(node.target))
+    return mod if isinstance(mod, kind) else None
 
 
 def lower_to_kernels(

@@ -30,6 +30,7 @@ __all__ = [
     "QuantizedAvgPool2d",
     "QuantizedBinary",
     "QuantizedConv",
+    "QuantizedConvAdd",
     "QuantizedDynamicLinear",
     "QuantizedEmbedding",
     "QuantizedEmbeddingBag",
@@ -272,6 +273,78 @@ class QuantizedConv(_WeightedBase):
             f"stride={tuple(self.stride)}, padding={tuple(self.padding)}, groups={self.groups}"
             f"{dw}, relu={self.relu}, {self._pack_details()}"
         )
+
+
+class QuantizedConvAdd(QuantizedConv):
+    """A residual block's conv → add (+relu) in one kernel call: ``kernels.conv2d_add``.
+
+    Made by the lowering pass from a lowered 2-D conv whose only user is a lowered add. Holds
+    the conv's buffers (``scale``/``zero_point`` are the conv output's qparams, still the
+    rounding point of the computation) plus the other operand's (``input2_*``) and the add's
+    output qparams (``add_scale``/``add_zero_point``). Exactly the two modules it replaces.
+    """
+
+    kernel = "kernels.conv2d_add"
+    input2_scale: torch.Tensor
+    input2_zero_point: torch.Tensor
+    add_scale: torch.Tensor
+    add_zero_point: torch.Tensor
+
+    def __init__(
+        self,
+        conv: QuantizedConv,
+        other_qparams: tuple[float, int],
+        out_qparams: tuple[float, int],
+        add_relu: bool,
+    ) -> None:
+        self.add_relu = add_relu
+        super().__init__(
+            conv.weight, conv.weight_scale, conv.weight_zero_point, conv.bias, conv.target,
+            (conv._xs, conv._xz), (conv._os, conv._oz), stride=tuple(conv.stride),
+            padding=tuple(conv.padding), dilation=tuple(conv.dilation), groups=conv.groups,
+            relu=conv.relu,
+        )  # fmt: skip
+        self.kernel = "kernels.conv2d_add"
+        # registered after the base init (which resets the module), then mirrored
+        for name, value, dtype in (
+            ("input2_scale", other_qparams[0], torch.float64),
+            ("input2_zero_point", other_qparams[1], torch.int64),
+            ("add_scale", out_qparams[0], torch.float64),
+            ("add_zero_point", out_qparams[1], torch.int64),
+        ):
+            self.register_buffer(name, torch.tensor(value, dtype=dtype))
+        self._sync()
+
+    def _sync(self) -> None:
+        super()._sync()
+        b = dict(self.named_buffers(recurse=False))
+        if "add_scale" in b:  # absent while the base class initializes
+            self._bs, self._bz = float(b["input2_scale"]), int(b["input2_zero_point"])
+            self._as, self._az = float(b["add_scale"]), int(b["add_zero_point"])
+
+    def forward(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        if is_tracing(x, other):
+            conv = super().forward(x)
+            kind = "add_relu" if self.add_relu else "add"
+            return _t(ops.binary_op(
+                conv, self._os, self._oz, other, self._bs, self._bz, self._as, self._az,
+                kind, self.target,
+            ))  # fmt: skip
+        out = K.conv2d_add(
+            _np_dense(x), self._packed, self._xs, self._xz, self._os, self._oz,
+            _np_dense(other), self._bs, self._bz, self._as, self._az,
+            relu_conv=self.relu, relu=self.add_relu,
+        )  # fmt: skip
+        return torch.from_numpy(out)
+
+    def _qparams_repr(self) -> str:
+        return (
+            f"in=({self._xs:.6g}, {self._xz}), conv=({self._os:.6g}, {self._oz}), "
+            f"other=({self._bs:.6g}, {self._bz}), out=({self._as:.6g}, {self._az})"
+        )
+
+    def _details(self) -> str:
+        return f"{super()._details()}, then {'add_relu' if self.add_relu else 'add'}"
 
 
 class QuantizedBinary(LoweredModule):

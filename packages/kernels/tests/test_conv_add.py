@@ -1,0 +1,82 @@
+"""conv2d_add: the fused residual block equals add(conv2d(...), other) byte for byte."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import quantbridge.kernels as qk
+from quantbridge.kernels import KernelError, PackedConvWeight, available_targets
+from quantbridge.kernels._conv import _fusable
+
+TARGETS = available_targets()
+
+
+def channels_last(x: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(x.transpose(0, 2, 3, 1)).transpose(0, 3, 1, 2)
+
+
+@st.composite
+def cases(draw):
+    return dict(
+        n=draw(st.integers(1, 2)),
+        c=draw(st.sampled_from([3, 8, 16, 33])),
+        oc=draw(st.sampled_from([16, 24, 32, 64])),  # 32/64 fuse on VNNI, 16/32/64 on AVX2
+        k=draw(st.sampled_from([1, 3])),
+        hw=draw(st.integers(3, 9)),
+        stride=draw(st.integers(1, 2)),
+        wzp=draw(st.booleans()),
+        relu=draw(st.booleans()),
+        relu_conv=draw(st.booleans()),
+        other_cl=draw(st.booleans()),
+        threads=draw(st.sampled_from([1, 2])),
+        seed=draw(st.integers(0, 2**32 - 1)),
+    )
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@settings(max_examples=25, deadline=None)
+@given(case=cases())
+def test_conv2d_add_equals_conv_then_add(target, case):
+    rng = np.random.default_rng(case["seed"])
+    n, c, oc, k, hw = case["n"], case["c"], case["oc"], case["k"], case["hw"]
+    x = rng.integers(0, 256, (n, c, hw, hw), dtype=np.uint8)
+    w = rng.integers(-128, 128, (oc, c, k, k), dtype=np.int8)
+    bias = rng.normal(0, 2, oc).astype(np.float32)
+    packed = PackedConvWeight(
+        w, 0.01, 3 if case["wzp"] else 0, bias, stride=case["stride"], padding=k // 2,
+        target=target,
+    )  # fmt: skip
+    conv_s = 0.04 * 0.01 * 60 * np.sqrt(c * k * k)
+    y = qk.conv2d(x, packed, 0.04, 7, conv_s, 90, relu=case["relu_conv"], channels_last=True)
+    other = rng.integers(0, 256, y.shape, dtype=np.uint8)
+    if case["other_cl"]:
+        other = channels_last(other)
+    add = qk.add_relu if case["relu"] else qk.add
+    want = add(y, conv_s, 90, other, 0.06, 120, 0.09, 100)
+    got = qk.conv2d_add(
+        x, packed, 0.04, 7, conv_s, 90, other, 0.06, 120, 0.09, 100,
+        relu_conv=case["relu_conv"], relu=case["relu"], num_threads=case["threads"],
+    )  # fmt: skip
+    np.testing.assert_array_equal(got, want)
+    assert got.transpose(0, 2, 3, 1).flags.c_contiguous  # channels-last
+
+
+def test_fusion_is_taken_where_documented():
+    w64 = np.zeros((64, 8, 3, 3), np.int8)
+    w24 = np.zeros((24, 8, 3, 3), np.int8)
+    for target in TARGETS:
+        fused = target != "generic"
+        assert _fusable(PackedConvWeight(w64, 0.01, target=target)) is fused
+        assert _fusable(PackedConvWeight(w64, 0.01, groups=2, target=target)) is False
+    if "avx512_vnni" in TARGETS:  # 24 channels pad to one 32-wide panel: not fused
+        assert _fusable(PackedConvWeight(w24, 0.01, target="avx512_vnni")) is False
+
+
+def test_conv2d_add_bad_other_shape():
+    packed = PackedConvWeight(np.zeros((64, 8, 3, 3), np.int8), 0.01, padding=1)
+    x = np.zeros((1, 8, 5, 5), np.uint8)
+    with pytest.raises(KernelError, match="other: expected the conv output's shape"):
+        qk.conv2d_add(x, packed, 0.1, 0, 0.1, 0, np.zeros((1, 64, 4, 4), np.uint8), 0.1, 0, 0.1, 0)

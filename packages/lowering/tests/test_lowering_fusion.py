@@ -1,0 +1,84 @@
+"""conv → add(+relu) pairs become one QuantizedConvAdd with the numbers of the two kernels."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch.fx import GraphModule, Interpreter
+
+if str(Path(__file__).parent) not in sys.path:  # helpers, under --import-mode=importlib
+    sys.path.insert(0, str(Path(__file__).parent))
+import lowering_zoo as zoo
+
+import quantbridge.lowering as L
+from quantbridge import kernels as K
+from quantbridge.lowering._modules import QuantizedBinary, QuantizedConv, QuantizedConvAdd
+
+NUMBA = [f"numba_{t}" for t in K.available_targets()]
+CASES = {c.name: c for c in zoo.STATIC_CASES}
+
+
+def _fused_calls(gm: GraphModule, *args: torch.Tensor) -> list[tuple[QuantizedConvAdd, tuple]]:
+    seen: list[tuple[QuantizedConvAdd, tuple]] = []
+
+    class Recorder(Interpreter):
+        def call_module(self, target, args, kwargs):  # type: ignore[no-untyped-def]
+            mod = self.module.get_submodule(str(target))
+            out = super().call_module(target, args, kwargs)
+            if isinstance(mod, QuantizedConvAdd):
+                seen.append((mod, (*args, out)))
+            return out
+
+    Recorder(gm).run(*args)
+    return seen
+
+
+@pytest.mark.parametrize("backend_name", NUMBA)
+def test_residual_add_fuses_into_the_conv_with_the_same_numbers(backend_name: str):
+    case = CASES["residual_add_mul"]
+    backend = L.get_backend(backend_name)
+    lowered = backend.lower(zoo.reference_model(case, backend))
+    calls = _fused_calls(lowered, *case.inputs(1))
+    assert calls  # relu(a(s) + s): conv `a` and the add_relu are one module now
+    for mod, (x, other, out) in calls:
+        conv = K.conv2d(
+            x.numpy(), mod._packed, mod._xs, mod._xz, mod._os, mod._oz, relu=mod.relu,
+            channels_last=True,
+        )  # fmt: skip
+        add = K.add_relu if mod.add_relu else K.add
+        want = add(conv, mod._os, mod._oz, other.numpy(), mod._bs, mod._bz, mod._as, mod._az)
+        assert torch.equal(out, torch.from_numpy(want))
+    # no lowered conv is left whose only user is a lowered add
+    for node in lowered.graph.nodes:
+        if node.op == "call_module" and type(lowered.get_submodule(node.target)) is QuantizedConv:
+            users = list(node.users)
+            assert not (
+                len(users) == 1
+                and users[0].op == "call_module"
+                and type(lowered.get_submodule(users[0].target)) is QuantizedBinary
+                and lowered.get_submodule(users[0].target).kind in ("add", "add_relu")
+            )
+
+
+def test_conv_with_other_users_is_not_fused():
+    # s = stem(x) feeds a conv, the add and the final mul: stem itself must stay a conv
+    case = CASES["residual_add_mul"]
+    backend = L.get_backend("numba")
+    lowered = backend.lower(zoo.reference_model(case, backend))
+    assert type(lowered.get_submodule("stem_1")) is QuantizedConv
+
+
+@pytest.mark.parametrize("backend_name", NUMBA)
+def test_fused_module_state_dict_and_export(backend_name: str):
+    case = CASES["residual_add_mul"]
+    backend = L.get_backend(backend_name)
+    lowered = backend.lower(zoo.reference_model(case, backend, seed=0))
+    other = backend.lower(zoo.reference_model(case, backend, seed=1))
+    x = case.inputs(2)
+    other.load_state_dict(lowered.state_dict())
+    assert torch.equal(other(*x), lowered(*x))
+    exported = torch.export.export(lowered, x)
+    assert torch.equal(exported.module()(*x), lowered(*x))
