@@ -23,19 +23,20 @@ TARGETS = qk.available_targets()
 
 def test_vnni_layout_places_each_weight():
     w = np.arange(-50, 50, dtype=np.int8).reshape(5, 20)
-    packed = pack_b(w, "avx512_vnni").reshape(1, 32 // 4 * 0 + 8, 32, 4)  # K 20 -> 32 = 8 steps
+    packed = pack_b(w, "avx512_vnni").reshape(1, 5, 32, 4)  # K 20 = 5 steps of 4
     for j in range(5):
         for k in range(20):
             assert packed[0, k // 4, j, k % 4] == w[j, k]
     assert not packed[:, :, 5:, :].any()  # padded columns are zero
-    assert not packed[0, 5:, :, :].any()  # padded k steps are zero
+    odd = pack_b(w[:, :18], "avx512_vnni").reshape(1, 5, 32, 4)  # K 18 -> 20
+    assert not odd[0, 4, :, 2:].any()  # the padded k values of the last step are zero
 
 
 def test_avx2_layout_widens_to_int16():
     w = np.array([[-128, 127, 5]], np.int8)
     packed = pack_b(w, "avx2")
     assert packed.dtype == np.int16
-    packed = packed.reshape(1, 8, 16, 2)
+    packed = packed.reshape(1, 2, 16, 2)  # K 3 -> 4 = 2 steps of 2
     assert packed[0, 0, 0].tolist() == [-128, 127]
     assert packed[0, 1, 0].tolist() == [5, 0]
 

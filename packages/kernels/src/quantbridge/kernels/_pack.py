@@ -1,6 +1,6 @@
 """Weight packing: int8 weights -> per-target panel layouts, once, with zero-point sums.
 
-Layouts (``Np``: N rounded up to the panel width, ``Kp``: K rounded up to 16; padding is 0):
+Layouts (``Np``: N rounded up to the panel width, ``Kp``: K rounded up to 4; padding is 0):
 
 * ``avx512_vnni`` and ``generic``: int8 ``[Np/32][Kp/4][32][4]`` — panel p, k-step s, column
   jj, byte u holds ``w[32p + jj, 4s + u]``.
@@ -17,7 +17,10 @@ import numpy.typing as npt
 
 from quantbridge.kernels._errors import KernelError
 
-K_ALIGN = 16
+# K is padded to whole k-steps of every target (VNNI consumes 4 values per step, AVX2 2); the
+# kernels handle any number of steps, so no more padding (it was 16: a 3x3 conv over 4 padded
+# channels, K = 36, then ran 48)
+K_ALIGN = 4
 
 # target -> (panel width, k values per step, packed dtype)
 _LAYOUT: dict[str, tuple[int, int, type[np.integer]]] = {

@@ -233,54 +233,62 @@ def _make_kernel(target: str, mr: int, ku: int, mode: str) -> Any:
         ]
         panel_elems = ir.Constant(I64, nr * kstep)
         nouter = builder.sdiv(nk, ir.Constant(I64, ku))
+
+        def emit_step(step: ir.Value, u: int, prefetch_ahead: bool) -> None:
+            koff = builder.load(builder.gep(ko_p, [step]))
+            bbase = builder.add(boff, builder.mul(step, panel_elems))
+            if prefetch_ahead:
+                # one row streams the weights from L2; fetch a few steps ahead
+                for line in range(ku * nvec):
+                    ahead = builder.add(
+                        bbase,
+                        ir.Constant(
+                            I64, (PREFETCH_STEPS * nr * kstep) + line * 64 // belt.width * 8
+                        ),
+                    )
+                    pf_ptr = builder.bitcast(builder.gep(b_p, [ahead]), I8.as_pointer())
+                    builder.call(
+                        prefetch,
+                        [pf_ptr, ir.Constant(I32, 0), ir.Constant(I32, 3), ir.Constant(I32, 1)],
+                    )
+            bvecs = [
+                _load_vec(
+                    builder,
+                    builder.gep(b_p, [builder.add(bbase, ir.Constant(I64, v * lanes * kstep))]),
+                    bvt,
+                )
+                for v in range(nvec)
+            ]
+            for r in range(mr):
+                aptr = builder.gep(a_p, [builder.add(rbase[r], koff)])
+                if target == "avx512_vnni":
+                    word = builder.load(builder.bitcast(aptr, I32.as_pointer()))
+                    word.align = 1
+                    abc = _vec_broadcast(builder, word, lanes)
+                    for v in range(nvec):
+                        slot = accs[r][u][v]
+                        bw = builder.bitcast(bvecs[v], vi32)
+                        builder.store(builder.call(fn, [builder.load(slot), abc, bw]), slot)
+                else:
+                    # activations arrive widened to int16: one 4-byte broadcast load
+                    pair = builder.load(builder.bitcast(aptr, I32.as_pointer()))
+                    pair.align = 1
+                    abc = builder.bitcast(_vec_broadcast(builder, pair, lanes), bvt)
+                    for v in range(nvec):
+                        slot = accs[r][u][v]
+                        prod = builder.call(fn, [abc, bvecs[v]])
+                        builder.store(builder.add(builder.load(slot), prod), slot)
+
         with cgutils.for_range(builder, nouter) as loop:
             for u in range(ku):
                 step = builder.add(
                     builder.mul(loop.index, ir.Constant(I64, ku)), ir.Constant(I64, u)
                 )
-                koff = builder.load(builder.gep(ko_p, [step]))
-                bbase = builder.add(boff, builder.mul(step, panel_elems))
-                if mr == 1 and u == 0:
-                    # one row streams the weights from L2; fetch a few steps ahead
-                    for line in range(ku * nvec):
-                        ahead = builder.add(
-                            bbase,
-                            ir.Constant(
-                                I64, (PREFETCH_STEPS * nr * kstep) + line * 64 // belt.width * 8
-                            ),
-                        )
-                        pf_ptr = builder.bitcast(builder.gep(b_p, [ahead]), I8.as_pointer())
-                        builder.call(
-                            prefetch,
-                            [pf_ptr, ir.Constant(I32, 0), ir.Constant(I32, 3), ir.Constant(I32, 1)],
-                        )
-                bvecs = [
-                    _load_vec(
-                        builder,
-                        builder.gep(b_p, [builder.add(bbase, ir.Constant(I64, v * lanes * kstep))]),
-                        bvt,
-                    )
-                    for v in range(nvec)
-                ]
-                for r in range(mr):
-                    aptr = builder.gep(a_p, [builder.add(rbase[r], koff)])
-                    if target == "avx512_vnni":
-                        word = builder.load(builder.bitcast(aptr, I32.as_pointer()))
-                        word.align = 1
-                        abc = _vec_broadcast(builder, word, lanes)
-                        for v in range(nvec):
-                            slot = accs[r][u][v]
-                            bw = builder.bitcast(bvecs[v], vi32)
-                            builder.store(builder.call(fn, [builder.load(slot), abc, bw]), slot)
-                    else:
-                        # activations arrive widened to int16: one 4-byte broadcast load
-                        pair = builder.load(builder.bitcast(aptr, I32.as_pointer()))
-                        pair.align = 1
-                        abc = builder.bitcast(_vec_broadcast(builder, pair, lanes), bvt)
-                        for v in range(nvec):
-                            slot = accs[r][u][v]
-                            prod = builder.call(fn, [abc, bvecs[v]])
-                            builder.store(builder.add(builder.load(slot), prod), slot)
+                emit_step(step, u, mr == 1 and u == 0)
+        if ku > 1:  # the steps past the last full interleave, on the first accumulator set
+            done = builder.mul(nouter, ir.Constant(I64, ku))
+            with cgutils.for_range(builder, builder.sub(nk, done)) as rest:
+                emit_step(builder.add(done, rest.index), 0, False)
         # epilogue, in registers
         ozp_f = builder.sitofp(builder.trunc(ozp, I32), F32T)
         qmin_f = _vec_broadcast(builder, builder.sitofp(builder.trunc(qmin, I32), F32T), lanes)
@@ -467,7 +475,3 @@ def _block_kernel(
 
 # typed Any: callers pass the 22 arguments, not numba's typing context
 block_kernel: Any = intrinsic(_block_kernel)
-
-
-# k steps are padded so every kernel's accumulator interleave divides them
-K_UNROLL = 4
