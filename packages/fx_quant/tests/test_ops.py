@@ -315,6 +315,18 @@ def test_opcheck() -> None:
             "zero_points",
         ),
         (lambda x: qb.choose_qparams_per_tensor(x[:0], 0, 255, False), "empty"),
+        (
+            lambda x: qb.choose_qparams_per_tensor(
+                x.index_fill(1, torch.tensor([2]), torch.nan), 0, 255, False
+            ),
+            "NaN or infinity",
+        ),
+        (
+            lambda x: qb.choose_qparams_per_tensor(
+                x.index_fill(1, torch.tensor([0]), torch.inf), 0, 255, False
+            ),
+            "NaN or infinity",
+        ),
     ],
 )
 def test_bad_inputs_raise_fx_quant_error(call, message: str) -> None:  # type: ignore[no-untyped-def]

@@ -26,6 +26,7 @@ Inputs are float32; float16/bfloat16/float64 inputs are converted to float32 fir
 from __future__ import annotations
 
 import functools
+import math
 import struct
 from collections.abc import Callable
 from typing import TypeVar, cast
@@ -555,6 +556,11 @@ def _choose_qparams_per_tensor(
         raise FxQuantError(f"{op}: input is empty; there is no range to choose qparams from")
     x = _check_input_float(op, input)
     lo, hi = torch.aminmax(x)
+    if not (math.isfinite(float(lo)) and math.isfinite(float(hi))):
+        raise FxQuantError(
+            f"{op}: input contains NaN or infinity (min={float(lo)}, max={float(hi)}); dynamic "
+            "quantization needs a finite range (check the activations feeding this op)"
+        )
     scale, zero_point = choose_qparams_values(
         float(lo), float(hi), quant_min, quant_max, reduce_range
     )
