@@ -188,22 +188,27 @@ def _max_pool_dense(x, out, kh, kw, sh, sw):  # type: ignore[no-untyped-def]
 
 @numba.njit(cache=True)
 def _max_pool_nhwc(x, out, kh, kw, sh, sw, ph, pw, dh, dw):  # type: ignore[no-untyped-def]
-    # x [N, H, W, C], out [N, OH, OW, C]: the channel loop innermost and branch-free, so it
-    # vectorizes (unsigned byte max); loops instead of slice assignment (numba's is slow)
-    h, w, c = x.shape[1], x.shape[2], x.shape[3]
-    for b in range(x.shape[0]):
-        for oy in range(out.shape[1]):
+    # x [N, H, W, C], out [N, OH, OW, C]: the channel loop innermost and branch-free over
+    # 0-based views of the flat buffers, so it vectorizes (unsigned byte max); loops instead
+    # of slice assignment (numba's is slow)
+    n, h, w, c = x.shape
+    oh, ow = out.shape[1], out.shape[2]
+    xf, of = x.reshape(-1), out.reshape(-1)
+    for b in range(n):
+        for oy in range(oh):
             y0 = oy * sh - ph
             i0, i1 = _taps(y0, kh, dh, h)
-            for ox in range(out.shape[2]):
+            for ox in range(ow):
                 x0 = ox * sw - pw
                 j0, j1 = _taps(x0, kw, dw, w)
-                dst = out[b, oy, ox]
+                o = ((b * oh + oy) * ow + ox) * c
+                dst = of[o : o + c]
                 for ch in range(c):
                     dst[ch] = 0  # a window entirely in the padding gives 0, as in torch
                 for i in range(i0, i1):
                     for j in range(j0, j1):
-                        src = x[b, y0 + i * dh, x0 + j * dw]
+                        at = ((b * h + y0 + i * dh) * w + x0 + j * dw) * c
+                        src = xf[at : at + c]
                         for ch in range(c):
                             dst[ch] = max(dst[ch], src[ch])
 
