@@ -42,8 +42,8 @@ def _make_generic(parallel: bool) -> Any:
         nmc = (m + mchunk - 1) // mchunk
         panel = nk * 128
         for t in prange(npanels * nmc):  # a plain range when parallel=False
-            p = t // nmc
-            start = (t % nmc) * mchunk
+            p = t % npanels  # row-chunk-major, as the IR drivers
+            start = (t // npanels) * mchunk
             end = min(m, start + mchunk)
             boff = p * panel
             for i in range(start, end):

@@ -2,9 +2,10 @@
 
 One driver body, instantiated per (target, output mode) and per threading (``prange`` with
 ``parallel=True``, a plain loop without). A tile is one packed B panel times up to ``mchunk``
-rows; ``prange`` hands contiguous tile ranges to numba's threads, so a thread keeps reusing the
-same B panel (L1/L2) across row blocks. Row tails use the smaller kernels; rows past the end
-are recomputed from the last valid row and not stored.
+rows, numbered row-chunk-major: ``prange`` hands contiguous tile ranges to numba's threads, so
+when M is split (few panels, e.g. a 64-channel conv) each thread reads only its own rows of
+activations, and runs a panel's rows back to back (B stays in L1) otherwise. Row tails use the
+smaller kernels; rows past the end are recomputed from the last valid row and not stored.
 
 The factory closes over ints only (kernel numbers, block sizes): numba folds them as constants,
 so each driver compiles exactly as a hand-written copy did, and its on-disk cache key (which
@@ -57,8 +58,8 @@ def _make_driver(target: str, mode: str, parallel: bool) -> Any:
         nmc = (m + mchunk - 1) // mchunk
         panel = nk * panel_step
         for t in prange(npanels * nmc):  # a plain range when parallel=False
-            p = t // nmc
-            start = (t % nmc) * mchunk
+            p = t % npanels  # row-chunk-major: a thread keeps its rows (activations)
+            start = (t // npanels) * mchunk
             end = min(m, start + mchunk)
             boff = p * panel
             j0 = p * nr
