@@ -123,9 +123,10 @@ def nchw_into_padded_nhwc(  # type: ignore[no-untyped-def]  # numba types the ar
             for g in range(groups):
                 src0 = ((b * c + g * cg) * h + i) * w
                 dst0 = drow + g * cg4
-                if cg4 > cg:
+                for k in range(cg, cg4):  # channel padding: one strided view per channel
+                    pad = out[dst0 + k : dst0 + k + (w - 1) * ctot + 1 : ctot]
                     for j in range(w):
-                        _fill(out, dst0 + j * ctot + cg, dst0 + j * ctot + cg4, fill)
+                        pad[j] = fill
                 if tiled:
                     for tc in range(ntc):
                         c0 = _tile_start(tc, cg)
@@ -135,9 +136,13 @@ def nchw_into_padded_nhwc(  # type: ignore[no-untyped-def]  # numba types the ar
                                 x, src0 + c0 * hw + j0, hw, out, dst0 + j0 * ctot + c0, ctot
                             )
                 else:
+                    # few channels (a 3-channel input layer) or narrow rows: per channel, a
+                    # contiguous source row into a strided destination, through 0-based views
                     for k in range(cg):
+                        src = x[src0 + k * hw : src0 + k * hw + w]
+                        dst = out[dst0 + k : dst0 + k + (w - 1) * ctot + 1 : ctot]
                         for j in range(w):
-                            out[dst0 + j * ctot + k] = x[src0 + k * hw + j]
+                            dst[j] = src[j]
 
 
 @njit(cache=True, nogil=True)
