@@ -76,7 +76,7 @@ def _cases(target: str) -> list[tuple[str, Callable[[], Any], Callable[[], Any]]
         (
             "conv2d 1x4x6x6 k3",
             lambda: conv(img),
-            lambda: K.conv2d(imgn, conv._packed, 0.02, 128, 0.05, 100),
+            lambda: K.conv2d(imgn, conv._packed, 0.02, 128, 0.05, 100, channels_last=True),
         ),
         (
             "add 1x16",
