@@ -526,12 +526,15 @@ def lowerable_op_names() -> dict[str, str]:
         "Conv1d / Conv2d (+relu, BN folded), depthwise": "kernels.conv1d / conv2d",
         "dynamic Linear (float in/out, int8 weights)": "kernels.linear_dynamic",
         "add / mul (+relu) of two quantized tensors": "kernels.add / add_relu / mul / mul_relu",
+        "Conv2d whose only user is an add (+relu): residual block": "kernels.conv2d_add (fused)",
         "matmul of two quantized tensors": "kernels.matmul",
         "MaxPool2d / max_pool2d": "kernels.max_pool2d",
         "AvgPool2d / avg_pool2d": "kernels.avg_pool2d",
         "AdaptiveAvgPool2d / adaptive_avg_pool2d": "kernels.adaptive_avg_pool2d",
         "activations of one input, scalar add/mul (lookup table)": "kernels.apply_lut",
         "cat": "torch.cat on uint8 (+kernels.requantize)",
-        "flatten, reshape, view, permute, getitem, ...": "the op on uint8 (+kernels.requantize)",
+        "flatten, reshape, view (as reshape), permute, getitem, ...": (
+            "the op on uint8 (+kernels.requantize)"
+        ),
         "EmbeddingBag / Embedding (8-bit weight-only)": "kernels.embedding_bag",
     }
