@@ -258,30 +258,36 @@ def max_pool2d(
 
 
 @numba.njit(cache=True)
+def _avg_window(oy, ox, kh, kw, sh, sw, ph, pw, h, w, include_pad, divisor):  # type: ignore[no-untyped-def]
+    # in-bounds window [ya, yb) x [xa, xb), its element count, and torch's divisor
+    y0, x0 = oy * sh - ph, ox * sw - pw
+    y1, x1 = min(y0 + kh, h + ph), min(x0 + kw, w + pw)
+    ya, yb = max(y0, 0), min(y1, h)
+    xa, xb = max(x0, 0), min(x1, w)
+    count = (yb - ya) * (xb - xa)
+    if divisor > 0:
+        div = divisor
+    elif include_pad:
+        div = (y1 - y0) * (x1 - x0)
+    else:
+        div = count
+    return ya, yb, xa, xb, count, div
+
+
+@numba.njit(cache=True)
 def _avg_plane(x, out, p, kh, kw, sh, sw, ph, pw, include_pad, divisor, ratio, zp_in, zp_out):  # type: ignore[no-untyped-def]
     h, w = x.shape[1], x.shape[2]
     zpf = np.float32(zp_out)
     for oy in range(out.shape[1]):
-        y0 = oy * sh - ph
-        y1 = min(y0 + kh, h + ph)
         for ox in range(out.shape[2]):
-            x0 = ox * sw - pw
-            x1 = min(x0 + kw, w + pw)
-            pool = (y1 - y0) * (x1 - x0)
-            ya, yb = max(y0, 0), min(y1, h)
-            xa, xb = max(x0, 0), min(x1, w)
-            count = (yb - ya) * (xb - xa)
+            ya, yb, xa, xb, count, div = _avg_window(
+                oy, ox, kh, kw, sh, sw, ph, pw, h, w, include_pad, divisor
+            )
             total = np.int32(0)
             for y in range(ya, yb):
                 for xx in range(xa, xb):
                     total += np.int32(x[p, y, xx])
             total -= np.int32(count * zp_in)
-            if divisor > 0:
-                div = divisor
-            elif include_pad:
-                div = pool
-            else:
-                div = count
             m = np.float32(ratio / div)
             r = np.rint(np.float32(total) * m + zpf)
             if r < 0.0:
@@ -305,15 +311,10 @@ def _avg_pool_nhwc(x, out, kh, kw, sh, sw, ph, pw, include_pad, divisor, ratio, 
     total = np.empty(c, np.int32)
     for b in range(x.shape[0]):
         for oy in range(out.shape[1]):
-            y0 = oy * sh - ph
-            y1 = min(y0 + kh, h + ph)
             for ox in range(out.shape[2]):
-                x0 = ox * sw - pw
-                x1 = min(x0 + kw, w + pw)
-                pool = (y1 - y0) * (x1 - x0)
-                ya, yb = max(y0, 0), min(y1, h)
-                xa, xb = max(x0, 0), min(x1, w)
-                count = (yb - ya) * (xb - xa)
+                ya, yb, xa, xb, count, div = _avg_window(
+                    oy, ox, kh, kw, sh, sw, ph, pw, h, w, include_pad, divisor
+                )
                 for ch in range(c):
                     total[ch] = 0
                 for y in range(ya, yb):
@@ -321,12 +322,6 @@ def _avg_pool_nhwc(x, out, kh, kw, sh, sw, ph, pw, include_pad, divisor, ratio, 
                         src = x[b, y, xx]
                         for ch in range(c):
                             total[ch] += np.int32(src[ch])
-                if divisor > 0:
-                    div = divisor
-                elif include_pad:
-                    div = pool
-                else:
-                    div = count
                 m = np.float32(ratio / div)
                 dst = out[b, oy, ox]
                 for ch in range(c):

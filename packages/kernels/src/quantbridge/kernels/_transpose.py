@@ -96,6 +96,20 @@ def _copy(out, dst, x, src, count):  # type: ignore[no-untyped-def]  # numba typ
 
 
 @njit(cache=True, nogil=True)
+def _fill_border(out, img, i, ph, pw, h, w, hp, wp, ctot, fill):  # type: ignore[no-untyped-def]
+    # image row i of the padded buffer starting at img: the pad rows above/below the image
+    # (with its first row) and the pad pixels left/right of the row; returns the row's start
+    rowlen = wp * ctot
+    if i == 0:
+        _fill(out, img, img + ph * rowlen, fill)
+        _fill(out, img + (ph + h) * rowlen, img + hp * rowlen, fill)
+    rbase = img + (ph + i) * rowlen
+    _fill(out, rbase, rbase + pw * ctot, fill)
+    _fill(out, rbase + (pw + w) * ctot, rbase + rowlen, fill)
+    return rbase
+
+
+@njit(cache=True, nogil=True)
 def nchw_into_padded_nhwc(  # type: ignore[no-untyped-def]  # numba types the arguments
     x, n, c, h, w, groups, cg, cg4, ph, pw, wp, hp, fill, out
 ):  # fmt: skip
@@ -113,12 +127,8 @@ def nchw_into_padded_nhwc(  # type: ignore[no-untyped-def]  # numba types the ar
     ntw = (w + TILE - 1) // TILE
     for b in range(n):
         img = b * hp * rowlen
-        _fill(out, img, img + ph * rowlen, fill)
-        _fill(out, img + (ph + h) * rowlen, img + hp * rowlen, fill)
         for i in range(h):
-            rbase = img + (ph + i) * rowlen
-            _fill(out, rbase, rbase + pw * ctot, fill)
-            _fill(out, rbase + (pw + w) * ctot, rbase + rowlen, fill)
+            rbase = _fill_border(out, img, i, ph, pw, h, w, hp, wp, ctot, fill)
             drow = rbase + pw * ctot
             for g in range(groups):
                 src0 = ((b * c + g * cg) * h + i) * w
@@ -155,12 +165,8 @@ def nhwc_into_padded_nhwc(  # type: ignore[no-untyped-def]  # numba types the ar
     rowlen = wp * ctot
     for b in range(n):
         img = b * hp * rowlen
-        _fill(out, img, img + ph * rowlen, fill)
-        _fill(out, img + (ph + h) * rowlen, img + hp * rowlen, fill)
         for i in range(h):
-            rbase = img + (ph + i) * rowlen
-            _fill(out, rbase, rbase + pw * ctot, fill)
-            _fill(out, rbase + (pw + w) * ctot, rbase + rowlen, fill)
+            rbase = _fill_border(out, img, i, ph, pw, h, w, hp, wp, ctot, fill)
             src = (b * h + i) * w * c
             dst = rbase + pw * ctot
             if cg4 == cg:  # one contiguous run per input row
