@@ -218,6 +218,23 @@ def test_an_earlier_rule_takes_precedence_on_a_shared_op(refs: dict[str, GraphMo
     assert ("sig_lut", "kernels.apply_lut (Sigmoid)") in report.lowered
 
 
+def _insert_quantize_dequantize(
+    ref: GraphModule, value: Node, user: Node, name: str, scale: float, zero_point: int
+) -> Node:
+    """``user`` reads ``dequantize(quantize(value))`` with new constant qparams; the quantize."""
+    g = ref.graph
+    ref.register_buffer(f"{name}_scale", torch.tensor(scale))
+    ref.register_buffer(f"{name}_zp", torch.tensor(zero_point))
+    with g.inserting_before(user):
+        s, z = g.get_attr(f"{name}_scale"), g.get_attr(f"{name}_zp")
+        q = g.call_function(_Q, (value, s, z, 0, 255, torch.uint8))
+        dq = g.call_function(_DQ, (q, s, z, 0, 255, torch.uint8))
+    user.replace_input_with(value, dq)
+    g.lint()
+    ref.recompile()
+    return q
+
+
 # --- matching semantics --------------------------------------------------------------------
 
 
@@ -251,15 +268,7 @@ def test_requantize_after_a_shared_dequantize(refs: dict[str, GraphModule]) -> N
     g = ref.graph
     dq = next(n for n in g.nodes if n.target is _DQ and len(n.users) > 1)
     user = next(iter(dq.users))
-    ref.register_buffer("extra_scale", torch.tensor(0.05))
-    ref.register_buffer("extra_zp", torch.tensor(100))
-    with g.inserting_before(user):
-        s, z = g.get_attr("extra_scale"), g.get_attr("extra_zp")
-        q2 = g.call_function(_Q, (dq, s, z, 0, 255, torch.uint8))
-        dq2 = g.call_function(_DQ, (q2, s, z, 0, 255, torch.uint8))
-    user.replace_input_with(dq, dq2)
-    g.lint()
-    ref.recompile()
+    q2 = _insert_quantize_dequantize(ref, dq, user, "extra", 0.05, 100)
 
     gm = _lower(ref)
     report = lowering_report(gm)
@@ -340,15 +349,7 @@ def test_a_static_match_whose_op_was_lowered_as_float_output_is_reported() -> No
     g = ref.graph
     dyn = next(n for n in g.nodes if n.target == "dyn")
     st = next(n for n in g.nodes if n.target == "st")
-    ref.register_buffer("mid_scale", torch.tensor(0.02))
-    ref.register_buffer("mid_zp", torch.tensor(128))
-    with g.inserting_before(st):
-        s, z = g.get_attr("mid_scale"), g.get_attr("mid_zp")
-        q = g.call_function(_Q, (dyn, s, z, 0, 255, torch.uint8))
-        dq = g.call_function(_DQ, (q, s, z, 0, 255, torch.uint8))
-    st.replace_input_with(dyn, dq)
-    g.lint()
-    ref.recompile()
+    _insert_quantize_dequantize(ref, dyn, st, "mid", 0.02, 128)
 
     gm = _lower(ref)
     report = lowering_report(gm)
