@@ -103,7 +103,7 @@ class Linear:
 
 
 class Conv2d:
-    """uint8 x int8 3x3 conv (padding 1), the ResNet block shape."""
+    """uint8 x int8 3x3 conv (padding 1), the ResNet block shape; NCHW in, channels-last out."""
 
     params: ClassVar[list[list[str]]] = [OP_BACKENDS]
     param_names: ClassVar[list[str]] = ["backend"]
@@ -137,8 +137,9 @@ class Conv2d:
             packed = kernels.PackedConvWeight(
                 w, W_SCALE, 0, bias, padding=1, target=kernel_target(backend)
             )
+            # channels-last output: what lowered models use (and torch's quantized conv returns)
             self.fn = lambda: kernels.conv2d(
-                x, packed, X_SCALE, X_ZP, OUT_SCALE, OUT_ZP, num_threads=1
+                x, packed, X_SCALE, X_ZP, OUT_SCALE, OUT_ZP, num_threads=1, channels_last=True
             )
         self.fn()
 
