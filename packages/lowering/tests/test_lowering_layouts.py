@@ -101,3 +101,27 @@ def test_view_after_conv_runs_as_reshape(backend_name: str):
     out_dq = next(n for n in reference.graph.nodes if n.op == "output").args[0]
     step = float(getattr(reference, str(out_dq.args[1].target)))  # the fc output's scale
     assert (lowered(*x) - reference(*x)).abs().max() <= step + 1e-6  # within one code
+
+
+class ConvFeatures(torch.nn.Module):
+    """A feature extractor: the model output is a conv output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 16, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.conv(x))
+
+
+@pytest.mark.parametrize("backend_name", NUMBA)
+def test_model_outputs_are_c_contiguous_like_the_reference(backend_name: str):
+    case = zoo.Case("conv_features", ConvFeatures, zoo._randn(2, 3, 6, 6))
+    backend = L.get_backend(backend_name)
+    reference = zoo.reference_model(case, backend)
+    lowered = backend.lower(reference)
+    x = case.inputs(4)
+    out, ref = lowered(*x), reference(*x)
+    assert out.is_contiguous()
+    assert out.view(2, -1).shape == ref.view(2, -1).shape  # user code may view an output
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)

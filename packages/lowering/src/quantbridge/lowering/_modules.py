@@ -482,7 +482,10 @@ class Quantize(LoweredModule):
 
 
 class Dequantize(LoweredModule):
-    """uint8 → float32 where a quantized chain ends (``dequantize_per_tensor``)."""
+    """uint8 → float32 where a quantized chain ends (``dequantize_per_tensor``).
+
+    The result is C-contiguous whatever the layout of the codes, as the reference model's is.
+    """
 
     kernel = "kernels.dequantize_per_tensor"
 
@@ -492,7 +495,9 @@ class Dequantize(LoweredModule):
                 x, self.input_scale, self.input_zero_point, 0, 255, torch.uint8
             ))  # fmt: skip
         return torch.from_numpy(
-            K.dequantize_per_tensor(_np_dense(x), self._xs, self._xz, target=self.target)
+            # C-contiguous like the reference model's float values (lowered convs return
+            # channels-last codes; user code may ``view`` a model output)
+            K.dequantize_per_tensor(_np(x), self._xs, self._xz, target=self.target)
         )
 
 
