@@ -305,3 +305,49 @@ def test_conv2d_threaded_batch_partial_panels(target):
         x, 0.05, 11, w, w_s, w_zp, bias, 3.0, 77, (1, 1), (1, 1), (1, 1), 1, relu=True
     )
     np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@settings(max_examples=20, deadline=None)
+@given(
+    n=st.integers(1, 2),
+    c=st.integers(2, 70),
+    k=st.integers(1, 3),
+    hw=st.integers(3, 12),
+    stride=st.integers(1, 2),
+    padding=st.integers(0, 1),
+    dilation=st.integers(1, 2),
+    per_channel=st.booleans(),
+    wzp=st.booleans(),
+    relu=st.booleans(),
+    channels_last_in=st.booleans(),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_depthwise_matches_integer_reference(
+    target, n, c, k, hw, stride, padding, dilation, per_channel, wzp, relu, channels_last_in, seed
+):
+    # groups == C == OC runs the channels-last depthwise loops, not the per-group GEMM
+    assume(dilation * (k - 1) + 1 <= hw + 2 * padding)
+    rng = np.random.default_rng(seed)
+    x = rng.integers(0, 256, (n, c, hw, hw), dtype=np.uint8)
+    w = rng.integers(-128, 128, (c, 1, k, k), dtype=np.int8)
+    w_s = rng.uniform(0.002, 0.02, c) if per_channel else 0.01
+    w_zp = (rng.integers(-10, 10, c) if per_channel else 3) if wzp else 0
+    bias = rng.normal(0, 3, c).astype(F32)
+    packed = PackedConvWeight(
+        w, w_s, w_zp, bias, stride=stride, padding=padding, dilation=dilation, groups=c,
+        target=target,
+    )  # fmt: skip
+    assert packed.depthwise
+    xin = (
+        np.ascontiguousarray(x.transpose(0, 2, 3, 1)).transpose(0, 3, 1, 2)
+        if channels_last_in
+        else x
+    )
+    o_s = 0.03 * k  # outputs spread over the uint8 range, little saturation
+    got = conv2d(xin, packed, 0.03, 9, o_s, 100, relu=relu, channels_last=channels_last_in)
+    want = reference_conv2d(
+        x, 0.03, 9, w, w_s, w_zp, bias, o_s, 100, (stride, stride), (padding, padding),
+        (dilation, dilation), c, relu,
+    )  # fmt: skip
+    np.testing.assert_array_equal(got, want)

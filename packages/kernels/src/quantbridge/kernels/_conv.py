@@ -14,8 +14,9 @@ output pixels, so channels-last output is its natural result; C-contiguous NCHW 
 stored channel-major from registers on ``avx512_vnni`` (one group) and transposed by numpy
 otherwise.
 
-Depthwise and small-group convolutions run through the same GEMM (correct, but each group
-pads its output channels to a full panel, so they are not fast).
+Depthwise convs (one input and one output channel per group) run channels-last loops of their
+own (``_depthwise.py``); other small-group convolutions run through the same GEMM (correct,
+but each group pads its output channels to a full panel, so they are not fast).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import numpy.typing as npt
 from numba import njit
 
 from quantbridge.kernels._checks import check_array, check_zero_point
+from quantbridge.kernels._depthwise import MAX_TAPS, depthwise_nhwc, repeat_weights
 from quantbridge.kernels._elementwise import _add_params, add_relu
 from quantbridge.kernels._elementwise import add as add_plain
 from quantbridge.kernels._errors import KernelError
@@ -124,6 +126,13 @@ class PackedConvWeight:
             self.groups_packed.append(p)
         self.target = self.groups_packed[0].target
         self.has_weight_zp = any(p.has_weight_zp for p in self.groups_packed)
+        # one input and one output channel per group: the channels-last depthwise loops
+        self.depthwise = cg == 1 and self.ocg == 1 and groups > 1 and kh * kw <= MAX_TAPS
+        if self.depthwise:
+            w_minus_zp = w4[:, 0].astype(np.int32) - zps[:oc, None, None].astype(np.int32)
+            self._dw_weight = np.ascontiguousarray(w_minus_zp.transpose(1, 2, 0), np.float32)
+            self._dw_rows: dict[int, npt.NDArray[np.float32]] = {}
+        self._dw_epilogue: dict[tuple[float, float], tuple[npt.NDArray[np.float32], ...]] = {}
         self._koffs: dict[tuple[int, int], npt.NDArray[np.int64]] = {}
         self._rowoffs: dict[tuple[int, ...], npt.NDArray[np.int64]] = {}
 
@@ -167,6 +176,22 @@ class PackedConvWeight:
             if len(self._rowoffs) < 64:
                 self._rowoffs[key] = got
         return got
+
+    def depthwise_epilogue(
+        self, x_scale: float, out_scale: float
+    ) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.float32]]:
+        """Per-channel ``(biasq, mult)`` of the GEMM rule, gathered from the groups (cached)."""
+        key = (x_scale, out_scale)
+        got = self._dw_epilogue.get(key)
+        if got is None:
+            parts = [p.epilogue(x_scale, out_scale) for p in self.groups_packed]
+            got = (
+                np.array([bq[0] for bq, _ in parts], np.float32),
+                np.array([m[0] for _, m in parts], np.float32),
+            )
+            if len(self._dw_epilogue) < 64:
+                self._dw_epilogue[key] = got
+        return got  # type: ignore[return-value]
 
     def output_size(self, h: int, w: int) -> tuple[int, int]:
         oh = (h + 2 * self.padding[0] - self.dilation[0] * (self.kh - 1) - 1) // self.stride[0] + 1
@@ -224,6 +249,13 @@ def _conv(
         )
     ph, pw = packed.padding
     hp, wp = h + 2 * ph, w + 2 * pw
+    if packed.depthwise and fused_add is None:
+        dw_out = _depthwise(xa if nhwc is None else None, nhwc, packed, n, c, h, w, oh, ow,
+                            x_scale, out_scale, a_zp, o_zp, relu)  # fmt: skip
+        dw_nchw: npt.NDArray[np.uint8] = dw_out.transpose(0, 3, 1, 2)
+        if not channels_last:
+            dw_nchw = np.ascontiguousarray(dw_nchw)
+        return dw_nchw if dims == 2 else dw_nchw[:, :, 0, :]
     g, cg, cg4 = packed.groups, packed.cg, packed.cg4
     if nhwc is not None and ph == pw == 0 and cg == cg4:
         xp = nhwc.reshape(n, h, w, g, cg4)  # already the layout the kernels read: no copy
@@ -289,6 +321,58 @@ def _conv(
     if not channels_last:
         res_nchw = np.ascontiguousarray(res_nchw)
     return res_nchw if dims == 2 else res_nchw[:, :, 0, :]
+
+
+_NO_ROWS = np.zeros((0, 0, 0), np.float32)  # repeated weights are unused when stride W > 1
+
+
+def _depthwise(
+    x_nchw: npt.NDArray[np.uint8] | None,
+    x_nhwc: npt.NDArray[np.uint8] | None,
+    packed: PackedConvWeight,
+    n: int,
+    c: int,
+    h: int,
+    w: int,
+    oh: int,
+    ow: int,
+    x_scale: float,
+    out_scale: float,
+    a_zp: int,
+    o_zp: int,
+    relu: bool,
+) -> npt.NDArray[np.uint8]:
+    """Depthwise conv into a new NHWC array, reading a zero-point-padded NHWC copy (or the
+    channels-last input itself when no padding is needed)."""
+    ph, pw = packed.padding
+    hp, wp = h + 2 * ph, w + 2 * pw
+    if x_nhwc is not None and ph == pw == 0:
+        xp = x_nhwc.reshape(n, h, w, c)
+    else:
+        xp = np.empty((n, hp, wp, c), np.uint8)
+        if x_nhwc is not None:
+            nhwc_into_padded_nhwc(
+                x_nhwc.reshape(-1), n, h, w, 1, c, c, ph, pw, wp, hp, a_zp, xp.reshape(-1)
+            )
+        else:
+            assert x_nchw is not None
+            nchw_into_padded_nhwc(
+                x_nchw.reshape(-1), n, c, h, w, 1, c, c, ph, pw, wp, hp, a_zp, xp.reshape(-1)
+            )
+    biasq, mult = packed.depthwise_epilogue(x_scale, out_scale)
+    out = np.empty((n, oh, ow, c), np.uint8)
+    sh, sw = packed.stride
+    dh, dw = packed.dilation
+    wrep = packed._dw_rows.get(ow) if sw == 1 else _NO_ROWS
+    if wrep is None:
+        wrep = repeat_weights(packed._dw_weight, ow)
+        if len(packed._dw_rows) < 16:
+            packed._dw_rows[ow] = wrep
+    depthwise_nhwc(
+        xp, packed._dw_weight, wrep, biasq, mult, a_zp, o_zp, o_zp if relu else 0,
+        sh, sw, dh, dw, out,
+    )  # fmt: skip
+    return out
 
 
 @njit(cache=True, nogil=True)
