@@ -100,53 +100,17 @@ def run_gemm(
     out = np.empty((m, np_), np.float32 if f32_out else np.uint8)
     c = out.reshape(-1)
     mchunk = m if threads == 1 else row_chunk(m, npanels, threads)
+    if target == "avx2":
+        a = a.astype(np.int16)  # the AVX2 kernels read activations as int16 pairs
+    args = (a, rowoffs, m, koffs, nk, bp, npanels, c, np_, colcorr, wzp, rowsum, biasq, mult,
+            out_zero_point, qmin, 255, mchunk)  # fmt: skip
     if target == "generic":
-        (serial_generic if threads == 1 else drive_generic)(
-            a,
-            rowoffs,
-            m,
-            koffs,
-            nk,
-            bp,
-            npanels,
-            c,
-            np_,
-            colcorr,
-            wzp,
-            rowsum,
-            biasq,
-            mult,
-            out_zero_point,
-            qmin,
-            255,
-            mchunk,
-            f32_out,
-        )
+        (serial_generic if threads == 1 else drive_generic)(*args, f32_out)
     else:
-        if target == "avx2":
-            a = a.astype(np.int16)  # the AVX2 kernels read activations as int16 pairs
         table = _SERIAL if threads == 1 else _DRIVERS
         mode = "f32" if f32_out else ("u8" if residual is None else "u8add")
-        drv = table[(target, mode)]
-        drv(
-            a,
-            rowoffs,
-            m,
-            koffs,
-            nk,
-            bp,
-            npanels,
-            c,
-            np_,
-            colcorr,
-            wzp,
-            rowsum,
-            biasq,
-            mult,
-            out_zero_point,
-            qmin,
-            255,
-            mchunk,
+        table[(target, mode)](
+            *args,
             NO_RESIDUAL if residual is None else residual,
             NO_ADD if add_params is None else add_params,
         )
