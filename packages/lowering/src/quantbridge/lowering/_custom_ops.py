@@ -71,6 +71,23 @@ def _bias(b: torch.Tensor | None) -> Any:
     return None if b is None else _np(b.detach().to(torch.float32))
 
 
+def _packed_linear(
+    weight: torch.Tensor,
+    w_scale: torch.Tensor,
+    w_zero_point: torch.Tensor,
+    bias: torch.Tensor | None,
+    target: str,
+) -> K.PackedLinearWeight:
+    """The packed linear weight (static and dynamic share it), built once per weight tensor."""
+    packed: K.PackedLinearWeight = _cached(
+        _wkey("linear", weight, target),
+        lambda: K.PackedLinearWeight(
+            _np(weight), *_wqp(w_scale, w_zero_point), _bias(bias), target=target
+        ),
+    )
+    return packed
+
+
 @torch.library.custom_op(f"{_NS}::linear", mutates_args=())
 def linear_op(
     x: torch.Tensor,
@@ -85,12 +102,7 @@ def linear_op(
     relu: bool,
     target: str,
 ) -> torch.Tensor:
-    packed = _cached(
-        _wkey("linear", weight, target),
-        lambda: K.PackedLinearWeight(
-            _np(weight), *_wqp(w_scale, w_zero_point), _bias(bias), target=target
-        ),
-    )
+    packed = _packed_linear(weight, w_scale, w_zero_point, bias, target)
     out = K.linear(_np(x), packed, x_scale, x_zero_point, out_scale, out_zero_point, relu=relu)
     return torch.from_numpy(out)
 
@@ -109,12 +121,7 @@ def linear_dynamic_op(
     bias: torch.Tensor | None,
     target: str,
 ) -> torch.Tensor:
-    packed = _cached(
-        _wkey("linear", weight, target),
-        lambda: K.PackedLinearWeight(
-            _np(weight), *_wqp(w_scale, w_zero_point), _bias(bias), target=target
-        ),
-    )
+    packed = _packed_linear(weight, w_scale, w_zero_point, bias, target)
     return torch.from_numpy(K.linear_dynamic(_np(x.to(torch.float32)), packed))
 
 
