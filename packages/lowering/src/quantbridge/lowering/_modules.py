@@ -8,7 +8,9 @@ output, float64/int64 scalars) mirrored into Python numbers for the hot path.
 How weights are stored: the int8 weight, its scale/zero point (per tensor or per output
 channel) and the float bias are buffers, so ``state_dict()`` holds only plain tensors and loads
 with ``torch.load(weights_only=True)``. The packed layout (target specific, padded) is never
-saved: it is built once when the module is created and rebuilt after ``load_state_dict``.
+saved: it is built once when the module is created and rebuilt after ``load_state_dict`` and
+unpickling. ``load_state_dict`` casts nothing: an entry of another dtype or shape, or a value
+the kernels cannot use, raises a LoweringError naming its key (``_state_dict.py``).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from quantbridge import kernels as K
 from quantbridge.lowering import _custom_ops as ops
 from quantbridge.lowering._custom_ops import is_tracing
 from quantbridge.lowering._errors import LoweringError
+from quantbridge.lowering._state_dict import check_state_entry
 
 __all__ = [
     "LoweredModule",
@@ -90,9 +93,39 @@ class LoweredModule(nn.Module):
                 self.register_buffer(prefix + "scale", torch.tensor(qp[0], dtype=torch.float64))
                 self.register_buffer(prefix + "zero_point", torch.tensor(qp[1], dtype=torch.int64))
         self._sync()
-        self.register_load_state_dict_post_hook(  # type: ignore[no-untyped-call]
-            lambda m, _keys: m._sync()
+
+    def _load_from_state_dict(
+        self,
+        state_dict: dict[str, Any],
+        prefix: str,
+        local_metadata: dict[str, Any],
+        strict: bool,
+        missing_keys: list[str],
+        unexpected_keys: list[str],
+        error_msgs: list[str],
+    ) -> None:
+        """Check this module's entries (exact dtype, shape, kernel-safe values), load, repack.
+
+        Repacking here rather than in a post-load hook keeps each module consistent even
+        when a later module's entry is refused, and leaves no closure that pickle refuses.
+        """
+        for name, current in self._buffers.items():
+            if current is not None and prefix + name in state_dict:
+                check_state_entry(prefix + name, name, state_dict[prefix + name], current)
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
         )
+        self._sync()
+
+    def __getstate__(self) -> dict[str, Any]:
+        # the packed layout is target specific and derived: rebuilt by __setstate__
+        state: dict[str, Any] = super().__getstate__()  # type: ignore[no-untyped-call]
+        state.pop("_packed", None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)  # type: ignore[no-untyped-call]
+        self._sync()
 
     def _sync(self) -> None:
         """Refresh the Python mirrors of the buffers (and repack weights in subclasses)."""
