@@ -109,7 +109,7 @@ def fuse(
     matches = find_matches(model, list(configs), root_node_getters=getters, mode="fuse")
     if not matches:
         return model
-    named = dict(model.named_modules())
+    named = dict(model.named_modules(remove_duplicate=False))
     graph = model.graph
     dropped_targets: set[str] = set()
     for match in matches:

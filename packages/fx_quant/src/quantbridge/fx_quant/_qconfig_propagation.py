@@ -58,7 +58,7 @@ def update_qconfig_for_fusion(model: GraphModule, mapping: QConfigMapping) -> No
     object_types = mapping.object_type_qconfigs
     if not object_types:
         return
-    modules = dict(model.named_modules())
+    modules = dict(model.named_modules(remove_duplicate=False))
     for node in model.graph.nodes:
         if node.op != "call_module":
             continue

@@ -113,7 +113,7 @@ class LoweringContext:
         self.target = target
         self.report = LoweringReport(target)
         self.anchor: Node | None = None
-        self._names: set[str] = {n for n, _ in graph_module.named_modules()}
+        self._names: set[str] = {n for n, _ in graph_module.named_modules(remove_duplicate=False)}
 
     # reading the reference graph ---------------------------------------------------------
 

@@ -60,7 +60,7 @@ def lowering_report(model: GraphModule) -> LoweringReport:
 
 def _module_types(gm: GraphModule) -> set[type]:
     """Classes of the modules the graph calls (the original class of parametrized ones)."""
-    modules = dict(gm.named_modules())
+    modules = dict(gm.named_modules(remove_duplicate=False))
     called = {str(n.target) for n in gm.graph.nodes if n.op == "call_module"}
     return {type_before_parametrizations(modules[t]) for t in called if t in modules}
 

@@ -414,7 +414,7 @@ class _Lowerer:
     def __init__(self, gm: GraphModule) -> None:
         self.gm = gm
         self.graph = gm.graph
-        self.modules = dict(gm.named_modules())
+        self.modules = dict(gm.named_modules(remove_duplicate=False))
         # node of the lowered graph whose value is a torch quantized tensor -> its qparams
         self.qparams: dict[Node, tuple[float, int, torch.dtype]] = {}
         self.count = 0

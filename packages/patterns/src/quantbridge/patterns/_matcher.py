@@ -163,7 +163,7 @@ class _Resolver:
     """Maps a node to the anchor key the pattern index is keyed by."""
 
     def __init__(self, graph_module: GraphModule) -> None:
-        self.modules = dict(graph_module.named_modules())
+        self.modules = dict(graph_module.named_modules(remove_duplicate=False))
         self.module_types: dict[str, type] = {}
 
     def module_type(self, node: Node) -> type:

@@ -271,7 +271,7 @@ def _compile_traced(gm: GraphModule) -> tuple[_ROp, int]:
             "pattern_fn must return the result of one operation (a single output node); got "
             f"{result!r}"
         )
-    modules = dict(gm.named_modules())
+    modules = dict(gm.named_modules(remove_duplicate=False))
     memo: dict[Node, _ROp] = {}
 
     def arg(value: Any) -> _RArg:
