@@ -110,6 +110,28 @@ def _call(model: nn.Module, inputs: object, index: int) -> None:
         )
 
 
+def _require_batches(seen: int, synced: bool, group: Any, kind: str) -> None:
+    """Refuse a calibration that fed no batch: convert would compute qparams from empty
+    observers. Across ranks the total counts (one all-reduce, so every rank raises or none
+    does): a rank with an empty shard takes the others' statistics at the sync."""
+    total, where = seen, ""
+    if synced:
+        import torch.distributed as dist
+
+        count = torch.tensor([seen], dtype=torch.int64)
+        if "nccl" in str(dist.get_backend(group)):
+            count = count.cuda()
+        dist.all_reduce(count, group=group)
+        total, where = int(count.item()), f" on any of the {dist.get_world_size(group)} ranks"
+    if total == 0:
+        raise FxQuantError(
+            f"calibrate: 0 batches seen{where}: data (a {kind}) yielded no batch, so the "
+            "observers recorded nothing and convert would produce meaningless qparams. Pass "
+            "a non-empty iterable (a generator or iterator can be consumed only once: create "
+            "a new one for each call)"
+        )
+
+
 def calibrate(
     model: nn.Module,
     data: Iterable[Any],
@@ -136,7 +158,8 @@ def calibrate(
     syncs. ``sync_every=n`` also syncs after every n-th batch (every rank must then run the
     same number of batches, e.g. with a ``DistributedSampler``); with moving-average observers
     ``sync_every=1`` gives exactly the statistics of one process seeing the global batches.
-    Returns ``model``.
+    Raises FxQuantError when no batch was seen (on every rank when syncing: one rank's empty
+    shard is fine, all ranks' is not). Returns ``model``.
     """
     if not isinstance(model, nn.Module):
         raise FxQuantError(f"calibrate: model must be an nn.Module, got {type(model).__name__}")
@@ -179,18 +202,21 @@ def calibrate(
 
     flags = [(module, module.training) for module in model.modules()]
     model.eval()
+    seen = 0
     try:
         with torch.no_grad():
             for index, batch in enumerate(data):
                 if max_batches is not None and index >= max_batches:
                     break
                 _call(model, batch if input_fn is None else input_fn(batch), index)
+                seen += 1
                 bar.update()
                 if sync_every is not None and (index + 1) % sync_every == 0:
                     sync_observers(model, group, check=index + 1 == sync_every)
     finally:
         for module, training in flags:
             module.training = training
+    _require_batches(seen, do_sync, group, type(data).__name__)
     if do_sync:
         sync_observers(model, group)
     bar.close(" (observers synced across ranks)" if do_sync else "")

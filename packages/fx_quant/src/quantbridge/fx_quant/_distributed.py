@@ -25,11 +25,23 @@ Semantics per observer kind:
 
 After the sync every ``FakeQuantize`` whose observer is enabled refreshes its ``scale`` and
 ``zero_point`` from the synced observer.
+
+Before any statistic moves, the ranks compare everything that decides the result (``check``):
+each observer's and fake quantize's name and class and every configuration field in
+``_CONFIG_FIELDS`` (dtype, qscheme, quant range, reduce_range, eps, ch_axis, bins, averaging
+constant, is_dynamic, fixed qparams, whether the observer is enabled). Each rank sends its
+description, or the error it hit while building it, in one exchange that every rank joins and
+that waits at most ``timeout``; every rank then raises the same error, so no rank is left
+waiting in a collective the others skipped.
 """
 
 from __future__ import annotations
 
+import enum
+import hashlib
+import json
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -62,6 +74,27 @@ _STATELESS: tuple[type[nn.Module], ...] = (
 )
 # The state agreed by the last sync, kept on each histogram observer (see _sync_histograms).
 _BASELINE_ATTR = "_quantbridge_synced_histogram"
+# Attributes that decide an observer's statistics or qparams, compared across ranks when
+# present (``scale``/``zero_point`` only on FixedQParamsObserver: elsewhere they are results).
+_CONFIG_FIELDS = (
+    "dtype",
+    "qscheme",
+    "quant_min",
+    "quant_max",
+    "reduce_range",
+    "has_customized_qrange",
+    "eps",
+    "ch_axis",
+    "bins",
+    "upsample_rate",
+    "averaging_constant",
+    "is_dynamic",
+    "custom_op",
+    "observer_enabled",
+)
+_FIXED_QPARAMS_FIELDS = ("scale", "zero_point")
+# One observer as the ranks compare it: [name, class, {field: JSON-able value}].
+_Entry = list[Any]
 
 
 @dataclass
@@ -73,7 +106,7 @@ class _Plan:
     histograms: list[tuple[str, HistogramObserver]]
     custom: list[tuple[str, Any]]
     fake_quants: list[FakeQuantize]
-    signature: list[tuple[str, str, object]]
+    signature: list[_Entry]
 
 
 def _require_distributed(group: Any) -> Any:
@@ -98,27 +131,47 @@ def _qualname(obj: object) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
+def _plain(value: object) -> object:
+    """``value`` as JSON data (dtypes and other objects by their text)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu().reshape(-1).tolist()
+    if isinstance(value, enum.Enum):
+        return _plain(value.value)
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return str(value)
+
+
+def _entry(where: str, module: nn.Module) -> _Entry:
+    fields = {f: _plain(getattr(module, f)) for f in _CONFIG_FIELDS if hasattr(module, f)}
+    if isinstance(module, FixedQParamsObserver):
+        fields.update({f: _plain(getattr(module, f)) for f in _FIXED_QPARAMS_FIELDS})
+    return [where, _qualname(module), fields]
+
+
 def _plan(model: nn.Module) -> _Plan:
     plan = _Plan([], [], [], [], [], [])
     for name, module in model.named_modules():
         where = name or "<root>"
-        if isinstance(module, FakeQuantize) and not isinstance(module, FixedQParamsFakeQuantize):
-            plan.fake_quants.append(module)
+        if isinstance(module, FakeQuantize):
+            plan.signature.append(_entry(where, module))
+            if not isinstance(module, FixedQParamsFakeQuantize):
+                plan.fake_quants.append(module)
         if callable(getattr(module, "sync_statistics", None)):  # the class's own rule wins
             plan.custom.append((where, module))
-            plan.signature.append((where, _qualname(module), "custom"))
+            plan.signature.append(_entry(where, module))
         elif isinstance(module, HistogramObserver):
             plan.histograms.append((where, module))
             plan.per_tensor.append((where, module))
-            plan.signature.append((where, _qualname(module), module.bins))
+            plan.signature.append(_entry(where, module))
         elif isinstance(module, PerChannelMinMaxObserver):
             plan.per_channel.append((where, module))
-            plan.signature.append((where, _qualname(module), module.ch_axis))
+            plan.signature.append(_entry(where, module))
         elif isinstance(module, MinMaxObserver):
             plan.per_tensor.append((where, module))
-            plan.signature.append((where, _qualname(module), None))
+            plan.signature.append(_entry(where, module))
         elif isinstance(module, _STATELESS):
-            continue
+            plan.signature.append(_entry(where, module))
         elif callable(getattr(module, "calculate_qparams", None)) and not hasattr(
             module, "activation_post_process"
         ):
@@ -131,31 +184,114 @@ def _plan(model: nn.Module) -> _Plan:
     return plan
 
 
-def _check_same_structure(dist: Any, plan: _Plan, group: Any) -> None:
-    """One all_gather_object: every rank must hold the same observers in the same order."""
-    world = dist.get_world_size(group)
-    gathered: list[Any] = [None] * world
-    dist.all_gather_object(gathered, plan.signature, group=group)
-    ref = gathered[0]
-    for rank in range(1, world):
-        other = gathered[rank]
+def _collective_device(dist: Any, group: Any) -> torch.device:
+    """Where a collective's tensors live: the current GPU for NCCL, else the CPU."""
+    if "nccl" in str(dist.get_backend(group)):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _wait(dist: Any, work: Any, timeout: float | None, group: Any) -> None:
+    """Wait for an asynchronous collective, at most ``timeout`` seconds."""
+    try:
+        if timeout is None:
+            work.wait()
+        else:
+            work.wait(timeout=timedelta(seconds=timeout))
+    except RuntimeError as exc:
+        limit = "the process group's timeout" if timeout is None else f"{timeout:g} s"
+        raise FxQuantError(
+            f"sync_observers: rank {dist.get_rank(group)} waited for the other ranks to compare "
+            f"observers and gave up after {limit} ({exc}); every rank must call "
+            "sync_observers at the same point (a rank that crashed, skipped it or is still "
+            "calibrating causes this). The process group is out of step now: destroy it "
+            "(torch.distributed.destroy_process_group()) before any other collective"
+        ) from exc
+
+
+def _all_gather(
+    dist: Any, tensor: torch.Tensor, group: Any, timeout: float | None
+) -> list[torch.Tensor]:
+    gathered = [torch.zeros_like(tensor) for _ in range(dist.get_world_size(group))]
+    _wait(dist, dist.all_gather(gathered, tensor, group=group, async_op=True), timeout, group)
+    return gathered
+
+
+def _exchange(dist: Any, payload: object, group: Any, timeout: float | None) -> list[Any]:
+    """Every rank's ``payload`` (JSON data), by rank, each wait bounded by ``timeout``.
+
+    One all_gather of a digest when every rank sends the same payload (the common case);
+    only when they differ, two more bring the payloads themselves for the error message.
+    """
+    data = json.dumps(payload, sort_keys=True).encode()
+    device = _collective_device(dist, group)
+    digest = torch.frombuffer(bytearray(hashlib.sha256(data).digest()), dtype=torch.uint8)
+    digests = _all_gather(dist, digest.to(device), group, timeout)
+    if all(torch.equal(d, digests[0]) for d in digests):
+        return [payload for _ in digests]
+    size = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    lengths = [int(s.item()) for s in _all_gather(dist, size, group, timeout)]
+    mine = torch.zeros(max(lengths), dtype=torch.uint8)
+    mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    gathered = _all_gather(dist, mine.to(device), group, timeout)
+    return [
+        json.loads(bytes(t[:n].cpu().tolist()).decode())
+        for t, n in zip(gathered, lengths, strict=True)
+    ]
+
+
+def _check_same_structure(
+    dist: Any, plan: _Plan | None, local_error: str | None, group: Any, timeout: float | None
+) -> None:
+    """One exchange: every rank must hold the same observers, configured the same way, in
+    the same order. A rank whose model could not be planned sends its error instead, so
+    every rank raises it rather than some waiting for collectives that never come."""
+    payload = {"error": local_error, "observers": None if plan is None else plan.signature}
+    gathered = _exchange(dist, payload, group, timeout)
+    rank = dist.get_rank(group)
+    failed = [(r, g["error"]) for r, g in enumerate(gathered) if g["error"] is not None]
+    if failed:
+        if local_error is not None:
+            raise FxQuantError(local_error)
+        r, message = failed[0]
+        raise FxQuantError(f"sync_observers: rank {r} could not take part: {message}")
+    signatures: list[list[_Entry]] = [g["observers"] for g in gathered]
+    ref = signatures[0]
+    for other_rank in range(1, len(signatures)):
+        other = signatures[other_rank]
         for index in range(max(len(ref), len(other))):
             a = ref[index] if index < len(ref) else None
             b = other[index] if index < len(other) else None
-            if a != b:
+            if a is None or b is None or a[:2] != b[:2]:
                 raise FxQuantError(
-                    f"sync_observers: ranks 0 and {rank} hold different observers (entry "
-                    f"{index}: rank 0 has {_describe(a)}, rank {rank} has {_describe(b)}); "
+                    f"sync_observers: ranks 0 and {other_rank} hold different observers (entry "
+                    f"{index}: rank 0 has {_describe(a)}, rank {other_rank} has {_describe(b)}); "
                     "build, prepare and wrap the model identically on every rank"
                 )
+    differences = []
+    for index, (where, cls, _fields) in enumerate(ref):
+        names = sorted(set().union(*(sig[index][2] for sig in signatures)))
+        for field in names:
+            values = [json.dumps(sig[index][2].get(field, "<missing>")) for sig in signatures]
+            if len(set(values)) > 1:
+                per_rank = ", ".join(f"rank {r}: {v}" for r, v in enumerate(values))
+                differences.append(
+                    f"'{where}' ({cls.rsplit('.', 1)[-1]}) {field} differs ({per_rank})"
+                )
+    if differences:
+        shown = "; ".join(differences[:8])
+        more = f"; and {len(differences) - 8} more" if len(differences) > 8 else ""
+        raise FxQuantError(
+            f"sync_observers (rank {rank}): the ranks' observers are configured differently, "
+            f"so their qparams would differ whatever the statistics: {shown}{more}. Prepare "
+            "the model with the same qconfig mapping and backend config on every rank"
+        )
 
 
-def _describe(entry: tuple[str, str, object] | None) -> str:
+def _describe(entry: _Entry | None) -> str:
     if entry is None:
         return "nothing"
-    name, cls, detail = entry
-    extra = f", {detail}" if detail is not None else ""
-    return f"'{name}' ({cls.rsplit('.', 1)[-1]}{extra})"
+    return f"'{entry[0]}' ({entry[1].rsplit('.', 1)[-1]})"
 
 
 def _channel_counts(dist: Any, plan: _Plan, group: Any) -> list[int]:
@@ -350,23 +486,44 @@ def _refresh_fake_quants(plan: _Plan) -> None:
             fq.zero_point.copy_(zero_point)
 
 
-def sync_observers(model: nn.Module, group: Any = None, *, check: bool = True) -> nn.Module:
+def sync_observers(
+    model: nn.Module, group: Any = None, *, check: bool = True, timeout: float | None = None
+) -> nn.Module:
     """All-reduce the statistics of every observer in ``model`` so that every rank of
     ``group`` (default: the world) ends with identical statistics and qparams, equal to one
     process having observed all ranks' data (see the module docstring for each observer's
     semantics). Every rank must call it, with the same model structure.
 
-    ``check=True`` first compares the observers' names and types across ranks with one
-    ``all_gather_object`` (clear error on the first difference); per-step callers that
-    already checked may pass ``check=False``. Uses 2 to 4 collectives however many observers
-    there are. Returns ``model``.
+    ``check=True`` first compares, across ranks, every observer's and fake quantize's name,
+    class and configuration (dtype, qscheme, quant_min/quant_max, reduce_range, eps, ch_axis,
+    bins, averaging_constant, is_dynamic, fixed qparams, observer enabled); any difference
+    raises FxQuantError on every rank, naming the module, the field and each rank's value.
+    That exchange waits at most ``timeout`` seconds for the other ranks (``None``: the process
+    group's own timeout); after a timeout the group is out of step and must be destroyed.
+    Per-step callers that already checked may pass ``check=False``. Uses 2 to 4 collectives
+    however many observers there are (2 more when the check finds a difference). Returns
+    ``model``.
     """
     if not isinstance(model, nn.Module):
         raise FxQuantError(f"sync_observers: model must be an nn.Module, got {type(model)}")
+    if timeout is not None and (
+        isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0
+    ):
+        raise FxQuantError(
+            f"sync_observers: timeout must be a positive number of seconds or None, got {timeout!r}"
+        )
     dist = _require_distributed(group)
-    plan = _plan(model)
     if check:
-        _check_same_structure(dist, plan, group)
+        # every rank joins the comparison, even one whose model cannot be planned
+        try:
+            plan: _Plan | None = _plan(model)
+            local_error = None
+        except FxQuantError as exc:
+            plan, local_error = None, str(exc)
+        _check_same_structure(dist, plan, local_error, group, timeout)
+        assert plan is not None  # a local error was raised on every rank above
+    else:
+        plan = _plan(model)
     with torch.no_grad():
         local = [
             (obs.histogram.detach().clone(), obs.min_val.detach().clone(), obs.max_val.clone())
