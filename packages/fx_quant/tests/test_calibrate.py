@@ -392,3 +392,36 @@ def test_sync_true_with_a_group() -> None:
     model = Recorder()
     calibrate(model, _batches(2), sync=True, progress=False)
     assert torch.equal(model.obs.max_val, _manual(_batches(2)).max_val)
+
+
+@pytest.mark.parametrize("form", ["list", "generator", "exhausted_generator", "dataloader"])
+def test_calibrate_without_any_batch_raises(form: str) -> None:
+    data: Any
+    if form == "list":
+        data = []
+    elif form == "generator":
+        data = (b for b in _batches(0))
+    elif form == "exhausted_generator":  # the usual way to get here: a generator reused
+        data = (b for b in _batches(2))
+        calibrate(Recorder(), data, progress=False)
+    else:
+        data = DataLoader(TensorDataset(torch.zeros(0, 5)), batch_size=2)
+    model = Recorder()
+    with pytest.raises(FxQuantError, match=r"calibrate: 0 batches seen: data .* yielded no batch"):
+        calibrate(model, data, progress=False, sync=False)
+    assert model.training  # the modules' own flags are restored
+
+
+@pytest.mark.usefixtures("one_rank_group")
+def test_calibrate_without_any_batch_raises_with_a_group() -> None:
+    with pytest.raises(FxQuantError, match="0 batches seen on any of the 1 ranks"):
+        calibrate(Recorder(), [], progress=False)
+
+
+@pytest.mark.usefixtures("one_rank_group")
+def test_sync_timeout_must_be_positive() -> None:
+    model = nn.Sequential(qbq.MinMaxObserver())
+    for bad in (0, -1.0, True, "5"):
+        with pytest.raises(FxQuantError, match="timeout must be a positive number"):
+            sync_observers(model, timeout=bad)  # type: ignore[arg-type]
+    assert sync_observers(model, timeout=5) is model
