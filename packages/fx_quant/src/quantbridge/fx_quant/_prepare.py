@@ -40,6 +40,7 @@ from quantbridge.fx_quant._qconfig_propagation import (
 )
 from quantbridge.fx_quant._state import OBSERVED_KEY, NodeDecision, ObservedState
 from quantbridge.fx_quant._tracer import trace
+from quantbridge.fx_quant._transformer_swap import swap_transformer_modules
 from quantbridge.fx_quant.nn.intrinsic import FusedModule
 from quantbridge.patterns import describe_pattern_element, find_matches
 from quantbridge.qconfig import BackendConfig, QConfigMapping
@@ -231,6 +232,8 @@ def prepare(
         skipped_names += list(pcc.standalone_module_names)
         skipped_classes += list(pcc.standalone_module_classes)
         skipped_classes += pcc.custom_module_classes
+    # Attention/transformer modules are tracer leaves: swap them so their Linears are reached.
+    model, swapped = swap_transformer_modules(model, mapping, skipped_names, skipped_classes)
     gm, scope = trace(model, skipped_names, skipped_classes)
     _check_example_inputs(gm, example_inputs)
     gm = fuse(gm, is_qat, bc, recompile=False)  # recompiled once, after observers
@@ -341,6 +344,7 @@ def prepare(
         observed_node_names=result.observed_node_names,
         decisions=decisions,
         is_standalone=is_standalone,
+        swapped_modules=swapped,
     )
     attach_preserved_attributes(prepared, preserved)
     return prepared

@@ -9,7 +9,7 @@ from quantbridge.fx_quant._custom_config import PrepareCustomConfig
 from quantbridge.qconfig import BackendConfig, QConfigMapping, QConfigMatch
 from quantbridge.qconfig._qconfig import QConfigAny
 
-__all__ = ["OBSERVED_KEY", "NodeDecision", "ObservedState"]
+__all__ = ["OBSERVED_KEY", "NodeDecision", "ObservedState", "SwappedModule"]
 
 # Key of the observed state in ``GraphModule.meta`` (kept by deepcopy, not by state_dict).
 OBSERVED_KEY = "_quantbridge_observed"
@@ -32,6 +32,15 @@ class NodeDecision:
     reason: str
 
 
+@dataclass(frozen=True)
+class SwappedModule:
+    """A torch module prepare replaced with its traceable equivalent (``nn.quantizable``)."""
+
+    name: str  # qualified module name ("" for the root)
+    float_type: str  # e.g. "nn.MultiheadAttention"
+    traceable_type: str  # e.g. "quantizable.MultiheadAttention"
+
+
 @dataclass
 class ObservedState:
     """Everything convert needs besides the graph: qconfigs, scopes, configs, decisions."""
@@ -46,3 +55,4 @@ class ObservedState:
     observed_node_names: set[str]
     decisions: list[NodeDecision] = field(default_factory=list)
     is_standalone: bool = False
+    swapped_modules: list[SwappedModule] = field(default_factory=list)

@@ -1,7 +1,8 @@
 """The quantization tracer: torch.fx symbolic tracing with the flow's leaf-module rules.
 
 A module is traced through (its ``forward`` inlined) unless it is a leaf: torch.nn's own
-layers (but not ``nn.Sequential``), the flow's fused/QAT/reference modules, modules whose
+layers (but not ``nn.Sequential``), the flow's fused/QAT/reference modules (but not the
+traceable transformer modules of ``nn.quantizable``), modules whose
 qualified name or class the caller asks to skip (non-traceable, standalone and custom
 modules). For every node the tracer records the scope it was created in: the qualified name
 and class of the module whose ``forward`` made the call (``("", None)`` at the root).
@@ -19,6 +20,7 @@ from torch.fx import GraphModule, Tracer
 
 from quantbridge.fx_quant._errors import FxQuantError
 from quantbridge.fx_quant.nn.intrinsic import FusedModule
+from quantbridge.fx_quant.nn.quantizable import TRACED_THROUGH
 
 __all__ = ["QuantizationTracer", "TraceError", "trace"]
 
@@ -73,6 +75,8 @@ class QuantizationTracer(Tracer):
             return True
         if isinstance(m, FusedModule) or _is_foreign_fused(m):
             return True  # fused units are Sequentials, but they are leaves
+        if type(m) in TRACED_THROUGH:
+            return False  # the traceable transformer modules prepare swaps in
         return _is_flow_module(m) and not isinstance(m, nn.Sequential)
 
     def call_module(

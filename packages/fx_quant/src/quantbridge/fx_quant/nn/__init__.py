@@ -3,12 +3,13 @@
 * :mod:`.intrinsic`: fused float modules (``ConvReLU2d``, ``ConvBn2d``, ...);
 * :mod:`.intrinsic.qat`: their QAT versions (batch norm folded where fused);
 * :mod:`.qat`: QAT Linear/Conv/Embedding;
+* :mod:`.quantizable`: traceable attention and transformer modules (swapped in by prepare);
 * :mod:`.reference`: reference quantized modules (float op on a quantize-dequantized weight).
 
 The swap tables the flow and the BackendConfigs use are exported here.
 """
 
-from quantbridge.fx_quant.nn import intrinsic, qat, reference
+from quantbridge.fx_quant.nn import intrinsic, qat, quantizable, reference
 from quantbridge.fx_quant.nn._mappings import (
     DEFAULT_QAT_MODULE_MAPPINGS,
     DEFAULT_REFERENCE_MODULE_MAPPINGS,
@@ -25,5 +26,6 @@ __all__ = [
     "intrinsic",
     "intrinsic_qat",
     "qat",
+    "quantizable",
     "reference",
 ]

@@ -1,0 +1,120 @@
+"""Before tracing, swap torch's attention and transformer modules for traceable equivalents.
+
+``nn.MultiheadAttention`` and the ``nn.Transformer*`` modules are leaves for the tracer, so
+their ``nn.Linear`` layers would never be quantized. This pass replaces each one the user
+did not keep (non-traceable, standalone or custom module in the PrepareCustomConfig, or a
+qconfig set to None for it by name, regex or type) with its ``nn.quantizable`` class. The
+user's model is not modified: the modules on the path to a swap are shallow copies that
+share everything else (parameters included) with it.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from torch import nn
+from torch.nn.utils import parametrize
+
+from quantbridge.fx_quant._errors import FxQuantError
+from quantbridge.fx_quant._state import SwappedModule
+from quantbridge.fx_quant._tracer import _is_flow_module
+from quantbridge.fx_quant.nn.quantizable import FLOAT_TO_TRACEABLE
+from quantbridge.qconfig import QConfigMapping
+
+__all__ = ["TransformerSwapError", "swap_transformer_modules"]
+
+_CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
+
+
+class TransformerSwapError(FxQuantError):
+    """A transformer module cannot be swapped for its traceable equivalent."""
+
+
+def _check_swappable(module: nn.Module, name: str) -> None:
+    where = f"module {name!r} ({type(module).__name__})" if name else type(module).__name__
+    fix = (
+        f"or keep it float and unquantized with PrepareCustomConfig()"
+        f".set_non_traceable_module_names([{name!r}])"
+    )
+    if module._forward_hooks or module._forward_pre_hooks:
+        raise TransformerSwapError(
+            f"{where} has forward hooks; prepare replaces it with a traceable equivalent to "
+            f"quantize its Linear layers and the hooks would be lost. Remove the hooks, {fix}"
+        )
+    parametrized = sorted(
+        f"{sub_name}.{p}".lstrip(".")
+        for sub_name, sub in module.named_modules()
+        if parametrize.is_parametrized(sub)
+        for p in sub.parametrizations
+    )
+    if parametrized:
+        raise TransformerSwapError(
+            f"{where} has parametrized parameters ({', '.join(parametrized)}); prepare "
+            "replaces it with a traceable equivalent and would freeze them. Remove the "
+            f"parametrizations (parametrize.remove_parametrizations), {fix}"
+        )
+
+
+def _describe(cls: type) -> str:
+    if cls.__module__.startswith("torch.nn"):
+        return f"nn.{cls.__name__}"
+    return f"quantizable.{cls.__name__}"
+
+
+def swap_transformer_modules(
+    model: nn.Module,
+    mapping: QConfigMapping,
+    skipped_names: Sequence[str],
+    skipped_classes: Sequence[Callable[..., Any]],
+) -> tuple[nn.Module, list[SwappedModule]]:
+    """``model`` with its transformer modules swapped (or ``model`` itself if none was).
+
+    ``mapping`` (prepare's private copy) gets each traceable class the object-type qconfig
+    of the class it replaces. Raises TransformerSwapError for modules with hooks or
+    parametrizations.
+    """
+    skipped = set(skipped_names)
+    skipped_types = {c for c in skipped_classes if isinstance(c, type)}
+    swapped: list[SwappedModule] = []
+
+    def kept(module: nn.Module, name: str) -> bool:
+        if name in skipped or type(module) in skipped_types:
+            return True
+        match = mapping.qconfig_for(name, type(module))
+        return match.qconfig is None and match.rule != "global"
+
+    def visit(module: nn.Module, name: str) -> nn.Module:
+        traceable = FLOAT_TO_TRACEABLE.get(type(module))
+        if traceable is not None:
+            if kept(module, name):
+                return module
+            _check_swappable(module, name)
+            new: nn.Module = traceable.from_float(module)  # type: ignore[attr-defined]
+            swapped.append(SwappedModule(name, _describe(type(module)), _describe(traceable)))
+            module, is_new = new, True
+        elif name in skipped or type(module) in skipped_types:
+            return module
+        elif _is_flow_module(module) and not isinstance(module, _CONTAINERS):
+            return module  # a leaf for the tracer: what is inside is never traced
+        else:
+            is_new = False
+        replaced = {}
+        for child_name, child in module.named_children():
+            result = visit(child, f"{name}.{child_name}" if name else child_name)
+            if result is not child:
+                replaced[child_name] = result
+        if replaced and not is_new:
+            module = copy.copy(module)
+            module._modules = dict(module._modules)  # the copy's own; the user's is unchanged
+        for child_name, child in replaced.items():
+            setattr(module, child_name, child)
+        return module
+
+    result = visit(model, "")
+    object_types = mapping.object_type_qconfigs
+    for float_type, traceable in FLOAT_TO_TRACEABLE.items():
+        if float_type in object_types:
+            object_types[traceable] = object_types[float_type]
+    return result, swapped
