@@ -10,12 +10,12 @@ QConfigMapping rule that supplied its qconfig, and, per candidate DTypeConfig, e
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from torch import nn
 
 from quantbridge.fx_quant._errors import FxQuantError
-from quantbridge.fx_quant._state import OBSERVED_KEY, NodeDecision, ObservedState
+from quantbridge.fx_quant._state import OBSERVED_KEY, NodeDecision, ObservedState, SwappedModule
 
 __all__ = ["ExplainReport", "explain"]
 
@@ -26,6 +26,8 @@ class ExplainReport:
 
     backend: str
     rows: list[NodeDecision]
+    # Attention/transformer modules prepare replaced with traceable equivalents.
+    swapped: list[SwappedModule] = field(default_factory=list)
 
     def __iter__(self) -> Iterator[NodeDecision]:
         return iter(self.rows)
@@ -79,7 +81,21 @@ class ExplainReport:
         if details:
             lines.append("candidate DTypeConfigs:")
             lines += details
+        lines += self._swap_lines()
         return "\n".join(lines)
+
+    def _swap_lines(self) -> list[str]:
+        if not self.swapped:
+            return []
+        status = {r.target: r.status for r in self.rows if r.op == "call_module"}
+        lines = ["modules swapped for traceable equivalents (so their Linears can be quantized):"]
+        for s in self.swapped:
+            line = f"  {s.name or '(root)'}: {s.float_type} -> {s.traceable_type}"
+            if s.linears:
+                parts = [f"{n.rpartition('.')[2]} {status.get(n, 'not called')}" for n in s.linears]
+                line += "; Linears: " + ", ".join(parts)
+            lines.append(line)
+        return lines
 
 
 def explain(prepared_model: nn.Module) -> ExplainReport:
@@ -91,4 +107,6 @@ def explain(prepared_model: nn.Module) -> ExplainReport:
             f"explain needs the model returned by prepare_fx / prepare_qat_fx (before "
             f"convert), got a {type(prepared_model).__name__} without observer state"
         )
-    return ExplainReport(state.backend_config.name, list(state.decisions))
+    return ExplainReport(
+        state.backend_config.name, list(state.decisions), list(state.swapped_modules)
+    )

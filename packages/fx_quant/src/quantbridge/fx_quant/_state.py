@@ -39,6 +39,7 @@ class SwappedModule:
     name: str  # qualified module name ("" for the root)
     float_type: str  # e.g. "nn.MultiheadAttention"
     traceable_type: str  # e.g. "quantizable.MultiheadAttention"
+    linears: tuple[str, ...] = ()  # qualified names of its own nn.Linear children
 
 
 @dataclass

@@ -92,7 +92,14 @@ def swap_transformer_modules(
                 return module
             _check_swappable(module, name)
             new: nn.Module = traceable.from_float(module)  # type: ignore[attr-defined]
-            swapped.append(SwappedModule(name, _describe(type(module)), _describe(traceable)))
+            linears = tuple(
+                f"{name}.{n}" if name else n
+                for n, child in new.named_children()
+                if type(child) is nn.Linear
+            )
+            swapped.append(
+                SwappedModule(name, _describe(type(module)), _describe(traceable), linears)
+            )
             module, is_new = new, True
         elif name in skipped or type(module) in skipped_types:
             return module
