@@ -337,8 +337,19 @@ def _swap_match_all(args: Any) -> Any:
     return MatchAllNode if args is AoMatchAllNode else args
 
 
+def _case_id(value: Any) -> str:
+    """Names instead of str(): its object addresses differ between processes (pytest-xdist)."""
+    if isinstance(value, tuple):
+        return "(" + ", ".join(_case_id(v) for v in value) + ")"
+    if isinstance(value, type):
+        return value.__name__
+    if callable(value):
+        return f"{value.__module__}.{value.__name__}"
+    return str(value)
+
+
 @pytest.mark.parametrize("is_qat", [False, True])
-@pytest.mark.parametrize(("backend", "complex_pattern"), _fusion_cases(), ids=str)
+@pytest.mark.parametrize(("backend", "complex_pattern"), _fusion_cases(), ids=_case_id)
 def test_fuser_methods_build_what_torch_ao_builds(
     backend: str, complex_pattern: Any, is_qat: bool
 ) -> None:
