@@ -349,9 +349,14 @@ def test_convert_fx_uses_the_registered_lowering() -> None:
 
 
 def test_convert_fx_without_lowering_returns_the_reference_model() -> None:
-    prepared = prepare_fx(zoo.MLP().eval(), get_default_qconfig_mapping(), (torch.randn(2, 16),))
+    # native lowers (quantbridge.lowering registers it); a name without a lowering does not
+    bc = get_native_backend_config().set_name("flow_test_unlowered")
+    prepared = prepare_fx(
+        zoo.MLP().eval(), get_default_qconfig_mapping(), (torch.randn(2, 16),), backend_config=bc
+    )
     prepared(torch.randn(2, 16))
-    converted = convert_fx(prepared)
+    with pytest.warns(UserWarning, match="returned the reference model"):
+        converted = convert_fx(prepared)
     assert isinstance(converted.fc3, nnqr.Linear)
 
 

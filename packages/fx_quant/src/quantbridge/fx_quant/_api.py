@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 from torch import nn
@@ -14,8 +15,14 @@ from quantbridge.fx_quant._custom_config import (
     PrepareCustomConfig,
 )
 from quantbridge.fx_quant._errors import FxQuantError
-from quantbridge.fx_quant._lowering_registry import LoweringRegistryError, get_lowering
+from quantbridge.fx_quant._lowering_registry import (
+    LoweringRegistryError,
+    get_lowering,
+    warn_not_lowered,
+)
 from quantbridge.fx_quant._prepare import fuse_model, prepare, resolve_backend_config
+from quantbridge.fx_quant._state import OBSERVED_KEY, ObservedState
+from quantbridge.fx_quant._torch_ao_names import port_backend_config
 from quantbridge.qconfig import BackendConfig, QConfigMapping
 
 __all__ = ["convert_fx", "convert_to_reference_fx", "fuse_fx", "prepare_fx", "prepare_qat_fx"]
@@ -31,7 +38,7 @@ def fuse_fx(
     ``model`` is traced with the quantization tracer if it is not a GraphModule yet; modules
     should be in eval mode (batch norm is folded). Returns a GraphModule.
     """
-    return fuse_model(model, False, fuse_custom_config, backend_config)
+    return fuse_model(model, False, fuse_custom_config, _backend_config(backend_config))
 
 
 def prepare_fx(
@@ -60,15 +67,17 @@ def prepare_fx(
             "prepare_fx is for post-training quantization and needs the model in eval mode; "
             "call model.eval() first, or use prepare_qat_fx for quantization-aware training"
         )
-    return prepare(
+    prepared = prepare(
         model,
         qconfig_mapping,
         False,
         example_inputs,
         prepare_custom_config,
-        backend_config,
+        _backend_config(backend_config),
         strict=strict,
     )
+    _warn_ignored_qconfigs(prepared, "prepare_fx")
+    return prepared
 
 
 def prepare_qat_fx(
@@ -90,15 +99,17 @@ def prepare_qat_fx(
             "prepare_qat_fx needs the model in training mode; call model.train() first, or "
             "use prepare_fx for post-training quantization"
         )
-    return prepare(
+    prepared = prepare(
         model,
         qconfig_mapping,
         True,
         example_inputs,
         prepare_custom_config,
-        backend_config,
+        _backend_config(backend_config),
         strict=strict,
     )
+    _warn_ignored_qconfigs(prepared, "prepare_qat_fx")
+    return prepared
 
 
 def convert_to_reference_fx(
@@ -119,7 +130,7 @@ def convert_to_reference_fx(
         convert_custom_config,
         _remove_qconfig,
         qconfig_mapping,
-        backend_config,
+        None if backend_config is None else _backend_config(backend_config),
     )
 
 
@@ -133,11 +144,12 @@ def convert_fx(
 ) -> GraphModule:
     """The reference model, lowered by the lowering registered for ``backend_config.name``.
 
-    Without a registered lowering the reference model is returned. ``backend_config``
-    defaults to the one given to prepare.
+    Without a registered lowering the reference model is returned, with a warning (once per
+    process and name) saying why and how to get a fast model. ``backend_config`` defaults to
+    the one given to prepare.
     """
     state = observed_state(graph_module, "convert_fx")
-    bc = state.backend_config if backend_config is None else resolve_backend_config(backend_config)
+    bc = state.backend_config if backend_config is None else _backend_config(backend_config)
     reference = convert_reference(
         graph_module,
         convert_custom_config,
@@ -148,6 +160,7 @@ def convert_fx(
     )
     lowering = get_lowering(bc.name) if bc.name else None
     if lowering is None:
+        warn_not_lowered(bc.name)
         return reference
     lowered = lowering(reference)
     if not isinstance(lowered, nn.Module):
@@ -156,3 +169,46 @@ def convert_fx(
             f"{type(lowered).__name__}, not a module"
         )
     return lowered
+
+
+def _backend_config(backend_config: BackendConfig | dict[str, Any] | None) -> BackendConfig:
+    """The config to use (native by default), with torch.ao.nn classes replaced by
+    quantbridge's equivalents (or refused with the class to use)."""
+    return port_backend_config(resolve_backend_config(backend_config))
+
+
+# shown per node in the warning; explain() has all of them
+_LISTED = 5
+
+
+def _warn_ignored_qconfigs(prepared: GraphModule, where: str) -> None:
+    """One warning when the backend's constraints made prepare ignore some qconfigs.
+
+    torch.ao warned, per DTypeConfig check, when a qconfig broke a constraint of a DTypeConfig
+    with its own dtype (quant range, eps below scale_min, fixed qparams) and the node stayed
+    float; a dtype no DTypeConfig has is skipped silently there, and here too (a default
+    mapping puts static qconfigs on embeddings, for example).
+    """
+    state = prepared.meta.get(OBSERVED_KEY)
+    if not isinstance(state, ObservedState):
+        return
+    ignored: list[str] = []
+    for d in state.decisions:
+        if d.qconfig is None or d.status != "float" or d.chosen is not None:
+            continue
+        # dtype mismatches read "<what> dtype X != backend <what>_dtype Y" (_dtype_matching)
+        broken = [r for _, r in d.candidates if r is not None and " != backend " not in r]
+        if broken:
+            ignored.append(f"{d.node} ({broken[0]})")
+    if not ignored:
+        return
+    shown = "; ".join(ignored[:_LISTED])
+    more = f"; and {len(ignored) - _LISTED} more" if len(ignored) > _LISTED else ""
+    warnings.warn(
+        f"{where}: backend {state.backend_config.name!r} ignored the qconfig of "
+        f"{len(ignored)} node(s), which stay float because the qconfig breaks the backend's "
+        f"constraints: {shown}{more}. quantbridge.fx_quant.explain(prepared) shows every "
+        "decision; strict=True raises instead",
+        UserWarning,
+        stacklevel=3,
+    )

@@ -40,7 +40,12 @@ from quantbridge.fx_quant._qconfig_propagation import (
     update_qconfig_for_fusion,
     update_qconfig_for_qat,
 )
-from quantbridge.fx_quant._state import OBSERVED_KEY, ObservedState
+from quantbridge.fx_quant._state import (
+    DECISIONS_KEY,
+    OBSERVED_KEY,
+    ObservedState,
+    RecordedDecisions,
+)
 from quantbridge.fx_quant.nn.intrinsic import FusedModule
 from quantbridge.qconfig import (
     BackendConfig,
@@ -251,6 +256,9 @@ class _Converter:
         if isinstance(module, nn.Sequential) and _is_fused(module):
             fused = module
             float_module = module[0]
+        if isinstance(float_module, (nn.RNNCellBase, nn.LSTM, nn.GRU)):
+            self.convert_recurrent(target, float_module, qconfig)
+            return
         post: Any = weight_post_process
         if post is None:
             weight_ctor: Any = qconfig.weight
@@ -273,6 +281,30 @@ class _Converter:
         else:
             _set_module(self.model, target, ref)
             self.modules[target] = ref
+
+    def convert_recurrent(self, target: str, module: nn.Module, qconfig: Any) -> None:
+        """LSTM/GRU and RNN cells have several weights: one qparams dict per weight, keyed by
+        its name, as torch.ao builds it (layers observe only int8 weights)."""
+        if isinstance(module, nn.RNNCellBase):
+            names = ["weight_ih", "weight_hh"]
+        else:
+            names = [n for n in module._flat_weights_names if n.startswith("weight")]
+        qparams: dict[str, Any] = {}
+        for name in names:
+            post = qconfig.weight()
+            if isinstance(module, nn.RNNCellBase) or post.dtype == torch.int8:
+                post(getattr(module, name))
+            qparams[name] = _qparam_dict(post)
+        ref_class = _reference_class(self.bc, type_before_parametrizations(module))
+        if ref_class is None:
+            raise FxQuantError(
+                f"module {target!r}: no reference quantized module configured for "
+                f"{type_before_parametrizations(module).__name__}; set "
+                "reference_quantized_module on its BackendPatternConfig"
+            )
+        ref = ref_class.from_float(module, qparams)  # type: ignore[attr-defined]
+        _set_module(self.model, target, ref)
+        self.modules[target] = ref
 
     # -- quantized graph inputs / outputs ----------------------------------------------------
 
@@ -494,6 +526,9 @@ def convert_reference(
     result.delete_all_unused_submodules()
     attach_preserved_attributes(result, {**preserved_before, **preserved})
     model.meta.pop(OBSERVED_KEY, None)
+    model.meta[DECISIONS_KEY] = RecordedDecisions(
+        state.backend_config.name, tuple(state.decisions), tuple(state.swapped_modules)
+    )
     return result
 
 

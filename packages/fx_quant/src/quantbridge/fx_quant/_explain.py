@@ -15,7 +15,14 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from quantbridge.fx_quant._errors import FxQuantError
-from quantbridge.fx_quant._state import OBSERVED_KEY, NodeDecision, ObservedState, SwappedModule
+from quantbridge.fx_quant._state import (
+    DECISIONS_KEY,
+    OBSERVED_KEY,
+    NodeDecision,
+    ObservedState,
+    RecordedDecisions,
+    SwappedModule,
+)
 
 __all__ = ["ExplainReport", "explain"]
 
@@ -99,14 +106,23 @@ class ExplainReport:
 
 
 def explain(prepared_model: nn.Module) -> ExplainReport:
-    """The per-node decisions recorded by ``prepare_fx`` / ``prepare_qat_fx``."""
+    """The per-node decisions recorded by ``prepare_fx`` / ``prepare_qat_fx``.
+
+    Also on the model ``convert_fx`` / ``convert_to_reference_fx`` returned, lowered or not:
+    convert keeps prepare's decisions in ``meta``.
+    """
     meta = getattr(prepared_model, "meta", None)
-    state = meta.get(OBSERVED_KEY) if isinstance(meta, dict) else None
-    if not isinstance(state, ObservedState):
-        raise FxQuantError(
-            f"explain needs the model returned by prepare_fx / prepare_qat_fx (before "
-            f"convert), got a {type(prepared_model).__name__} without observer state"
+    meta = meta if isinstance(meta, dict) else {}
+    state = meta.get(OBSERVED_KEY)
+    if isinstance(state, ObservedState):
+        return ExplainReport(
+            state.backend_config.name, list(state.decisions), list(state.swapped_modules)
         )
-    return ExplainReport(
-        state.backend_config.name, list(state.decisions), list(state.swapped_modules)
+    recorded = meta.get(DECISIONS_KEY)
+    if isinstance(recorded, RecordedDecisions):
+        return ExplainReport(recorded.backend, list(recorded.rows), list(recorded.swapped))
+    raise FxQuantError(
+        f"explain needs a model returned by prepare_fx / prepare_qat_fx, or by convert_fx / "
+        f"convert_to_reference_fx (lowered or not); got a {type(prepared_model).__name__} "
+        "without recorded decisions"
     )

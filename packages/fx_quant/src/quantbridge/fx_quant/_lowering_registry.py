@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import threading
+import warnings
 from collections.abc import Callable
 
 from torch.fx import GraphModule
@@ -33,6 +34,10 @@ Lowering = Callable[[GraphModule], GraphModule]
 _registry: dict[str, Lowering] = {}
 _entry_points_loaded = False
 _lock = threading.Lock()
+_load_lock = threading.RLock()
+_loading = False
+# backend name -> why its plugin failed to load (kept for convert_fx's warning)
+_load_failures: dict[str, str] = {}
 
 
 class LoweringRegistryError(FxQuantError):
@@ -75,27 +80,45 @@ def unregister_lowering(backend_name: str) -> None:
 
 
 def _load_entry_points() -> None:
-    global _entry_points_loaded
-    with _lock:
-        if _entry_points_loaded:
-            return
-        _entry_points_loaded = True
-        found = list(importlib.metadata.entry_points(group=ENTRY_POINT_GROUP))
-    for ep in found:
-        if ep.name in _registry:
-            continue  # code registrations win over installed defaults
+    """Load every entry point, once. The loaded flag is set only after all were tried; a
+    plugin that fails leaves nothing registered under its name and is reported by one warning
+    (convert_fx then returns the reference model for that name and says why)."""
+    global _entry_points_loaded, _loading
+    with _load_lock:  # other threads wait until the load is complete
+        if _entry_points_loaded or _loading:
+            return  # _loading: a plugin being imported looked a name up; not there yet
+        _loading = True
         try:
-            fn = ep.load()
-        except Exception as e:
-            raise LoweringRegistryError(
-                f"entry point {ep.name!r} = {ep.value!r} in group {ENTRY_POINT_GROUP!r} failed "
-                f"to load: {type(e).__name__}: {e}"
-            ) from e
-        register_lowering(ep.name, fn)
+            for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+                if ep.name not in _registry:  # code registrations win over installed ones
+                    _load_one(ep)
+        finally:
+            _loading = False
+            _entry_points_loaded = True
+
+
+def _load_one(ep: importlib.metadata.EntryPoint) -> None:
+    try:
+        register_lowering(ep.name, ep.load())
+    except Exception as e:  # a broken plugin must not break the others
+        unregister_lowering(ep.name)  # whatever its failed import registered under the name
+        dist = getattr(ep, "dist", None)
+        source = f" from {dist.name} {dist.version}" if dist is not None else ""
+        message = (
+            f"quantbridge lowering plugin {ep.name!r} ({ep.value}{source}, entry-point group "
+            f"{ENTRY_POINT_GROUP!r}) failed to load: {type(e).__name__}: {e}. convert_fx "
+            f"returns the reference model for backend {ep.name!r} until the plugin is fixed "
+            "or uninstalled"
+        )
+        _load_failures[ep.name] = message
+        warnings.warn(message, RuntimeWarning, stacklevel=2)
 
 
 def get_lowering(name: str) -> Lowering | None:
-    """The lowering registered for backend ``name`` (entry points consulted once), else None."""
+    """The lowering registered for backend ``name`` (entry points read once), else None.
+
+    None also when the plugin that would provide it failed to load (warned once, at loading).
+    """
     _check_name(name, "get_lowering")
     fn = _registry.get(name)
     if fn is None and not _entry_points_loaded:
@@ -108,3 +131,61 @@ def registered_lowerings() -> list[str]:
     """Names with a lowering (after reading the entry points)."""
     _load_entry_points()
     return sorted(_registry)
+
+
+# --- convert_fx without a lowering ------------------------------------------------------------
+
+# torch.ao lowered these BackendConfigs to its x86/fbgemm/onednn engines; quantbridge-lowering
+# registers its numba lowering under the same names.
+TORCH_AO_CPU_CONFIGS = ("x86", "fbgemm", "onednn", "native")
+_FAST_MODEL = (
+    "for a fast CPU model, prepare and convert with quantbridge.lowering's numba backend: "
+    "backend = get_backend('numba'); prepare_fx(model, backend.qconfig_mapping(), "
+    "example_inputs, backend_config=backend.backend_config), then convert_fx(prepared)"
+)
+_NO_QUANTBRIDGE_ENGINE = {
+    "qnnpack": "torch.ao ran it on its QNNPACK engine (ARM and mobile CPUs)",
+    "executorch": "torch.ao left it to ExecuTorch to lower",
+    "tensorrt": "torch.ao left it to TensorRT (GPUs) to lower",
+}
+_warned_names: set[str] = set()
+
+
+def not_lowered_message(name: str) -> str:
+    """Why convert_fx returned the reference model for a BackendConfig named ``name``."""
+    returned = (
+        "convert_fx returned the reference model (dequantize -> float op -> quantize on "
+        "plain tensors: exact but slow)"
+    )
+    if not name:
+        return (
+            f"{returned}: the BackendConfig has no name, so no lowering can be looked up; "
+            f"name it after a registered lowering, or {_FAST_MODEL}"
+        )
+    if name in _load_failures:
+        return f"{returned} for backend {name!r}: {_load_failures[name]}"
+    if name in TORCH_AO_CPU_CONFIGS:
+        return (
+            f"{returned} for backend {name!r}: no lowering is registered for it. torch.ao "
+            f"lowered {name!r} to its quantized CPU engine; install quantbridge-lowering, "
+            f"which lowers {name!r} to its numba kernels"
+        )
+    if name in _NO_QUANTBRIDGE_ENGINE:
+        return (
+            f"{returned} for backend {name!r}: {_NO_QUANTBRIDGE_ENGINE[name]}, and quantbridge "
+            f"has no such lowering; {_FAST_MODEL}"
+        )
+    return (
+        f"{returned} for backend {name!r}: no lowering is registered for it; register one "
+        f"with quantbridge.fx_quant.register_lowering({name!r}, fn), install the plugin that "
+        f"provides it, or {_FAST_MODEL}"
+    )
+
+
+def warn_not_lowered(name: str) -> None:
+    """Warn that convert_fx returned the reference model: once per process and backend name."""
+    with _lock:
+        if name in _warned_names:
+            return
+        _warned_names.add(name)
+    warnings.warn(not_lowered_message(name), UserWarning, stacklevel=3)

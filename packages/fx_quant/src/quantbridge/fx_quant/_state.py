@@ -9,10 +9,20 @@ from quantbridge.fx_quant._custom_config import PrepareCustomConfig
 from quantbridge.qconfig import BackendConfig, QConfigMapping, QConfigMatch
 from quantbridge.qconfig._qconfig import QConfigAny
 
-__all__ = ["OBSERVED_KEY", "NodeDecision", "ObservedState", "SwappedModule"]
+__all__ = [
+    "DECISIONS_KEY",
+    "OBSERVED_KEY",
+    "NodeDecision",
+    "ObservedState",
+    "RecordedDecisions",
+    "SwappedModule",
+]
 
 # Key of the observed state in ``GraphModule.meta`` (kept by deepcopy, not by state_dict).
 OBSERVED_KEY = "_quantbridge_observed"
+# Key of prepare's decisions on converted models: convert drops the observed state but keeps
+# these, and lowering passes keep meta, so explain also works after convert and lowering.
+DECISIONS_KEY = "_quantbridge_decisions"
 
 
 @dataclass
@@ -57,3 +67,12 @@ class ObservedState:
     decisions: list[NodeDecision] = field(default_factory=list)
     is_standalone: bool = False
     swapped_modules: list[SwappedModule] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class RecordedDecisions:
+    """What explain reads on a converted or lowered model: prepare's decisions."""
+
+    backend: str
+    rows: tuple[NodeDecision, ...]
+    swapped: tuple[SwappedModule, ...] = ()

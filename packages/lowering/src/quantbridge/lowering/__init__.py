@@ -4,7 +4,8 @@
 ``.qconfig_mapping(qat=False)``, ``.lower(reference_model)``, ``.convert(prepared_model)``,
 ``.supported_ops()``); ``available_backends()`` lists those that run on this machine. Every
 backend is registered in fx_quant's lowering registry, so ``convert_fx(prepared,
-backend_config=get_backend(name).backend_config)`` lowers with it.
+backend_config=get_backend(name).backend_config)`` lowers with it. The torch.ao-named CPU
+configs (``get_backend_config("x86")``, fbgemm, onednn, native) lower with ``numba`` too.
 
 The lowering pass onto the kernels (``lower_to_kernels``) is driven by a table of
 :class:`LoweringRule` (a quantbridge.patterns pattern and a builder); ``default_lowering_rules()``
@@ -13,6 +14,7 @@ is the built-in table, and ``lower_to_kernels(model, target, rules=...)`` takes 
 
 import importlib
 
+from quantbridge.fx_quant import register_lowering
 from quantbridge.lowering._backend import (
     Backend,
     BackendUnavailableError,
@@ -26,7 +28,11 @@ from quantbridge.lowering._context import LoweringContext, NotLowerableError
 from quantbridge.lowering._errors import LoweringError
 from quantbridge.lowering._lower import LoweringReport, lower_to_kernels, lowering_report
 from quantbridge.lowering._modules import LoweredModule
-from quantbridge.lowering._numba_backend import NumbaBackend
+from quantbridge.lowering._numba_backend import (
+    TORCH_AO_CPU_CONFIGS,
+    NumbaBackend,
+    torch_ao_cpu_lowering,
+)
 from quantbridge.lowering._numba_config import numba_backend_config
 from quantbridge.lowering._reference import ReferenceBackend, reference
 from quantbridge.lowering._rules import LoweringRule, RuleMatch
@@ -42,6 +48,10 @@ numba_generic = NumbaBackend("numba_generic", "generic")
 def _register_builtins() -> None:
     for backend in (reference, numba, numba_avx512_vnni, numba_avx2, numba_generic):
         register_backend(backend)
+    # convert_fx with get_backend_config("x86") etc. lowers to numba, as torch.ao lowered
+    # these configs to its engines (the pyproject's entry points name the same object)
+    for name in TORCH_AO_CPU_CONFIGS:
+        register_lowering(name, torch_ao_cpu_lowering)
     # torch_native is the one module touching quantized tensors: imported only here, guarded
     try:
         native = importlib.import_module("quantbridge.lowering._torch_native")

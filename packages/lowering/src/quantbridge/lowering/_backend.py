@@ -237,6 +237,14 @@ def _lookup(name: str) -> Backend | None:
         with _lock:
             _backends.setdefault(name, fn)
         return fn
+    target = getattr(fn, "backend_name", None)  # TorchAoConfigLowering: a torch.ao config name
+    if isinstance(target, str):
+        raise LoweringError(
+            f"get_backend({name!r}): {name!r} names a torch.ao BackendConfig "
+            f"(quantbridge.fx_quant.get_backend_config({name!r})), not a backend; convert_fx "
+            f"lowers models prepared with it using the {target!r} backend: "
+            f"get_backend({target!r})"
+        )
     if fn is not None:
         raise LoweringError(
             f"get_backend({name!r}): the lowering registered under {name!r} is "

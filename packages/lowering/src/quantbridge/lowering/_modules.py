@@ -58,6 +58,7 @@ def _p(v: list[int]) -> tuple[int, int]:
 
 def _np(t: torch.Tensor) -> Any:
     """C-contiguous numpy view (a copy only when ``t`` is laid out otherwise)."""
+    t = t.detach()  # float inputs may come from float ops with parameters (grad mode on)
     return (t if t.is_contiguous() else t.contiguous()).numpy()
 
 
@@ -67,6 +68,7 @@ def _np_dense(t: torch.Tensor) -> Any:
     For the kernels that take either layout (conv, elementwise): convs return channels-last
     data, so activations stay channels-last from conv to conv without transposes.
     """
+    t = t.detach()
     if t.is_contiguous():
         return t.numpy()
     if t.dim() >= 3 and t.movedim(1, -1).is_contiguous():

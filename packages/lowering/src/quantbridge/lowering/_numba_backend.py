@@ -7,7 +7,7 @@ import copy
 from torch.fx import GraphModule
 
 from quantbridge import kernels as K
-from quantbridge.lowering._backend import Backend, SupportedOp
+from quantbridge.lowering._backend import Backend, SupportedOp, get_backend
 from quantbridge.lowering._lower import lower_to_kernels, lowerable_op_names
 from quantbridge.lowering._numba_config import numba_backend_config
 from quantbridge.qconfig import (
@@ -23,7 +23,10 @@ from quantbridge.qconfig import (
     get_default_qconfig_mapping,
 )
 
-__all__ = ["NumbaBackend"]
+__all__ = ["TORCH_AO_CPU_CONFIGS", "NumbaBackend", "TorchAoConfigLowering", "torch_ao_cpu_lowering"]
+
+# torch.ao lowered BackendConfigs of these names to its quantized CPU engines (fbgemm, onednn)
+TORCH_AO_CPU_CONFIGS = ("x86", "fbgemm", "onednn", "native")
 
 _MODES = {
     "kernels.linear": "static",
@@ -102,3 +105,26 @@ class NumbaBackend(Backend):
             mode = _MODES.get(kernel, "static")
             rows.append(SupportedOp(op, (mode,), f"{kernel} [{self.target}]"))
         return rows
+
+
+class TorchAoConfigLowering:
+    """convert_fx's lowering for models prepared with the torch.ao-named CPU configs
+    (``get_backend_config("x86")``, fbgemm, onednn, native): the ``numba`` backend's pass,
+    as torch.ao lowered these configs to its own engines.
+
+    Registered under those names, not as a backend: ``get_backend("x86")`` points to
+    ``get_backend("numba")``. Ops the numba kernels do not run (the configs allow more than
+    the numba backend's own config: conv3d, transposed convs, norms, ...) keep their
+    reference form, listed in ``lowering_report``.
+    """
+
+    backend_name = "numba"
+
+    def __call__(self, reference_model: GraphModule) -> GraphModule:
+        return get_backend(self.backend_name).lower(reference_model)
+
+    def __repr__(self) -> str:
+        return f"TorchAoConfigLowering(lowers with {self.backend_name!r})"
+
+
+torch_ao_cpu_lowering = TorchAoConfigLowering()
