@@ -282,7 +282,7 @@ class _Converter:
             _set_module(self.model, target, ref)
             self.modules[target] = ref
 
-    def convert_recurrent(self, target: str, module: nn.Module, qconfig: Any) -> None:
+    def convert_recurrent(self, target: str, module: Any, qconfig: Any) -> None:
         """LSTM/GRU and RNN cells have several weights: one qparams dict per weight, keyed by
         its name, as torch.ao builds it (layers observe only int8 weights)."""
         if isinstance(module, nn.RNNCellBase):

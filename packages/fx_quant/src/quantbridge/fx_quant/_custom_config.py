@@ -20,6 +20,7 @@ from typing import Any
 from torch import nn
 
 from quantbridge.fx_quant._errors import FxQuantError
+from quantbridge.fx_quant._torch_ao_names import port_backend_config, port_class
 from quantbridge.qconfig import BackendConfig, QConfigMapping
 
 __all__ = [
@@ -170,6 +171,8 @@ class PrepareCustomConfig:
             raise FxQuantError(f"{where}: prepare_custom_config must be a PrepareCustomConfig")
         if backend_config is not None and not isinstance(backend_config, BackendConfig):
             raise FxQuantError(f"{where}: backend_config must be a BackendConfig or None")
+        if backend_config is not None:
+            backend_config = port_backend_config(backend_config)  # torch.ao.nn classes
         return StandaloneModuleConfigEntry(
             qconfig_mapping, example_inputs, prepare_custom_config, backend_config
         )
@@ -213,8 +216,12 @@ class PrepareCustomConfig:
         observed_class: type,
         quant_type: QuantType = QuantType.STATIC,
     ) -> PrepareCustomConfig:
-        """Swap ``float_class`` for ``observed_class.from_float(module)`` at prepare."""
+        """Swap ``float_class`` for ``observed_class.from_float(module)`` at prepare.
+
+        torch.ao.nn classes are replaced by quantbridge's equivalents (or refused)."""
         where = "set_float_to_observed_mapping"
+        float_class = port_class(float_class, f"{where}: float_class")
+        observed_class = port_class(observed_class, f"{where}: observed_class")
         _module_class(float_class, f"{where}: float_class")
         _module_class(observed_class, f"{where}: observed_class")
         if not callable(getattr(observed_class, "from_float", None)):
@@ -368,8 +375,12 @@ class ConvertCustomConfig:
         quantized_class: type,
         quant_type: QuantType = QuantType.STATIC,
     ) -> ConvertCustomConfig:
-        """Swap ``observed_class`` for ``quantized_class.from_observed(module)`` at convert."""
+        """Swap ``observed_class`` for ``quantized_class.from_observed(module)`` at convert.
+
+        torch.ao.nn classes are replaced by quantbridge's equivalents (or refused)."""
         where = "set_observed_to_quantized_mapping"
+        observed_class = port_class(observed_class, f"{where}: observed_class")
+        quantized_class = port_class(quantized_class, f"{where}: quantized_class")
         _module_class(observed_class, f"{where}: observed_class")
         _module_class(quantized_class, f"{where}: quantized_class")
         if not callable(getattr(quantized_class, "from_observed", None)):

@@ -89,9 +89,10 @@ def _equivalent(module: str, qualname: str) -> type | str:
             "it is a torch.ao quantized module, which computes on quantized tensors; "
             f"quantbridge has none. Use {use}"
         )
+    mirror = _PACKAGES.get(package, "quantbridge.fx_quant.nn")
     return (
-        "quantbridge has no class of that name in its mirror of torch.ao.nn "
-        "(quantbridge.fx_quant.nn); use a quantbridge.fx_quant.nn class or your own module"
+        f"{mirror} (quantbridge's mirror of {package}) has no {qualname}; use a "
+        "quantbridge.fx_quant.nn class or a module of your own"
     )
 
 
