@@ -90,11 +90,30 @@ def test_torch_ao_backend_configs_through_json(name: str) -> None:
     ]
     if closures:  # torch.ao builds most fuser methods as closures: no name to write
         with pytest.raises(
-            qb.QConfigError, match=rf"^configs\[{closures[0]}\]\.fuser_method: .* has no importable"
+            qb.QConfigError,
+            match=rf"^\$\.configs\[{closures[0]}\]\.fuser_method: .* has no importable",
         ):
             ours.to_json()
         for i in closures:
             ours.configs[i].set_fuser_method(None)
+    # torch.ao's module-level fuser methods and node getters are written, but a file may not
+    # call into torch: loading refuses them (patterns and module classes are data and load).
+    text = ours.to_json()
+    calls_torch = [
+        i
+        for i, c in enumerate(ours.configs)
+        if c.fuser_method or c._root_node_getter or c._extra_inputs_getter
+    ]
+    if calls_torch:
+        with pytest.raises(
+            qb.QConfigError,
+            match=rf"^\$\.configs\[{calls_torch[0]}\]\.\w+: refusing to call 'torch\.",
+        ):
+            qb.BackendConfig.from_json(text)
+        for i in calls_torch:
+            ours.configs[i].set_fuser_method(None)
+            ours.configs[i]._set_root_node_getter(None)  # type: ignore[arg-type]
+            ours.configs[i]._set_extra_inputs_getter(None)  # type: ignore[arg-type]
     loaded = qb.BackendConfig.from_json(ours.to_json())
     assert comparable(loaded.to_dict()) == comparable(ours.to_dict())
 
@@ -240,7 +259,7 @@ def test_the_seed_tutorial_backend_against_torch_ao() -> None:
     assert loaded.to_dict() == canon(theirs.to_dict())
     fused = loaded.configs[1].fuser_method(False, nn.Conv2d(1, 1, 1), nn.ReLU())
     assert isinstance(fused, nni.ConvReLU2d)
-    with pytest.raises(qb.QConfigError, match=r"^configs\[1\]\.fuser_method: refusing to load"):
+    with pytest.raises(qb.QConfigError, match=r"^\$\.configs\[1\]\.fuser_method: refusing to call"):
         qb.BackendConfig.from_json(text)
 
 

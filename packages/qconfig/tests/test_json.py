@@ -7,6 +7,7 @@ import io
 import json
 import math
 import operator
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -243,13 +244,14 @@ def test_tutorial_backend_round_trips_with_its_fuser_allowed() -> None:
 
 def test_disallowed_name_is_named_by_its_json_path() -> None:
     document = json.loads(every_feature_backend().to_json())
-    with pytest.raises(QConfigError, match=r"^configs\[0\]\.qat_module: refusing to load"):
+    with pytest.raises(QConfigError, match=r"^\$\.configs\[0\]\.qat_module: refusing to load"):
         BackendConfig.from_json(json.dumps(document))
     del document["data"]["configs"][0]["qat_module"]
     del document["data"]["configs"][0]["reference_quantized_module_for_root"]
     del document["data"]["configs"][1]["fused_module"]
     with pytest.raises(
-        QConfigError, match=r"^configs\[1\]\.fuser_method: refusing to load 'config_backend_helpers"
+        QConfigError,
+        match=r"^\$\.configs\[1\]\.fuser_method: refusing to call 'config_backend_helpers",
     ):
         BackendConfig.from_json(json.dumps(document))
 
@@ -276,24 +278,49 @@ def _backend_document(fuser: str) -> str:
     )
 
 
+_CALL_REFUSED = "refusing to call '{}' as a function or class: a config file may only call"
+
+
 @pytest.mark.parametrize(
     ("name", "what"),
     [
-        ("os.system", "it"),
-        ("subprocess.Popen", "it"),
-        ("builtins.eval", "it"),
-        ("torch.os.system", "module 'os'"),  # reachable by getattr from torch: still refused
-        ("torch.nn.functional.Callable", "its defining module 'collections.abc'"),
-        ("config_backend_helpers_evil.fuse", "it"),  # a prefix only matches whole components
-        ("torch.nn.Module.__init__.__globals__", "names with dunder components"),
-        ("operator.__builtins__", "names with dunder components"),
+        ("os.system", _CALL_REFUSED),
+        ("subprocess.Popen", _CALL_REFUSED),
+        ("builtins.eval", _CALL_REFUSED),
+        ("torch.os.system", _CALL_REFUSED),  # reachable by getattr from torch: still refused
+        ("torch.nn.functional.relu", _CALL_REFUSED),  # a pattern operator, not a fuser
+        ("config_backend_helpers_evil.fuse", _CALL_REFUSED),  # prefixes match whole components
+        ("quantbridge.qconfig.QConfig", "refusing to call 'quantbridge.qconfig.QConfig'"),
+        ("torch.nn.Module.__init__.__globals__", "refusing to load '{}': names with dunder"),
+        ("operator.__builtins__", "refusing to load '{}': names with dunder"),
     ],
 )
-def test_names_outside_the_allow_list_are_refused(name: str, what: str) -> None:
-    with pytest.raises(
-        QConfigError, match=rf"^configs\[1\]\.fuser_method: refusing to load '{name}': {what}"
-    ):
+def test_names_outside_the_registry_are_refused_as_callables(name: str, what: str) -> None:
+    message = "^" + re.escape("$.configs[1].fuser_method: " + what.format(name))
+    with pytest.raises(QConfigError, match=message):
         BackendConfig.from_json(_backend_document(name), allowed_prefixes=ALLOW)
+
+
+@pytest.mark.parametrize(
+    ("name", "what"),
+    [
+        ("os.system", "refusing to load 'os.system': a pattern comes from ['torch', 'operator'"),
+        ("torch.os.system", "refusing to load 'torch.os.system': it passes through module 'os'"),
+        (
+            "torch.nn.functional.Callable",
+            "refusing to load 'torch.nn.functional.Callable': its defining module "
+            "'collections.abc'",
+        ),
+        ("torch.nn", "'torch.nn' is a module; a pattern names a module class, a function"),
+        ("torch.float32", "'torch.float32' is a dtype; a pattern names"),
+    ],
+)
+def test_names_outside_the_data_namespaces_are_refused_as_patterns(name: str, what: str) -> None:
+    document = json.loads(_backend_document("quantbridge.fx_quant.nn.intrinsic.ConvReLU2d"))
+    document["data"]["configs"][0]["pattern"] = {"$ref": name}
+    del document["data"]["configs"][1]
+    with pytest.raises(QConfigError, match="^" + re.escape("$.configs[0].pattern: " + what)):
+        BackendConfig.from_json(json.dumps(document), allowed_prefixes=ALLOW)
 
 
 def test_refused_modules_are_never_imported(
@@ -308,7 +335,7 @@ def test_refused_modules_are_never_imported(
     monkeypatch.delenv("QB_JSON_CANARY", raising=False)
     had_subprocess = "subprocess" in sys.modules
     for name in ("qb_json_canary.fuse", "subprocess.Popen", "qb_json_pkg.sub.fuse"):
-        with pytest.raises(QConfigError, match="refusing to load"):
+        with pytest.raises(QConfigError, match="refusing to call"):
             BackendConfig.from_json(_backend_document(name), allowed_prefixes=ALLOW)
     assert "qb_json_canary" not in sys.modules
     assert "QB_JSON_CANARY" not in __import__("os").environ
@@ -435,7 +462,8 @@ def test_torch_qscheme_objects_load_as_qscheme() -> None:
 
 def test_qconfig_with_a_none_field_round_trips() -> None:
     mapping = QConfigMapping().set_object_type(
-        "relu", QConfig(activation=MinMaxObserver.with_args(quant_max=127), weight=None)
+        "relu",
+        QConfig(activation=MinMaxObserver.with_args(quant_min=0, quant_max=127), weight=None),
     )
     text = mapping.to_json()
     assert json.loads(text)["data"]["object_type"][0]["$tuple"][1]["$qconfig"]["weight"] is None
@@ -460,15 +488,15 @@ def test_non_finite_floats_are_tagged() -> None:
     [
         (
             MinMaxObserver.with_callable_args(eps=lambda: 1e-5),
-            r"^\[\"\"\]\.activation: .*callable_args \['eps'\].* cannot be written",
+            r"^\$\[\"\"\]\.activation: .*callable_args \['eps'\].* cannot be written",
         ),
         (
             functools.partial(helpers.DummyObserver, eps=torch.tensor(1.0)),
-            r'^\[""\]\.activation\.kwargs\.eps: tensors cannot be written',
+            r'^\$\[""\]\.activation\.kwargs\.eps: tensors cannot be written',
         ),
         (
             functools.partial(helpers.DummyObserver, observer=object()),
-            r'^\[""\]\.activation\.kwargs\.observer: cannot write <object',
+            r'^\$\[""\]\.activation\.kwargs\.observer: cannot write <object',
         ),
     ],
 )
@@ -583,7 +611,7 @@ def test_dtype_config_json_round_trip(c: DTypeConfig) -> None:
         ({"": {"$tuple": {"a": 1}}}, r"expected an array"),
         (
             {"object_type": [{"$tuple": ["relu", {"$qconfig": {"activation": 1, "weight": 2}}]}]},
-            r"object_type\[0\]\[1\]: QConfig.activation: 1 \(a int\) is not an observer",
+            r"^\$\.object_type\[0\]\[1\]\.activation: 1 does not build an observer",
         ),
         (
             {
@@ -594,7 +622,7 @@ def test_dtype_config_json_round_trip(c: DTypeConfig) -> None:
                     }
                 }
             },
-            r'\[""\]\.activation\.class: .*has no with_args\(\)',
+            r"^\$\[\"\"\]\.activation\.\$with_args\.class: refusing to call 'torch.nn.Identity'",
         ),
         (
             {
@@ -605,7 +633,7 @@ def test_dtype_config_json_round_trip(c: DTypeConfig) -> None:
                     }
                 }
             },
-            r'\[""\]\.activation\.func: refusing to load \'os.getcwd\'',
+            r"^\$\[\"\"\]\.activation\.\$partial\.func: refusing to call 'os.getcwd'",
         ),
     ],
 )

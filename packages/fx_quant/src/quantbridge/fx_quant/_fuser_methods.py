@@ -15,6 +15,7 @@ from torch.nn.utils.fusion import fuse_conv_bn_eval, fuse_linear_bn_eval
 
 from quantbridge.fx_quant._errors import FxQuantError
 from quantbridge.fx_quant.nn import intrinsic as nni
+from quantbridge.qconfig import register_config_callables
 
 __all__ = [
     "DEFAULT_OP_LIST_TO_FUSER_METHOD",
@@ -173,3 +174,7 @@ def get_fuser_method(
             "additional_fuser_method_mapping or set it on the BackendPatternConfig"
         )
     return method
+
+
+# Backend config files (BackendConfig.from_json) may name these fuser methods.
+register_config_callables(fuse_conv_bn, fuse_conv_bn_relu, fuse_linear_bn, fuse_convtranspose_bn)

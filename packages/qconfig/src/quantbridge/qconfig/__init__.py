@@ -78,6 +78,7 @@ from quantbridge.qconfig._defaults import (
     get_symmetric_qnnpack_qconfig_mapping,
     per_channel_dynamic_qconfig,
 )
+from quantbridge.qconfig._config_callables import register_config_callables
 from quantbridge.qconfig._errors import QConfigError, QConfigPatternError
 from quantbridge.qconfig._factory import PartialWrapper
 from quantbridge.qconfig._fake_quantize import (
@@ -120,6 +121,7 @@ __all__ = [
     "QConfigMapping",
     "QConfigMatch",
     "qconfig_equals",
+    "register_config_callables",
     # observers, fake quantize, default factories and qconfigs
     "default_observer",
     "default_placeholder_observer",

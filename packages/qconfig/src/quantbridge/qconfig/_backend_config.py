@@ -324,9 +324,9 @@ class DTypeConfig:
         cls, source: str | Path | IO[str], *, allowed_prefixes: tuple[str, ...] = ()
     ) -> DTypeConfig:
         """Load from JSON text, a file path or an open text file."""
-        from quantbridge.qconfig._json import load_config
+        from quantbridge.qconfig._json import build_from_json
 
-        return cls.from_dict(load_config(source, "DTypeConfig", allowed_prefixes))
+        return build_from_json(cls.from_dict, source, "DTypeConfig", allowed_prefixes)
 
 
 def _wrap_pattern_error(e: PatternError, where: str) -> QConfigPatternError:
@@ -625,9 +625,9 @@ class BackendPatternConfig:
         cls, source: str | Path | IO[str], *, allowed_prefixes: tuple[str, ...] = ()
     ) -> BackendPatternConfig:
         """Load from JSON text, a file path or an open text file."""
-        from quantbridge.qconfig._json import load_config
+        from quantbridge.qconfig._json import build_from_json
 
-        return cls.from_dict(load_config(source, "BackendPatternConfig", allowed_prefixes))
+        return build_from_json(cls.from_dict, source, "BackendPatternConfig", allowed_prefixes)
 
 
 class BackendConfig:
@@ -730,9 +730,10 @@ class BackendConfig:
     ) -> BackendConfig:
         """Load from JSON text, a file path or an open text file.
 
-        Names resolve only under ``torch``, ``operator``, ``quantbridge`` and
-        ``allowed_prefixes`` (e.g. ``("my_backend",)``); nothing else is imported.
+        The file is untrusted input: it may only call registered callables and the
+        functions and classes of your own ``allowed_prefixes`` modules (e.g.
+        ``("my_backend",)``); see the README's "Security" section.
         """
-        from quantbridge.qconfig._json import load_config
+        from quantbridge.qconfig._json import build_from_json
 
-        return cls.from_dict(load_config(source, "BackendConfig", allowed_prefixes))
+        return build_from_json(cls.from_dict, source, "BackendConfig", allowed_prefixes)

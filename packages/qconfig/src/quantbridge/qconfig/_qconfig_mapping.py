@@ -305,9 +305,10 @@ class QConfigMapping:
     ) -> QConfigMapping:
         """Load from JSON text, a file path or an open text file.
 
-        Names resolve only under ``torch``, ``operator``, ``quantbridge`` and
-        ``allowed_prefixes``; nothing else is imported.
+        The file is untrusted input: it may only call registered callables and the
+        functions and classes of your own ``allowed_prefixes`` modules; see the README's
+        "Security" section.
         """
-        from quantbridge.qconfig._json import load_config
+        from quantbridge.qconfig._json import build_from_json
 
-        return cls.from_dict(load_config(source, "QConfigMapping", allowed_prefixes))
+        return build_from_json(cls.from_dict, source, "QConfigMapping", allowed_prefixes)

@@ -12,6 +12,7 @@ passed as ``MatchAllNode``.
 from __future__ import annotations
 
 from collections.abc import Callable
+from types import FunctionType
 from typing import Any
 
 import torch
@@ -21,6 +22,7 @@ from torch.nn.utils.fusion import fuse_conv_bn_eval, fuse_linear_bn_eval
 from quantbridge.fx_quant._errors import FxQuantError
 from quantbridge.fx_quant._fuser_methods import check_same_mode
 from quantbridge.fx_quant.nn import intrinsic as nni
+from quantbridge.qconfig import register_config_callables
 
 Add = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -261,3 +263,13 @@ def conv_bn_add_relu_root_node_getter_right(pattern: Any) -> Any:
 def conv_bn_add_relu_extra_inputs_getter_right(pattern: Any) -> list[Any]:
     _relu, add_pattern = pattern
     return conv_bn_add_extra_inputs_getter_right(add_pattern)
+
+
+# Backend config files (BackendConfig.from_json) may name every public function above.
+register_config_callables(
+    *(
+        f
+        for name, f in list(globals().items())
+        if isinstance(f, FunctionType) and f.__module__ == __name__ and not name.startswith("_")
+    )
+)
