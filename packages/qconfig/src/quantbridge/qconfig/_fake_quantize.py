@@ -103,6 +103,9 @@ class FakeQuantize(FakeQuantizeBase):
     ) -> None:
         super().__init__()
         name = type(self).__name__
+        for bound, value in (("quant_min", quant_min), ("quant_max", quant_max)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                raise QConfigError(f"{name}: {bound} must be an int or None, got {value!r}")
         if quant_min is not None and quant_max is not None:
             if quant_min > quant_max:
                 raise QConfigError(

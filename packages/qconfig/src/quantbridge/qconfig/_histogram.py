@@ -26,6 +26,9 @@ from quantbridge.qconfig._observer_base import (
 from quantbridge.qconfig._qparams import default_qparams
 
 _STEP = 1e-5  # quantile granularity of the clipping search
+# Most bins accepted (torch.ao has no limit): 2**20 float32 bins are 4 MiB per observer and
+# the clipping search already takes seconds; beyond that a typo exhausts memory.
+MAX_BINS = 2**20
 
 
 def _to_float32(value: float) -> float:
@@ -68,8 +71,10 @@ class HistogramObserver(UniformQuantizationObserverBase):
     ) -> None:
         if is_dynamic:
             raise QConfigError("HistogramObserver does not support dynamic quantization")
-        if isinstance(bins, bool) or not isinstance(bins, int) or bins < 1:
-            raise QConfigError(f"HistogramObserver: bins must be a positive int, got {bins!r}")
+        if isinstance(bins, bool) or not isinstance(bins, int) or not 1 <= bins <= MAX_BINS:
+            raise QConfigError(
+                f"HistogramObserver: bins must be an int in [1, {MAX_BINS}], got {bins!r}"
+            )
         super().__init__(
             dtype=dtype,
             qscheme=qscheme,

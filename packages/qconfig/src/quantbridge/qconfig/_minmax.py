@@ -12,6 +12,7 @@ from quantbridge.qconfig._observer_base import (
     _FLOAT32_EPS,
     UniformQuantizationObserverBase,
     buffer_kwargs,
+    check_averaging_constant,
     moving_average,
 )
 
@@ -95,6 +96,7 @@ class MovingAverageMinMaxObserver(MinMaxObserver):
         is_dynamic: bool = False,
         **kwargs: Any,
     ) -> None:
+        check_averaging_constant(averaging_constant, type(self).__name__)
         if is_dynamic and averaging_constant != 1:
             raise QConfigError(
                 f"MovingAverageMinMaxObserver: is_dynamic=True needs averaging_constant=1 "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import abc
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -30,6 +31,39 @@ def reject_unknown_kwargs(where: str, kwargs: dict[str, Any]) -> None:
             f"{where}: unexpected argument(s) {sorted(kwargs)}; check the spelling against "
             "the constructor's signature"
         )
+
+
+def check_flag(value: object, name: str, where: str) -> bool:
+    """``value`` if it is a bool (``reduce_range="no"`` would otherwise count as True)."""
+    if not isinstance(value, bool):
+        raise QConfigError(f"{where}: {name} must be True or False, got {value!r}")
+    return value
+
+
+def check_eps(value: object, where: str) -> float:
+    """A positive, finite smallest scale (an infinite eps makes every scale infinite)."""
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not (math.isfinite(value) and value > 0)
+    ):
+        raise QConfigError(f"{where}: eps must be a positive finite float, got {value!r}")
+    return float(value)
+
+
+def check_averaging_constant(value: object, where: str) -> float:
+    """A moving-average weight in (0, 1]: 0 would freeze the first range forever, NaN or a
+    value outside the interval turns min/max into NaN or makes them diverge."""
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not (math.isfinite(value) and 0 < value <= 1)
+    ):
+        raise QConfigError(
+            f"{where}: averaging_constant must be a number in (0, 1] (the weight of each new "
+            f"batch; 1 keeps only the latest), got {value!r}"
+        )
+    return value
 
 
 def moving_average(
@@ -122,17 +156,16 @@ class UniformQuantizationObserverBase(ObserverBase):
     ) -> None:
         where = type(self).__name__
         reject_unknown_kwargs(where, kwargs)
-        super().__init__(dtype=dtype, is_dynamic=is_dynamic)
+        super().__init__(dtype=dtype, is_dynamic=check_flag(is_dynamic, "is_dynamic", where))
         self.qscheme = canonical_qscheme(qscheme, where=f"{where}: qscheme")
-        self.reduce_range = bool(reduce_range)
+        self.reduce_range = check_flag(reduce_range, "reduce_range", where)
         self._qrange: QuantRange = resolve_quant_range(
             dtype, quant_min, quant_max, self.reduce_range, where
         )
         self.has_customized_qrange = self._qrange.has_customized_qrange
         self.quant_min = self._qrange.quant_min
         self.quant_max = self._qrange.quant_max
-        if not isinstance(eps, (int, float)) or not eps > 0:
-            raise QConfigError(f"{where}: eps must be a positive float, got {eps!r}")
+        eps = check_eps(eps, where)
         self.register_buffer("eps", torch.tensor([eps], **buffer_kwargs(factory_kwargs)))
 
     def _check_qscheme(self, per_channel: bool) -> None:

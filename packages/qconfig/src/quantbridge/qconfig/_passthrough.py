@@ -49,6 +49,13 @@ class FixedQParamsObserver(ObserverBase):
             raise QConfigError(
                 f"FixedQParamsObserver: scale must be a positive finite float, got {scale!r}"
             )
+        for name, value in (
+            ("zero_point", zero_point),
+            ("quant_min", quant_min),
+            ("quant_max", quant_max),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise QConfigError(f"FixedQParamsObserver: {name} must be an int, got {value!r}")
         if not quant_min <= zero_point <= quant_max:
             raise QConfigError(
                 f"FixedQParamsObserver: zero_point {zero_point} is outside "

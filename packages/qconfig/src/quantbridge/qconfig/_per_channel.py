@@ -12,6 +12,7 @@ from quantbridge.qconfig._observer_base import (
     _FLOAT32_EPS,
     UniformQuantizationObserverBase,
     buffer_kwargs,
+    check_averaging_constant,
     moving_average,
     resize_for_state_dict,
 )
@@ -145,6 +146,7 @@ class MovingAveragePerChannelMinMaxObserver(PerChannelMinMaxObserver):
         is_dynamic: bool = False,
         **kwargs: Any,
     ) -> None:
+        check_averaging_constant(averaging_constant, type(self).__name__)
         super().__init__(
             ch_axis=ch_axis,
             dtype=dtype,
