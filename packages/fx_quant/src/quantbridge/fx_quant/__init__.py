@@ -51,6 +51,7 @@ from quantbridge.fx_quant._prepare import ExampleInputsError, StrictPrepareError
 from quantbridge.fx_quant._qconfig_propagation import FusionQConfigError
 from quantbridge.fx_quant._state import NodeDecision
 from quantbridge.fx_quant._tracer import QuantizationTracer, TraceError
+from quantbridge.fx_quant._transformer_swap import TransformerSwapError
 
 __all__ = [
     "FxQuantError",
@@ -75,6 +76,7 @@ __all__ = [
     "NotPreparedError",
     "StrictPrepareError",
     "TraceError",
+    "TransformerSwapError",
     # lowering registry (entry-point group "quantbridge.backends")
     "register_lowering",
     "get_lowering",

@@ -40,7 +40,11 @@ from quantbridge.fx_quant._qconfig_propagation import (
 )
 from quantbridge.fx_quant._state import OBSERVED_KEY, NodeDecision, ObservedState
 from quantbridge.fx_quant._tracer import trace
-from quantbridge.fx_quant._transformer_swap import swap_transformer_modules
+from quantbridge.fx_quant._transformer_swap import (
+    ATTENTION_CORE_REASON,
+    attention_core_reason,
+    swap_transformer_modules,
+)
 from quantbridge.fx_quant.nn.intrinsic import FusedModule
 from quantbridge.patterns import describe_pattern_element, find_matches
 from quantbridge.qconfig import BackendConfig, QConfigMapping
@@ -467,6 +471,8 @@ def _decisions(
             status, reason = "float", f"qconfig is None ({rule})"
         elif node.name not in observed and no_tensors(node):
             status, reason = "float", _NO_TENSOR_DATA
+        elif match is None and attention_core_reason(node, no_tensors.modules):
+            status, reason = "float", ATTENTION_CORE_REASON
         elif match is None:
             status = "float"
             reason = f"no pattern of backend {bc.name!r} matches this node"
@@ -506,7 +512,7 @@ def _raise_if_skipped(decisions: list[NodeDecision], bc: BackendConfig) -> None:
         for d in decisions
         if d.qconfig is not None
         and d.status == "float"
-        and d.reason != _NO_TENSOR_DATA
+        and d.reason not in (_NO_TENSOR_DATA, ATTENTION_CORE_REASON)
         and d.op != "get_attr"
     ]
     if not bad:

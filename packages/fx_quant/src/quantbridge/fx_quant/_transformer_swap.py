@@ -11,19 +11,30 @@ share everything else (parameters included) with it.
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Sequence
+import operator
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from torch import nn
+from torch.fx import Node
 from torch.nn.utils import parametrize
+from torch.nn.utils.parametrize import type_before_parametrizations
 
 from quantbridge.fx_quant._errors import FxQuantError
 from quantbridge.fx_quant._state import SwappedModule
 from quantbridge.fx_quant._tracer import _is_flow_module
-from quantbridge.fx_quant.nn.quantizable import FLOAT_TO_TRACEABLE
+from quantbridge.fx_quant.nn.quantizable import FLOAT_TO_TRACEABLE, AttentionCore
 from quantbridge.qconfig import QConfigMapping
 
-__all__ = ["TransformerSwapError", "swap_transformer_modules"]
+__all__ = [
+    "ATTENTION_CORE_REASON",
+    "TransformerSwapError",
+    "attention_core_reason",
+    "swap_transformer_modules",
+]
+
+# explain's reason for the attention core node and its outputs (strict mode accepts it).
+ATTENTION_CORE_REASON = "attention core (softmax, matmuls) of a swapped module stays float"
 
 _CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
 
@@ -33,7 +44,8 @@ class TransformerSwapError(FxQuantError):
 
 
 def _check_swappable(module: nn.Module, name: str) -> None:
-    where = f"module {name!r} ({type(module).__name__})" if name else type(module).__name__
+    kind = type_before_parametrizations(module).__name__
+    where = f"module {name!r} ({kind})" if name else kind
     fix = (
         f"or keep it float and unquantized with PrepareCustomConfig()"
         f".set_non_traceable_module_names([{name!r}])"
@@ -43,11 +55,16 @@ def _check_swappable(module: nn.Module, name: str) -> None:
             f"{where} has forward hooks; prepare replaces it with a traceable equivalent to "
             f"quantize its Linear layers and the hooks would be lost. Remove the hooks, {fix}"
         )
+    # Submodules are reused as they are, except MultiheadAttention's parameters: the packed
+    # projection is split into copies and out_proj is rebuilt around its weight.
+    owners: dict[str, nn.Module] = {"": module}
+    if isinstance(module, nn.MultiheadAttention):
+        owners["out_proj"] = module.out_proj
     parametrized = sorted(
-        f"{sub_name}.{p}".lstrip(".")
-        for sub_name, sub in module.named_modules()
+        f"{owner}.{p}".lstrip(".")
+        for owner, sub in owners.items()
         if parametrize.is_parametrized(sub)
-        for p in sub.parametrizations
+        for p in getattr(sub, "parametrizations", {})
     )
     if parametrized:
         raise TransformerSwapError(
@@ -80,13 +97,14 @@ def swap_transformer_modules(
     swapped: list[SwappedModule] = []
 
     def kept(module: nn.Module, name: str) -> bool:
-        if name in skipped or type(module) in skipped_types:
+        kind = type_before_parametrizations(module)
+        if name in skipped or kind in skipped_types:
             return True
-        match = mapping.qconfig_for(name, type(module))
+        match = mapping.qconfig_for(name, kind)
         return match.qconfig is None and match.rule != "global"
 
     def visit(module: nn.Module, name: str) -> nn.Module:
-        traceable = FLOAT_TO_TRACEABLE.get(type(module))
+        traceable = FLOAT_TO_TRACEABLE.get(type_before_parametrizations(module))
         if traceable is not None:
             if kept(module, name):
                 return module
@@ -97,9 +115,8 @@ def swap_transformer_modules(
                 for n, child in new.named_children()
                 if type(child) is nn.Linear
             )
-            swapped.append(
-                SwappedModule(name, _describe(type(module)), _describe(traceable), linears)
-            )
+            kind = type_before_parametrizations(module)
+            swapped.append(SwappedModule(name, _describe(kind), _describe(traceable), linears))
             module, is_new = new, True
         elif name in skipped or type(module) in skipped_types:
             return module
@@ -125,3 +142,15 @@ def swap_transformer_modules(
         if float_type in object_types:
             object_types[traceable] = object_types[float_type]
     return result, swapped
+
+
+def attention_core_reason(node: Node, modules: Mapping[str, nn.Module]) -> str | None:
+    """ATTENTION_CORE_REASON for an AttentionCore call or an item of its result, else None."""
+    if node.op == "call_function" and node.target is operator.getitem:
+        source = node.args[0]
+        if not isinstance(source, Node):
+            return None
+        node = source
+    if node.op == "call_module" and isinstance(modules.get(str(node.target)), AttentionCore):
+        return ATTENTION_CORE_REASON
+    return None

@@ -227,6 +227,9 @@ class TransformerEncoder(nn.Module):
         is_causal: bool | None = None,
     ) -> Tensor:
         output = src
+        # torch's layers need a bool; None (torch: "detect a causal mask") computes the same
+        # as False, since a causal hint only ever stands for the causal mask it came with.
+        is_causal = False if is_causal is None else is_causal
         for layer in self.layers:
             output = layer(
                 output,
@@ -268,6 +271,7 @@ class TransformerDecoder(nn.Module):
         memory_is_causal: bool = False,
     ) -> Tensor:
         output = tgt
+        tgt_is_causal = False if tgt_is_causal is None else tgt_is_causal  # as in the encoder
         for layer in self.layers:
             output = layer(
                 output,
