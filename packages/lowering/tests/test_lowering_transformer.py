@@ -1,0 +1,138 @@
+"""Transformer models through prepare (which swaps nn.MultiheadAttention and the
+nn.Transformer* modules for traceable equivalents) and the numba backend: every Linear,
+attention projections included, runs on the int8 kernels; the attention core stays float."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import Tensor, nn
+from torch.fx import GraphModule, Node
+
+import quantbridge.lowering as L
+from quantbridge.fx_quant import convert_to_reference_fx, prepare_fx
+from quantbridge.qconfig import QConfigMapping, default_dynamic_qconfig
+
+# nn.Transformer's encoder warns that its nested-tensor fast path needs batch_first.
+pytestmark = pytest.mark.filterwarnings("ignore:enable_nested_tensor is True:UserWarning")
+
+E, HEADS = 16, 4
+_DQ = torch.ops.quantbridge.dequantize_per_tensor.tensor
+
+
+class _Encoder(nn.Module):
+    """embed -> 2 encoder layers (relu: linear1 fuses with it) -> head."""
+
+    def __init__(self, activation: str = "relu") -> None:
+        super().__init__()
+        self.embed = nn.Linear(6, E)
+        layer = nn.TransformerEncoderLayer(
+            E, HEADS, 32, batch_first=True, activation=activation, dropout=0.1
+        )
+        self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.head = nn.Linear(E, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        out: Tensor = self.head(self.encoder(self.embed(x)))
+        return out
+
+
+class _Seq2Seq(nn.Module):
+    """nn.Transformer (sequence first, gelu) between two Linears."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(6, E)
+        self.transformer = nn.Transformer(E, HEADS, 1, 1, 32, activation="gelu")
+        self.head = nn.Linear(E, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.embed(x)
+        out: Tensor = self.head(self.transformer(h, h[:4]))
+        return out
+
+
+# nn.Linear modules after the swap: embed, head; per attention q/k/v/out; per layer 2.
+MODELS = {  # name: (model, nn.Linear count, attention count)
+    "encoder": (_Encoder, 2 + 2 * (4 + 2), 2),
+    "seq2seq": (_Seq2Seq, 2 + (4 + 2) + (4 + 4 + 2), 3),
+}
+
+
+def _data(seed: int) -> list[Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(5, 2, 6, generator=g) for _ in range(4)]
+
+
+def _prepared(model: nn.Module, mapping: QConfigMapping, backend: L.Backend) -> GraphModule:
+    data = _data(0)
+    prepared = prepare_fx(model, mapping, (data[0],), backend_config=backend.backend_config)
+    for x in data:
+        prepared(x)
+    return prepared
+
+
+def _linear_entries(report: L.LoweringReport, kernel: str) -> list[str]:
+    return [name for name, what in report.lowered if what.startswith(f"kernels.{kernel} (")]
+
+
+def _output_scale(reference: GraphModule) -> float:
+    out = next(n for n in reference.graph.nodes if n.op == "output").args[0]
+    assert isinstance(out, Node)
+    assert out.target is _DQ
+    scale_node = out.args[1]
+    assert isinstance(scale_node, Node)
+    return float(getattr(reference, str(scale_node.target)))
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_static_transformer_linears_lowered(name: str) -> None:
+    cls, n_linears, n_attention = MODELS[name]
+    torch.manual_seed(0)
+    model = cls().eval()
+    backend = L.get_backend("numba")
+    prepared = _prepared(model, backend.qconfig_mapping(), backend)
+    reference = convert_to_reference_fx(copy.deepcopy(prepared))
+    lowered = backend.convert(prepared)
+    report = L.lowering_report(lowered)
+    linears = _linear_entries(report, "linear")
+    assert len(linears) == n_linears, str(report)
+    assert sum("_proj_" in n for n in linears) == 4 * n_attention  # q, k, v, out
+    assert not any(isinstance(m, nn.Linear) for m in lowered.modules())  # none left float
+    cores = [m for m in lowered.modules() if type(m).__name__ == "AttentionCore"]
+    assert len(cores) == n_attention  # the softmax attention stays float
+    step = _output_scale(reference)
+    for x in _data(1):
+        with torch.no_grad():
+            got, want, ideal = lowered(x), reference(x), model(x)
+        assert float((got - want).abs().max()) <= step + 1e-6
+        # int8 all through (layer norms included): near float, not equal to it
+        error = float((want - ideal).abs().mean())
+        assert 0 < error < 0.15 * float(ideal.abs().mean())
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_dynamic_transformer_linears_lowered(name: str) -> None:
+    cls, n_linears, _ = MODELS[name]
+    torch.manual_seed(0)
+    # gelu: a Linear fused with relu has no dynamic kernel in the numba backend
+    model = (cls("gelu") if name == "encoder" else cls()).eval()
+    backend = L.get_backend("numba")
+    mapping = QConfigMapping().set_global(default_dynamic_qconfig)
+    prepared = _prepared(model, mapping, backend)
+    reference = convert_to_reference_fx(copy.deepcopy(prepared))
+    lowered = backend.convert(prepared)
+    report = L.lowering_report(lowered)
+    assert len(_linear_entries(report, "linear_dynamic")) == n_linears, str(report)
+    assert "choose_qparams" not in lowered.code
+    for x in _data(2):
+        with torch.no_grad():
+            got, want, ideal = lowered(x), reference(x), model(x)
+        # the kernels quantize activations over the full 8 bits (the reference: torch's
+        # reduce_range rule), so the lowered model is as close to float as the reference
+        err_ref = float((want - ideal).abs().max())
+        err_low = float((got - ideal).abs().max())
+        assert 0 < err_ref < 0.05
+        assert err_low <= 1.5 * err_ref + 1e-4, (err_low, err_ref)
