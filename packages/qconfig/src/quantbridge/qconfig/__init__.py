@@ -7,6 +7,7 @@ from quantbridge.qconfig._backend_config import (
     DTypeWithConstraints,
     ObservationType,
 )
+from quantbridge.qconfig._config_callables import register_config_callables
 from quantbridge.qconfig._default_factories import (
     default_affine_fixed_qparams_fake_quant,
     default_affine_fixed_qparams_observer,
@@ -78,7 +79,6 @@ from quantbridge.qconfig._defaults import (
     get_symmetric_qnnpack_qconfig_mapping,
     per_channel_dynamic_qconfig,
 )
-from quantbridge.qconfig._config_callables import register_config_callables
 from quantbridge.qconfig._errors import QConfigError, QConfigPatternError
 from quantbridge.qconfig._factory import PartialWrapper
 from quantbridge.qconfig._fake_quantize import (

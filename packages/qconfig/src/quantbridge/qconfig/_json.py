@@ -103,6 +103,8 @@ _CALL = "call"  # quantbridge may call it: registry or the caller's own code onl
 _PATTERN = "pattern"  # compared with graph nodes and module types, never called
 _MODULE_CLASS = "module class"  # an nn.Module subclass the flow converts modules to/from
 
+# Where module classes (qat_module, fused_module, ...) may be defined, besides the caller's.
+_MODULE_CLASS_PREFIXES = ("torch.nn", "torch.ao.nn", "quantbridge")
 # BackendPatternConfig keys holding data names; every other key is _CALL.
 _PATTERN_CONFIG_KINDS = {
     "pattern": _PATTERN,
@@ -512,6 +514,13 @@ class _Loader:
                     f"{_at(path)}: {name!r} is not an nn.Module subclass (a "
                     f"{type(obj).__name__}); a module class is expected here"
                 )
+            # The flow calls these classes' from_float/to_float: only layer classes qualify.
+            layers = (*_MODULE_CLASS_PREFIXES, *self.caller)
+            if not _is_under(obj.__module__, layers):
+                raise QConfigError(
+                    f"{_at(path)}: refusing to load {name!r}: it is defined in "
+                    f"{obj.__module__!r}; module classes come from {list(layers)}"
+                )
         elif not isinstance(obj, _PATTERN_TYPES):
             raise QConfigError(
                 f"{_at(path)}: {name!r} is a {type(obj).__name__}; a pattern names a module "
@@ -621,7 +630,7 @@ class _Loader:
             kwargs = self._kwargs(body.get("kwargs", {}), _join(where, "kwargs"))
             self._check_arguments(cls, (), kwargs, where)
             try:
-                return cls.with_args(**kwargs)
+                return cls.with_args(**kwargs)  # type: ignore[attr-defined]
             except QConfigError as e:
                 raise QConfigError(f"{where}: {e}") from None
         if tag == "$partial":
@@ -710,8 +719,10 @@ class _Loader:
                 "or fake-quantize class, or a factory over one"
             )
         if isinstance(partial, functools.partial):
+            tag = "$with_args" if isinstance(ctor, PartialWrapper) else "$partial"
             for key, value in partial.keywords.items():
-                if callable(value) and not self._buildable(value, _join(path, key)):
+                where = _join(_join(_join(path, tag), "kwargs"), key)
+                if callable(value) and not self._buildable(value, where):
                     return False
         return True
 
