@@ -13,6 +13,7 @@ from torch import nn
 
 from quantbridge.fx_quant._distributed import sync_observers
 from quantbridge.fx_quant._errors import FxQuantError
+from quantbridge.fx_quant._observer_insertion import watch_observer_inputs
 
 __all__ = ["calibrate"]
 
@@ -203,6 +204,7 @@ def calibrate(
     flags = [(module, module.training) for module in model.modules()]
     model.eval()
     seen = 0
+    watches = watch_observer_inputs(model)  # name the node if an observer gets integers
     try:
         with torch.no_grad():
             for index, batch in enumerate(data):
@@ -216,6 +218,8 @@ def calibrate(
     finally:
         for module, training in flags:
             module.training = training
+        for handle in watches:
+            handle.remove()
     _require_batches(seen, do_sync, group, type(data).__name__)
     if do_sync:
         sync_observers(model, group)

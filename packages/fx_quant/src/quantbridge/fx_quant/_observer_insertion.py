@@ -23,11 +23,13 @@ from __future__ import annotations
 import operator
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
 from torch import nn
 from torch.fx import GraphModule, Node
+from torch.utils.hooks import RemovableHandle
 
 from quantbridge.fx_quant._dtype_matching import (
     ObserverProbe,
@@ -36,6 +38,7 @@ from quantbridge.fx_quant._dtype_matching import (
 )
 from quantbridge.fx_quant._errors import FxQuantError
 from quantbridge.fx_quant._qconfig_propagation import is_observer_module
+from quantbridge.fx_quant._state import OBSERVED_KEY
 from quantbridge.patterns import Pattern
 from quantbridge.qconfig import (
     BackendConfig,
@@ -47,7 +50,16 @@ from quantbridge.qconfig import (
 )
 from quantbridge.qconfig._qconfig import QConfigAny
 
-__all__ = ["FP32_CTOR", "PatternMatch", "UINT8_CTOR", "insert_observers"]
+__all__ = [
+    "FP32_CTOR",
+    "PatternMatch",
+    "UINT8_CTOR",
+    "describe_non_float_observations",
+    "insert_observers",
+    "non_float_observations",
+    "observed_value",
+    "watch_observer_inputs",
+]
 
 FP32_CTOR = PlaceholderObserver.with_args(dtype=torch.float32)
 UINT8_CTOR = PlaceholderObserver.with_args(dtype=torch.uint8)
@@ -600,3 +612,166 @@ def _fp32_placeholder_qconfig() -> QConfigAny:
     from quantbridge.qconfig import default_fp32_placeholder_qconfig
 
     return default_fp32_placeholder_qconfig
+
+
+# -- observers fed non-float tensors ------------------------------------------------------------
+
+
+def observed_value(node: Node, modules: dict[str, nn.Module]) -> Node:
+    """The node whose value observer node ``node`` sees (looking through chained observers)."""
+    current = node
+    while (
+        current.op == "call_module"
+        and is_observer_module(modules.get(str(current.target)))
+        and current.args
+        and isinstance(current.args[0], Node)
+    ):
+        current = current.args[0]
+    return current
+
+
+def non_float_observations(
+    model: GraphModule, dtypes: dict[str, torch.dtype]
+) -> list[tuple[Node, Node, torch.dtype]]:
+    """(observer node, observed node, dtype) for each observer that would receive a
+    non-floating-point tensor, by the dtypes a run on example inputs recorded per node name."""
+    modules = dict(model.named_modules(remove_duplicate=False))
+    found = []
+    for node in model.graph.nodes:
+        if node.op != "call_module" or not is_observer_module(modules.get(str(node.target))):
+            continue
+        source = observed_value(node, modules)
+        dtype = dtypes.get(source.name)
+        if dtype is not None and not dtype.is_floating_point:
+            found.append((node, source, dtype))
+    return found
+
+
+def describe_non_float_observations(
+    model: GraphModule,
+    problems: list[tuple[Node, Node, torch.dtype]],
+    qconfigs: dict[str, QConfigAny],
+    scope: dict[str, tuple[str, Any]],
+) -> str:
+    """What is observed where, and the QConfigMapping calls that keep the readers in float.
+
+    The nodes to keep in float are the observed node and the nodes reading the observer's
+    output, among those that have a qconfig: an integer tensor (mask, index, count) has no
+    meaningful scale, so neither its producer nor its readers can quantize it.
+    """
+    modules = dict(model.named_modules(remove_duplicate=False))
+    lines = []
+    exclude: dict[str, Node] = {}
+    for obs, source, dtype in problems:
+        readers = _readers(obs, modules)
+        lines.append(
+            f"observer {str(obs.target)!r} ({type(modules[str(obs.target)]).__name__}) would "
+            f"receive a {dtype} tensor: the output of node {source.name!r} "
+            f"({_describe_node_op(source, modules)}), read by "
+            + ", ".join(f"{r.name!r} ({_describe_node_op(r, modules)})" for r in readers)
+        )
+        for node in (source, *readers):
+            if node.op.startswith("call_") and qconfigs.get(node.name) is not None:
+                exclude.setdefault(node.name, node)
+    calls = [_float_call(node, model, scope) for node in exclude.values()]
+    advice = (
+        "qconfig_mapping." + ".".join(dict.fromkeys(calls))
+        if calls
+        else "a qconfig of None for the nodes above"
+    )
+    paths = sorted({scope.get(n.name, ("", None))[0] for n in exclude.values()} - {""})
+    untraced = (
+        "; or keep the submodule untraced (float, run as one call): prepare_custom_config="
+        f"PrepareCustomConfig().set_non_traceable_module_names({paths!r})"
+        if paths
+        else ""
+    )
+    return (
+        "; ".join(lines)
+        + ". Only floating-point tensors can be observed and quantized (a mask, index or count "
+        f"has no scale). Keep the nodes that produce or read it in float: {advice}{untraced}"
+    )
+
+
+def _readers(obs: Node, modules: dict[str, nn.Module]) -> list[Node]:
+    readers: list[Node] = []
+    for user in obs.users:
+        if user.op == "call_module" and is_observer_module(modules.get(str(user.target))):
+            readers.extend(_readers(user, modules))
+        elif user not in readers:
+            readers.append(user)
+    return readers
+
+
+def _describe_node_op(node: Node, modules: dict[str, nn.Module]) -> str:
+    if node.op == "placeholder":
+        return "a model input"
+    if node.op == "call_module":
+        return f"module {node.target!r}, {type(modules[str(node.target)]).__name__}"
+    if node.op == "call_method":
+        return f".{node.target}()"
+    if node.op == "call_function":
+        from quantbridge.fx_quant._prepare import _describe_callable
+
+        return _describe_callable(node.target)
+    return node.op
+
+
+def _float_call(node: Node, model: GraphModule, scope: dict[str, tuple[str, Any]]) -> str:
+    """The QConfigMapping setter call that gives exactly ``node`` a None qconfig."""
+    if node.op == "call_module":
+        return f"set_module_name({str(node.target)!r}, None)"
+    if node.op == "call_method":
+        return f"set_object_type({str(node.target)!r}, None)"
+    from quantbridge.fx_quant._prepare import _describe_callable
+
+    path = scope.get(node.name, ("", None))[0]
+    # the call's index among the same function's calls in its module, as qconfigs count them
+    index = 0
+    for other in model.graph.nodes:
+        if other is node:
+            break
+        if (
+            other.op == "call_function"
+            and other.target is node.target
+            and scope.get(other.name, ("", None))[0] == path
+        ):
+            index += 1
+    return (
+        f"set_module_name_object_type_order({path!r}, {_describe_callable(node.target)}, "
+        f"{index}, None)"
+    )
+
+
+def watch_observer_inputs(model: nn.Module) -> list[RemovableHandle]:
+    """Forward pre-hooks on a prepared model's observers that raise FxQuantError, naming the
+    observer, the observed node and the fix, when one is fed a non-float tensor.
+
+    For calibration runs (remove the handles afterwards); a model that is not a prepared
+    GraphModule gets no hooks.
+    """
+    state = model.meta.get(OBSERVED_KEY) if isinstance(model, GraphModule) else None
+    if state is None:
+        return []
+    assert isinstance(model, GraphModule)
+    modules = dict(model.named_modules(remove_duplicate=False))
+    by_instance: dict[int, list[Node]] = {}
+    for node in model.graph.nodes:
+        if node.op == "call_module" and is_observer_module(modules.get(str(node.target))):
+            by_instance.setdefault(id(modules[str(node.target)]), []).append(node)
+
+    def check(nodes: list[Node], module: nn.Module, args: tuple[Any, ...]) -> None:
+        x = args[0] if args else None
+        if isinstance(x, torch.Tensor) and not x.is_floating_point():
+            problems = [(n, observed_value(n, modules), x.dtype) for n in nodes]
+            raise FxQuantError(
+                "calibrate: "
+                + describe_non_float_observations(
+                    model, problems, state.node_name_to_qconfig, state.node_name_to_scope
+                )
+            )
+
+    return [
+        modules[str(nodes[0].target)].register_forward_pre_hook(partial(check, nodes))
+        for nodes in by_instance.values()
+    ]

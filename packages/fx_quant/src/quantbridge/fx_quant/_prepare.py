@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.fx import GraphModule, Node
+from torch.fx import GraphModule, Interpreter, Node
 from torch.nn.utils.parametrize import type_before_parametrizations
 
 from quantbridge.fx_quant._custom_config import (
@@ -28,7 +28,9 @@ from quantbridge.fx_quant._observer_insertion import (
     NoTensorCache,
     PatternMatch,
     count_tensor_args,
+    describe_non_float_observations,
     insert_observers,
+    non_float_observations,
 )
 from quantbridge.fx_quant._qconfig_propagation import (
     copy_mapping,
@@ -151,7 +153,10 @@ def _check_inputs_tuple(example_inputs: object) -> None:
         )
 
 
-def _check_example_inputs(gm: GraphModule, example_inputs: tuple[Any, ...]) -> None:
+def _check_example_inputs(
+    gm: GraphModule, example_inputs: tuple[Any, ...]
+) -> dict[str, torch.dtype]:
+    """Run ``gm`` on ``example_inputs`` (eval, no grad); the dtype of each tensor-valued node."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     required = [n for n in placeholders if not n.args]  # args hold a default value
     if not len(required) <= len(example_inputs) <= len(placeholders):
@@ -163,9 +168,10 @@ def _check_example_inputs(gm: GraphModule, example_inputs: tuple[Any, ...]) -> N
         )
     training = {m: m.training for m in gm.modules()}
     gm.eval()
+    recorder = _DtypeRecorder(gm)
     try:
         with torch.no_grad():
-            gm(*example_inputs)
+            recorder.run(*example_inputs)
     except Exception as e:
         raise ExampleInputsError(
             f"the model fails on example_inputs ({_describe_values(example_inputs)}): "
@@ -174,6 +180,22 @@ def _check_example_inputs(gm: GraphModule, example_inputs: tuple[Any, ...]) -> N
     finally:
         for module, mode in training.items():
             module.training = mode
+    return recorder.dtypes
+
+
+class _DtypeRecorder(Interpreter):
+    """Runs a graph and notes the dtype of every node whose value is a tensor."""
+
+    def __init__(self, gm: GraphModule) -> None:
+        super().__init__(gm)
+        self.extra_traceback = False  # keep the model's own error message as it is
+        self.dtypes: dict[str, torch.dtype] = {}
+
+    def run_node(self, n: Node) -> Any:
+        value = super().run_node(n)
+        if isinstance(value, torch.Tensor):
+            self.dtypes[n.name] = value.dtype
+        return value
 
 
 def _describe_values(values: tuple[Any, ...]) -> str:
@@ -239,7 +261,7 @@ def prepare(
     # Attention/transformer modules are tracer leaves: swap them so their Linears are reached.
     model, swapped = swap_transformer_modules(model, mapping, skipped_names, skipped_classes)
     gm, scope = trace(model, skipped_names, skipped_classes)
-    _check_example_inputs(gm, example_inputs)
+    dtypes = _check_example_inputs(gm, example_inputs)
     gm = fuse(gm, is_qat, bc, recompile=False)  # recompiled once, after observers
 
     update_qconfig_for_fusion(gm, mapping)
@@ -334,6 +356,12 @@ def prepare(
     )
     if strict:
         _raise_if_skipped(decisions, bc)
+    non_float = non_float_observations(gm, dtypes)
+    if non_float:
+        raise ExampleInputsError(
+            "example_inputs show that "
+            + describe_non_float_observations(gm, non_float, qconfigs, scope)
+        )
 
     gm.recompile()
     prepared = gm
