@@ -776,3 +776,14 @@ def test_torch_ao_leaves_the_attention_float() -> None:
     assert ao_linears == {"embed", "head"}
     inside = {f"encoder.layers.{i}.{n}" for i in range(2) for n in _LAYER_LINEARS}
     assert our_linears == ao_linears | inside
+
+
+def test_object_type_entry_of_the_torch_class_applies_to_the_equivalent() -> None:
+    """The adds inside the layers get the nn.TransformerEncoderLayer entry (as the enclosing
+    module's type); module calls keep their own rules (global None here)."""
+    model = _randomize(_EncoderModel(), 24).eval()
+    mapping = QConfigMapping().set_object_type(nn.TransformerEncoderLayer, default_qconfig)
+    report = explain(_calibrated(model, mapping))
+    assert report.quantized() == ["add", "add_1", "add_2", "add_3"]
+    assert report["add"].qconfig_rule.startswith("object_type ")
+    assert report["add"].qconfig_rule.endswith(".TransformerEncoderLayer")
