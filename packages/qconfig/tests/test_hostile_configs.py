@@ -772,21 +772,30 @@ def test_registering_a_function_lets_files_call_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     (tmp_path / "qb_hostile_plugin.py").write_text(
-        "def fuse(is_qat, conv, relu):\n    return conv\n"
+        "import os\n\ndef fuse(is_qat, conv, relu):\n    return conv\n\n"
+        "def other(is_qat, conv, relu):\n    return relu\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
+    text = _backend(fuser_method={"$ref": "qb_hostile_plugin.fuse"})
+    with pytest.raises(QConfigError, match=REFUSED_CALL):  # not imported: nothing is imported
+        BackendConfig.from_json(text)
+    assert "qb_hostile_plugin" not in sys.modules
     import qb_hostile_plugin  # type: ignore[import-not-found]
 
-    text = _backend(fuser_method={"$ref": "qb_hostile_plugin.fuse"})
-    with pytest.raises(QConfigError, match=REFUSED_CALL):
+    with pytest.raises(QConfigError, match="is not registered"):
         BackendConfig.from_json(text)
     from quantbridge.qconfig import register_config_callables
 
     register_config_callables(qb_hostile_plugin.fuse)
-    # A registered function outside quantbridge is still found only through a prefix:
-    # a file cannot make from_json import arbitrary modules.
-    loaded = BackendConfig.from_json(text, allowed_prefixes=("qb_hostile_plugin",))
+    loaded = BackendConfig.from_json(text)
     assert loaded.configs[0].fuser_method is qb_hostile_plugin.fuse
+    # its unregistered neighbours and what it imports stay refused
+    for name, reason in [
+        ("qb_hostile_plugin.other", "is not registered"),
+        ("qb_hostile_plugin.os.system", "passes through module 'os'"),
+    ]:
+        with pytest.raises(QConfigError, match=reason):
+            BackendConfig.from_json(_backend(fuser_method={"$ref": name}))
 
 
 # -- random documents -----------------------------------------------------------------------------

@@ -462,6 +462,9 @@ class _Loader:
         elif parts[0] == "quantbridge" and len(parts) > 2:
             package = ".".join(parts[:2])  # importing a package registers its callables
             obj = self._walk(name, parts, lambda m: m == package, ("quantbridge",), path)
+        elif parts[0] not in PROTECTED_ROOTS and parts[0] in sys.modules:
+            # A backend that registered callables has been imported; import nothing more.
+            obj = self._walk(name, parts, lambda m: False, (parts[0],), path)
         else:
             raise QConfigError(f"{_at(path)}: refusing to call {name!r} as {what}: {how_to}")
         if is_registered(obj):
