@@ -894,3 +894,54 @@ def test_random_documents_load_or_raise_qconfig_error(kind: str, data: Any, dept
     text = _document(kind, data) if isinstance(data, dict) else _document(kind, {"configs": data})
     with contextlib.suppress(QConfigError):  # any other exception fails the test
         cls.from_json(text)
+
+
+_JSONISH = st.text(alphabet='[]{}",:0123456789eE.-+ \\ntruefalsNIiny$', max_size=200)
+
+
+@settings(max_examples=300, deadline=None)
+@given(body=_JSONISH, deep=st.integers(min_value=0, max_value=2000))
+def test_random_text_loads_or_raises_qconfig_error(body: str, deep: int) -> None:
+    """Broken, deep, NaN-laden JSON text: QConfigError or a config, never another error."""
+    text = (
+        '{"format": "quantbridge.qconfig", "format_version": 1, "type": "QConfigMapping", '
+        f'"data": {{"object_type": {"[" * deep}{body}{"]" * deep}}}}}'
+    )
+    with contextlib.suppress(QConfigError):
+        QConfigMapping.from_json(text)
+
+
+def test_patterns_and_module_classes_are_data_and_never_called(
+    tmp_path: Path, canary: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Patterns and module classes are only compared with the model's nodes and modules: a
+    function or class that would write the canary when called or built never is."""
+    from quantbridge.fx_quant import prepare_fx
+
+    (tmp_path / "qb_pattern_canary.py").write_text(
+        "from torch import nn\n"
+        f"def touch(*args, **kwargs):\n    open({str(canary)!r}, 'w').write('pwned')\n"
+        "class Boom(nn.Module):\n"
+        "    def __init__(self, *args, **kwargs):\n        touch()\n"
+        "    @classmethod\n    def from_float(cls, *args, **kwargs):\n        touch()\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    conv, boom = {"$ref": "torch.nn.Conv2d"}, {"$ref": "qb_pattern_canary.Boom"}
+    text = _document(
+        "BackendConfig",
+        {
+            "name": "patterns",
+            "configs": [
+                {"pattern": {"$ref": "qb_pattern_canary.touch"}},
+                {"pattern": boom, "root_module": boom, "qat_module": boom},
+                {"pattern": {"$tuple": [conv, {"$ref": "qb_pattern_canary.touch"}]}},
+                {"pattern": {"$ref": "torch.load"}, "fused_module": boom},
+            ],
+        },
+    )
+    loaded = BackendConfig.from_json(text, allowed_prefixes=("qb_pattern_canary",))
+    model = nn.Sequential(nn.Conv2d(3, 3, 3), nn.ReLU()).eval()
+    x = torch.randn(1, 3, 8, 8)
+    mapping = get_default_qconfig_mapping("x86")
+    prepare_fx(model, mapping, (x,), backend_config=loaded)(x)
+    assert not canary.exists()
