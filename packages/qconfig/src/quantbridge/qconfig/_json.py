@@ -48,6 +48,7 @@ import inspect
 import json
 import math
 import re
+import reprlib
 import sys
 import types
 from collections.abc import Callable
@@ -136,7 +137,8 @@ def _at(path: str) -> str:
 def _join(path: str, key: str) -> str:
     if _IDENTIFIER.match(key) or (key.startswith("$") and _IDENTIFIER.match(key[1:])):
         return f"{path or '$'}.{key}"
-    return f"{path or '$'}[{json.dumps(key)}]"  # e.g. QConfigMapping's global entry $[""]
+    shown = key if len(key) <= 60 else key[:60] + "..."
+    return f"{path or '$'}[{json.dumps(shown)}]"  # e.g. QConfigMapping's global entry $[""]
 
 
 # -- names -------------------------------------------------------------------------------------
@@ -556,7 +558,7 @@ class _Loader:
         _expect(value, dict, "an object of keyword arguments", path)
         for key in value:
             if not _IDENTIFIER.match(key) or len(key) > MAX_NAME_CHARS:
-                raise QConfigError(f"{_at(path)}: {key!r} is not a keyword argument name")
+                raise QConfigError(f"{_at(path)}: {_short(key)} is not a keyword argument name")
         return {k: self.decode(v, _join(path, k), _CALL) for k, v in value.items()}
 
     def _tagged(self, tag: str, body: Any, path: str, kind: str) -> Any:
@@ -574,25 +576,27 @@ class _Loader:
             for i, pair in enumerate(body):
                 item = _index(path, i)
                 if not isinstance(pair, list) or len(pair) != 2:
-                    raise QConfigError(f"{item}: expected a [key, value] pair, got {pair!r}")
+                    raise QConfigError(f"{item}: expected a [key, value] pair, got {_short(pair)}")
                 key = self.decode(pair[0], _index(item, 0), kind)
                 value = self.decode(pair[1], _index(item, 1), kind)
                 try:
                     out[key] = value
                 except TypeError:
                     raise QConfigError(
-                        f"{_index(item, 0)}: {key!r} cannot be a dict key (unhashable)"
+                        f"{_index(item, 0)}: {_short(key)} cannot be a dict key (unhashable)"
                     ) from None
             return out
         if tag == "$float":
             if body not in ("inf", "-inf", "nan"):
-                raise QConfigError(f"{_at(path)}: expected 'inf', '-inf' or 'nan', got {body!r}")
+                raise QConfigError(
+                    f"{_at(path)}: expected 'inf', '-inf' or 'nan', got {_short(body)}"
+                )
             return float(body)
         if tag == "$dtype":
             return _decode_dtype(body, path)
         if tag == "$qscheme":
             if not isinstance(body, str):
-                raise QConfigError(f"{_at(path)}: expected a qscheme name, got {body!r}")
+                raise QConfigError(f"{_at(path)}: expected a qscheme name, got {_short(body)}")
             return canonical_qscheme(body, _at(path))
         if tag == "$observation_type":
             try:
@@ -600,7 +604,7 @@ class _Loader:
             except KeyError:
                 names = ", ".join(m.name for m in ObservationType)
                 raise QConfigError(
-                    f"{_at(path)}: {body!r} is not an ObservationType; use one of {names}"
+                    f"{_at(path)}: {_short(body)} is not an ObservationType; use one of {names}"
                 ) from None
         if tag == "$dtype_with_constraints":
             kwargs = self._kwargs(body, path)
@@ -608,8 +612,8 @@ class _Loader:
             for key in kwargs:
                 if key not in known:
                     raise QConfigError(
-                        f"{_at(path)}: unknown DTypeWithConstraints field {key!r}; accepted are "
-                        + ", ".join(sorted(known))
+                        f"{_at(path)}: unknown DTypeWithConstraints field {_short(key)}; "
+                        f"accepted are {', '.join(sorted(known))}"
                     )
             try:
                 return DTypeWithConstraints(**kwargs)
@@ -627,7 +631,7 @@ class _Loader:
             cls = self.resolve_callable(body["class"], _join(where, "class"), "an observer class")
             if not isinstance(cls, type) or not callable(getattr(cls, "with_args", None)):
                 raise QConfigError(
-                    f"{_join(where, 'class')}: {body['class']!r} is not a class with "
+                    f"{_join(where, 'class')}: {_short(body['class'])} is not a class with "
                     "with_args(); write it as a $partial instead"
                 )
             kwargs = self._kwargs(body.get("kwargs", {}), _join(where, "kwargs"))
@@ -646,7 +650,7 @@ class _Loader:
             self._check_arguments(func, values, kwargs, where)
             return functools.partial(func, *values, **kwargs)
         raise QConfigError(
-            f"{_at(path)}: unknown tag {tag!r}; known tags are $ref, $tuple, $dict, $float, "
+            f"{_at(path)}: unknown tag {_short(tag)}; known tags are $ref, $tuple, $dict, $float, "
             "$dtype, $qscheme, $observation_type, $dtype_with_constraints, $qconfig, "
             "$with_args, $partial"
         )
@@ -681,7 +685,7 @@ class _Loader:
                 if key not in named:
                     raise QConfigError(
                         f"{_join(_join(where, 'kwargs'), key)}: {_qualname(func)} has no "
-                        f"argument {key!r}; it accepts {', '.join(sorted(named))}"
+                        f"argument {_short(key)}; it accepts {', '.join(sorted(named))}"
                     )
         try:
             signature.bind_partial(*args, **{k: v for k, v in kwargs.items() if k in named})
@@ -747,9 +751,18 @@ def _qualname(obj: object) -> str:
     return str(getattr(obj, "__qualname__", None) or getattr(obj, "__name__", None) or obj)
 
 
+_SHORT = reprlib.Repr()
+_SHORT.maxstring = _SHORT.maxother = 60
+
+
+def _short(value: object) -> str:
+    """``repr(value)``, abbreviated: file contents can be megabytes long."""
+    return _SHORT.repr(value)
+
+
 def _expect(value: Any, kind: type | tuple[type, ...], what: str, path: str) -> Any:
     if not isinstance(value, kind):
-        raise QConfigError(f"{_at(path)}: expected {what}, got {value!r}")
+        raise QConfigError(f"{_at(path)}: expected {what}, got {_short(value)}")
     return value
 
 
