@@ -49,7 +49,7 @@ from quantbridge.fx_quant._lowering_registry import (
 )
 from quantbridge.fx_quant._prepare import ExampleInputsError, StrictPrepareError
 from quantbridge.fx_quant._qconfig_propagation import FusionQConfigError
-from quantbridge.fx_quant._state import NodeDecision
+from quantbridge.fx_quant._state import NodeDecision, SwappedModule
 from quantbridge.fx_quant._tracer import QuantizationTracer, TraceError
 from quantbridge.fx_quant._transformer_swap import TransformerSwapError
 
@@ -70,6 +70,7 @@ __all__ = [
     "explain",
     "ExplainReport",
     "NodeDecision",
+    "SwappedModule",
     "ExampleInputsError",
     "FusionError",
     "FusionQConfigError",
