@@ -4,7 +4,10 @@
 is registered under ``bc.name``, returns ``lowering(reference_model)``. Backends register in
 code with :func:`register_lowering` or from an installed distribution through the entry-point
 group ``quantbridge.backends`` (name = backend name, value = the lowering function), which is
-read lazily on the first lookup of an unknown name. fx_quant never imports a backend itself.
+read lazily on the first lookup of an unknown name (all of them, once; a plugin that fails to
+load is reported by one warning and registers nothing). fx_quant never imports a backend
+itself. When no lowering is registered, convert_fx returns the reference model and warns once
+per process and name (:func:`warn_not_lowered`).
 """
 
 from __future__ import annotations
