@@ -945,3 +945,83 @@ def test_patterns_and_module_classes_are_data_and_never_called(
     mapping = get_default_qconfig_mapping("x86")
     prepare_fx(model, mapping, (x,), backend_config=loaded)(x)
     assert not canary.exists()
+
+
+_CLASSES = [
+    "quantbridge.qconfig." + n
+    for n in (
+        "MinMaxObserver",
+        "MovingAverageMinMaxObserver",
+        "PerChannelMinMaxObserver",
+        "MovingAveragePerChannelMinMaxObserver",
+        "HistogramObserver",
+        "PlaceholderObserver",
+        "FixedQParamsObserver",
+        "NoopObserver",
+        "ReuseInputObserver",
+        "FakeQuantize",
+        "FixedQParamsFakeQuantize",
+        "FusedMovingAvgObsFakeQuantize",
+    )
+]
+_ARGS = ["dtype", "qscheme", "reduce_range", "quant_min", "quant_max", "eps", "is_dynamic",
+         "averaging_constant", "ch_axis", "bins", "scale", "zero_point", "observer",
+         "factory_kwargs", "custom_op_name", "compute_dtype"]  # fmt: skip
+_VALUES = (
+    _scalars
+    | st.sampled_from(
+        [
+            {"$float": "nan"},
+            {"$float": "inf"},
+            {"$float": "-inf"},
+            {"$dtype": "torch.float64"},
+            {"$dtype": "torch.int8"},
+            {"$dtype": "torch.quint8"},
+            {"$qscheme": "per_channel_symmetric"},
+            {"$qscheme": "per_tensor_affine"},
+            {"$ref": "quantbridge.qconfig.MinMaxObserver"},
+            {"$ref": "quantbridge.qconfig.default_observer"},
+            {"device": "meta"},
+        ]
+    )
+    | st.integers(min_value=-(2**70), max_value=2**70)
+)
+_FACTORIES = st.recursive(
+    st.builds(
+        lambda cls, kwargs: {"$with_args": {"class": cls, "kwargs": kwargs}},
+        st.sampled_from(_CLASSES),
+        st.dictionaries(st.sampled_from(_ARGS), _VALUES, max_size=4),
+    ),
+    lambda inner: st.builds(
+        lambda cls, obs, kwargs: {
+            "$with_args": {"class": cls, "kwargs": {"observer": obs, **kwargs}}
+        },
+        st.sampled_from(_CLASSES[-3:]),
+        inner,
+        st.dictionaries(st.sampled_from(_ARGS), _VALUES, max_size=3),
+    ),
+    max_leaves=3,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(activation=_FACTORIES | st.none(), weight=_FACTORIES | st.none())
+def test_random_factories_load_or_raise_qconfig_error(activation: Any, weight: Any) -> None:
+    """Observer factories with random arguments: checked while loading (a QConfigError with
+    the path), and whatever loads builds its observers."""
+    text = _document(
+        "QConfigMapping", {"": {"$qconfig": {"activation": activation, "weight": weight}}}
+    )
+    error: QConfigError | None = None
+    try:
+        mapping = QConfigMapping.from_json(text)
+    except QConfigError as e:
+        error = e
+    if error is not None:
+        assert str(error).startswith(('$[""]', "from_json")), str(error)
+        return
+    qconfig = mapping.global_qconfig
+    assert qconfig is not None
+    for ctor in (qconfig.activation, qconfig.weight):
+        if ctor is not None:
+            ctor()  # loading promised these arguments build
