@@ -424,6 +424,15 @@ def hostile_configs(canary: Path, evil_pt: Path, evil_npy: Path) -> list[Any]:
             "fuse_conv_bn does not build an observer",
         ),
         (
+            "fuser_as_positional_observer",
+            m,
+            _mapping(
+                _partial(FAKE_QUANT, {"$ref": "quantbridge.fx_quant._fuser_methods.fuse_conv_bn"})
+            ),
+            f"{ACT}.$partial.args[0]",
+            "fuse_conv_bn does not build an observer",
+        ),
+        (
             "register_itself",
             m,
             _mapping(_partial("quantbridge.qconfig.register_config_callables")),

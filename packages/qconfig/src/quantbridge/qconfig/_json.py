@@ -726,9 +726,10 @@ class _Loader:
                 "or fake-quantize class, or a factory over one"
             )
         if isinstance(partial, functools.partial):
-            tag = "$with_args" if isinstance(ctor, PartialWrapper) else "$partial"
-            for key, value in partial.keywords.items():
-                where = _join(_join(_join(path, tag), "kwargs"), key)
+            tag = _join(path, "$with_args" if isinstance(ctor, PartialWrapper) else "$partial")
+            arguments = [(_index(_join(tag, "args"), i), v) for i, v in enumerate(partial.args)]
+            arguments += [(_join(_join(tag, "kwargs"), k), v) for k, v in partial.keywords.items()]
+            for where, value in arguments:
                 if callable(value) and not self._buildable(value, where):
                     return False
         return True
