@@ -801,3 +801,39 @@ def test_object_type_entry_of_the_torch_class_applies_to_the_equivalent() -> Non
     assert report.quantized() == ["add", "add_1", "add_2", "add_3"]
     assert report["add"].qconfig_rule.startswith("object_type ")
     assert report["add"].qconfig_rule.endswith(".TransformerEncoderLayer")
+
+
+class _SharedLayer(nn.Module):
+    """One encoder layer (relu: linear1 fuses with it) under two names, applied twice."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.TransformerEncoderLayer(E, HEADS, 16, batch_first=True)
+        self.second = self.first
+
+    def forward(self, x: Tensor) -> Tensor:
+        out: Tensor = self.second(self.first(x))
+        return out
+
+
+@pytest.mark.parametrize("qat", [False, True])
+def test_a_shared_layer_is_swapped_and_fused_once(qat: bool) -> None:
+    model = _randomize(_SharedLayer(), 25).train(qat)
+    x = torch.randn(N, L, E)
+    if qat:
+        prepared = prepare_qat_fx(model, get_default_qat_qconfig_mapping("x86"), (x,))
+    else:
+        prepared = prepare_fx(model, QConfigMapping().set_global(default_qconfig), (x,))
+        _close(prepared(x), model(x), "prepared (observers only)")
+    assert [r.name for r in explain(prepared).swapped] == ["first", "first.self_attn"]
+    calls = [n.target for n in prepared.graph.nodes if n.op == "call_module"]
+    assert calls.count("first.self_attn.q_proj") == 2  # both calls use the one module
+    assert calls.count("first.linear1") == 2
+    assert isinstance(prepared.get_submodule("first.linear1"), nn.Sequential)  # fused, once
+    quantized = explain(prepared).quantized()
+    assert {"first_linear1", "first_linear1_1"} <= set(quantized)
+    for _ in range(3):  # calibrate (QAT: the fake quantizes observe in training mode)
+        prepared(x)
+    prepared.eval()
+    reference = convert_to_reference_fx(prepared)
+    assert (reference(x) - model.eval()(x)).abs().max() < 0.2

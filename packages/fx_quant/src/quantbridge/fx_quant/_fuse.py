@@ -112,6 +112,7 @@ def fuse(
     named = dict(model.named_modules(remove_duplicate=False))
     graph = model.graph
     dropped_targets: set[str] = set()
+    fused_targets: dict[str, tuple[Any, tuple[nn.Module, ...], nn.Module]] = {}
     for match in matches:
         config = configs[match.pattern]
         root = match.root
@@ -123,11 +124,21 @@ def fuse(
                 "pattern's _root_node_getter"
             )
         target = str(root.target)
-        root_module = named[target]
-        modules = _as_modules(match.nested_node_pattern, named, root_module.training)
-        fused = _call_fuser(config, is_qat, modules, where)
-        _set_module(model, target, fused)
-        named[target] = fused
+        members = tuple(
+            named[str(n.target)] for n in match.nodes if n is not root and n.op == "call_module"
+        )
+        earlier = fused_targets.get(target)
+        if earlier is not None and earlier[:2] == (match.pattern, members):
+            # The module is called again in the same pattern (a shared layer): as in torch.ao
+            # every call uses the one fused module.
+            fused = earlier[2]
+        else:
+            root_module = named[target]
+            modules = _as_modules(match.nested_node_pattern, named, root_module.training)
+            fused = _call_fuser(config, is_qat, modules, where)
+            _set_module(model, target, fused)
+            named[target] = fused
+            fused_targets[target] = (match.pattern, members, fused)
         extra: list[Any] = []
         if config._extra_inputs_getter is not None:
             extra = list(config._extra_inputs_getter(match.nested_node_pattern))

@@ -103,7 +103,18 @@ def swap_transformer_modules(
         match = mapping.qconfig_for(name, kind)
         return match.qconfig is None and match.rule != "global"
 
+    # A module registered under several names (shared layers) gets one replacement, so its
+    # parameters stay shared (QAT trains one set of projection copies).
+    replacements: dict[int, nn.Module] = {}
+
     def visit(module: nn.Module, name: str) -> nn.Module:
+        if id(module) in replacements:
+            return replacements[id(module)]
+        result = _visit(module, name)
+        replacements[id(module)] = result
+        return result
+
+    def _visit(module: nn.Module, name: str) -> nn.Module:
         traceable = FLOAT_TO_TRACEABLE.get(type_before_parametrizations(module))
         if traceable is not None:
             if kept(module, name):
@@ -125,7 +136,9 @@ def swap_transformer_modules(
         else:
             is_new = False
         replaced = {}
-        for child_name, child in module.named_children():
+        for child_name, child in list(module._modules.items()):  # aliases included
+            if child is None:
+                continue
             result = visit(child, f"{name}.{child_name}" if name else child_name)
             if result is not child:
                 replaced[child_name] = result
