@@ -39,22 +39,23 @@ CALIBRATION = [zoo.example_input(seed) for seed in range(1, 4)]
 
 
 @functools.cache
-def _ours(name: str) -> tuple[nn.Module, GraphModule]:
-    """(float model, calibrated prepared model), the README recipe with the numba backend."""
+def _prepared(name: str) -> GraphModule:
+    """The calibrated prepared model, with the numba backend's mapping and config."""
     backend = get_backend("numba")
-    model = zoo.build(name)
     prepared = fq.prepare_fx(
-        copy.deepcopy(model),
+        zoo.build(name),
         backend.qconfig_mapping(),
         (zoo.example_input(0),),
         backend_config=backend.backend_config,
     )
     fq.calibrate(prepared, CALIBRATION, progress=False)
-    return model, prepared
+    return prepared
 
 
+@functools.cache
 def _reference(name: str) -> GraphModule:
-    _, prepared = _ours(name)
+    """The reference model (shared by the tests, which copy it before changing it)."""
+    prepared = _prepared(name)
     backend = get_backend("numba")
     return fq.convert_to_reference_fx(
         copy.deepcopy(prepared), backend_config=backend.backend_config
@@ -67,7 +68,7 @@ def _leaf_names(pattern: Any) -> tuple[str, ...]:
     return (pattern if isinstance(pattern, str) else getattr(pattern, "__name__", str(pattern)),)
 
 
-def _ao_equivalents() -> tuple[Any, Any, Any, Any]:
+def _ao_equivalents() -> tuple[Any, Any, Any]:
     """torch.ao's (quantize_fx, qconfig mapping, backend config) equal to the numba backend's.
 
     The numba BackendConfig is the native one restricted to the patterns its kernels run and
@@ -102,12 +103,12 @@ def _ao_equivalents() -> tuple[Any, Any, Any, Any]:
     for key in list(mapping.object_type_qconfigs):
         if key not in ao.qconfig_mapping._FIXED_QPARAMS_OP_TO_OBSERVER:
             mapping.set_object_type(key, qconfig)
-    return ao_fx, mapping, config, ao
+    return ao_fx, mapping, config
 
 
 @functools.cache
 def _theirs(name: str) -> GraphModule:
-    ao_fx, mapping, config, _ = _ao_equivalents()
+    ao_fx, mapping, config = _ao_equivalents()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         prepared = ao_fx.prepare_fx(
@@ -116,7 +117,7 @@ def _theirs(name: str) -> GraphModule:
         with torch.no_grad():
             for x in CALIBRATION:
                 prepared(x)
-        return ao_fx.convert_to_reference_fx(prepared, backend_config=config)  # type: ignore[no-any-return]
+        return ao_fx.convert_to_reference_fx(prepared, backend_config=config)
 
 
 def _quantized_inputs(gm: GraphModule, targets: tuple[Any, ...]) -> list[str]:
