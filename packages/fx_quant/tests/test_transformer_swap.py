@@ -736,6 +736,10 @@ def test_hooks_and_parametrizations_are_refused() -> None:
     pcc = PrepareCustomConfig().set_non_traceable_module_names(["encoder.layers.1.self_attn"])
     prepare_fx(model, QConfigMapping().set_global(default_qconfig), (x,), pcc)
     handle.remove()
+    handle = model.encoder.layers[0].self_attn.out_proj.register_forward_pre_hook(lambda *a: None)
+    with pytest.raises(TransformerSwapError, match=r"forward hooks \(out_proj\)"):
+        prepare_fx(model, QConfigMapping().set_global(default_qconfig), (x,))
+    handle.remove()
     # A parametrized Linear of a layer is reused as it is: the swap keeps the parametrization.
     torch.nn.utils.parametrizations.weight_norm(model.encoder.layers[0].linear1)
     prepared = prepare_fx(model, QConfigMapping().set_global(default_qconfig), (x,))

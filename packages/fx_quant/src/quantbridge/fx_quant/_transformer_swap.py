@@ -50,16 +50,20 @@ def _check_swappable(module: nn.Module, name: str) -> None:
         f"or keep it float and unquantized with PrepareCustomConfig()"
         f".set_non_traceable_module_names([{name!r}])"
     )
-    if module._forward_hooks or module._forward_pre_hooks:
-        raise TransformerSwapError(
-            f"{where} has forward hooks; prepare replaces it with a traceable equivalent to "
-            f"quantize its Linear layers and the hooks would be lost. Remove the hooks, {fix}"
-        )
-    # Submodules are reused as they are, except MultiheadAttention's parameters: the packed
-    # projection is split into copies and out_proj is rebuilt around its weight.
+    # Submodules are reused as they are, except MultiheadAttention's: the packed projection
+    # is split into copies and out_proj is rebuilt around its weight.
     owners: dict[str, nn.Module] = {"": module}
     if isinstance(module, nn.MultiheadAttention):
         owners["out_proj"] = module.out_proj
+    hooked = [
+        o or "the module" for o, m in owners.items() if m._forward_hooks or m._forward_pre_hooks
+    ]
+    if hooked:
+        raise TransformerSwapError(
+            f"{where} has forward hooks ({', '.join(hooked)}); prepare replaces it with a "
+            "traceable equivalent to quantize its Linear layers and the hooks would be lost. "
+            f"Remove the hooks, {fix}"
+        )
     parametrized = sorted(
         f"{owner}.{p}".lstrip(".")
         for owner, sub in owners.items()
@@ -105,13 +109,14 @@ def swap_transformer_modules(
 
     # A module registered under several names (shared layers) gets one replacement, so its
     # parameters stay shared (QAT trains one set of projection copies).
-    replacements: dict[int, nn.Module] = {}
+    # (The key module is kept in the value so that its id cannot be reused meanwhile.)
+    replacements: dict[int, tuple[nn.Module, nn.Module]] = {}
 
     def visit(module: nn.Module, name: str) -> nn.Module:
         if id(module) in replacements:
-            return replacements[id(module)]
+            return replacements[id(module)][1]
         result = _visit(module, name)
-        replacements[id(module)] = result
+        replacements[id(module)] = (module, result)
         return result
 
     def _visit(module: nn.Module, name: str) -> nn.Module:
