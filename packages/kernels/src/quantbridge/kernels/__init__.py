@@ -42,7 +42,7 @@ from quantbridge.kernels._targets import (
     resolve_target,
     target_supported,
 )
-from quantbridge.kernels._threads import get_num_threads, set_num_threads
+from quantbridge.kernels._threads import get_num_threads, set_num_threads, set_num_threads_source
 
 # Every kernel module is imported now: switch their caches to key-named data files.
 _jitcache.harden(_jitcache.package_dispatchers(_jitcache.package_modules()))
@@ -68,6 +68,7 @@ __all__ = [
     "linear_dynamic",
     "matmul",
     "set_num_threads",
+    "set_num_threads_source",
     # quantize / elementwise / pools / lookup tables / embedding_bag
     "LUT_FUNCTIONS",
     "PackedEmbedding",

@@ -18,7 +18,7 @@ import numpy.typing as npt
 from quantbridge.kernels._checks import check_out, check_zero_point
 from quantbridge.kernels._errors import KernelError
 from quantbridge.kernels._layout import check_dense, empty_in_order, flat
-from quantbridge.kernels._quantize import f32_scale, use_parallel
+from quantbridge.kernels._quantize import choose_kernel, f32_scale
 from quantbridge.kernels._targets import check_target
 
 U8 = npt.NDArray[np.uint8]
@@ -73,7 +73,7 @@ def _run(q: object, lo: int, hi: int, out: U8 | None) -> U8:
         out = empty_in_order(arr, np.uint8)
     else:
         check_out(out, arr.shape, np.uint8, arr, order=order)
-    kernel = _clamp_par if use_parallel(arr.size, "clamp") else _clamp
+    kernel = choose_kernel(arr.size, "clamp", _clamp, _clamp_par)
     kernel(flat(arr, order), flat(out, order), lo, hi)
     return out
 

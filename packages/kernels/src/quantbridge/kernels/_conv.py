@@ -42,7 +42,7 @@ from quantbridge.kernels._pack import (
     weight_zero_points,
 )
 from quantbridge.kernels._quantize import f32_scale
-from quantbridge.kernels._threads import apply_num_threads
+from quantbridge.kernels._threads import apply_num_threads, with_threads
 from quantbridge.kernels._transpose import nchw_into_padded_nhwc, nhwc_into_padded_nhwc
 
 
@@ -417,7 +417,7 @@ def _conv_nchw_direct(
     if threads == 1 or hw * pg.n_padded * koffs.shape[0] < (1 << 20):
         drv, mchunk = serial_vnni_u8t, hw
     else:
-        drv, mchunk = drive_vnni_u8t, row_chunk(hw, npanels, threads)
+        drv, mchunk = with_threads(drive_vnni_u8t, threads), row_chunk(hw, npanels, threads)
     res = np.empty((n, pg.n_padded, hw), np.uint8)
     if drv is serial_vnni_u8t:
         _serial_u8t_batch(

@@ -23,7 +23,7 @@ from quantbridge.kernels._checks import check_array, check_out, check_zero_point
 from quantbridge.kernels._errors import KernelError
 from quantbridge.kernels._fma import fma32
 from quantbridge.kernels._layout import check_dense, empty_in_order, flat, in_order
-from quantbridge.kernels._quantize import f32_scale, use_parallel
+from quantbridge.kernels._quantize import choose_kernel, f32_scale
 from quantbridge.kernels._targets import check_target
 
 U8 = npt.NDArray[np.uint8]
@@ -143,9 +143,8 @@ def _binary(
         out = empty_in_order(qa, np.uint8)
     else:
         check_out(out, qa.shape, np.uint8, qa, qb, order=order)
-    big = use_parallel(qa.size, kind)
     kernels = (_add, _add_par) if kind == "add" else (_mul, _mul_par)
-    kernel = kernels[1] if big else kernels[0]
+    kernel = choose_kernel(qa.size, kind, *kernels)
     kernel(flat(qa, order), flat(qb, order), flat(out, order), sa, za, sb, zb, so, zo, relu)
     return out
 

@@ -28,7 +28,7 @@ import numpy.typing as npt
 from quantbridge.kernels._checks import check_array, check_out
 from quantbridge.kernels._errors import KernelError
 from quantbridge.kernels._fma import fma32
-from quantbridge.kernels._quantize import use_parallel
+from quantbridge.kernels._quantize import choose_kernel
 from quantbridge.kernels._targets import check_target
 
 U8 = npt.NDArray[np.uint8]
@@ -302,8 +302,7 @@ def embedding_bag(
                 raise KernelError(f"out: must not overlap {name}")
     if not n_idx:
         idx = np.zeros(1, idx.dtype)  # give the compiled loop a non-empty array to type on
-    par = bags > 1 and use_parallel(n_idx * dim, "embedding_bag")
-    kernel = _lookup_par if par else _lookup
+    kernel = choose_kernel(n_idx * dim if bags > 1 else 0, "embedding_bag", _lookup, _lookup_par)
     offsets_used = offs[:bags] if last else offs
     kernel(data, scale, bias, bits, dim, idx, offsets_used, n_idx, weights, has_w,
            _MODES[mode], out)  # fmt: skip

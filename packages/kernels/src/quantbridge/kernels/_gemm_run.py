@@ -23,6 +23,7 @@ from quantbridge.kernels._gemm_simd import (
     serial_vnni_u8add,
 )
 from quantbridge.kernels._pack import layout, round_up
+from quantbridge.kernels._threads import with_threads
 
 _DRIVERS = {
     ("avx512_vnni", "u8"): drive_vnni_u8,
@@ -105,11 +106,13 @@ def run_gemm(
     args = (a, rowoffs, m, koffs, nk, bp, npanels, c, np_, colcorr, wzp, rowsum, biasq, mult,
             out_zero_point, qmin, 255, mchunk)  # fmt: skip
     if target == "generic":
-        (serial_generic if threads == 1 else drive_generic)(*args, f32_out)
+        (serial_generic if threads == 1 else with_threads(drive_generic, threads))(*args, f32_out)
     else:
-        table = _SERIAL if threads == 1 else _DRIVERS
         mode = "f32" if f32_out else ("u8" if residual is None else "u8add")
-        table[(target, mode)](
+        driver = _SERIAL[(target, mode)]
+        if threads > 1:
+            driver = with_threads(_DRIVERS[(target, mode)], threads)
+        driver(
             *args,
             NO_RESIDUAL if residual is None else residual,
             NO_ADD if add_params is None else add_params,

@@ -20,8 +20,8 @@ from quantbridge.kernels._layout import check_dense, empty_in_order, flat
 from quantbridge.kernels._quantize import (
     _dequantize_flat,
     _quantize_flat,
+    choose_kernel,
     f32_scale,
-    use_parallel,
 )
 from quantbridge.kernels._targets import check_target
 
@@ -50,7 +50,7 @@ def _gather_par(q, table, out):  # type: ignore[no-untyped-def]
 
 def apply_table(q: U8, table: U8, out: U8) -> None:
     """Unchecked gather ``out = table[q]`` on validated flat (1-D) uint8 views."""
-    kernel = _gather_par if use_parallel(q.size, "apply_lut") else _gather
+    kernel = choose_kernel(q.size, "apply_lut", _gather, _gather_par)
     kernel(q.reshape(-1), table, out.reshape(-1))
 
 

@@ -29,7 +29,7 @@ import numpy.typing as npt
 from quantbridge.kernels._checks import check_array, check_int, check_out, check_zero_point
 from quantbridge.kernels._errors import KernelError
 from quantbridge.kernels._layout import channels_last_data
-from quantbridge.kernels._quantize import f32_scale, use_parallel
+from quantbridge.kernels._quantize import choose_kernel, f32_scale
 from quantbridge.kernels._targets import check_target
 
 U8 = npt.NDArray[np.uint8]
@@ -243,13 +243,13 @@ def max_pool2d(
     if nhwc is not None:
         _max_pool_nhwc(nhwc, result_nhwc, kh, kw, sh, sw, ph, pw, dh, dw)
         return result
-    par = planes > 1 and use_parallel(result.size * kh * kw, "max_pool2d")
+    work = result.size * kh * kw if planes > 1 else 0
+    kernel = choose_kernel(work, "max_pool2d", _max_pool, _max_pool_par)
     xr, outr = arr.reshape(planes, h, w), result.reshape(planes, oh, ow)
     dense = ph == pw == 0 and dh == dw == 1 and (oh - 1) * sh + kh <= h and (ow - 1) * sw + kw <= w
-    if dense and not par:
+    if dense and kernel is _max_pool:
         _max_pool_dense(xr, outr, kh, kw, sh, sw)
         return result
-    kernel = _max_pool_par if par else _max_pool
     kernel(xr, outr, kh, kw, sh, sw, ph, pw, dh, dw)
     return result
 
@@ -385,8 +385,8 @@ def avg_pool2d(
     if nhwc is not None:
         _avg_pool_nhwc(nhwc, result_nhwc, *params)
         return result
-    par = planes > 1 and use_parallel(result.size * kh * kw, "avg_pool2d")
-    kernel = _avg_pool_par if par else _avg_pool
+    work = result.size * kh * kw if planes > 1 else 0
+    kernel = choose_kernel(work, "avg_pool2d", _avg_pool, _avg_pool_par)
     kernel(arr.reshape(planes, h, w), result.reshape(planes, oh, ow), *params)
     return result
 
@@ -493,7 +493,7 @@ def adaptive_avg_pool2d(
     if nhwc is not None:
         _adaptive_nhwc(nhwc, result_nhwc)
         return result
-    par = planes > 1 and use_parallel(arr.size, "adaptive_avg_pool2d")
-    kernel = _adaptive_par if par else _adaptive
+    work = arr.size if planes > 1 else 0
+    kernel = choose_kernel(work, "adaptive_avg_pool2d", _adaptive, _adaptive_par)
     kernel(arr.reshape(planes, h, w), result.reshape(planes, oh, ow))
     return result

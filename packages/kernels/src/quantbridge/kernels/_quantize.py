@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import numba
 import numpy as np
@@ -39,22 +41,25 @@ from quantbridge.kernels._errors import KernelError
 from quantbridge.kernels._fma import fma32
 from quantbridge.kernels._layout import check_dense, empty_in_order, flat
 from quantbridge.kernels._targets import check_target
-from quantbridge.kernels._threads import apply_num_threads
+from quantbridge.kernels._threads import apply_num_threads, with_threads
 
 # Work (elements touched) from which a call splits across threads. These kernels stream memory
 # at near bandwidth on one core, while a parallel region costs tens of microseconds (far more
 # on a busy machine), so only large inputs are worth splitting.
 PARALLEL_MIN_WORK = 1 << 22
 _CHUNK = 1 << 14
+_K = TypeVar("_K", bound=Callable[..., Any])
 
 
-def use_parallel(work: int, where: str) -> bool:
-    """True if ``work`` is big enough to split and more than one thread is configured.
-
-    Applies the package thread setting (``quantbridge.kernels.set_num_threads``) to numba's
-    parallel loops, like the GEMM kernels do.
-    """
-    return work >= PARALLEL_MIN_WORK and apply_num_threads(None, where) > 1
+def choose_kernel(work: int, where: str, serial: _K, parallel: _K) -> _K:
+    """``parallel`` on the call's thread count if ``work`` is big enough to split and more
+    than one thread is configured (the package thread setting, like the GEMM kernels), else
+    ``serial``."""
+    if work >= PARALLEL_MIN_WORK:
+        threads = apply_num_threads(None, where)
+        if threads > 1:
+            return with_threads(parallel, threads)
+    return serial
 
 
 _F32_MAX = float(np.finfo(np.float32).max)
@@ -289,7 +294,7 @@ def quantize_per_tensor(
         out = empty_in_order(x, qdtype)
     else:
         check_out(out, x.shape, qdtype, x, order=order)
-    kernel = _quantize_flat_par if use_parallel(x.size, "quantize_per_tensor") else _quantize_flat
+    kernel = choose_kernel(x.size, "quantize_per_tensor", _quantize_flat, _quantize_flat_par)
     kernel(flat(x, order), flat(out, order), s32, zp, lo, hi)
     return out
 
@@ -323,7 +328,7 @@ def quantize_per_channel(
     else:
         check_out(out, x.shape, qdtype, x)
     inv = np.float32(1.0) / s64.astype(np.float32)
-    kernel = _quantize_pc_par if use_parallel(x.size, "quantize_per_channel") else _quantize_pc
+    kernel = choose_kernel(x.size, "quantize_per_channel", _quantize_pc, _quantize_pc_par)
     kernel(
         x.reshape(outer * channels, inner),
         out.reshape(outer * channels, inner),
@@ -354,8 +359,7 @@ def dequantize_per_tensor(
         out = empty_in_order(q, np.float32)
     else:
         check_out(out, q.shape, np.float32, q, order=order)
-    par = use_parallel(q.size, "dequantize_per_tensor")
-    kernel = _dequantize_flat_par if par else _dequantize_flat
+    kernel = choose_kernel(q.size, "dequantize_per_tensor", _dequantize_flat, _dequantize_flat_par)
     kernel(flat(q, order), flat(out, order), s32, zp)
     return out
 
@@ -380,8 +384,7 @@ def dequantize_per_channel(
         out = np.empty(q.shape, np.float32)
     else:
         check_out(out, q.shape, np.float32, q)
-    par = use_parallel(q.size, "dequantize_per_channel")
-    kernel = _dequantize_pc_par if par else _dequantize_pc
+    kernel = choose_kernel(q.size, "dequantize_per_channel", _dequantize_pc, _dequantize_pc_par)
     kernel(
         q.reshape(outer * channels, inner),
         out.reshape(outer * channels, inner),
