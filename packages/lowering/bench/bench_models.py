@@ -19,6 +19,11 @@ from other processes hits all columns alike), median over rounds (and the minimu
 steadier on a loaded machine). Ratios are taken within one run: numba (the ``numba`` alias's
 target) vs torch.ao x86, and numba vs fp32 eager, from the medians and from the minima.
 
+Threads: each ``--threads`` count is set with ``torch.set_num_threads`` only, as a user would;
+the lowered models follow it (quantbridge.kernels' own setting stays unset). A final table per
+model shows the thread counts side by side; the run fails if a forward changed torch's or
+numba's thread count.
+
     python packages/lowering/bench/bench_models.py [--rounds 20] [--threads 1 2] [--json out.json]
 """
 
@@ -39,10 +44,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numba
 import torch
 from torch import nn
 
-from quantbridge import kernels
 from quantbridge.fx_quant import calibrate, convert_to_reference_fx, prepare_fx
 from quantbridge.lowering import available_backends, get_backend
 from quantbridge.qconfig import QConfigMapping, default_dynamic_qconfig
@@ -207,12 +212,18 @@ def main() -> int:
         f"{os.cpu_count()} CPUs, load average {load[0]:.1f} at start, "
         f"backends: {', '.join(available_backends())}"
     )
+    numba_threads = numba.get_num_threads()
     for name in args.models:
         columns, errors, example = _columns(name, args.calib_batches, args.seed)
         for threads in args.threads:
             torch.set_num_threads(threads)
-            kernels.set_num_threads(threads)
             times, fastest = _time(columns, example, args.rounds)
+            after = (torch.get_num_threads(), numba.get_num_threads())
+            if after != (threads, numba_threads):
+                raise SystemExit(
+                    f"{name}: the forwards changed (torch, numba) thread counts from "
+                    f"{(threads, numba_threads)} to {after}"
+                )
             load = os.getloadavg()
             best = _best_numba(times)
             ratios = _ratios(times, best)
@@ -233,6 +244,7 @@ def main() -> int:
                 }
             )
             _print_row(results[-1])
+        _print_side_by_side([r for r in results if r["model"] == name])
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"command": " ".join(sys.argv), "results": results}, f, indent=2)
@@ -259,6 +271,24 @@ def _print_row(r: dict[str, Any]) -> None:
         verdict = "" if target is None else (" MET" if value >= target else " MISSED")
         goal = "" if target is None else f" (target >= {target}x){verdict}"
         print(f"  {key} ({r['numba']}): {value:.2f}x{goal}; of the minima: {of_min:.2f}x")
+
+
+def _print_side_by_side(rows: list[dict[str, Any]]) -> None:
+    """One model's medians (ms) and ratio to fp32, one column pair per thread count."""
+    if len(rows) < 2:
+        return
+    names = list(rows[0]["ms"])
+    width = max(len(k) for k in names)
+    head = "".join(f"{str(r['threads']) + ' thread(s)':>24}" for r in rows)
+    print(f"\n{rows[0]['model']}: median ms (fp32 / column) per torch thread setting")
+    print(f"  {'':<{width}}{head}")
+    for k in names:
+        cells = ""
+        for r in rows:
+            ms, fp32 = r["ms"].get(k), r["ms"].get("fp32")
+            ratio = f"{fp32 / ms:.2f}x" if ms and fp32 else "n/a"
+            cells += f"{ms:>14.3f} ({ratio:>6})" if ms is not None else f"{'n/a':>24}"
+        print(f"  {k:<{width}}{cells}")
 
 
 if __name__ == "__main__":

@@ -27,6 +27,10 @@ _NS = "quantbridge_lowering"
 _pack_cache: dict[tuple[Any, ...], Any] = {}
 _pack_lock = threading.Lock()
 
+# Lowered ops (these and the eager modules) run on torch's intra-op thread count, read at
+# every kernel call; an explicit quantbridge.kernels.set_num_threads still wins.
+K.set_num_threads_source(torch.get_num_threads)
+
 
 def is_tracing(*tensors: torch.Tensor) -> bool:
     """True when the custom-op path must run (export/compile tracing, fake tensors)."""
