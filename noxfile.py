@@ -1,6 +1,7 @@
 """quantbridge's development workflow.
 
-    nox -s tests        every package's tests, then the cross-package tests in tests/
+    nox -s tests        every package's tests and the cross-package tests in tests/, in one
+                        virtualenv, two pytest-xdist workers; `-- packages/qconfig/tests` runs one
     nox -s lint         ruff check + ruff format --check
     nox -s typecheck    mypy --strict, one package at a time
     nox -s build        wheels + sdists; each wheel installed alone in a fresh venv and imported
@@ -33,17 +34,16 @@ else:  # pragma: no cover - nox itself runs on 3.11 here
 ROOT = Path(__file__).parent
 CONSTRAINTS = ROOT / "constraints.txt"
 PACKAGES = ("patterns", "qconfig", "kernels", "fx_quant", "lowering")
-TEST_REQUIREMENTS = ("pytest", "hypothesis", "numpy", "torch")
-# Extra installs a package's tests need: lowering's tests load a third-party backend through
-# the `quantbridge.backends` entry point, from a small plugin distribution kept in its tests,
+TEST_REQUIREMENTS = ("pytest", "pytest-xdist", "hypothesis", "numpy", "torch")
+TEST_WORKERS = "2"
+# Extra installs the tests need: lowering's tests load a third-party backend through the
+# `quantbridge.backends` entry point, from a small plugin distribution kept in its tests,
 # and smoke-test the demo, which reads scikit-learn's digits data.
-TEST_EXTRAS: dict[str, tuple[str, ...]] = {
-    "lowering": (
-        "scikit-learn",
-        "-e",
-        str(ROOT / "packages" / "lowering" / "tests" / "plugin"),
-    ),
-}
+TEST_EXTRAS = (
+    "scikit-learn",
+    "-e",
+    str(ROOT / "packages" / "lowering" / "tests" / "plugin"),
+)
 
 nox.options.sessions = ["tests", "lint", "typecheck"]
 nox.options.reuse_venv = "yes"
@@ -100,21 +100,17 @@ def _editable(*packages: str) -> list[str]:
 
 
 @nox.session
-@nox.parametrize("package", [*PACKAGES, "integration"])
-def tests(session: nox.Session, package: str) -> None:
-    """One package's tests (with its siblings installed from source), or tests/ for integration."""
-    if package == "integration":
-        _install(session, *TEST_REQUIREMENTS, *_editable(*PACKAGES))
-        paths = [str(ROOT / "tests")]
-    else:
-        _install(
-            session,
-            *TEST_REQUIREMENTS,
-            *_editable(package, *_sibling_dependencies(package)),
-            *TEST_EXTRAS.get(package, ()),
-        )
-        paths = [str(ROOT / "packages" / package / "tests")]
-    session.run("pytest", *paths, *session.posargs)
+def tests(session: nox.Session) -> None:
+    """Every package's tests and tests/, in one virtualenv; ``-- PATH ...`` runs fewer.
+
+    Arguments after ``--`` go to pytest. Without a path, pytest runs its ``testpaths``
+    (packages/*/tests and tests/, from pyproject.toml), so new test directories join by
+    themselves; ``nox -s tests -- packages/qconfig/tests -k histogram`` runs one package's.
+    """
+    _install(session, *TEST_REQUIREMENTS, *_editable(*PACKAGES), *TEST_EXTRAS)
+    # Two workers for two cores (`-- -n 0` runs in one process). numba's on-disk cache lives
+    # beside the editable sources, so the workers and later runs reuse each other's kernels.
+    session.run("pytest", "-n", TEST_WORKERS, *session.posargs)
 
 
 @nox.session
