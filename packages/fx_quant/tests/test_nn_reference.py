@@ -337,10 +337,11 @@ def test_lstm_with_projection_equals_float_lstm_on_round_tripped_weights() -> No
     h0 = (torch.randn(2, 2, 3), torch.randn(2, 2, 6))
     out, (h, c) = ours(x, h0)
     out_e, (h_e, c_e) = expected_mod(x, h0)
-    assert torch.equal(out, out_e)
-    assert torch.equal(h, h_e)
-    # The cell state can differ in the last bit: the float LSTM's weights sit in one flattened
-    # buffer, ours are separate tensors, and BLAS may round differently for the two layouts.
+    # Results can differ in the last bit: the float LSTM's weights sit in one flattened
+    # buffer, ours are separate tensors, and BLAS may round differently for the two layouts
+    # (seen on the cell state everywhere and on the output with AVX-512 BLAS kernels).
+    torch.testing.assert_close(out, out_e, rtol=0, atol=1e-6)
+    torch.testing.assert_close(h, h_e, rtol=0, atol=1e-6)
     torch.testing.assert_close(c, c_e, rtol=0, atol=1e-6)
 
 
