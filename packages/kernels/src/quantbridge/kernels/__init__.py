@@ -8,6 +8,7 @@ targets (chosen at import, overridable). Layouts: see ``_layout.py``.
 
 # First: numba picks each function's cache locator when its @njit(cache=True) runs.
 from quantbridge.kernels import _jitcache
+from quantbridge.kernels._jitcache import KernelCacheWarning
 
 # isort: split
 from quantbridge.kernels._activation import clamp, hardtanh, relu, relu6
@@ -50,6 +51,7 @@ _jitcache.harden(_jitcache.package_dispatchers(_jitcache.package_modules()))
 __all__ = [
     "ENV_VAR",
     "TARGETS",
+    "KernelCacheWarning",
     "KernelError",
     "TargetUnavailableError",
     "available_targets",

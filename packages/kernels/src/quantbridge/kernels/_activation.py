@@ -97,7 +97,7 @@ def clamp(
 ) -> U8:
     """Clamp to ``[min_val, max_val]`` (either may be None) on codes (torch's quantized clamp)."""
     check_target(target)
-    s = f32_scale("scale", scale)
+    s = f32_scale("scale", scale, inverted=True)
     zp = check_zero_point("zero_point", zero_point, 0, 255)
     lo = 0 if min_val is None else quantize_bound(_bound("min_val", min_val), s, zp)
     hi = 255 if max_val is None else quantize_bound(_bound("max_val", max_val), s, zp)

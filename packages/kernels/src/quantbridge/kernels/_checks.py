@@ -2,6 +2,10 @@
 
 Every public kernel wrapper validates with these helpers, so bad input becomes a KernelError
 that names the argument, never a crash or an out-of-bounds access inside numba code.
+
+Scales are checked as the kernels use them: in float32. A scale (or a product/ratio of scales
+that a kernel computes, such as ``x_scale * w_scale / out_scale``) that is 0, subnormal,
+infinite or NaN in float32 would silently give constant outputs, so it is refused.
 """
 
 from __future__ import annotations
@@ -21,6 +25,21 @@ INT_RANGES: dict[np.dtype[np.generic], tuple[int, int]] = {
 }
 
 
+def plain_array(name: str, array: object) -> npt.NDArray[Any]:
+    """``array`` as a base-class ndarray: subclasses (``np.memmap``, ...) become views of the
+    same memory; ``np.matrix`` is refused (it stays 2-D under reshape and indexing)."""
+    if type(array) is np.ndarray:
+        return array
+    if isinstance(array, np.matrix):
+        raise KernelError(
+            f"{name}: np.matrix is not supported (it is always 2-D, so reshaping it cannot "
+            "flatten it); pass np.asarray(...)"
+        )
+    if not isinstance(array, np.ndarray):
+        raise KernelError(f"{name}: expected a numpy array, got {type(array).__name__}")
+    return array.view(np.ndarray)
+
+
 def check_array(
     name: str,
     array: object,
@@ -30,9 +49,8 @@ def check_array(
     contiguous: bool = True,
     allow_empty: bool = False,
 ) -> npt.NDArray[Any]:
-    """Return ``array`` if it is an ndarray of the right dtype/rank/layout, else raise."""
-    if not isinstance(array, np.ndarray):
-        raise KernelError(f"{name}: expected a numpy array, got {type(array).__name__}")
+    """``array`` (a plain ndarray view for subclasses) if its dtype/rank/layout fit, else raise."""
+    array = plain_array(name, array)
     dtypes = dtype if isinstance(dtype, tuple) else (dtype,)
     if array.dtype not in dtypes:
         wanted = " or ".join(str(np.dtype(d)) for d in dtypes)
@@ -55,17 +73,102 @@ def check_array(
     return array
 
 
-def check_scale(name: str, scale: float) -> float:
-    """A quantization scale must be a finite positive number."""
-    if type(scale) is float and 0.0 < scale < math.inf:  # fast path for the common case
+# float32's normal range: kernels round every scale to float32 before using it
+F32_TINY = float(np.finfo(np.float32).tiny)
+F32_MAX = float(np.finfo(np.float32).max)
+_SCALE_RULE = (
+    f"kernels compute in float32, so scales and the products/ratios they form must be normal "
+    f"float32 numbers in [{F32_TINY:.7g}, {F32_MAX:.7g}]; check the observer or calibration "
+    "that produced them"
+)
+
+
+def f32_problem(value: float) -> str | None:
+    """Why ``float32(value)`` is unusable as a scale or multiplier, or None if it is fine."""
+    if math.isnan(value):
+        return "is NaN"
+    if value <= 0.0:
+        return "is not > 0"
+    if math.isinf(value):
+        return "is infinite"
+    with np.errstate(over="ignore", under="ignore"):
+        f32 = float(np.float32(value))
+    if f32 == math.inf:
+        return "overflows float32 (becomes inf)"
+    if f32 == 0.0:
+        return "underflows float32 (becomes 0)"
+    if f32 < F32_TINY:
+        return "is subnormal in float32 (most precision lost)"
+    return None
+
+
+def check_scale(name: str, scale: float, *, inverted: bool = False) -> float:
+    """A quantization scale: a real number whose float32 value is normal and > 0.
+
+    ``inverted``: the kernel also uses ``1 / float32(scale)``, which must be normal too.
+    """
+    if type(scale) is float and F32_TINY <= scale <= _MAX_INVERTIBLE:  # fast path
         return scale
     try:
         value = float(scale)
     except (TypeError, ValueError, OverflowError):
         raise KernelError(f"{name}: scale must be a finite number > 0, got {scale!r}") from None
-    if isinstance(scale, bool) or not math.isfinite(value) or value <= 0.0:
-        raise KernelError(f"{name}: scale must be finite and > 0, got {scale!r}")
+    if isinstance(scale, bool):
+        raise KernelError(f"{name}: scale must be a finite number > 0, got {scale!r}")
+    problem = f32_problem(value)
+    if problem is not None:
+        raise KernelError(f"{name}: scale {scale!r} {problem}; {_SCALE_RULE}")
+    if inverted:
+        with np.errstate(all="ignore"):
+            inverse = np.float32(1.0) / np.float32(value)
+        check_derived(f"1 / {name}", inverse)
     return value
+
+
+# scales up to here have a normal float32 reciprocal (the fast path of check_scale)
+_MAX_INVERTIBLE = float(np.float32(1.0) / np.float32(F32_TINY)) / 2
+
+
+def check_scales(name: str, scales: npt.ArrayLike, *, inverted: bool = False) -> None:
+    """Per-channel scales: each as ``check_scale`` requires; names the first bad channel."""
+    s = np.asarray(scales, dtype=np.float64).reshape(-1)
+    with np.errstate(over="ignore", under="ignore", invalid="ignore", divide="ignore"):
+        s32 = s.astype(np.float32)
+        ok = (s32 >= F32_TINY) & (s32 <= F32_MAX)
+        if inverted:
+            inv = np.float32(1.0) / s32
+            ok &= (inv >= F32_TINY) & (inv <= F32_MAX)
+    if ok.all():
+        return
+    j = int(np.flatnonzero(~ok)[0])
+    problem = f32_problem(float(s[j]))
+    if problem is None:  # only its reciprocal is out of range
+        check_derived(f"1 / {name}[{j}]", inv[j])
+    raise KernelError(f"{name}[{j}]: scale {float(s[j])!r} {problem}; {_SCALE_RULE}")
+
+
+def check_derived(what: str, values: npt.ArrayLike, *, channel_offset: int | None = None) -> None:
+    """Refuse float32 values a kernel derives from scales (``what`` says how) unless normal.
+
+    ``values`` holds one value, or with ``channel_offset`` one per output channel starting at
+    that channel (conv groups check their slice of the channels).
+    """
+    v = np.asarray(values, dtype=np.float32).reshape(-1)
+    ok = (v >= F32_TINY) & (v <= F32_MAX)
+    if ok.all():
+        return
+    j = int(np.flatnonzero(~ok)[0])
+    x = float(v[j])
+    where = "" if channel_offset is None else f" for output channel {j + channel_offset}"
+    if math.isnan(x):
+        problem = "is NaN"
+    elif x > F32_MAX:
+        problem = "overflows float32 (becomes inf)"
+    elif x <= 0.0:
+        problem = "underflows float32 (becomes 0)"
+    else:
+        problem = f"is subnormal in float32 ({x:.7g}: most precision lost)"
+    raise KernelError(f"{what}{where} {problem}; {_SCALE_RULE}")
 
 
 def check_zero_point(name: str, zero_point: int, qmin: int, qmax: int) -> int:
@@ -104,8 +207,8 @@ def check_out(
     unless it *is* that input (same buffer, same layout), which elementwise kernels handle;
     pass no ``inputs`` to forbid any overlap check.
     """
-    if not isinstance(out, np.ndarray):
-        raise KernelError(f"out: expected a numpy array, got {type(out).__name__}")
+    plain_array("out", out)  # refuses np.matrix and non-arrays; other subclasses write through
+    assert isinstance(out, np.ndarray)
     if out.dtype != np.dtype(dtype):
         raise KernelError(f"out: expected dtype {np.dtype(dtype)}, got {out.dtype}")
     if out.shape != shape:

@@ -123,6 +123,7 @@ class PackedConvWeight:
                 target=target,
             )
             p.k_true = kh * kw * cg
+            p.channel_offset = g * self.ocg  # messages name the conv's output channel
             self.groups_packed.append(p)
         self.target = self.groups_packed[0].target
         self.has_weight_zp = any(p.has_weight_zp for p in self.groups_packed)
@@ -543,6 +544,9 @@ def conv2d_add(
     channels-last. Fused on ``avx512_vnni``/``avx2`` for groups = 1 and output channels a
     multiple of the panel width; otherwise the two kernels run one after the other.
     """
+    f32_scale("conv_scale", conv_scale)  # under this function's names, whichever path runs
+    f32_scale("other_scale", other_scale)
+    f32_scale("out_scale", out_scale, inverted=True)
     conv = conv2d(
         x, packed, x_scale, x_zero_point, conv_scale, conv_zero_point,
         relu=relu_conv, num_threads=num_threads, channels_last=True,
@@ -566,7 +570,7 @@ def conv2d_add(
         check_zero_point("conv_zero_point", conv_zero_point, 0, 255),
         f32_scale("other_scale", other_scale),
         check_zero_point("other_zero_point", other_zero_point, 0, 255),
-        f32_scale("out_scale", out_scale),
+        f32_scale("out_scale", out_scale, inverted=True),
         check_zero_point("out_zero_point", out_zero_point, 0, 255),
     )
     floor = np.float32(0.0) if relu else np.float32(-np.inf)

@@ -19,7 +19,7 @@ import numba
 import numpy as np
 import numpy.typing as npt
 
-from quantbridge.kernels._checks import check_array, check_out, check_zero_point
+from quantbridge.kernels._checks import check_array, check_derived, check_out, check_zero_point
 from quantbridge.kernels._errors import KernelError
 from quantbridge.kernels._fma import fma32
 from quantbridge.kernels._layout import check_dense, empty_in_order, flat, in_order
@@ -134,7 +134,13 @@ def _binary(
         )
     sa = f32_scale("a_scale", a_scale)
     sb = f32_scale("b_scale", b_scale)
-    so = f32_scale("out_scale", out_scale)
+    so = f32_scale("out_scale", out_scale, inverted=True)
+    if kind == "mul":  # the kernel's multiplier, formed as _mul_params does
+        with np.errstate(all="ignore"):  # out-of-range products are refused just below
+            ab = np.float32(sa) * np.float32(sb)
+            mult = ab * (np.float32(1.0) / np.float32(so))
+        check_derived("a_scale * b_scale", ab)
+        check_derived("a_scale * b_scale / out_scale", mult)
     za = check_zero_point("a_zero_point", a_zero_point, 0, 255)
     zb = check_zero_point("b_zero_point", b_zero_point, 0, 255)
     zo = check_zero_point("out_zero_point", out_zero_point, 0, 255)

@@ -165,6 +165,19 @@ def _check_packed(packed: object) -> tuple[U8, F32, F32, int, int]:
     return data, scale, bias, int(bits), int(dim)
 
 
+def _check_row_qparams(scale: F32, bias: F32, idx: npt.NDArray[np.integer]) -> None:
+    """The looked-up rows' scales and biases must be finite (a scale of 0 is a constant row)."""
+    s, b = scale[idx], bias[idx]
+    bad = ~(np.isfinite(s) & np.isfinite(b) & (s >= 0))
+    if bad.any():
+        row = int(idx[np.flatnonzero(bad)[0]])
+        raise KernelError(
+            f"packed.scale/packed.bias: row {row} has scale {float(scale[row])!r} and bias "
+            f"{float(bias[row])!r}; rows need a finite scale >= 0 and a finite bias "
+            "(repack the weight with pack_embedding_8bit/_4bit)"
+        )
+
+
 # --------------------------------------------------------------------------- lookup
 
 
@@ -280,6 +293,7 @@ def embedding_bag(
     if n_idx and (idx.min() < 0 or idx.max() >= data.shape[0]):
         bad = int(idx.min()) if idx.min() < 0 else int(idx.max())
         raise KernelError(f"indices: {bad} is out of range for {data.shape[0]} embedding rows")
+    _check_row_qparams(scale, bias, idx)
     if per_sample_weights is not None:
         if mode != "sum":
             raise KernelError("per_sample_weights: only supported with mode='sum' (as in torch)")

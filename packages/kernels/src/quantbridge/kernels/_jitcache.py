@@ -10,6 +10,11 @@ package, and numba's own stamp check then treats the old entries as absent and o
 
 They must be registered before the first ``@njit(cache=True)`` of the package runs, because
 numba picks the locator at decoration time: the package ``__init__`` imports this module first.
+
+A damaged cache (garbage, truncated or empty files, an index numba cannot read) would make numba
+raise on every call until someone deleted the folder. ``KeyNamedCacheFile`` treats any entry it
+cannot read as absent (one ``KernelCacheWarning`` per folder and process), so numba recompiles
+and rewrites it; data files carry a checksum, so damage inside the machine code is caught too.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
+import pickle
 import sys
 import warnings
 from typing import Any
@@ -109,6 +115,35 @@ def register() -> None:
         )
 
 
+class KernelCacheWarning(RuntimeWarning):
+    """A damaged numba cache file of quantbridge.kernels was ignored and the kernel recompiled."""
+
+
+_warned_folders: set[str] = set()
+
+
+def _warn_damaged(
+    path: str, problem: str, done: str = "compiled the kernel again, which rewrites the entry"
+) -> None:
+    """Warn once per cache folder (a damaged folder often has many damaged files)."""
+    folder = os.path.dirname(path)
+    if folder in _warned_folders:
+        return
+    _warned_folders.add(folder)
+    warnings.warn(
+        f"quantbridge.kernels: numba cache folder {folder}: {os.path.basename(path)} {problem}; "
+        f"{done}. Other damaged entries in this folder are handled the same way without another "
+        "warning; deleting the folder is always safe (it only costs a recompile).",
+        KernelCacheWarning,
+        stacklevel=2,
+    )
+
+
+# data files: this header, the sha256 of the pickled payload, the payload
+_DATA_MAGIC = b"quantbridge.kernels numba cache 1\n"
+_DIGEST = 32
+
+
 class KeyNamedCacheFile(caching.IndexDataCacheFile):
     """numba's index/data files, but each data file is named by a hash of its index key.
 
@@ -121,19 +156,86 @@ class KeyNamedCacheFile(caching.IndexDataCacheFile):
     only costs a recompile.
     """
 
-    def save(self, key: Any, data: Any) -> None:
-        overloads = self._load_index()  # type: ignore[no-untyped-call]
+    def _name_for(self, key: Any) -> str:
         # the stamp is part of the name: a process still running older source (same key when
         # only a dependency changed) writes its own file and never overwrites ours
         tag = hashlib.sha256(repr((self._source_stamp, key)).encode()).hexdigest()[:20]
-        name = self._data_name_pattern.replace("{number:d}", tag)
-        # data before index: the index never names a missing file
-        self._save_data(name, data)  # type: ignore[no-untyped-call]
-        if overloads.get(key) != name:
-            # re-read: keep what other processes saved meanwhile
-            overloads = self._load_index()  # type: ignore[no-untyped-call]
-            overloads[key] = name
-            self._save_index(overloads)  # type: ignore[no-untyped-call]
+        return str(self._data_name_pattern.replace("{number:d}", tag))
+
+    def save(self, key: Any, data: Any) -> None:
+        overloads = self._load_index()
+        name = self._name_for(key)
+        try:
+            # data before index: the index never names a missing file
+            self._save_data(name, data)
+            if overloads.get(key) != name:
+                # re-read: keep what other processes saved meanwhile
+                overloads = self._load_index()
+                overloads[key] = name
+                self._save_index(overloads)  # type: ignore[no-untyped-call]
+        except OSError as exc:  # e.g. a directory where a cache file belongs
+            _warn_damaged(
+                self._index_path,
+                f"could not be written ({exc})",
+                "the kernel runs, and compiles again in the next process",
+            )
+
+    def load(self, key: Any) -> Any:
+        """The cached entry, or None to recompile: missing, stale or damaged (warned)."""
+        name = self._load_index().get(key)
+        if name is None:
+            return None
+        if name != self._name_for(key):
+            _warn_damaged(self._index_path, "names a data file that does not belong to its entry")
+            return None
+        try:
+            return self._load_data(name)
+        except FileNotFoundError:
+            return None  # removed since the index was written: a plain miss, as in numba
+        except Exception as exc:  # any damage means "recompile"
+            path = self._data_path(name)  # type: ignore[no-untyped-call]
+            _warn_damaged(path, f"is unreadable ({type(exc).__name__}: {exc})")
+            return None
+
+    def _load_index(self) -> dict[Any, str]:
+        """numba's index format, but damage means an empty index (warned), not an exception."""
+        try:
+            with open(self._index_path, "rb") as f:
+                version = pickle.load(f)
+                data = f.read()
+        except FileNotFoundError:
+            return {}
+        except Exception as exc:  # garbage, truncated or empty file
+            _warn_damaged(self._index_path, f"is unreadable ({type(exc).__name__}: {exc})")
+            return {}
+        if isinstance(version, str) and version != self._version:
+            return {}  # written by another numba version: stale, replaced on the next save
+        try:
+            if version != self._version:
+                raise ValueError(f"version header {version!r} is not a numba version")
+            stamp, overloads = pickle.loads(data)
+            if not isinstance(overloads, dict):
+                raise TypeError(f"holds a {type(overloads).__name__}, not a dict")
+        except Exception as exc:
+            _warn_damaged(self._index_path, f"is unreadable ({type(exc).__name__}: {exc})")
+            return {}
+        return overloads if stamp == self._source_stamp else {}
+
+    def _save_data(self, name: str, data: Any) -> None:
+        payload = self._dump(data)  # type: ignore[no-untyped-call]
+        with self._open_for_write(self._data_path(name)) as f:  # type: ignore[no-untyped-call]
+            f.write(_DATA_MAGIC + hashlib.sha256(payload).digest() + payload)
+
+    def _load_data(self, name: str) -> Any:
+        with open(self._data_path(name), "rb") as f:  # type: ignore[no-untyped-call]
+            raw = f.read()
+        head = len(_DATA_MAGIC) + _DIGEST
+        payload = raw[head:]
+        if raw[: len(_DATA_MAGIC)] != _DATA_MAGIC:
+            raise ValueError("no quantbridge.kernels header (garbage or an older format)")
+        if len(raw) < head or hashlib.sha256(payload).digest() != raw[len(_DATA_MAGIC) : head]:
+            raise ValueError("checksum mismatch (truncated or overwritten)")
+        return pickle.loads(payload)
 
 
 def harden(dispatchers: list[Any]) -> None:

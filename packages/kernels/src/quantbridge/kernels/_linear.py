@@ -21,8 +21,10 @@ import numpy.typing as npt
 from quantbridge.kernels._checks import (
     check_accumulation_fits_int32,
     check_array,
+    check_derived,
     check_scale,
     check_zero_point,
+    f32_problem,
 )
 from quantbridge.kernels._errors import KernelError
 from quantbridge.kernels._gemm import quantize_u8_fma
@@ -93,6 +95,8 @@ class PackedLinearWeight:
         self.lda = round_up(self.k, 4)
         # real reduction length for the zero-point correction (conv pads channels with zeros)
         self.k_true = self.k
+        # index of this weight's first output channel in the caller's numbering (conv groups)
+        self.channel_offset = 0
         self.nk = int(self.koffs.shape[0])
         self.npanels = self.n_padded // nr
         # the VNNI kernels read uint8 activations directly; AVX2 wants them widened first
@@ -143,19 +147,45 @@ class PackedLinearWeight:
             act_scale = check_scale("x_scale", act_scale)
             if out_scale is not None:
                 out_scale = check_scale("out_scale", out_scale)
-            atws, mult = multipliers(act_scale, self.scales, out_scale)
+            with np.errstate(all="ignore"):  # out-of-range results are refused just below
+                atws, mult = multipliers(act_scale, self.scales, out_scale)
+                if out_scale is not None:
+                    bq = scaled_bias(self.bias, atws, self.per_channel, self.n_padded)
+            self._check_derived(act_scale, atws, mult, None if out_scale is None else bq)
             m = np.zeros(self.n_padded, np.float32)
             m[: self.n] = mult
             if out_scale is None:
                 bq = np.zeros(self.n_padded, np.float32)
                 if self.bias is not None:
                     bq[: self.n] = self.bias
-            else:
-                bq = scaled_bias(self.bias, atws, self.per_channel, self.n_padded)
             got = (bq, m)
             if len(self._requant) < _CACHE_LIMIT:
                 self._requant[key] = got
         return got
+
+    def _check_derived(
+        self,
+        act_scale: float,
+        atws: npt.NDArray[np.float32],
+        mult: npt.NDArray[np.float32],
+        biasq: npt.NDArray[np.float32] | None,
+    ) -> None:
+        """Refuse scale products the requantization rule cannot use (see ``_checks.py``)."""
+        count = self.n if self.per_channel else 1
+        off = self.channel_offset if self.per_channel else None
+        if biasq is None:  # dynamic: the activation scale comes from x's range
+            check_derived(f"x's dynamic scale ({act_scale:.7g}) * weight scale", atws[:count],
+                          channel_offset=off)  # fmt: skip
+            return
+        check_derived("x_scale * weight scale", atws[:count], channel_offset=off)
+        check_derived("x_scale * weight scale / out_scale", mult[:count], channel_offset=off)
+        if self.bias is not None and not np.all(np.isfinite(biasq[: self.n])):
+            j = int(np.flatnonzero(~np.isfinite(biasq[: self.n]))[0])
+            raise KernelError(
+                f"bias / (x_scale * weight scale) for output channel {j + self.channel_offset} "
+                "overflows float32 "
+                f"(bias {float(self.bias[j])!r}); the scales are far too small for this bias"
+            )
 
     def __repr__(self) -> str:
         kind = "per-channel" if self.per_channel else "per-tensor"
@@ -225,8 +255,10 @@ def linear(
     # uint8 data is always aligned, so contiguity, rank and size are all the fast path checks
     flags = x.flags if type(x) is np.ndarray else None
     if not (flags is not None and x.dtype == np.uint8 and x.ndim and x.size and flags.c_contiguous):
-        check_array("x", x, np.uint8, None)
-        raise KernelError(f"x: expected at least 1 dimension [..., K], got shape {x.shape}")
+        x = check_array("x", x, np.uint8, None)  # a subclass (np.memmap) becomes a plain view
+        if not x.ndim:
+            raise KernelError(f"x: expected at least 1 dimension [..., K], got shape {x.shape}")
+        flags = x.flags
     # epilogue() and colcorr() validate scales on their first use (cache miss)
     a_zp = x_zero_point
     if not (type(a_zp) is int and 0 <= a_zp <= 255):
@@ -368,6 +400,12 @@ def linear_dynamic(
         raise KernelError("x: contains NaN or infinity; dynamic quantization needs finite input")
     threads = apply_num_threads(num_threads, "linear_dynamic")
     a_s, a_zp = choose_dynamic_qparams(xf)
+    problem = f32_problem(a_s)
+    if problem is not None:  # only for inputs whose whole range is below ~1e-36
+        raise KernelError(
+            f"x: its dynamic activation scale {a_s!r} (from x's range) {problem}; "
+            "scale the input up before the layer"
+        )
     xq = quantize_activation(xf, a_s, a_zp)
     a, m, lead = _activation_rows(xq, packed, "x")
     rowoffs, rowsum = _rows_and_sums(a, m, packed)

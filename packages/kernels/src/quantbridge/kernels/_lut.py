@@ -144,7 +144,7 @@ def build_lut(
     a float32 array of the 256 dequantized inputs and returning 256 values (cast to float32).
     """
     s_in = f32_scale("in_scale", in_scale)
-    s_out = f32_scale("out_scale", out_scale)
+    s_out = f32_scale("out_scale", out_scale, inverted=True)
     zp_in = check_zero_point("in_zero_point", in_zero_point, 0, 255)
     lo, hi = check_quant_range(np.uint8, quant_min, quant_max)
     zp_out = check_zero_point("out_zero_point", out_zero_point, lo, hi)

@@ -15,6 +15,8 @@ import numpy.typing as npt
 from quantbridge.kernels._checks import (
     check_accumulation_fits_int32,
     check_array,
+    check_derived,
+    check_scale,
     check_zero_point,
 )
 from quantbridge.kernels._errors import KernelError
@@ -55,6 +57,17 @@ def matmul(
         b_zp = check_zero_point("b_zero_point", b_zero_point, -128, 127)
     k = int(aa.shape[-1])
     check_accumulation_fits_int32("b", k, 255, 255)
+    # checked here under matmul's names (linear below would call them x_scale / weight scale)
+    sa = check_scale("a_scale", a_scale)
+    sb = check_scale("b_scale", b_scale)
+    so = check_scale("out_scale", out_scale)
+    with np.errstate(all="ignore"):  # out-of-range products are refused just below
+        ab = np.float32(sa) * np.float32(sb)
+        mult = ab / np.float32(so)
+    check_derived("a_scale * b_scale", ab)
+    check_derived("a_scale * b_scale / out_scale", mult)
+    check_zero_point("a_zero_point", a_zero_point, 0, 255)
+    check_zero_point("out_zero_point", out_zero_point, 0, 255)
     a3 = aa if aa.ndim == 3 else aa[None]
     b3 = bb if bb.ndim == 3 else bb[None]
     outs = []

@@ -15,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 
+from quantbridge.kernels._checks import check_scale, check_scales
 from quantbridge.kernels._errors import KernelError
 
 # K is padded to whole k-steps of every target (VNNI consumes 4 values per step, AVX2 2); the
@@ -87,9 +88,8 @@ def weight_scales(
         s = np.full(n, float(s))
     if s.shape != (n,):
         raise KernelError(f"{name}: weight scale must be a float or shape ({n},), got {s.shape}")
-    if not np.all(np.isfinite(s)) or np.any(s <= 0):
-        raise KernelError(f"{name}: weight scales must be finite and > 0")
-    s32 = s.astype(np.float32)
-    if np.any(s32 <= 0) or not np.all(np.isfinite(s32)):
-        raise KernelError(f"{name}: weight scales underflow/overflow float32")
-    return s32, per_channel
+    if per_channel:
+        check_scales(name, s)
+    else:
+        check_scale(name, float(s[0]))
+    return s.astype(np.float32), per_channel

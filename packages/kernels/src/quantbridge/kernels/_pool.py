@@ -26,7 +26,13 @@ import numba
 import numpy as np
 import numpy.typing as npt
 
-from quantbridge.kernels._checks import check_array, check_int, check_out, check_zero_point
+from quantbridge.kernels._checks import (
+    check_array,
+    check_derived,
+    check_int,
+    check_out,
+    check_zero_point,
+)
 from quantbridge.kernels._errors import KernelError
 from quantbridge.kernels._layout import channels_last_data
 from quantbridge.kernels._quantize import choose_kernel, f32_scale
@@ -372,6 +378,10 @@ def avg_pool2d(
             raise KernelError(f"divisor_override: must be a positive integer, got {divisor}")
     s_in = f32_scale("scale", scale)
     s_out = s_in if out_scale is None else f32_scale("out_scale", out_scale)
+    # the kernel's multiplier float32(scale / out_scale / count), count up to the window size
+    largest = divisor or kh * kw
+    check_derived("scale / out_scale", s_in / s_out)
+    check_derived(f"scale / out_scale / {largest} (the largest divisor)", s_in / s_out / largest)
     zp_in = check_zero_point("zero_point", zero_point, 0, 255)
     zp_out = (
         zp_in

@@ -35,6 +35,7 @@ from quantbridge.kernels._checks import (
     check_out,
     check_quant_range,
     check_scale,
+    check_scales,
     check_zero_point,
 )
 from quantbridge.kernels._errors import KernelError
@@ -62,8 +63,6 @@ def choose_kernel(work: int, where: str, serial: _K, parallel: _K) -> _K:
     return serial
 
 
-_F32_MAX = float(np.finfo(np.float32).max)
-_F32_TINY = float(np.finfo(np.float32).tiny)
 _QDTYPES = (np.dtype(np.uint8), np.dtype(np.int8))
 
 U8 = npt.NDArray[np.uint8]
@@ -73,17 +72,8 @@ F32 = npt.NDArray[np.float32]
 # --------------------------------------------------------------------------- argument helpers
 
 
-def f32_scale(name: str, scale: object) -> float:
-    """A valid scale (kernels round it to float32); refuse scales float32 cannot invert."""
-    if type(scale) is float and _F32_TINY <= scale <= _F32_MAX:  # fast path
-        return scale
-    value = check_scale(name, scale)  # type: ignore[arg-type]
-    if not _F32_TINY <= value <= _F32_MAX:  # also refuses NaN
-        raise KernelError(
-            f"{name}: scale {value!r} is outside float32's normal range "
-            f"[{_F32_TINY:g}, {_F32_MAX:g}]; kernels compute in float32"
-        )
-    return value
+# the wrappers' name for the shared scale check (float32 range, optionally its reciprocal)
+f32_scale = check_scale
 
 
 def quant_dtype(dtype: object) -> np.dtype[np.generic]:
@@ -111,6 +101,8 @@ def channel_params(
     channels: int,
     quant_min: int,
     quant_max: int,
+    *,
+    inverted: bool = False,
 ) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.int32]]:
     """Validate per-channel scales (float32/float64) and zero points (any integer dtype)."""
     s = check_array("scales", scales, (np.float32, np.float64), 1, contiguous=False)
@@ -123,12 +115,7 @@ def channel_params(
             f"got {s.shape[0]} and {z.shape[0]}"
         )
     s64 = s.astype(np.float64)
-    s32 = s64.astype(np.float32)
-    if not (np.all(np.isfinite(s64)) and np.all(s64 <= _F32_MAX) and np.all(s32 >= _F32_TINY)):
-        raise KernelError(
-            "scales: every scale must be finite and inside float32's normal range "
-            f"[{_F32_TINY:g}, {_F32_MAX:g}]"
-        )
+    check_scales("scales", s64, inverted=inverted)
     zi = z.astype(np.int64)
     if np.any(zi < quant_min) or np.any(zi > quant_max):
         raise KernelError(f"zero_points: every zero point must lie in [{quant_min}, {quant_max}]")
@@ -288,7 +275,7 @@ def quantize_per_tensor(
     qdtype = quant_dtype(dtype)
     x, order = check_dense("x", x, np.float32)
     lo, hi = check_quant_range(qdtype, quant_min, quant_max)
-    s32 = f32_scale("scale", scale)
+    s32 = check_scale("scale", scale, inverted=True)
     zp = check_zero_point("zero_point", zero_point, lo, hi)
     if out is None:
         out = empty_in_order(x, qdtype)
@@ -322,7 +309,7 @@ def quantize_per_channel(
     lo, hi = check_quant_range(qdtype, quant_min, quant_max)
     ax = check_axis(axis, x.ndim)
     outer, channels, inner = as_3d(x.shape, ax)
-    s64, z = channel_params(scales, zero_points, channels, lo, hi)
+    s64, z = channel_params(scales, zero_points, channels, lo, hi, inverted=True)
     if out is None:
         out = np.empty(x.shape, qdtype)
     else:
@@ -353,7 +340,7 @@ def dequantize_per_tensor(
     check_target(target)
     q, order = check_dense("q", q, _QDTYPES)
     qmin, qmax = INT_RANGES[q.dtype]
-    s32 = f32_scale("scale", scale)
+    s32 = check_scale("scale", scale)
     zp = check_zero_point("zero_point", zero_point, qmin, qmax)
     if out is None:
         out = empty_in_order(q, np.float32)
@@ -430,8 +417,8 @@ def requantize(
     check_target(target)
     q, order = check_dense("q", q, np.uint8)
     lo, hi = check_quant_range(np.uint8, quant_min, quant_max)
-    s_in = f32_scale("in_scale", in_scale)
-    s_out = f32_scale("out_scale", out_scale)
+    s_in = check_scale("in_scale", in_scale)
+    s_out = check_scale("out_scale", out_scale, inverted=True)
     zp_in = check_zero_point("in_zero_point", in_zero_point, 0, 255)
     zp_out = check_zero_point("out_zero_point", out_zero_point, lo, hi)
     if out is None:
