@@ -36,7 +36,7 @@ from quantbridge import kernels
 from quantbridge.fx_quant import calibrate, prepare_fx, prepare_qat_fx
 from quantbridge.lowering import available_backends, get_backend
 
-MAX_PTQ_DROP = 1.0  # percentage points, the lowering issue's done-when
+MAX_PTQ_DROP = 1.0  # percentage points: the bar the numba backends are held to
 BATCH = 64
 
 
