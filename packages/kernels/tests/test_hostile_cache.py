@@ -151,15 +151,22 @@ def test_damaged_entries_are_misses_in_process(tmp_path: Path) -> None:
     assert cache.load(("sig",)) == {"code": "A"}
     (data,) = tmp_path.glob("*.nbc")
     data.write_bytes(data.read_bytes()[:-1])
-    _jitcache._warned_folders.discard(str(tmp_path))
+    _jitcache._warned.clear()
     with pytest.warns(_jitcache.KernelCacheWarning, match="checksum mismatch"):
         assert cache.load(("sig",)) is None
     cache.save(("sig",), {"code": "A"})  # what numba does after recompiling
     assert cache.load(("sig",)) == {"code": "A"}
     (index,) = tmp_path.glob("*.nbi")
     index.write_bytes(b"\x80\x05garbage")
-    _jitcache._warned_folders.discard(str(tmp_path))
+    _jitcache._warned.clear()
     with pytest.warns(_jitcache.KernelCacheWarning, match="is unreadable"):
         assert cache.load(("sig",)) is None
     cache.save(("sig",), {"code": "B"})
     assert cache.load(("sig",)) == {"code": "B"}
+    index.unlink()
+    index.mkdir()  # a directory where the index belongs: unreadable and unwritable
+    _jitcache._warned.clear()
+    with pytest.warns(_jitcache.KernelCacheWarning, match="is unreadable"):
+        assert cache.load(("sig",)) is None
+    with pytest.warns(_jitcache.KernelCacheWarning, match="could not be written"):
+        cache.save(("sig",), {"code": "C"})  # warned, not raised: the kernel still runs

@@ -448,6 +448,7 @@ def test_memmap_out_is_written(tmp_path: Path) -> None:
     ],
     ids=["linear", "add", "quantize_per_tensor", "add-out"],
 )
+@pytest.mark.filterwarnings("ignore:the matrix subclass:PendingDeprecationWarning")
 def test_np_matrix_is_refused_clearly(entry: str, call: Callable[[Any], object]) -> None:
     m = np.asmatrix(F.reshape(6, 4)) if entry == "quantize_per_tensor" else np.asmatrix(X2)
     with pytest.raises(KernelError, match=r"np\.matrix is not supported"):

@@ -119,17 +119,17 @@ class KernelCacheWarning(RuntimeWarning):
     """A damaged numba cache file of quantbridge.kernels was ignored and the kernel recompiled."""
 
 
-_warned_folders: set[str] = set()
+_warned: set[tuple[str, str]] = set()  # (folder, what was done)
 
 
 def _warn_damaged(
     path: str, problem: str, done: str = "compiled the kernel again, which rewrites the entry"
 ) -> None:
-    """Warn once per cache folder (a damaged folder often has many damaged files)."""
+    """Warn once per cache folder and outcome (a damaged folder often has many damaged files)."""
     folder = os.path.dirname(path)
-    if folder in _warned_folders:
+    if (folder, done) in _warned:
         return
-    _warned_folders.add(folder)
+    _warned.add((folder, done))
     warnings.warn(
         f"quantbridge.kernels: numba cache folder {folder}: {os.path.basename(path)} {problem}; "
         f"{done}. Other damaged entries in this folder are handled the same way without another "
