@@ -28,7 +28,16 @@ from quantbridge.fx_quant._backend_configs import (
     get_x86_backend_config,
     register_backend_config,
 )
-from quantbridge.fx_quant._calibrate import calibrate
+from quantbridge.fx_quant._calibrate import ProgressBar, calibrate
+from quantbridge.fx_quant._compare import (
+    QUANTIZED_OUTPUTS_KEY,
+    LayerComparison,
+    LayerError,
+    WeightComparison,
+    WeightError,
+    compare_layers,
+    compare_weights,
+)
 from quantbridge.fx_quant._convert import NotPreparedError
 from quantbridge.fx_quant._custom_config import (
     ConvertCustomConfig,
@@ -78,6 +87,14 @@ __all__ = [
     "StrictPrepareError",
     "TraceError",
     "TransformerSwapError",
+    # accuracy debugging: which quantized op or weight loses the signal
+    "compare_layers",
+    "compare_weights",
+    "LayerComparison",
+    "LayerError",
+    "WeightComparison",
+    "WeightError",
+    "QUANTIZED_OUTPUTS_KEY",
     # lowering registry (entry-point group "quantbridge.backends")
     "register_lowering",
     "get_lowering",
@@ -99,6 +116,7 @@ __all__ = [
     "register_backend_config",
     # calibration and QAT across torch.distributed ranks
     "calibrate",
+    "ProgressBar",
     "sync_observers",
     "sync_observers_hook",
 ]

@@ -15,14 +15,16 @@ from quantbridge.fx_quant._distributed import sync_observers
 from quantbridge.fx_quant._errors import FxQuantError
 from quantbridge.fx_quant._observer_insertion import watch_observer_inputs
 
-__all__ = ["calibrate"]
+__all__ = ["ProgressBar", "calibrate"]
 
 
 class _Progress:
     """A dependency-free progress bar on a text stream (stderr by default).
 
     On a TTY it redraws one line in place; otherwise (logs, CI) it prints a line every
-    ``interval`` seconds and a final one, so log files stay short.
+    ``interval`` seconds and a final one, so log files stay short. ``update()`` counts one
+    step, ``close(suffix)`` prints the final line; ``unit`` / ``units`` name the steps.
+    Public as ``quantbridge.fx_quant.ProgressBar`` for other quantbridge loops.
     """
 
     def __init__(
@@ -33,12 +35,15 @@ class _Progress:
         enabled: bool = True,
         interval: float = 10.0,
         label: str = "calibrate",
+        unit: str = "batch",
+        units: str = "batches",
     ) -> None:
         self.total = total
         self.stream = sys.stderr if stream is None else stream
         self.enabled = enabled
         self.interval = interval
         self.label = label
+        self.unit, self.units = unit, units
         isatty = getattr(self.stream, "isatty", None)
         self.tty = bool(isatty()) if callable(isatty) else False
         self.count = 0
@@ -53,10 +58,10 @@ class _Progress:
             filled = min(width, self.count * width // self.total)
             bar = "#" * filled + "-" * (width - filled)
             return (
-                f"{self.label}: [{bar}] {self.count}/{self.total} batches, "
-                f"{elapsed:.1f}s, {rate:.1f} batch/s"
+                f"{self.label}: [{bar}] {self.count}/{self.total} {self.units}, "
+                f"{elapsed:.1f}s, {rate:.1f} {self.unit}/s"
             )
-        return f"{self.label}: {self.count} batches, {elapsed:.1f}s, {rate:.1f} batch/s"
+        return f"{self.label}: {self.count} {self.units}, {elapsed:.1f}s, {rate:.1f} {self.unit}/s"
 
     def update(self) -> None:
         self.count += 1
@@ -79,6 +84,9 @@ class _Progress:
         end = "\r" if self.tty else ""
         self.stream.write(end + self._line() + suffix + "\n")
         self.stream.flush()
+
+
+ProgressBar = _Progress
 
 
 def _distributed_ready() -> bool:

@@ -26,6 +26,7 @@ from torch import nn
 from torch.fx import GraphModule, Node
 from torch.nn.utils.parametrize import type_before_parametrizations
 
+from quantbridge.fx_quant import QUANTIZED_OUTPUTS_KEY
 from quantbridge.lowering import _modules as lm
 from quantbridge.lowering._context import (
     DEQUANTIZE,
@@ -86,6 +87,17 @@ class _Pass:
         self.rules = rules
         self.owner: dict[ReplacementPattern, LoweringRule] = {}
         self._types: set[type] = set()
+        # lowered node -> the op whose quantized output it returns (compare_layers reads it)
+        self.outputs: dict[str, dict[str, object]] = {}
+
+    def _output(self, node: Node, op: str, qparams: tuple[float, int], **extra: str) -> None:
+        if node.name not in self.outputs:  # a builder may return an earlier op's node
+            self.outputs[node.name] = {
+                "output_of": op,
+                "scale": qparams[0],
+                "zero_point": qparams[1],
+                **extra,
+            }
 
     def _compile(self, kind: str) -> list[ReplacementPattern]:
         """The rules' rewrite patterns in table order, with subclass variants if any."""
@@ -184,6 +196,10 @@ class _Pass:
                 rep.lowered.append((new.name, f"{fused.kernel} ({ctx.target}), conv + {add.kind}"))
                 rep.origins[new.name] = rep.origins.pop(node.name, node.name)
                 rep.origins.pop(arg.name, None)
+                out, conv_out = self.outputs.pop(node.name, None), self.outputs.pop(arg.name, None)
+                if out is not None:
+                    weights = {} if conv_out is None else {"weights_of": conv_out["output_of"]}
+                    self.outputs[new.name] = {**out, **weights}
                 ctx.graph.erase_node(node)
                 ctx.graph.erase_node(arg)
                 break
@@ -206,6 +222,8 @@ class _Pass:
             )
         match.anchor.replace_all_uses_with(new)
         ctx.report.origins[new.name] = match.anchor.name
+        if match.output_qparams is not None:
+            self._output(new, match.node.name, match.output_qparams)
 
     def _unmatched_quantize(self, q: Node) -> None:
         """A static quantize no rule lowered: report why its op stays reference."""
@@ -240,12 +258,16 @@ class _Pass:
             if node.target is QUANTIZE:
                 mod: lm.LoweredModule = lm.Quantize(ctx.target, None, qp)
                 base = f"{node.args[0].name}_quantize"
+                source: str | None = node.args[0].name
             else:
                 mod = lm.Dequantize(ctx.target, qp, None)
                 base = f"{node.args[0].name}_dequantize"
+                source = None
             new = ctx.add_module(base, mod, (node.args[0],), before=node)
             node.replace_all_uses_with(new)
             ctx.report.origins[new.name] = node.name
+            if source is not None:
+                self._output(new, source, qp)
 
     def _cleanup(self) -> None:
         gm, graph = self.ctx.graph_module, self.ctx.graph
@@ -306,6 +328,8 @@ def lower_to_kernels(
         )
     table = default_lowering_rules() if rules is None else _check_rules(rules)
     ctx = LoweringContext(reference_model, target)
-    _Pass(ctx, table).run()
+    lowering = _Pass(ctx, table)
+    lowering.run()
     reference_model.meta[_REPORT_KEY] = ctx.report
+    reference_model.meta[QUANTIZED_OUTPUTS_KEY] = lowering.outputs
     return reference_model
