@@ -329,7 +329,7 @@ def test_just_outside_float32_normal_range_is_refused(value: float) -> None:
 def test_embedding_rows_need_finite_qparams() -> None:
     _embedding()  # control
     _embedding(scale=0.0)  # a constant row has scale 0 (torch's packing does this)
-    for scale, bias in ((math.nan, 0.0), (math.inf, 0.0), (-1.0, 0.0), (0.5, math.inf)):
+    for scale, bias in ((math.nan, 0.0), (math.inf, 0.0), (0.5, -math.inf), (0.5, math.nan)):
         with pytest.raises(KernelError, match="row 3"):
             _embedding(scale=scale, bias=bias)
 

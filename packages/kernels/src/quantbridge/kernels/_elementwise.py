@@ -15,6 +15,8 @@ input's shape; we do not broadcast). One numba implementation serves every targe
 
 from __future__ import annotations
 
+import functools
+
 import numba
 import numpy as np
 import numpy.typing as npt
@@ -110,6 +112,16 @@ def _mul_par(a, b, out, a_scale, a_zp, b_scale, b_zp, out_scale, out_zp, relu): 
         _mul_span(a, b, out, za, zb, m, zp, relu, lo, min(lo + _CHUNK, n))
 
 
+@functools.lru_cache(maxsize=256)  # scales repeat call after call; errors are not cached
+def _check_mul_scales(sa: float, sb: float, so: float) -> None:
+    """The multiplier, formed in float32 as ``_mul_params`` does, must be a normal number."""
+    with np.errstate(all="ignore"):  # out-of-range products are refused just below
+        ab = np.float32(sa) * np.float32(sb)
+        mult = ab * (np.float32(1.0) / np.float32(so))
+    check_derived("a_scale * b_scale", ab)
+    check_derived("a_scale * b_scale / out_scale", mult)
+
+
 def _binary(
     kind: str,
     a: object,
@@ -135,12 +147,8 @@ def _binary(
     sa = f32_scale("a_scale", a_scale)
     sb = f32_scale("b_scale", b_scale)
     so = f32_scale("out_scale", out_scale, inverted=True)
-    if kind == "mul":  # the kernel's multiplier, formed as _mul_params does
-        with np.errstate(all="ignore"):  # out-of-range products are refused just below
-            ab = np.float32(sa) * np.float32(sb)
-            mult = ab * (np.float32(1.0) / np.float32(so))
-        check_derived("a_scale * b_scale", ab)
-        check_derived("a_scale * b_scale / out_scale", mult)
+    if kind == "mul":
+        _check_mul_scales(sa, sb, so)
     za = check_zero_point("a_zero_point", a_zero_point, 0, 255)
     zb = check_zero_point("b_zero_point", b_zero_point, 0, 255)
     zo = check_zero_point("out_zero_point", out_zero_point, 0, 255)

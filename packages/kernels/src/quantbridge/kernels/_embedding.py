@@ -166,16 +166,16 @@ def _check_packed(packed: object) -> tuple[U8, F32, F32, int, int]:
 
 
 def _check_row_qparams(scale: F32, bias: F32, idx: npt.NDArray[np.integer]) -> None:
-    """The looked-up rows' scales and biases must be finite (a scale of 0 is a constant row)."""
+    """The looked-up rows' scales and biases must be finite (only those: ~2 us per call)."""
     s, b = scale[idx], bias[idx]
-    bad = ~(np.isfinite(s) & np.isfinite(b) & (s >= 0))
-    if bad.any():
-        row = int(idx[np.flatnonzero(bad)[0]])
-        raise KernelError(
-            f"packed.scale/packed.bias: row {row} has scale {float(scale[row])!r} and bias "
-            f"{float(bias[row])!r}; rows need a finite scale >= 0 and a finite bias "
-            "(repack the weight with pack_embedding_8bit/_4bit)"
-        )
+    if np.isfinite(s).all() and np.isfinite(b).all():
+        return
+    row = int(idx[np.flatnonzero(~(np.isfinite(s) & np.isfinite(b)))[0]])
+    raise KernelError(
+        f"packed.scale/packed.bias: row {row} has scale {float(scale[row])!r} and bias "
+        f"{float(bias[row])!r}; rows need a finite scale and bias "
+        "(repack the weight with pack_embedding_8bit/_4bit)"
+    )
 
 
 # --------------------------------------------------------------------------- lookup

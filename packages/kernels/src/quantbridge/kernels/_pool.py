@@ -20,6 +20,7 @@ C-contiguous inputs.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numba
@@ -341,6 +342,14 @@ def _avg_pool_par(x, out, kh, kw, sh, sw, ph, pw, include_pad, divisor, ratio, z
         _avg_plane(x, out, p, kh, kw, sh, sw, ph, pw, include_pad, divisor, ratio, zp_in, zp_out)
 
 
+@functools.lru_cache(maxsize=256)  # qparams repeat call after call; errors are not cached
+def _check_avg_multiplier(s_in: float, s_out: float, largest: int) -> None:
+    """The kernel's multiplier ``float32(scale / out_scale / count)``, count up to ``largest``
+    (the window size or divisor_override), must be a normal float32 number."""
+    check_derived("scale / out_scale", s_in / s_out)
+    check_derived(f"scale / out_scale / {largest} (the largest divisor)", s_in / s_out / largest)
+
+
 def avg_pool2d(
     x: U8,
     kernel_size: int | tuple[int, int],
@@ -378,10 +387,7 @@ def avg_pool2d(
             raise KernelError(f"divisor_override: must be a positive integer, got {divisor}")
     s_in = f32_scale("scale", scale)
     s_out = s_in if out_scale is None else f32_scale("out_scale", out_scale)
-    # the kernel's multiplier float32(scale / out_scale / count), count up to the window size
-    largest = divisor or kh * kw
-    check_derived("scale / out_scale", s_in / s_out)
-    check_derived(f"scale / out_scale / {largest} (the largest divisor)", s_in / s_out / largest)
+    _check_avg_multiplier(s_in, s_out, divisor or kh * kw)
     zp_in = check_zero_point("zero_point", zero_point, 0, 255)
     zp_out = (
         zp_in
