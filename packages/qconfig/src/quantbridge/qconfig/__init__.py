@@ -7,6 +7,7 @@ from quantbridge.qconfig._backend_config import (
     DTypeWithConstraints,
     ObservationType,
 )
+from quantbridge.qconfig._calibration_observers import EntropyObserver, PercentileObserver
 from quantbridge.qconfig._config_callables import register_config_callables
 from quantbridge.qconfig._default_factories import (
     default_affine_fixed_qparams_fake_quant,
@@ -200,6 +201,8 @@ __all__ = [
     "enable_fake_quant",
     "enable_observer",
     "HistogramObserver",
+    "PercentileObserver",
+    "EntropyObserver",
     "MinMaxObserver",
     "MovingAverageMinMaxObserver",
     "ObserverBase",

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from quantbridge.qconfig import _default_factories
+from quantbridge.qconfig._calibration_observers import EntropyObserver, PercentileObserver
 from quantbridge.qconfig._errors import QConfigError
 from quantbridge.qconfig._factory import PartialWrapper
 from quantbridge.qconfig._fake_quantize import (
@@ -81,6 +82,8 @@ CONSTRUCTIBLE: frozenset[type] = frozenset(
         PerChannelMinMaxObserver,
         MovingAveragePerChannelMinMaxObserver,
         HistogramObserver,
+        PercentileObserver,
+        EntropyObserver,
         PlaceholderObserver,
         FixedQParamsObserver,
         NoopObserver,
