@@ -109,12 +109,12 @@ def check_scale(name: str, scale: float, *, inverted: bool = False) -> float:
     """
     if type(scale) is float and F32_TINY <= scale <= _MAX_INVERTIBLE:  # fast path
         return scale
+    if isinstance(scale, (bool, str, bytes)):  # float() would accept True and "0.1"
+        raise KernelError(f"{name}: scale must be a finite number > 0, got {scale!r}")
     try:
         value = float(scale)
     except (TypeError, ValueError, OverflowError):
         raise KernelError(f"{name}: scale must be a finite number > 0, got {scale!r}") from None
-    if isinstance(scale, bool):
-        raise KernelError(f"{name}: scale must be a finite number > 0, got {scale!r}")
     problem = f32_problem(value)
     if problem is not None:
         raise KernelError(f"{name}: scale {scale!r} {problem}; {_SCALE_RULE}")

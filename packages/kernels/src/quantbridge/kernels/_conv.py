@@ -241,6 +241,10 @@ def _conv(
         )
     a_zp = _fast_zp(x_zero_point, "x_zero_point")
     o_zp = _fast_zp(out_zero_point, "out_zero_point")
+    if type(x_scale) is not float:  # float scales are range-checked by the epilogues
+        x_scale = f32_scale("x_scale", x_scale)
+    if type(out_scale) is not float:
+        out_scale = f32_scale("out_scale", out_scale)
     threads = apply_num_threads(num_threads, name)
     oh, ow = packed.output_size(h, w)
     if oh < 1 or ow < 1:

@@ -259,7 +259,12 @@ def linear(
         if not x.ndim:
             raise KernelError(f"x: expected at least 1 dimension [..., K], got shape {x.shape}")
         flags = x.flags
-    # epilogue() and colcorr() validate scales on their first use (cache miss)
+    # epilogue() and colcorr() validate float scales on their first use (cache miss); anything
+    # else first becomes a float here (None would mean "float output" to epilogue())
+    if type(x_scale) is not float:
+        x_scale = check_scale("x_scale", x_scale)
+    if type(out_scale) is not float:
+        out_scale = check_scale("out_scale", out_scale)
     a_zp = x_zero_point
     if not (type(a_zp) is int and 0 <= a_zp <= 255):
         a_zp = check_zero_point("x_zero_point", x_zero_point, 0, 255)

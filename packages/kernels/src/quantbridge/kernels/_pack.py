@@ -78,11 +78,12 @@ def weight_scales(
 ) -> tuple[npt.NDArray[np.float32], bool]:
     """``(float32 scales of shape [n], per_channel)``; refuses non-finite or non-positive."""
     try:
-        s = np.asarray(scale, dtype=np.float64)
+        raw = np.asarray(scale)
     except (TypeError, ValueError, OverflowError):
         raise KernelError(f"{name}: expected a float or a float array, got {scale!r}") from None
-    if isinstance(scale, bool) or (isinstance(scale, np.ndarray) and scale.dtype == np.bool_):
-        raise KernelError(f"{name}: expected a float or a float array, got booleans")
+    if raw.dtype.kind not in "fiu":  # not booleans, strings or objects
+        raise KernelError(f"{name}: expected a float or a float array, got {raw.dtype} values")
+    s = raw.astype(np.float64)
     per_channel = s.ndim == 1
     if s.ndim == 0:
         s = np.full(n, float(s))
