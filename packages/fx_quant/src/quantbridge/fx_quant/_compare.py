@@ -23,8 +23,9 @@ as in torch.ao's shadow models, and its error is its own.
 
 from __future__ import annotations
 
+import importlib
 import math
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -130,7 +131,7 @@ def _fmt_db(value: float) -> str:
     return "inf" if value == math.inf else ("-inf" if value == -math.inf else f"{value:.2f}")
 
 
-def _table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> list[str]:
+def _table(header: tuple[str, ...], rows: Sequence[tuple[str, ...]]) -> list[str]:
     widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(header)]
     line = "  ".join(f"{{:<{w}}}" for w in widths)
     out = [line.format(*header), line.format(*("-" * w for w in widths))]
@@ -145,7 +146,7 @@ def _check_view(view: str) -> str:
 
 def _pyplot(where: str) -> Any:
     try:
-        import matplotlib.pyplot as plt
+        plt = importlib.import_module("matplotlib.pyplot")
     except ImportError:
         raise FxQuantError(
             f"{where} needs matplotlib, which is not installed; install it with "
@@ -304,6 +305,12 @@ def _is_dequantize(node: Any) -> bool:
     return isinstance(node, Node) and node.op == "call_function" and node.target in _DEQUANTIZE
 
 
+def _fixed(
+    qp: tuple[float, int, int, int, torch.dtype],
+) -> Callable[[tuple[Any, ...]], tuple[float, int, int, int, torch.dtype]]:
+    return lambda _args: qp
+
+
 def _points(model: GraphModule) -> dict[str, _Point]:
     points: dict[str, _Point] = {}
     names = {n.name for n in model.graph.nodes}
@@ -312,7 +319,7 @@ def _points(model: GraphModule) -> dict[str, _Point]:
         if name not in names or not isinstance(entry, dict):
             continue
         qp = (float(entry["scale"]), int(entry["zero_point"]), 0, 255, torch.uint8)
-        points[name] = _Point(name, str(entry["output_of"]), lambda _args, qp=qp: qp)
+        points[name] = _Point(name, str(entry["output_of"]), _fixed(qp))
     for node in model.graph.nodes:
         if node.op != "call_function" or node.target not in _QUANTIZE or len(node.args) < 6:
             continue
@@ -325,8 +332,23 @@ def _points(model: GraphModule) -> dict[str, _Point]:
     return points
 
 
-def _prepared_names(model: nn.Module, where: str) -> set[str]:
-    """Node names of the graph prepare worked on (after fusion), from the recorded decisions."""
+def _runs_float(model: GraphModule, name: str) -> bool:
+    """Whether node ``name`` calls a float weighted module (left float by a convert-time
+    qconfig of None): a weight, and no weight qparams on it or its children."""
+    node = next((n for n in model.graph.nodes if n.name == name), None)
+    if node is None or node.op != "call_module":
+        return False
+    module = model.get_submodule(str(node.target))
+    parts = (module, *module.children())
+    if any(hasattr(m, "weight_scale") for m in parts):
+        return False
+    weights = [getattr(m, "weight", None) for m in parts]
+    return any(isinstance(w, torch.Tensor) and w.is_floating_point() for w in weights)
+
+
+def _prepared_names(model: nn.Module, where: str) -> dict[str, str]:
+    """Node name -> prepare's status ("quantized", "float", ...) for the graph prepare worked
+    on (after fusion), from the recorded decisions."""
     meta = getattr(model, "meta", None)
     meta = meta if isinstance(meta, dict) else {}
     recorded = meta.get(DECISIONS_KEY)
@@ -342,7 +364,7 @@ def _prepared_names(model: nn.Module, where: str) -> set[str]:
             f"{type(model).__name__} without quantbridge's recorded decisions (torch.fx drops "
             "GraphModule.meta when a whole model is pickled: compare before saving)"
         )
-    return {r.node for r in rows}
+    return {r.node: r.status for r in rows}
 
 
 @dataclass
@@ -432,18 +454,25 @@ def compare_layers(
     run on each, in eval mode without gradients. Errors accumulate over all of them: SQNR is
     10·log10(Σ float² / Σ (dequantized - float)²) over every element of every batch.
 
-    Rows are the static quantized ops whose output the quantized model holds as integer codes
-    (ops a lowered model fused away, such as the conv of a conv + add, report through the op
-    that holds the result). "propagated": the quantized model runs on its own. "isolated":
-    every quantized op gets the float model's values as input, quantized with the quantized
-    model's own qparams, so its error is its own (torch.ao's shadow-model view). Works on
-    reference models and on lowered ones (read from ``meta["quantbridge_quantized_outputs"]``).
+    Rows are the ops prepare quantized (explain's "quantized" status) whose output the
+    quantized model holds as integer codes with static qparams (ops a lowered model fused
+    away, such as the conv of a conv + add, report through the op that holds the result).
+    "propagated": the quantized model runs on its own. "isolated": every quantized op gets
+    the float model's values as input, quantized with the quantized model's own qparams, so
+    its error is its own (torch.ao's shadow-model view). Works on reference models and on
+    lowered ones (read from ``meta["quantbridge_quantized_outputs"]``).
     """
     where = "compare_layers"
-    names = _prepared_names(quantized_model, where)
+    status = _prepared_names(quantized_model, where)
     assert isinstance(quantized_model, GraphModule)
-    points = _points(quantized_model)
-    floats = _float_side(float_model, names | {p.source for p in points.values()}, where)
+    # a quantize after an op prepare left float quantizes the next op's input: not a row
+    points = {
+        k: p
+        for k, p in _points(quantized_model).items()
+        if status.get(p.source, "quantized") == "quantized"
+        and not _runs_float(quantized_model, p.source)
+    }
+    floats = _float_side(float_model, set(status) | {p.source for p in points.values()}, where)
     if isinstance(inputs, (torch.Tensor, str, bytes)) or not isinstance(inputs, Iterable):
         raise FxQuantError(
             f"{where}: inputs must be an iterable of argument tuples, got "
@@ -608,7 +637,7 @@ def compare_weights(float_model: nn.Module, quantized_model: nn.Module) -> Weigh
     (int8 ``weight`` with ``weight_scale`` / ``weight_zero_point`` on the lowered module).
     """
     where = "compare_weights"
-    names = _prepared_names(quantized_model, where)
+    names = set(_prepared_names(quantized_model, where))
     assert isinstance(quantized_model, GraphModule)
     recorded = quantized_model.meta.get(QUANTIZED_OUTPUTS_KEY, {})
     recorded = recorded if isinstance(recorded, dict) else {}

@@ -15,6 +15,12 @@ is the built-in table, and ``lower_to_kernels(model, target, rules=...)`` takes 
 import importlib
 
 from quantbridge.fx_quant import register_lowering
+from quantbridge.lowering._auto_quantize import (
+    AutoQuantizeError,
+    AutoQuantizeReport,
+    SearchStep,
+    auto_quantize,
+)
 from quantbridge.lowering._backend import (
     Backend,
     BackendUnavailableError,
@@ -67,6 +73,8 @@ def _register_builtins() -> None:
 _register_builtins()
 
 __all__ = [
+    "AutoQuantizeError",
+    "AutoQuantizeReport",
     "Backend",
     "BackendUnavailableError",
     "LoweredModule",
@@ -78,8 +86,10 @@ __all__ = [
     "NumbaBackend",
     "ReferenceBackend",
     "RuleMatch",
+    "SearchStep",
     "SupportedOp",
     "available_backends",
+    "auto_quantize",
     "default_lowering_rules",
     "get_backend",
     "lower_to_kernels",
