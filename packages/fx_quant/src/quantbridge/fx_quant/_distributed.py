@@ -19,6 +19,11 @@ Semantics per observer kind:
   one; otherwise each count moves by less than one bin of the common range (see the README
   for the tested bound). Repeated syncs do not double count: the state agreed at the last
   sync is remembered on the observer and only what each rank added since is summed.
+- ``PercentileObserver`` / ``EntropyObserver``: exact. Their integer histograms have
+  power-of-two bin widths anchored at 0, so each rank coarsens its histogram to the largest
+  width of any rank (summing whole bins) and the counts are summed: the result equals one
+  process's histogram of all ranks' data, bit for bit, and so do the qparams. Repeated syncs
+  subtract the state agreed at the last sync, as for ``HistogramObserver``.
 - fixed-qparams, placeholder, noop, reuse-input and recording observers: nothing to share.
 - any other module with ``calculate_qparams`` must define ``sync_statistics(group)``, which
   is called on every rank in module order (it does its own collectives).
@@ -37,6 +42,7 @@ waiting in a collective the others skipped.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import hashlib
 import json
@@ -50,6 +56,7 @@ from torch.utils.hooks import RemovableHandle
 
 from quantbridge.fx_quant._errors import FxQuantError
 from quantbridge.qconfig import (
+    EntropyObserver,
     FakeQuantize,
     FixedQParamsFakeQuantize,
     FixedQParamsObserver,
@@ -57,6 +64,7 @@ from quantbridge.qconfig import (
     HistogramObserver,
     MinMaxObserver,
     NoopObserver,
+    PercentileObserver,
     PerChannelMinMaxObserver,
     PlaceholderObserver,
     RecordingObserver,
@@ -74,6 +82,7 @@ _STATELESS: tuple[type[nn.Module], ...] = (
 )
 # The state agreed by the last sync, kept on each histogram observer (see _sync_histograms).
 _BASELINE_ATTR = "_quantbridge_synced_histogram"
+_POW2_BASELINE_ATTR = "_quantbridge_synced_pow2_histogram"
 # Attributes that decide an observer's statistics or qparams, compared across ranks when
 # present (``scale``/``zero_point`` only on FixedQParamsObserver: elsewhere they are results).
 _CONFIG_FIELDS = (
@@ -86,6 +95,7 @@ _CONFIG_FIELDS = (
     "eps",
     "ch_axis",
     "bins",
+    "percentile",
     "upsample_rate",
     "averaging_constant",
     "is_dynamic",
@@ -107,6 +117,8 @@ class _Plan:
     custom: list[tuple[str, Any]]
     fake_quants: list[FakeQuantize]
     signature: list[_Entry]
+    # PercentileObserver / EntropyObserver (also in per_tensor for their min/max)
+    power_of_two: list[tuple[str, Any]] = dataclasses.field(default_factory=list)
 
 
 def _require_distributed(group: Any) -> Any:
@@ -159,6 +171,10 @@ def _plan(model: nn.Module) -> _Plan:
                 plan.fake_quants.append(module)
         if callable(getattr(module, "sync_statistics", None)):  # the class's own rule wins
             plan.custom.append((where, module))
+            plan.signature.append(_entry(where, module))
+        elif isinstance(module, (PercentileObserver, EntropyObserver)):
+            plan.power_of_two.append((where, module))
+            plan.per_tensor.append((where, module))
             plan.signature.append(_entry(where, module))
         elif isinstance(module, HistogramObserver):
             plan.histograms.append((where, module))
@@ -486,6 +502,49 @@ def _refresh_fake_quants(plan: _Plan) -> None:
             fq.zero_point.copy_(zero_point)
 
 
+def _sync_power_of_two_histograms(dist: Any, plan: _Plan, group: Any) -> None:
+    """Coarsen every rank's histogram to the widest bin width of any rank, then sum (one MAX
+    and one SUM all-reduce). What the last sync agreed on (the same on every rank) is taken
+    out of each rank's share and added back once, so nothing is counted twice."""
+    if not plan.power_of_two:
+        return
+    observers = [obs for _, obs in plan.power_of_two]
+    device = observers[0].histogram.device
+    exponents = torch.tensor([int(obs.exponent) for obs in observers], device=device)
+    dist.all_reduce(exponents, op=dist.ReduceOp.MAX, group=group)
+    shares: list[torch.Tensor] = []
+    bases: list[torch.Tensor | None] = []
+    for obs, common in zip(observers, exponents.tolist(), strict=True):
+        share = obs.coarsened(obs.histogram, int(obs.exponent), common)
+        baseline = getattr(obs, _POW2_BASELINE_ATTR, None)
+        base = None if baseline is None else obs.coarsened(baseline[0], baseline[1], common)
+        shares.append(share if base is None else share - base)
+        bases.append(base)
+    # The baseline flags travel with the counts: a baseline must exist on all ranks or none.
+    flags = torch.tensor([0 if b is None else 1 for b in bases], dtype=torch.int64)
+    packed = torch.cat([torch.cat(shares).to(device), flags.to(device)])
+    dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=group)
+    world = dist.get_world_size(group)
+    summed_flags = packed[-len(observers) :].tolist()
+    offset = 0
+    for (where, obs), common, base, flag in zip(
+        plan.power_of_two, exponents.tolist(), bases, summed_flags, strict=True
+    ):
+        size = obs.histogram.numel()
+        total = packed[offset : offset + size]
+        offset += size
+        if flag not in (0, world):
+            raise FxQuantError(
+                f"sync_observers: observer '{where}' was synced before on some ranks only "
+                "(its state was reset or replaced on the others); reset it on every rank"
+            )
+        if base is not None:
+            total = total + base
+        obs.histogram.copy_(total.to(obs.histogram.device))
+        obs.exponent.fill_(int(common))
+        setattr(obs, _POW2_BASELINE_ATTR, (obs.histogram.detach().clone(), int(common)))
+
+
 def sync_observers(
     model: nn.Module, group: Any = None, *, check: bool = True, timeout: float | None = None
 ) -> nn.Module:
@@ -532,6 +591,7 @@ def sync_observers(
         counts = _channel_counts(dist, plan, group)
         _sync_min_max(dist, plan, counts, group)
         _sync_histograms(dist, plan, local, group)
+        _sync_power_of_two_histograms(dist, plan, group)
     for _, module in plan.custom:
         module.sync_statistics(group)
     _refresh_fake_quants(plan)
