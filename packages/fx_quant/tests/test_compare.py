@@ -79,7 +79,7 @@ def setup() -> tuple[nn.Module, Any, list[tuple[torch.Tensor]]]:
 
 def _sqnr(ref: list[torch.Tensor], got: list[torch.Tensor]) -> float:
     s = sum(float(r.double().square().sum()) for r in ref)
-    n = sum(float((g.double() - r.double()).square().sum()) for r, g in zip(ref, got))
+    n = sum(float((g.double() - r.double()).square().sum()) for r, g in zip(ref, got, strict=True))
     return 10 * math.log10(s / n)
 
 
@@ -144,7 +144,7 @@ def test_propagated_sqnr_equals_direct_computation(setup: Any) -> None:
         quants = [ref(*b) for b in data]
     fc = report["fc"]
     assert fc.sqnr_db == pytest.approx(_sqnr(floats, quants), rel=1e-9)
-    err = max(float((q - f).abs().max()) for f, q in zip(floats, quants))
+    err = max(float((q - f).abs().max()) for f, q in zip(floats, quants, strict=True))
     assert fc.max_abs_error == pytest.approx(err, rel=1e-6)
     assert fc.output_min == pytest.approx(min(float(f.min()) for f in floats))
     assert fc.output_max == pytest.approx(max(float(f.max()) for f in floats))

@@ -7,7 +7,7 @@ The search (with ``eval_fn`` and ``max_drop``):
    the float layers to None at convert), so calibration statistics are reused, never redone;
 2. step 0: everything quantized. Within ``max_drop`` of the float metric: done;
 3. rank the quantized module layers by the isolated SQNR ``compare_layers`` measures on the
-   step-0 model (worst first), on up to the first 8 calibration batches;
+   step-0 reference model (worst first), on up to the first 8 calibration batches;
 4. greedy: leave the next layer in that order float, convert, evaluate; stop at the first
    model within ``max_drop``;
 5. prune by measured drop: for each float layer but the last added, latest first, quantize it
@@ -256,7 +256,12 @@ def auto_quantize(
     best: GraphModule = quantized
     best_layers: tuple[str, ...] = ()
     if not measure(quantized, "all quantized", ()).within_budget:
-        ranking = compare_layers(model, quantized, [_as_args(b) for b in stash.kept])
+        # ranked on the reference model: there every op has its own output (a lowered
+        # model may run two ops as one kernel)
+        reference = convert_to_reference_fx(
+            copy.deepcopy(prepared), backend_config=be.backend_config
+        )
+        ranking = compare_layers(model, reference, [_as_args(b) for b in stash.kept])
         order = [r.module for r in ranking.worst(len(ranking), view="isolated") if r.module]
         order = list(dict.fromkeys(order))
         found = None
