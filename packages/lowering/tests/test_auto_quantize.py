@@ -260,7 +260,7 @@ def test_unreachable_max_drop_raises_with_steps(model: nn.Module, data: Any) -> 
     def eval_fn(m: nn.Module) -> float:
         return 1.0 if m is model else 0.0  # nothing quantized ever matches
 
-    with pytest.raises(AutoQuantizeError, match="max_drop 0.5 not reached") as info:
+    with pytest.raises(AutoQuantizeError, match=r"max_drop 0\.5 not reached") as info:
         auto_quantize(model, "numba", data, eval_fn=eval_fn, max_drop=0.5, progress=False)
     steps = info.value.steps
     assert steps[0].action == "all quantized"
@@ -292,7 +292,7 @@ def test_eval_fn_failing_on_quantized_model_names_it(model: nn.Module, data: Any
     def eval_fn(m: nn.Module) -> Any:
         return 1.0 if m is model else [0.5]
 
-    with pytest.raises(AutoQuantizeError, match="returned list .* all quantized"):
+    with pytest.raises(AutoQuantizeError, match=r"returned list .* all quantized"):
         auto_quantize(model, "numba", data, eval_fn=eval_fn, max_drop=0.1, progress=False)
 
 
