@@ -43,7 +43,7 @@ def main() -> None:
     torch.manual_seed(0)
     x_train, x_test, y_train, y_test = load_data(0)
     model = SmallCNN()
-    train(model, x_train, y_train, 6, 3e-3, "train fp32")
+    train(model, x_train, y_train, 4, 3e-3, "train fp32")
     make_sensitive(model)
     calibration = [(x_train[i : i + 64],) for i in range(0, 640, 64)]
 
