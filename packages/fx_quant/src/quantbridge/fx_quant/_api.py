@@ -14,6 +14,7 @@ from quantbridge.fx_quant._custom_config import (
     FuseCustomConfig,
     PrepareCustomConfig,
 )
+from quantbridge.fx_quant._equalize import insert_equalization_observers
 from quantbridge.fx_quant._errors import FxQuantError
 from quantbridge.fx_quant._lowering_registry import (
     LoweringRegistryError,
@@ -57,11 +58,6 @@ def prepare_fx(
     :func:`convert_fx`. ``strict=True`` raises :class:`StrictPrepareError` when a node with a
     qconfig would stay float (torch.ao skips it silently); :func:`explain` shows every decision.
     """
-    if _equalization_config is not None:
-        raise FxQuantError(
-            "prepare_fx: _equalization_config (input-weight equalization) is not supported; "
-            "pass None"
-        )
     if model.training:
         raise FxQuantError(
             "prepare_fx is for post-training quantization and needs the model in eval mode; "
@@ -76,6 +72,8 @@ def prepare_fx(
         _backend_config(backend_config),
         strict=strict,
     )
+    if _equalization_config is not None:
+        insert_equalization_observers(prepared, _equalization_config)
     _warn_ignored_qconfigs(prepared, "prepare_fx")
     return prepared
 

@@ -26,6 +26,7 @@ from torch.nn.utils.parametrize import type_before_parametrizations
 
 from quantbridge.fx_quant._custom_config import ConvertCustomConfig
 from quantbridge.fx_quant._dtype_matching import ObserverProbe
+from quantbridge.fx_quant._equalize import apply_equalization
 from quantbridge.fx_quant._errors import FxQuantError
 from quantbridge.fx_quant._ops import dtype_range
 from quantbridge.fx_quant._prepare import (
@@ -458,6 +459,7 @@ def convert_reference(
 ) -> GraphModule:
     """convert_to_reference_fx's body (see the module docstring); converts in place."""
     state = observed_state(model, where)
+    apply_equalization(model)  # no-op unless prepared with _equalization_config
     if convert_custom_config is None:
         convert_custom_config = ConvertCustomConfig()
     elif isinstance(convert_custom_config, dict):

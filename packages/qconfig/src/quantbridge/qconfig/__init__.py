@@ -80,6 +80,15 @@ from quantbridge.qconfig._defaults import (
     get_symmetric_qnnpack_qconfig_mapping,
     per_channel_dynamic_qconfig,
 )
+from quantbridge.qconfig._equalization import (
+    EqualizationQConfig,
+    InputEqualizationObserver,
+    WeightEqualizationObserver,
+    calculate_equalization_scale,
+    default_equalization_qconfig,
+    input_equalization_observer,
+    weight_equalization_observer,
+)
 from quantbridge.qconfig._errors import QConfigError, QConfigPatternError
 from quantbridge.qconfig._factory import PartialWrapper
 from quantbridge.qconfig._fake_quantize import (
@@ -203,6 +212,13 @@ __all__ = [
     "HistogramObserver",
     "PercentileObserver",
     "EntropyObserver",
+    "EqualizationQConfig",
+    "InputEqualizationObserver",
+    "WeightEqualizationObserver",
+    "calculate_equalization_scale",
+    "default_equalization_qconfig",
+    "input_equalization_observer",
+    "weight_equalization_observer",
     "MinMaxObserver",
     "MovingAverageMinMaxObserver",
     "ObserverBase",
