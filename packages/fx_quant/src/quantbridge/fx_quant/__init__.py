@@ -28,6 +28,7 @@ from quantbridge.fx_quant._backend_configs import (
     get_x86_backend_config,
     register_backend_config,
 )
+from quantbridge.fx_quant._bias_correction import bias_correction
 from quantbridge.fx_quant._calibrate import ProgressBar, calibrate
 from quantbridge.fx_quant._compare import (
     QUANTIZED_OUTPUTS_KEY,
@@ -119,4 +120,6 @@ __all__ = [
     "ProgressBar",
     "sync_observers",
     "sync_observers_hook",
+    # accuracy: bias correction of quantized weights on calibration data
+    "bias_correction",
 ]
