@@ -224,6 +224,17 @@ def test_errors(setup: Any) -> None:
         report["nope"]
 
 
+def test_nothing_quantized_is_a_clear_error(setup: Any) -> None:
+    model, _, data = setup
+    bc = get_backend_config("x86")
+    mapping = get_default_qconfig_mapping("x86").set_global(None)
+    prepared = prepare_fx(copy.deepcopy(model), mapping, data[0], backend_config=bc)
+    ref = convert_to_reference_fx(prepared, backend_config=bc)
+    with pytest.raises(FxQuantError, match="no quantized op output"):
+        compare_layers(model, ref, data)
+    assert len(compare_weights(model, ref)) == 0
+
+
 def test_plot_without_matplotlib_is_a_clear_error(
     setup: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:

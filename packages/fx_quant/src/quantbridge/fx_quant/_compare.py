@@ -490,6 +490,12 @@ def compare_layers(
         if chain[0].op == "placeholder":
             continue  # the model input's own quantize
         anchors[name], chains[name] = chain[-1], chain
+    if not anchors and not unmatched:
+        raise FxQuantError(
+            f"{where}: quantized_model holds no quantized op output to compare: prepare "
+            "quantized nothing (see explain(quantized_model)), or it was lowered by a backend "
+            f"that does not record meta[{QUANTIZED_OUTPUTS_KEY!r}]"
+        )
     stats = {name: (_Stats(), _Stats()) for name in anchors}  # (propagated, isolated)
 
     float_values: dict[str, torch.Tensor] = {}
