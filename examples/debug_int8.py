@@ -24,7 +24,12 @@ import torch
 from demo import SmallCNN, accuracy, load_data, train
 
 from quantbridge.fx_quant import calibrate, compare_layers, compare_weights, prepare_fx
-from quantbridge.lowering import auto_quantize, get_backend, lowering_report
+from quantbridge.lowering import (
+    AutoQuantizeReport,
+    auto_quantize,
+    get_backend,
+    lowering_report,
+)
 
 os.environ.setdefault("QUANTBRIDGE_NO_PROGRESS", "1")  # keep the printed output short
 SCALE = 300.0
@@ -48,7 +53,7 @@ def main() -> None:
     calibration = [(x_train[i : i + 64],) for i in range(0, 640, 64)]
 
     def eval_fn(m: torch.nn.Module) -> float:
-        return accuracy(m, x_test, y_test)
+        return float(accuracy(m, x_test, y_test))
 
     backend = get_backend("numba")
     float_acc = eval_fn(model)
@@ -86,6 +91,7 @@ def main() -> None:
     # the same, automatically
     auto = auto_quantize(model, backend, calibration, eval_fn=eval_fn, max_drop=MAX_DROP)
     auto_report = lowering_report(auto)
+    assert isinstance(auto_report, AutoQuantizeReport)  # what auto_quantize's search records
     print(auto_report)
     print(f"RESULT auto accuracy {eval_fn(auto):.2f}")
     print("RESULT auto float layers", auto_report.float_layers)
