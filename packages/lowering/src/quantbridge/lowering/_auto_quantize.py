@@ -172,7 +172,7 @@ def auto_quantize(
     progress: bool | None = None,
 ) -> GraphModule:
     """Quantize ``model`` for ``backend`` (a :class:`Backend` or its name); returns the
-    lowered model. ``model`` itself is not changed.
+    lowered model. ``model`` itself is not changed (a copy in eval mode is quantized).
 
     ``calibration_data``: batches (a tensor or a tuple of positional inputs each), iterated
     once. ``example_inputs``: for ``prepare_fx``; default the first batch.
@@ -221,8 +221,8 @@ def auto_quantize(
 
     show = progress is not False and not os.environ.get("QUANTBRIDGE_NO_PROGRESS")
     mapping = be.qconfig_mapping()
-    prepared = prepare_fx(
-        copy.deepcopy(model), mapping, example_inputs, backend_config=be.backend_config
+    prepared = prepare_fx(  # post-training: a copy in eval mode (batch norms fold)
+        copy.deepcopy(model).eval(), mapping, example_inputs, backend_config=be.backend_config
     )
     calibrate(prepared, stash, progress=show)
 
