@@ -174,16 +174,20 @@ def _build_requantize(ctx: LoweringContext, m: RuleMatch) -> Node:
     return ctx.requantize(qin[0], qin[1], m.out_qparams)
 
 
+def _fused_relu_parts(mod: nn.Module) -> tuple[nn.Module, bool]:
+    """(inner weighted module, relu?) of a fused X-ReLU module, or (mod, False)."""
+    if not isinstance(mod, (nni.LinearReLU, nni.ConvReLU1d, nni.ConvReLU2d)):
+        return mod, False
+    if not isinstance(mod[1], nn.ReLU) and mod[1] not in (F.relu, torch.relu):
+        raise NotLowerableError(f"fused activation {type(mod[1]).__name__} is not relu")
+    return mod[0], True
+
+
 def _build_weighted(ctx: LoweringContext, m: RuleMatch) -> Node:
     node, out_qp = m.node, m.out_qparams
     mod = ctx.module(node)
     assert mod is not None
-    relu = False
-    inner = mod
-    if isinstance(mod, (nni.LinearReLU, nni.ConvReLU1d, nni.ConvReLU2d)):
-        inner, relu = mod[0], True
-        if not isinstance(mod[1], nn.ReLU) and mod[1] not in (F.relu, torch.relu):
-            raise NotLowerableError(f"fused activation {type(mod[1]).__name__} is not relu")
+    inner, relu = _fused_relu_parts(mod)
     if not isinstance(inner, _REF_WEIGHTED):
         if isinstance(inner, (nn.Linear, nn.Conv1d, nn.Conv2d)) and inner is not mod:
             raise NotLowerableError("fused module holds a float (not reference) weighted module")
@@ -395,8 +399,11 @@ def _build_shape(ctx: LoweringContext, m: RuleMatch) -> Node:
 
 def _build_dynamic_linear(ctx: LoweringContext, m: RuleMatch) -> Node:
     node = m.node
-    mod = ctx.module(node)
-    assert isinstance(mod, nnqr.Linear)
+    fused = ctx.module(node)
+    assert fused is not None
+    mod, relu = _fused_relu_parts(fused)
+    if not isinstance(mod, nnqr.Linear):
+        raise NotLowerableError("fused module holds a float (not reference) Linear")
     dq = node.args[0]
     assert isinstance(dq, Node)  # the rule's constraint: dequantize(quantize(x))
     q = dq.args[0]
@@ -406,8 +413,12 @@ def _build_dynamic_linear(ctx: LoweringContext, m: RuleMatch) -> Node:
     w, ws, wz = _int8_weight(mod)
     new_mod = lm.QuantizedDynamicLinear(w, ws, wz, mod.bias, ctx.target, None, None)
     new = ctx.add_module(f"{node.target}_dynamic", new_mod, (x,))
-    ctx.record(new, f"{new_mod.kernel} ({ctx.target})")
-    return new
+    if not relu:
+        ctx.record(new, f"{new_mod.kernel} ({ctx.target})")
+        return new
+    # linear_dynamic has no relu epilogue: relu on its float output, as the reference does
+    ctx.record(new, f"{new_mod.kernel} ({ctx.target}) + relu in float")
+    return ctx.create_node("call_function", torch.relu, (new,))
 
 
 def _build_embedding(ctx: LoweringContext, m: RuleMatch) -> Node:
@@ -507,7 +518,7 @@ _DEFAULT_RULES: tuple[LoweringRule, ...] = (
     LoweringRule("shape ops", _unique(_SHAPE_MODULES + _SHAPE_FNS), _build_shape),
     LoweringRule(
         "dynamic linear",
-        ((nnqr.Linear, MatchAllNode),),
+        ((nnqr.Linear, MatchAllNode), (nni.LinearReLU, MatchAllNode)),
         _build_dynamic_linear,
         kind="float_output",
         constraints=(ArgConstraint(op=0, position=0, predicate=_is_dynamic_quantized_input),),
@@ -524,7 +535,7 @@ def lowerable_op_names() -> dict[str, str]:
     return {
         "Linear / linear (+relu), fused LinearReLU": "kernels.linear",
         "Conv1d / Conv2d (+relu, BN folded), depthwise": "kernels.conv1d / conv2d",
-        "dynamic Linear (float in/out, int8 weights)": "kernels.linear_dynamic",
+        "dynamic Linear (+relu) (float in/out, int8 weights)": "kernels.linear_dynamic",
         "add / mul (+relu) of two quantized tensors": "kernels.add / add_relu / mul / mul_relu",
         "Conv2d whose only user is an add (+relu): residual block": "kernels.conv2d_add (fused)",
         "matmul of two quantized tensors": "kernels.matmul",
