@@ -190,7 +190,7 @@ def test_bad_mapping_entry_is_refused() -> None:
         )
 
 
-def test_three_dim_input_is_refused() -> None:
+def test_bad_inputs_are_refused() -> None:
     eq = QConfigMapping().set_global(default_equalization_qconfig)
     prepared = prepare_fx(
         TwoLinear().eval(),
@@ -200,6 +200,9 @@ def test_three_dim_input_is_refused() -> None:
     )
     with pytest.raises(Exception, match="2- to 5-dim"):
         prepared(torch.randn(6))
+    prepared(torch.randn(3, 4, 6))  # a Linear on (batch, tokens, features)
+    with pytest.raises(FxQuantError, match="2-dim \\(batch, features\\) inputs"):
+        convert_to_reference_fx(prepared)
 
 
 def test_none_entries_leave_layers_alone() -> None:

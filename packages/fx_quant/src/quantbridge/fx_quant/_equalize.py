@@ -310,6 +310,16 @@ def apply_equalization(model: GraphModule) -> None:
         op = _next_user(node, lambda u: _supports(u, modules))
         if op is None or op.name not in chosen:
             continue
+        is_linear = op.target is F.linear or isinstance(
+            _module(modules, op), (nn.Linear, nni.LinearReLU)
+        )
+        if is_linear and len(input_obs.equalization_shape) not in (0, 2):
+            raise FxQuantError(
+                f"input-weight equalization of {op.name!r}: the Linear was fed "
+                f"{len(input_obs.equalization_shape)}-dim inputs; equalization reads the input "
+                "channels on dim 1, so it needs 2-dim (batch, features) inputs. Leave this "
+                "layer out of the _equalization_config (set_module_name(name, None))"
+            )
         weight_obs: Any
         if op.op == "call_module":
             weight_obs = chosen[op.name].weight()
