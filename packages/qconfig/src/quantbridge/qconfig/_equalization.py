@@ -208,10 +208,10 @@ class EqualizationQConfig(QConfig):
 
 
 input_equalization_observer = InputEqualizationObserver.with_args(
-    dtype=torch.quint8, qscheme=torch.per_tensor_symmetric
+    dtype=torch.uint8, qscheme=QScheme.PER_TENSOR_SYMMETRIC
 )
 weight_equalization_observer = WeightEqualizationObserver.with_args(
-    dtype=torch.qint8, qscheme=torch.per_channel_symmetric
+    dtype=torch.int8, qscheme=QScheme.PER_CHANNEL_SYMMETRIC
 )
 default_equalization_qconfig = EqualizationQConfig(
     input_activation=input_equalization_observer, weight=weight_equalization_observer
