@@ -21,7 +21,7 @@ attribute names are allocated from a counter.
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -133,10 +133,15 @@ def _iter_nodes(structure: Any) -> Iterator[Node]:
 
 
 class NoTensorCache:
-    """torch.ao's conservative "all arguments are non-tensors" test, memoized."""
+    """torch.ao's conservative "all arguments are non-tensors" test, memoized.
 
-    def __init__(self, modules: dict[str, nn.Module]) -> None:
+    ``scalars``: names of nodes the example inputs showed to hold Python numbers (a
+    ``scale: float`` forward argument): never tensors, so never observed.
+    """
+
+    def __init__(self, modules: dict[str, nn.Module], scalars: Iterable[str] = ()) -> None:
         self.modules = modules
+        self.scalars = frozenset(scalars)
         self.cache: dict[Node, bool] = {}
 
     def __call__(self, node: Any) -> bool:
@@ -151,6 +156,8 @@ class NoTensorCache:
 
     def _compute(self, node: Node) -> bool:
         op = node.op
+        if node.name in self.scalars:
+            return True
         if op == "placeholder" or op == "get_attr":
             return False
         if op == "call_module":
@@ -201,6 +208,7 @@ class _Inserter:
         model: GraphModule,
         backend_config: BackendConfig,
         probe: ObserverProbe,
+        scalars: Iterable[str] = (),
     ) -> None:
         self.model = model
         self.graph = model.graph
@@ -208,7 +216,7 @@ class _Inserter:
         self.probe = probe
         self.modules: dict[str, nn.Module] = dict(model.named_modules(remove_duplicate=False))
         self.infos: dict[Node, TargetInfo] = {}
-        self.no_tensors = NoTensorCache(self.modules)
+        self.no_tensors = NoTensorCache(self.modules, scalars)
         self.next_index = 0
         self.device = _unique_device(model)
 
@@ -524,9 +532,13 @@ def insert_observers(
     output_quantized: list[int],
     probe: ObserverProbe,
     swap_custom: Callable[[Node, QConfigAny], None],
+    scalars: Iterable[str] = (),
 ) -> InsertionResult:
-    """Insert observers into ``model`` (in place); see the module docstring."""
-    ins = _Inserter(model, backend_config, probe)
+    """Insert observers into ``model`` (in place); see the module docstring.
+
+    ``scalars``: nodes holding Python numbers (see :class:`NoTensorCache`).
+    """
+    ins = _Inserter(model, backend_config, probe, scalars)
     graph = model.graph
     for node in graph.nodes:
         ins.infos[node] = TargetInfo(FP32_CTOR, FP32_CTOR)
@@ -541,8 +553,8 @@ def insert_observers(
     for node in graph.nodes:
         if node.op == "placeholder" and placeholders.index(node) in input_quantized:
             ins.infos[node] = TargetInfo(UINT8_CTOR, UINT8_CTOR)
-        elif node.op in ("call_module", "call_method", "call_function"):
-            if ins.no_tensors(node):
+        elif node.op in ("placeholder", "call_module", "call_method", "call_function"):
+            if ins.no_tensors(node):  # placeholders: only Python number inputs
                 ins.infos[node] = TargetInfo(None, None)
         elif node.op == "output" and 0 in output_quantized:
             ins.infos[node] = TargetInfo(UINT8_CTOR, UINT8_CTOR)

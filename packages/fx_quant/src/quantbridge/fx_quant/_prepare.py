@@ -153,10 +153,8 @@ def _check_inputs_tuple(example_inputs: object) -> None:
         )
 
 
-def _check_example_inputs(
-    gm: GraphModule, example_inputs: tuple[Any, ...]
-) -> dict[str, torch.dtype]:
-    """Run ``gm`` on ``example_inputs`` (eval, no grad); the dtype of each tensor-valued node."""
+def _check_example_inputs(gm: GraphModule, example_inputs: tuple[Any, ...]) -> _DtypeRecorder:
+    """Run ``gm`` on ``example_inputs`` (eval, no grad); what each node held (the recorder)."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     required = [n for n in placeholders if not n.args]  # args hold a default value
     if not len(required) <= len(example_inputs) <= len(placeholders):
@@ -180,21 +178,25 @@ def _check_example_inputs(
     finally:
         for module, mode in training.items():
             module.training = mode
-    return recorder.dtypes
+    return recorder
 
 
 class _DtypeRecorder(Interpreter):
-    """Runs a graph and notes the dtype of every node whose value is a tensor."""
+    """Runs a graph and notes the dtype of every node whose value is a tensor, and the
+    nodes whose value is a Python number (``scalars``: e.g. a ``scale: float`` argument)."""
 
     def __init__(self, gm: GraphModule) -> None:
         super().__init__(gm)
         self.extra_traceback = False  # keep the model's own error message as it is
         self.dtypes: dict[str, torch.dtype] = {}
+        self.scalars: dict[str, str] = {}  # node name -> Python type name
 
     def run_node(self, n: Node) -> Any:
         value = super().run_node(n)
         if isinstance(value, torch.Tensor):
             self.dtypes[n.name] = value.dtype
+        elif isinstance(value, (bool, int, float, complex)):
+            self.scalars[n.name] = type(value).__name__
         return value
 
 
@@ -261,7 +263,8 @@ def prepare(
     # Attention/transformer modules are tracer leaves: swap them so their Linears are reached.
     model, swapped = swap_transformer_modules(model, mapping, skipped_names, skipped_classes)
     gm, scope = trace(model, skipped_names, skipped_classes)
-    dtypes = _check_example_inputs(gm, example_inputs)
+    recorded = _check_example_inputs(gm, example_inputs)
+    dtypes = recorded.dtypes
     gm = fuse(gm, is_qat, bc, recompile=False)  # recompiled once, after observers
 
     update_qconfig_for_fusion(gm, mapping)
@@ -275,7 +278,7 @@ def prepare(
     qconfigs = {name: m.qconfig for name, m in qmatches.items()}
 
     probe = ObserverProbe()
-    no_tensors = NoTensorCache(modules)
+    no_tensors = NoTensorCache(modules, recorded.scalars)
     configs = bc._pattern_complex_format_to_config
     getters = {p: c._root_node_getter for p, c in configs.items() if c._root_node_getter}
     found = find_matches(gm, list(configs), root_node_getters=getters, mode="prepare")
@@ -344,6 +347,7 @@ def prepare(
         pcc.output_quantized_indexes,
         probe,
         swap_custom,
+        recorded.scalars,
     )
     decisions = _decisions(
         original_nodes,
@@ -353,6 +357,7 @@ def prepare(
         result.observed_node_names,
         bc,
         no_tensors,
+        recorded.scalars,
     )
     if strict:
         _raise_if_skipped(decisions, bc)
@@ -469,9 +474,13 @@ def _decisions(
     observed: set[str],
     bc: BackendConfig,
     no_tensors: NoTensorCache,
+    scalars: dict[str, str],
 ) -> list[NodeDecision]:
     rows: list[NodeDecision] = []
     for node in nodes:
+        if node.op == "placeholder" and node.name in scalars:
+            rows.append(_scalar_input_decision(node, scalars[node.name]))
+            continue
         if node.op not in ("call_module", "call_function", "call_method"):
             continue
         match = matches.get(node.name)
@@ -532,6 +541,26 @@ def _decisions(
             )
         )
     return rows
+
+
+def _scalar_input_decision(node: Node, type_name: str) -> NodeDecision:
+    """A forward argument that holds a Python number: stays a number, never observed."""
+    return NodeDecision(
+        node=node.name,
+        op=node.op,
+        target=f"input {node.target!r}",
+        pattern=None,
+        pattern_nodes=(),
+        qconfig_rule="-",
+        qconfig=None,
+        candidates=[],
+        chosen=None,
+        status="float",
+        reason=(
+            f"Python {type_name} input, not a tensor: not observed or quantized; ops that "
+            "read it take it as a scalar (pass a tensor to quantize it)"
+        ),
+    )
 
 
 def _raise_if_skipped(decisions: list[NodeDecision], bc: BackendConfig) -> None:

@@ -243,6 +243,11 @@ def _binary(ctx: LoweringContext, node: Node, kind: str, out_qp: QParams, relu: 
     scalar_i = 1 if qa is not None else 0
     qin = qa if qa is not None else qb
     c = args[scalar_i]
+    if qin is not None and isinstance(c, Node):
+        raise NotLowerableError(
+            f"{kind} by {c.name!r}, neither a quantized tensor nor a constant (a float value "
+            "or a number known only at run time, e.g. a forward argument)"
+        )
     if qin is None or not isinstance(c, (int, float)) or isinstance(c, bool):
         raise NotLowerableError(
             f"{kind} operands are not two quantized tensors or tensor and scalar"
