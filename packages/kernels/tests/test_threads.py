@@ -22,10 +22,13 @@ needs_two = pytest.mark.skipif(POOL < 2, reason="numba runs with one thread on t
 
 @pytest.fixture(autouse=True)
 def _clean_settings():
-    numba_before = numba.get_num_threads()
+    """Each test starts from the kernels' defaults and leaves the source it found: in a shared
+    test process quantbridge.lowering (imported by other tests) has installed torch's count."""
+    numba_before, source_before = numba.get_num_threads(), _threads._source
+    qk.set_num_threads_source(None)
     yield
     qk.set_num_threads(None)
-    qk.set_num_threads_source(None)
+    qk.set_num_threads_source(source_before)
     numba.set_num_threads(numba_before)
 
 
