@@ -34,8 +34,9 @@ else:  # pragma: no cover - nox itself runs on 3.11 here
 ROOT = Path(__file__).parent
 CONSTRAINTS = ROOT / "constraints.txt"
 PACKAGES = ("patterns", "qconfig", "kernels", "fx_quant", "lowering")
-TEST_REQUIREMENTS = ("pytest", "pytest-xdist", "hypothesis", "numpy", "torch")
+TEST_REQUIREMENTS = ("pytest", "pytest-xdist", "hypothesis", "numpy", "torch", "matplotlib")
 TEST_WORKERS = "2"
+# matplotlib: compare_layers(...).plot() is tested (an optional extra of fx_quant).
 # Extra installs the tests need: lowering's tests load a third-party backend through the
 # `quantbridge.backends` entry point, from a small plugin distribution kept in its tests,
 # and smoke-test the demo, which reads scikit-learn's digits data.

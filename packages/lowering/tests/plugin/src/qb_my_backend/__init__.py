@@ -1,4 +1,4 @@
-"""The seed tutorial's ``my_backend`` (quantized linear and conv-relu only) as a plugin.
+"""The BackendConfig tutorial's ``my_backend`` (quantized linear and conv-relu only) as a plugin.
 
 A third-party backend is a :class:`quantbridge.lowering.Backend` instance named by an entry
 point in group ``quantbridge.backends``; quantbridge finds it through ``get_backend`` and
@@ -79,7 +79,7 @@ class MyBackend(Backend):
     """Linear and conv-relu, run by quantbridge's generic kernels."""
 
     def __init__(self) -> None:
-        super().__init__("my_backend", my_backend_config(), description="seed tutorial backend")
+        super().__init__("my_backend", my_backend_config(), description="BackendConfig tutorial backend")
 
     def qconfig_mapping(self, qat: bool = False) -> QConfigMapping:
         # full 8-bit activations: the lowering pass lowers uint8 quantize ops over [0, 255]
