@@ -11,6 +11,7 @@ names, so QConfigMapping module-name rules keep applying; ``prepare_fx`` and
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import ClassVar, TypeVar
 
 from torch import Tensor, nn
 
@@ -39,8 +40,14 @@ def _share_children(new: nn.Module, mod: nn.Module) -> None:
         setattr(new, name, child)
 
 
-class TransformerEncoderLayer(nn.Module):
-    """``nn.TransformerEncoderLayer``'s computation, traceable; built by :meth:`from_float`."""
+_L = TypeVar("_L", bound="_Layer")
+_S = TypeVar("_S", bound="_Stack")
+
+
+class _Layer(nn.Module):
+    """What the encoder and decoder layers share: construction and the self-attention block."""
+
+    _float_cls: ClassVar[type[nn.Module]]
 
     self_attn: nn.Module
     linear1: nn.Module
@@ -49,7 +56,6 @@ class TransformerEncoderLayer(nn.Module):
     norm2: nn.Module
     dropout: nn.Module
     dropout1: nn.Module
-    dropout2: nn.Module
     activation: Callable[[Tensor], Tensor]
 
     def __init__(self, norm_first: bool = False) -> None:
@@ -57,30 +63,17 @@ class TransformerEncoderLayer(nn.Module):
         self.norm_first = norm_first
 
     @classmethod
-    def from_float(cls, mod: nn.TransformerEncoderLayer) -> TransformerEncoderLayer:
-        """Share ``mod``'s submodules and activation (prepare swaps the attention separately)."""
-        _check_type(mod, nn.TransformerEncoderLayer, cls)
+    def from_float(
+        cls: type[_L], mod: nn.TransformerEncoderLayer | nn.TransformerDecoderLayer
+    ) -> _L:
+        """Share ``mod``'s submodules and activation (prepare swaps the attentions separately)."""
+        _check_type(mod, cls._float_cls, cls)
         new = cls(mod.norm_first)
         _share_children(new, mod)
         if "activation" not in new._modules:
             new.activation = mod.activation  # a function, not a submodule
         new.training = mod.training
         return new
-
-    def forward(
-        self,
-        src: Tensor,
-        src_mask: Tensor | None = None,
-        src_key_padding_mask: Tensor | None = None,
-        is_causal: bool = False,
-    ) -> Tensor:
-        x = src
-        if self.norm_first:
-            x = x + self._sa_block(self.norm1(x), src_mask, src_key_padding_mask, is_causal)
-            return x + self._ff_block(self.norm2(x))
-        x = self.norm1(x + self._sa_block(x, src_mask, src_key_padding_mask, is_causal))
-        out: Tensor = self.norm2(x + self._ff_block(x))
-        return out
 
     def _sa_block(
         self, x: Tensor, mask: Tensor | None, padding: Tensor | None, is_causal: bool
@@ -97,41 +90,48 @@ class TransformerEncoderLayer(nn.Module):
         result: Tensor = self.dropout1(out)
         return result
 
-    def _ff_block(self, x: Tensor) -> Tensor:
-        result: Tensor = self.dropout2(self.linear2(self.dropout(self.activation(self.linear1(x)))))
+    def _feed_forward(self, x: Tensor) -> Tensor:
+        """The feed-forward block without its closing dropout (each layer names that one)."""
+        result: Tensor = self.linear2(self.dropout(self.activation(self.linear1(x))))
         return result
 
 
-class TransformerDecoderLayer(nn.Module):
+class TransformerEncoderLayer(_Layer):
+    """``nn.TransformerEncoderLayer``'s computation, traceable; built by :meth:`from_float`."""
+
+    _float_cls = nn.TransformerEncoderLayer
+
+    dropout2: nn.Module
+
+    def forward(
+        self,
+        src: Tensor,
+        src_mask: Tensor | None = None,
+        src_key_padding_mask: Tensor | None = None,
+        is_causal: bool = False,
+    ) -> Tensor:
+        x = src
+        if self.norm_first:
+            x = x + self._sa_block(self.norm1(x), src_mask, src_key_padding_mask, is_causal)
+            return x + self._ff_block(self.norm2(x))
+        x = self.norm1(x + self._sa_block(x, src_mask, src_key_padding_mask, is_causal))
+        out: Tensor = self.norm2(x + self._ff_block(x))
+        return out
+
+    def _ff_block(self, x: Tensor) -> Tensor:
+        result: Tensor = self.dropout2(self._feed_forward(x))
+        return result
+
+
+class TransformerDecoderLayer(_Layer):
     """``nn.TransformerDecoderLayer``'s computation, traceable; built by :meth:`from_float`."""
 
-    self_attn: nn.Module
+    _float_cls = nn.TransformerDecoderLayer
+
     multihead_attn: nn.Module
-    linear1: nn.Module
-    linear2: nn.Module
-    norm1: nn.Module
-    norm2: nn.Module
     norm3: nn.Module
-    dropout: nn.Module
-    dropout1: nn.Module
     dropout2: nn.Module
     dropout3: nn.Module
-    activation: Callable[[Tensor], Tensor]
-
-    def __init__(self, norm_first: bool = False) -> None:
-        super().__init__()
-        self.norm_first = norm_first
-
-    @classmethod
-    def from_float(cls, mod: nn.TransformerDecoderLayer) -> TransformerDecoderLayer:
-        """Share ``mod``'s submodules and activation (prepare swaps the attentions separately)."""
-        _check_type(mod, nn.TransformerDecoderLayer, cls)
-        new = cls(mod.norm_first)
-        _share_children(new, mod)
-        if "activation" not in new._modules:
-            new.activation = mod.activation
-        new.training = mod.training
-        return new
 
     def forward(
         self,
@@ -158,21 +158,6 @@ class TransformerDecoderLayer(nn.Module):
         out: Tensor = self.norm3(x + self._ff_block(x))
         return out
 
-    def _sa_block(
-        self, x: Tensor, mask: Tensor | None, padding: Tensor | None, is_causal: bool
-    ) -> Tensor:
-        out = self.self_attn(
-            x,
-            x,
-            x,
-            attn_mask=mask,
-            key_padding_mask=padding,
-            is_causal=is_causal,
-            need_weights=False,
-        )[0]
-        result: Tensor = self.dropout1(out)
-        return result
-
     def _mha_block(
         self,
         x: Tensor,
@@ -194,23 +179,21 @@ class TransformerDecoderLayer(nn.Module):
         return result
 
     def _ff_block(self, x: Tensor) -> Tensor:
-        result: Tensor = self.dropout3(self.linear2(self.dropout(self.activation(self.linear1(x)))))
+        result: Tensor = self.dropout3(self._feed_forward(x))
         return result
 
 
-class TransformerEncoder(nn.Module):
-    """``nn.TransformerEncoder`` without its nested-tensor fast path, traceable.
+class _Stack(nn.Module):
+    """What the encoder and decoder share: the float module's layers (a new list) and norm."""
 
-    The layers run in order and ``norm`` (if any) follows; the layers are the float
-    module's own (the swap then makes each one traceable).
-    """
+    _float_cls: ClassVar[type[nn.Module]]
 
     layers: nn.ModuleList
     norm: nn.Module | None
 
     @classmethod
-    def from_float(cls, mod: nn.TransformerEncoder) -> TransformerEncoder:
-        _check_type(mod, nn.TransformerEncoder, cls)
+    def from_float(cls: type[_S], mod: nn.TransformerEncoder | nn.TransformerDecoder) -> _S:
+        _check_type(mod, cls._float_cls, cls)
         new = cls()
         _share_children(new, mod)
         new.layers = nn.ModuleList(list(mod.layers))  # a new list: the float model keeps its own
@@ -218,6 +201,16 @@ class TransformerEncoder(nn.Module):
             new.norm = None
         new.training = mod.training
         return new
+
+
+class TransformerEncoder(_Stack):
+    """``nn.TransformerEncoder`` without its nested-tensor fast path, traceable.
+
+    The layers run in order and ``norm`` (if any) follows; the layers are the float
+    module's own (the swap then makes each one traceable).
+    """
+
+    _float_cls = nn.TransformerEncoder
 
     def forward(
         self,
@@ -242,22 +235,10 @@ class TransformerEncoder(nn.Module):
         return output
 
 
-class TransformerDecoder(nn.Module):
+class TransformerDecoder(_Stack):
     """``nn.TransformerDecoder``, traceable (layers in order, then ``norm`` if any)."""
 
-    layers: nn.ModuleList
-    norm: nn.Module | None
-
-    @classmethod
-    def from_float(cls, mod: nn.TransformerDecoder) -> TransformerDecoder:
-        _check_type(mod, nn.TransformerDecoder, cls)
-        new = cls()
-        _share_children(new, mod)
-        new.layers = nn.ModuleList(list(mod.layers))
-        if "norm" not in new._modules:
-            new.norm = None
-        new.training = mod.training
-        return new
+    _float_cls = nn.TransformerDecoder
 
     def forward(
         self,
