@@ -93,15 +93,11 @@ class _PowerOfTwoHistogramObserver(UniformQuantizationObserverBase):
             is_dynamic=is_dynamic,
             **kwargs,
         )
-        self._check_qscheme(per_channel=False)
-        self._check_symmetric_reduce_range()
-        fk = buffer_kwargs(factory_kwargs)
-        device = fk.get("device")
+        self._init_per_tensor_range(factory_kwargs)
+        device = buffer_kwargs(factory_kwargs).get("device")
         self.bins = bins
         self.signed = signed
         length = 2 * bins if signed else bins
-        self.register_buffer("min_val", torch.tensor(float("inf"), **fk))
-        self.register_buffer("max_val", torch.tensor(float("-inf"), **fk))
         self.register_buffer("histogram", torch.zeros(length, dtype=torch.int64, device=device))
         self.register_buffer(
             "exponent", torch.tensor(INITIAL_EXPONENT, dtype=torch.int64, device=device)

@@ -11,7 +11,6 @@ from quantbridge.qconfig._errors import QConfigError
 from quantbridge.qconfig._observer_base import (
     _FLOAT32_EPS,
     UniformQuantizationObserverBase,
-    buffer_kwargs,
     check_averaging_constant,
     moving_average,
 )
@@ -51,11 +50,7 @@ class MinMaxObserver(UniformQuantizationObserverBase):
             is_dynamic=is_dynamic,
             **kwargs,
         )
-        self._check_qscheme(per_channel=False)
-        self._check_symmetric_reduce_range()
-        fk = buffer_kwargs(factory_kwargs)
-        self.register_buffer("min_val", torch.tensor(float("inf"), **fk))
-        self.register_buffer("max_val", torch.tensor(float("-inf"), **fk))
+        self._init_per_tensor_range(factory_kwargs)
 
     def forward(self, x_orig: torch.Tensor) -> torch.Tensor:
         if x_orig.numel() == 0:

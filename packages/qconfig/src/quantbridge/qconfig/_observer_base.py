@@ -176,6 +176,15 @@ class UniformQuantizationObserverBase(ObserverBase):
                 f"use one of {allowed}"
             )
 
+    def _init_per_tensor_range(self, factory_kwargs: dict[str, Any] | None) -> None:
+        """Check the arguments of a per-tensor observer and register its running range:
+        0-dim ``min_val``/``max_val``, ``inf``/``-inf`` until something is observed."""
+        self._check_qscheme(per_channel=False)
+        self._check_symmetric_reduce_range()
+        fk = buffer_kwargs(factory_kwargs)
+        self.register_buffer("min_val", torch.tensor(float("inf"), **fk))
+        self.register_buffer("max_val", torch.tensor(float("-inf"), **fk))
+
     def _check_symmetric_reduce_range(self) -> None:
         # The symmetric uint8 zero point is 128, outside the reduced range [0, 127].
         if self.qscheme.is_symmetric and self.reduce_range and self.dtype == torch.uint8:
