@@ -35,6 +35,25 @@ def _check_ndim(x: torch.Tensor, where: str) -> None:
         )
 
 
+def _column_observer(
+    dtype: object,
+    scheme: QScheme,
+    quant_min: int | None,
+    quant_max: int | None,
+    factory_kwargs: dict[str, Any] | None,
+) -> PerChannelMinMaxObserver:
+    """The min/max observer of every column (dim 1), with ``scheme``'s per-channel form
+    (a per-channel ``scheme`` is kept as it is)."""
+    return PerChannelMinMaxObserver(
+        ch_axis=1,
+        dtype=dtype,
+        qscheme=_PER_CHANNEL.get(scheme, scheme),
+        quant_min=quant_min,
+        quant_max=quant_max,
+        factory_kwargs=factory_kwargs,
+    )
+
+
 class InputEqualizationObserver(nn.Module):
     """Records the running min/max of every input column (dim 1) in ``input_obs`` (a
     :class:`PerChannelMinMaxObserver`); holds the equalization scale once computed.
@@ -58,14 +77,7 @@ class InputEqualizationObserver(nn.Module):
                 f"per_tensor_symmetric, got {scheme.value}"
             )
         self.qscheme = scheme
-        self.input_obs = PerChannelMinMaxObserver(
-            ch_axis=1,
-            dtype=dtype,
-            qscheme=_PER_CHANNEL[scheme],
-            quant_min=quant_min,
-            quant_max=quant_max,
-            factory_kwargs=factory_kwargs,
-        )
+        self.input_obs = _column_observer(dtype, scheme, quant_min, quant_max, factory_kwargs)
         self.dtype = self.input_obs.dtype
         self.equalization_scale = torch.tensor(1)
         self.equalization_shape: list[int] = []
@@ -119,14 +131,7 @@ class WeightEqualizationObserver(nn.Module):
         scheme = canonical_qscheme(qscheme, where="WeightEqualizationObserver: qscheme")
         self.qscheme = scheme
         self.ch_axis = 1
-        self.weight_col_obs = PerChannelMinMaxObserver(
-            ch_axis=1,
-            dtype=dtype,
-            qscheme=_PER_CHANNEL.get(scheme, scheme),
-            quant_min=quant_min,
-            quant_max=quant_max,
-            factory_kwargs=factory_kwargs,
-        )
+        self.weight_col_obs = _column_observer(dtype, scheme, quant_min, quant_max, factory_kwargs)
         self.dtype = self.weight_col_obs.dtype
         self.equalization_scale = torch.tensor(1)
 
