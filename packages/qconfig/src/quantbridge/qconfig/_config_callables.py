@@ -9,33 +9,25 @@ factories below; packages above it (fx_quant, backends) register theirs when imp
 
 from __future__ import annotations
 
+import inspect
 import sys
 import types
 from collections.abc import Callable
 from typing import Any
 
-from quantbridge.qconfig import _default_factories
-from quantbridge.qconfig._calibration_observers import EntropyObserver, PercentileObserver
+from quantbridge.qconfig import (
+    _calibration_observers,
+    _default_factories,
+    _fake_quantize,
+    _histogram,
+    _minmax,
+    _passthrough,
+    _per_channel,
+)
 from quantbridge.qconfig._errors import QConfigError
 from quantbridge.qconfig._factory import PartialWrapper
-from quantbridge.qconfig._fake_quantize import (
-    FakeQuantize,
-    FixedQParamsFakeQuantize,
-    FusedMovingAvgObsFakeQuantize,
-)
-from quantbridge.qconfig._histogram import HistogramObserver
-from quantbridge.qconfig._minmax import MinMaxObserver, MovingAverageMinMaxObserver
-from quantbridge.qconfig._passthrough import (
-    FixedQParamsObserver,
-    NoopObserver,
-    PlaceholderObserver,
-    RecordingObserver,
-    ReuseInputObserver,
-)
-from quantbridge.qconfig._per_channel import (
-    MovingAveragePerChannelMinMaxObserver,
-    PerChannelMinMaxObserver,
-)
+from quantbridge.qconfig._fake_quantize import FakeQuantizeBase
+from quantbridge.qconfig._observer_base import ObserverBase
 
 # Top-level packages whose callables no config may reach by name: the standard library
 # (os, subprocess, builtins, pickle, importlib, ...) and the big libraries quantbridge runs
@@ -73,26 +65,25 @@ PROTECTED_ROOTS: frozenset[str] = frozenset(sys.stdlib_module_names) | {
     "quantbridge",
 }
 
-# Observer and fake-quantize classes of this package: side-effect free to construct, so
-# from_json builds each configured factory once (on the meta device) to check its arguments.
+# Observer and fake-quantize classes of this package (the concrete ones its observer and
+# fake-quantize modules define): side-effect free to construct, so from_json builds each
+# configured factory once (on the meta device) to check its arguments.
+_CLASS_MODULES = (
+    _minmax,
+    _per_channel,
+    _histogram,
+    _calibration_observers,
+    _passthrough,
+    _fake_quantize,
+)
 CONSTRUCTIBLE: frozenset[type] = frozenset(
-    {
-        MinMaxObserver,
-        MovingAverageMinMaxObserver,
-        PerChannelMinMaxObserver,
-        MovingAveragePerChannelMinMaxObserver,
-        HistogramObserver,
-        PercentileObserver,
-        EntropyObserver,
-        PlaceholderObserver,
-        FixedQParamsObserver,
-        NoopObserver,
-        ReuseInputObserver,
-        RecordingObserver,
-        FakeQuantize,
-        FixedQParamsFakeQuantize,
-        FusedMovingAvgObsFakeQuantize,
-    }
+    obj
+    for module in _CLASS_MODULES
+    for obj in vars(module).values()
+    if isinstance(obj, type)
+    and issubclass(obj, (ObserverBase, FakeQuantizeBase))
+    and obj.__module__ == module.__name__
+    and not inspect.isabstract(obj)
 )
 
 _registered: dict[int, object] = {}  # id -> object (the value keeps the object alive)
