@@ -269,13 +269,7 @@ class _Converter:
         post(float_module.weight)
         weight_post_process = post
         qparams = _qparam_dict(weight_post_process)
-        ref_class = _reference_class(self.bc, type_before_parametrizations(float_module))
-        if ref_class is None:
-            raise FxQuantError(
-                f"module {target!r}: no reference quantized module configured for "
-                f"{type_before_parametrizations(float_module).__name__}; set "
-                "reference_quantized_module on its BackendPatternConfig"
-            )
+        ref_class = _reference_class(self.bc, target, float_module)
         ref = ref_class.from_float(float_module, qparams)  # type: ignore[attr-defined]
         if fused is not None:
             fused[0] = ref
@@ -296,13 +290,7 @@ class _Converter:
             if isinstance(module, nn.RNNCellBase) or post.dtype == torch.int8:
                 post(getattr(module, name))
             qparams[name] = _qparam_dict(post)
-        ref_class = _reference_class(self.bc, type_before_parametrizations(module))
-        if ref_class is None:
-            raise FxQuantError(
-                f"module {target!r}: no reference quantized module configured for "
-                f"{type_before_parametrizations(module).__name__}; set "
-                "reference_quantized_module on its BackendPatternConfig"
-            )
+        ref_class = _reference_class(self.bc, target, module)
         ref = ref_class.from_float(module, qparams)  # type: ignore[attr-defined]
         _set_module(self.model, target, ref)
         self.modules[target] = ref
@@ -368,11 +356,16 @@ def _qparam_dict(observer: nn.Module) -> dict[str, Any]:
     return qparams
 
 
-def _reference_class(bc: BackendConfig, root: type) -> type | None:
+def _reference_class(bc: BackendConfig, target: str, float_module: nn.Module) -> type:
+    """The reference quantized class ``bc`` configures for module ``target``'s class."""
+    root = type_before_parametrizations(float_module)
     for config in bc.configs:
         if config.root_module is root and config.reference_quantized_module is not None:
             return config.reference_quantized_module
-    return None
+    raise FxQuantError(
+        f"module {target!r}: no reference quantized module configured for "
+        f"{root.__name__}; set reference_quantized_module on its BackendPatternConfig"
+    )
 
 
 def _qconfig_supported(
