@@ -534,12 +534,22 @@ _BUILDERS: dict[str, Callable[[], nn.Module]] = {
     "efficientnet_b0": EfficientNetB0,
 }
 MODELS = tuple(_BUILDERS)
+# torchvision's own sizes (ImageNet: 224x224 inputs, 1000 classes), for benchmarks
+_FULL_SIZE_BUILDERS: dict[str, Callable[[], nn.Module]] = {
+    "resnet18": lambda: ResNet(BasicBlock, [2, 2, 2, 2], width=64, num_classes=1000),
+    "resnet50": lambda: ResNet(Bottleneck, [3, 4, 6, 3], width=64, num_classes=1000),
+    "mobilenet_v2": lambda: MobileNetV2(width_mult=1.0, num_classes=1000),
+}
 
 
-def build(name: str, seed: int = 0) -> nn.Module:
-    """Model ``name`` in eval mode, with seeded weights and non-trivial batch-norm statistics."""
+def build(name: str, seed: int = 0, *, full_size: bool = False) -> nn.Module:
+    """Model ``name`` in eval mode, with seeded weights and non-trivial batch-norm statistics.
+
+    ``full_size`` builds torchvision's width and 1000 classes (resnet18/50, mobilenet_v2);
+    the default is the small variant the tests run.
+    """
     torch.manual_seed(seed)
-    model = _BUILDERS[name]()
+    model = (_FULL_SIZE_BUILDERS if full_size else _BUILDERS)[name]()
     g = torch.Generator().manual_seed(seed + 1)
     for module in model.modules():
         if isinstance(module, nn.Conv2d):  # torchvision's init: keeps activations alive

@@ -1,10 +1,13 @@
 """Side-by-side model benchmark: every backend on the same prepared model, at 1 and 2 threads.
 
-Models (the lowering issue's performance targets):
+Models:
 
 * ``mlp``: batch 32, Linear 768->3072, ReLU, Linear 3072->768;
 * ``cnn``: batch 1, 3x56x56 input, a 3x3 stem to 64 channels and two 64-channel 3x3 residual
   blocks (conv-BN-ReLU, conv-BN, add, ReLU), then global average pooling and a classifier;
+* ``resnet18`` / ``mobilenet_v2``: torchvision's architectures at full size (batch 1,
+  3x224x224, 1000 classes), written the torchvision way (one ReLU module reused per block) in
+  the repository's ``tests/real_models.py``, with seeded weights and settled BN statistics;
 * ``transformer_dynamic`` / ``transformer_static``: one post-norm transformer encoder layer
   (hidden 384, 12 heads, sequence 128, batch 1, FFN 1536) with every Linear quantized
   dynamically / statically (attention matmuls, softmax and LayerNorm stay float).
@@ -53,9 +56,11 @@ from quantbridge.lowering import available_backends, get_backend
 from quantbridge.qconfig import QConfigMapping, default_dynamic_qconfig
 
 # Targets of the issue: (numba vs torch.ao x86, numba vs fp32 eager); None = no target.
-TARGETS: dict[str, tuple[float | None, float]] = {
+TARGETS: dict[str, tuple[float | None, float | None]] = {
     "mlp": (1.2, 3.0),
     "cnn": (1.2, 3.0),
+    "resnet18": (None, None),
+    "mobilenet_v2": (None, None),
     "transformer_dynamic": (None, 1.5),
     "transformer_static": (None, 1.5),
 }
@@ -65,11 +70,25 @@ TARGETS: dict[str, tuple[float | None, float]] = {
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "asv_bench" / "benchmarks"))
 from _models import MLP, EncoderLayer, ResNetish  # noqa: E402
 
+# torchvision-style networks (torchvision itself does not import under the pinned torch)
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "tests"))
+import real_models  # noqa: E402
+
 
 def _models() -> dict[str, tuple[Callable[[], nn.Module], tuple[int, ...], str]]:
     return {
         "mlp": (MLP, (32, 768), "static"),
         "cnn": (ResNetish, (1, 3, 56, 56), "static"),
+        "resnet18": (
+            lambda: real_models.build("resnet18", full_size=True),
+            (1, 3, 224, 224),
+            "static",
+        ),
+        "mobilenet_v2": (
+            lambda: real_models.build("mobilenet_v2", full_size=True),
+            (1, 3, 224, 224),
+            "static",
+        ),
         "transformer_dynamic": (EncoderLayer, (1, 128, 384), "dynamic"),
         "transformer_static": (EncoderLayer, (1, 128, 384), "static_linear"),
     }
