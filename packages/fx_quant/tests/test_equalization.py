@@ -221,3 +221,34 @@ def test_none_entries_leave_layers_alone() -> None:
     }
     assert "linear3" not in users
     assert isinstance(EqualizationQConfig(), EqualizationQConfig)
+
+
+@pytest.mark.parametrize(
+    ("eq_qconfig", "message"),
+    [
+        (
+            EqualizationQConfig(input_activation=nn.Identity, weight=nn.Identity),
+            "node 'linear': the equalization qconfig's input_activation built a Identity, "
+            "not an InputEqualizationObserver",
+        ),
+        (
+            EqualizationQConfig(
+                input_activation=default_equalization_qconfig.activation, weight=nn.Identity
+            ),
+            "node 'linear': the equalization qconfig's weight built a Identity, "
+            "not a WeightEqualizationObserver",
+        ),
+    ],
+)
+def test_constructors_building_other_modules_are_refused(
+    eq_qconfig: EqualizationQConfig, message: str
+) -> None:
+    eq = QConfigMapping().set_global(eq_qconfig)
+    with pytest.raises(FxQuantError) as info:
+        prepare_fx(
+            Functional().eval(),
+            get_default_qconfig_mapping(),
+            (torch.randn(2, 4),),
+            _equalization_config=eq,
+        )
+    assert str(info.value) == message

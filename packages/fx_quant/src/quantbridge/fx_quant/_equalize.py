@@ -122,6 +122,18 @@ def _insert_after(model: GraphModule, arg: Node, observer: nn.Module) -> Node:
         return model.graph.call_module(name, (arg,))
 
 
+def _build_observer(make: Any, expected: type[nn.Module], node: Node, field: str) -> nn.Module:
+    """Call the equalization qconfig's ``field`` constructor; refuse what is not ``expected``."""
+    observer = make()
+    if not isinstance(observer, expected):
+        article = "an" if expected.__name__[0] in "AEIOU" else "a"
+        raise FxQuantError(
+            f"node {node.name!r}: the equalization qconfig's {field} built a "
+            f"{type(observer).__name__}, not {article} {expected.__name__}"
+        )
+    return observer
+
+
 def _is_branch(node: Node, modules: dict[str, nn.Module], qconfigs: dict[str, Any]) -> bool:
     """Whether the value ``node`` reads first also feeds another quantized node."""
     arg = node.args[0] if node.args else None
@@ -179,13 +191,10 @@ def insert_equalization_observers(
         first = node.args[0] if node.args else None
         if not isinstance(first, Node):
             continue
-        make_input: Any = eq_qconfig.activation  # EqualizationQConfig.input_activation
-        input_obs = make_input()
-        if not isinstance(input_obs, InputEqualizationObserver):
-            raise FxQuantError(
-                f"node {node.name!r}: the equalization qconfig's input_activation built a "
-                f"{type(input_obs).__name__}, not an InputEqualizationObserver"
-            )
+        # EqualizationQConfig.input_activation is stored in the activation field.
+        input_obs = _build_observer(
+            eq_qconfig.activation, InputEqualizationObserver, node, "input_activation"
+        )
         eq_node = _insert_after(model, first, input_obs)
         node.replace_input_with(first, eq_node)
         eq_node.args = (first,)
@@ -193,13 +202,9 @@ def insert_equalization_observers(
             where = _weight_arg(node)
             weight = _get_arg(node, where) if where is not None else None
             if isinstance(weight, Node):
-                make_weight: Any = eq_qconfig.weight
-                weight_obs = make_weight()
-                if not isinstance(weight_obs, WeightEqualizationObserver):
-                    raise FxQuantError(
-                        f"node {node.name!r}: the equalization qconfig's weight built a "
-                        f"{type(weight_obs).__name__}, not a WeightEqualizationObserver"
-                    )
+                weight_obs = _build_observer(
+                    eq_qconfig.weight, WeightEqualizationObserver, node, "weight"
+                )
                 w_node = _insert_after(model, weight, weight_obs)
                 assert where is not None
                 _set_arg(node, where, w_node)
