@@ -670,12 +670,13 @@ def test_loaded_flag_is_set_only_after_loading(plugins: list[_EntryPoint]) -> No
 
 def test_explain_works_on_prepared_reference_and_lowered_models() -> None:
     torch.manual_seed(0)
-    prepared = prepare_fx(
-        MyModel(use_bn=True).eval(),
-        get_default_qconfig_mapping(),
-        X,
-        backend_config=quantbridge_tutorial_backend(),
-    )
+    with pytest.warns(UserWarning, match="ignored the qconfig"):
+        prepared = prepare_fx(
+            MyModel(use_bn=True).eval(),
+            get_default_qconfig_mapping(),
+            X,
+            backend_config=quantbridge_tutorial_backend(),
+        )
     before = explain(prepared)
     prepared(*X)
     reference = convert_to_reference_fx(copy.deepcopy(prepared))

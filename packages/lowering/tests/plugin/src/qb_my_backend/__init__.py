@@ -79,7 +79,9 @@ class MyBackend(Backend):
     """Linear and conv-relu, run by quantbridge's generic kernels."""
 
     def __init__(self) -> None:
-        super().__init__("my_backend", my_backend_config(), description="BackendConfig tutorial backend")
+        super().__init__(
+            "my_backend", my_backend_config(), description="BackendConfig tutorial backend"
+        )
 
     def qconfig_mapping(self, qat: bool = False) -> QConfigMapping:
         # full 8-bit activations: the lowering pass lowers uint8 quantize ops over [0, 255]
