@@ -55,7 +55,7 @@ from quantbridge.fx_quant import calibrate, convert_to_reference_fx, prepare_fx
 from quantbridge.lowering import available_backends, get_backend
 from quantbridge.qconfig import QConfigMapping, default_dynamic_qconfig
 
-# Targets of the issue: (numba vs torch.ao x86, numba vs fp32 eager); None = no target.
+# Performance targets (numba vs torch.ao x86, numba vs fp32 eager); None = no target.
 TARGETS: dict[str, tuple[float | None, float | None]] = {
     "mlp": (1.2, 3.0),
     "cnn": (1.2, 3.0),
