@@ -3,6 +3,7 @@
 Rule 1: imports only go down the layers; kernels imports neither torch nor a sibling.
 Rule 2: runtime code never imports torch.ao and never touches quantized tensor types or ops,
 except the torch_native comparison backend, isolated in one module of lowering.
+No package imports another package's private (``_``-prefixed) modules, in its code or tests.
 """
 
 from __future__ import annotations
@@ -60,6 +61,33 @@ def _runtime_files(package: str) -> list[Path]:
     return sorted((ROOT / "packages" / package / "src").rglob("*.py"))
 
 
+def _test_files(package: str) -> list[Path]:
+    return sorted((ROOT / "packages" / package / "tests").rglob("*.py"))
+
+
+# A package's tests may import their own package's private modules, never a sibling's; the
+# only exception is a white-box test that monkeypatches a sibling's internals (a public
+# name cannot be patched where the kernels look it up).
+TEST_PRIVATE_IMPORT_EXCEPTIONS: dict[str, set[str]] = {
+    # lowering's thread tests spy on the kernels' thread swap to see each call's count.
+    "packages/lowering/tests/test_lowering_threads.py": {"quantbridge.kernels._threads"},
+}
+
+
+def _private_sibling_imports(
+    tree: ast.AST, module_name: str, package: str
+) -> list[tuple[int, str]]:
+    """Imports of another quantbridge package's ``_private`` module or name, in any form."""
+    found = []
+    for lineno, name in _imports(tree, module_name):
+        parts = name.split(".")
+        if parts[0] != "quantbridge" or len(parts) < 3 or parts[1] == package:
+            continue
+        if any(p.startswith("_") and not p.endswith("__") for p in parts[2:]):
+            found.append((lineno, name))
+    return found
+
+
 def _imports(tree: ast.AST, module_name: str) -> list[tuple[int, str]]:
     found: list[tuple[int, str]] = []
     for node in ast.walk(tree):
@@ -106,6 +134,25 @@ def test_imports_go_down_the_layers(package: str) -> None:
             if package == "kernels" and parts[0] == "torch":
                 violations.append(f"{path.relative_to(ROOT)}:{lineno} imports torch")
     assert not violations, "rule 1 (imports go down):\n" + "\n".join(violations)
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_no_private_imports_across_packages(package: str) -> None:
+    violations = []
+    for path in _runtime_files(package):
+        tree = ast.parse(path.read_text(), str(path))
+        for lineno, name in _private_sibling_imports(tree, _module_name(path, package), package):
+            violations.append(f"{path.relative_to(ROOT)}:{lineno} imports {name}")
+    for path in _test_files(package):
+        allowed = TEST_PRIVATE_IMPORT_EXCEPTIONS.get(path.relative_to(ROOT).as_posix(), set())
+        tree = ast.parse(path.read_text(), str(path))
+        for lineno, name in _private_sibling_imports(tree, f"tests.{path.stem}", package):
+            if not any(name == a or name.startswith(a + ".") for a in allowed):
+                violations.append(f"{path.relative_to(ROOT)}:{lineno} imports {name}")
+    assert not violations, (
+        "no package imports another package's _private modules; export the name from the "
+        "owning package's __init__.py instead:\n" + "\n".join(violations)
+    )
 
 
 @pytest.mark.parametrize("package", PACKAGES)
@@ -179,3 +226,15 @@ def test_rule_checker_catches_violations(tmp_path: Path) -> None:
     assert "torch.quint8" in dotted
     relative = _imports(ast.parse("from ..qconfig import x\n"), "quantbridge.fx_quant._mod")
     assert ("quantbridge.qconfig") in [name for _, name in relative]
+    for private in (
+        "from quantbridge.qconfig._dtypes import QScheme\n",
+        "import quantbridge.qconfig._dtypes\n",
+        "from quantbridge.qconfig import _dtypes\n",
+        "from ..qconfig._dtypes import QScheme\n",
+    ):
+        found = _private_sibling_imports(
+            ast.parse(private), "quantbridge.fx_quant._mod", "fx_quant"
+        )
+        assert found, private
+    public = "from quantbridge.qconfig import QScheme\nfrom quantbridge.fx_quant import _ops\n"
+    assert not _private_sibling_imports(ast.parse(public), "quantbridge.fx_quant._mod", "fx_quant")

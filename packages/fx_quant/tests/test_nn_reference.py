@@ -12,7 +12,7 @@ from torch import nn
 
 from quantbridge.fx_quant import FxQuantError
 from quantbridge.fx_quant.nn import reference as nnqr
-from quantbridge.qconfig._dtypes import QScheme
+from quantbridge.qconfig import QScheme
 
 
 @pytest.fixture(autouse=True)

@@ -52,11 +52,11 @@ from quantbridge.qconfig import (
     BackendConfig,
     DTypeConfig,
     PlaceholderObserver,
+    QConfigAny,
     QConfigMapping,
+    QScheme,
     qconfig_equals,
 )
-from quantbridge.qconfig._dtypes import QScheme
-from quantbridge.qconfig._qconfig import QConfigAny
 
 __all__ = ["NotPreparedError", "convert_reference", "observed_state"]
 

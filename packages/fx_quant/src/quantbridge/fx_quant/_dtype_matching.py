@@ -32,11 +32,11 @@ from quantbridge.qconfig import (
     FakeQuantizeBase,
     FixedQParamsFakeQuantize,
     FixedQParamsObserver,
+    QConfigAny,
     float16_dynamic_qconfig,
     float16_static_qconfig,
     qconfig_equals,
 )
-from quantbridge.qconfig._qconfig import QConfigAny
 
 __all__ = [
     "ObserverProbe",

@@ -46,9 +46,9 @@ from quantbridge.qconfig import (
     NoopObserver,
     ObservationType,
     PlaceholderObserver,
+    QConfigAny,
     ReuseInputObserver,
 )
-from quantbridge.qconfig._qconfig import QConfigAny
 
 __all__ = [
     "FP32_CTOR",

@@ -49,8 +49,7 @@ from quantbridge.fx_quant._transformer_swap import (
 )
 from quantbridge.fx_quant.nn.intrinsic import FusedModule
 from quantbridge.patterns import describe_pattern_element, find_matches
-from quantbridge.qconfig import BackendConfig, QConfigMapping
-from quantbridge.qconfig._qconfig import QConfigAny
+from quantbridge.qconfig import BackendConfig, QConfigAny, QConfigMapping
 
 __all__ = [
     "PREPARED_ATTRS_KEY",

@@ -20,8 +20,13 @@ from torch.nn.utils.parametrize import type_before_parametrizations
 from quantbridge.fx_quant._custom_config import PrepareCustomConfig
 from quantbridge.fx_quant._errors import FxQuantError
 from quantbridge.fx_quant.nn.intrinsic import FusedModule
-from quantbridge.qconfig import BackendConfig, QConfigMapping, QConfigMatch, qconfig_equals
-from quantbridge.qconfig._qconfig import QConfigAny
+from quantbridge.qconfig import (
+    BackendConfig,
+    QConfigAny,
+    QConfigMapping,
+    QConfigMatch,
+    qconfig_equals,
+)
 
 __all__ = [
     "FusionQConfigError",

@@ -6,8 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from quantbridge.fx_quant._custom_config import PrepareCustomConfig
-from quantbridge.qconfig import BackendConfig, QConfigMapping, QConfigMatch
-from quantbridge.qconfig._qconfig import QConfigAny
+from quantbridge.qconfig import BackendConfig, QConfigAny, QConfigMapping, QConfigMatch
 
 __all__ = [
     "DECISIONS_KEY",

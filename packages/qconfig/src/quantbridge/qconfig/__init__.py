@@ -80,6 +80,12 @@ from quantbridge.qconfig._defaults import (
     get_symmetric_qnnpack_qconfig_mapping,
     per_channel_dynamic_qconfig,
 )
+from quantbridge.qconfig._dtypes import (
+    QScheme,
+    canonical_dtype,
+    canonical_qscheme,
+    natural_quant_range,
+)
 from quantbridge.qconfig._equalization import (
     EqualizationQConfig,
     InputEqualizationObserver,
@@ -132,6 +138,11 @@ __all__ = [
     "QConfigMatch",
     "qconfig_equals",
     "register_config_callables",
+    # dtypes and quantization schemes
+    "QScheme",
+    "canonical_dtype",
+    "canonical_qscheme",
+    "natural_quant_range",
     # observers, fake quantize, default factories and qconfigs
     "default_observer",
     "default_placeholder_observer",

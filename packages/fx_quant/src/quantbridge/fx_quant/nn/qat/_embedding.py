@@ -23,7 +23,7 @@ from quantbridge.fx_quant.nn.qat._common import (
     float_module_qconfig,
     require_qconfig,
 )
-from quantbridge.qconfig._dtypes import QScheme, canonical_qscheme
+from quantbridge.qconfig import QScheme, canonical_qscheme
 
 __all__ = ["Embedding", "EmbeddingBag"]
 

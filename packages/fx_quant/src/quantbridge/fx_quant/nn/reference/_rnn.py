@@ -22,7 +22,7 @@ from quantbridge.fx_quant.nn.reference._weight_qparams import (
     parse_weight_qparams,
     quantize_weight,
 )
-from quantbridge.qconfig._dtypes import QScheme, canonical_dtype
+from quantbridge.qconfig import QScheme, canonical_dtype
 
 __all__ = ["GRU", "LSTM", "GRUCell", "LSTMCell", "RNNCell"]
 

@@ -8,7 +8,7 @@ from typing import Any, NamedTuple
 import torch
 
 from quantbridge.fx_quant._errors import FxQuantError
-from quantbridge.qconfig._dtypes import (
+from quantbridge.qconfig import (
     QScheme,
     canonical_dtype,
     canonical_qscheme,
