@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import numba
 import numpy as np
 import pytest
@@ -101,3 +103,13 @@ def _force_threaded_path(monkeypatch, threads):
     # the size threshold is tuned for speed; lower it so these inputs take the threaded path
     monkeypatch.setattr(_quantize_module, "PARALLEL_MIN_WORK", 1)
     numba.set_num_threads(numba.config.NUMBA_NUM_THREADS if threads == 1 else 1)
+
+
+def test_clamp_bounds_far_outside_the_range_saturate_without_warnings():
+    """A bound whose code overflows float32 (1e30 at a scale of 1e-9) saturates silently."""
+    x = np.arange(256, dtype=np.uint8).reshape(16, 16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        np.testing.assert_array_equal(qk.clamp(x, 1e-9, 7, -1e30, 1e30), x)
+        np.testing.assert_array_equal(qk.clamp(x, 1e-9, 7, 1e30, 3e38), np.full_like(x, 255))
+        np.testing.assert_array_equal(qk.clamp(x, 1e-9, 7, -3e38, -1e30), np.zeros_like(x))

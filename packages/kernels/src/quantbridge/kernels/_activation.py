@@ -52,7 +52,10 @@ def _clamp_par(q, out, lo, hi):  # type: ignore[no-untyped-def]
 @functools.lru_cache(maxsize=1024)
 def quantize_bound(value: float, scale: float, zero_point: int) -> int:
     """A float bound as a uint8 code: torch's scalar quantizer, saturated to [0, 255]."""
-    t = np.float32(value) * (np.float32(1.0) / np.float32(scale)) + np.float32(zero_point)
+    # a bound far outside the range overflows float32 to +-inf, which saturates below as
+    # torch's quantizer does: not worth a RuntimeWarning to the caller
+    with np.errstate(over="ignore"):
+        t = np.float32(value) * (np.float32(1.0) / np.float32(scale)) + np.float32(zero_point)
     if math.isnan(t):
         return 0
     return int(min(max(float(np.rint(t)), 0.0), 255.0))
