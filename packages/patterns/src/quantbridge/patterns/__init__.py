@@ -34,8 +34,13 @@ from quantbridge.patterns._rewriter import (
     find_rewrite_matches,
     replace_pattern,
 )
+from quantbridge.patterns._typed import Chain, Nested, TypedPattern, as_complex
 
 __all__ = [
+    "Chain",
+    "Nested",
+    "TypedPattern",
+    "as_complex",
     "ArgConstraint",
     "BuildCallback",
     "ReplacementPattern",

@@ -24,6 +24,7 @@ from torch.nn.utils.parametrize import type_before_parametrizations
 
 from quantbridge.patterns._errors import PatternError
 from quantbridge.patterns._forms import MatchAllNode, Pattern, check_complex_pattern
+from quantbridge.patterns._typed import Chain, Nested, as_complex
 
 # Nested structure of matched nodes as torch.ao records it: a list at the top, tuples for
 # nested argument patterns, Nodes (or literals bound by MatchAllNode) at the leaves.
@@ -294,6 +295,8 @@ def _normalize_patterns(patterns: Iterable[Pattern] | Mapping[Pattern, Any]) -> 
     result: list[Pattern] = []
     seen: set[Pattern] = set()
     for i, pattern in enumerate(patterns):
+        if isinstance(pattern, (Chain, Nested)):  # interim: typed patterns compile as tuples
+            pattern = as_complex(pattern, where=f"patterns[{i}]")
         check_complex_pattern(pattern, where=f"patterns[{i}]")
         try:
             hash(pattern)

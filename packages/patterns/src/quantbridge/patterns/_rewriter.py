@@ -24,6 +24,7 @@ from torch.fx import Graph, GraphModule, Node, symbolic_trace
 from quantbridge.patterns._errors import PatternError
 from quantbridge.patterns._forms import MatchAllNode, Pattern, check_complex_pattern
 from quantbridge.patterns._matcher import _FUNCTION, _METHOD, _MODULE, _element_key, _Resolver
+from quantbridge.patterns._typed import Chain, Nested, as_complex
 
 _NO_VALUE: Any = object()
 
@@ -132,8 +133,11 @@ class ReplacementPattern:
                 "or build= (a callback building the new nodes)"
             )
         if self.pattern is not None:
-            check_complex_pattern(self.pattern, where=f"{label}.pattern")
-            compiled, num_inputs = _compile_complex(self.pattern)
+            pattern = self.pattern
+            if isinstance(pattern, (Chain, Nested)):
+                pattern = as_complex(pattern, where=f"{label}.pattern")
+            check_complex_pattern(pattern, where=f"{label}.pattern")
+            compiled, num_inputs = _compile_complex(pattern)
         else:
             assert self.pattern_fn is not None
             compiled, num_inputs = _compile_traced(_trace(self.pattern_fn, label, "pattern_fn"))
