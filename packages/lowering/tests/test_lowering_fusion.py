@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import sys
 from pathlib import Path
 
@@ -44,12 +45,12 @@ def test_residual_add_fuses_into_the_conv_with_the_same_numbers(backend_name: st
     calls = _fused_calls(lowered, *case.inputs(1))
     assert calls  # relu(a(s) + s): conv `a` and the add_relu are one module now
     for mod, (x, other, out) in calls:
+        conv_qp = (float(mod.scale), int(mod.zero_point))  # the conv's own rounding point
         conv = K.conv2d(
-            x.numpy(), mod._packed, mod._xs, mod._xz, mod._os, mod._oz, relu=mod.relu,
-            channels_last=True,
-        )  # fmt: skip
+            x.numpy(), mod._packed, *mod.input_qparams, *conv_qp, relu=mod.relu, channels_last=True
+        )
         add = K.add_relu if mod.add_relu else K.add
-        want = add(conv, mod._os, mod._oz, other.numpy(), mod._bs, mod._bz, mod._as, mod._az)
+        want = add(conv, *conv_qp, other.numpy(), *mod.other_qparams, *mod.output_qparams)
         assert torch.equal(out, torch.from_numpy(want))
     # no lowered conv is left whose only user is a lowered add
     for node in lowered.graph.nodes:
@@ -82,3 +83,25 @@ def test_fused_module_state_dict_and_export(backend_name: str):
     assert torch.equal(other(*x), lowered(*x))
     exported = torch.export.export(lowered, x)
     assert torch.equal(exported.module()(*x), lowered(*x))
+
+
+def test_the_fusion_is_a_rule_of_the_table_dropping_it_changes_no_number():
+    case = CASES["residual_add_mul"]
+    backend = L.get_backend("numba")
+    reference = zoo.reference_model(case, backend)
+    fused = backend.lower(reference)
+    unfused_table = [r for r in L.default_lowering_rules() if r.kind != "fusion"]
+    assert len(unfused_table) == len(L.default_lowering_rules()) - 1
+    unfused = L.lower_to_kernels(copy.deepcopy(reference), backend.target, rules=unfused_table)
+    assert QuantizedConvAdd not in {type(m) for m in unfused.modules()}
+    assert QuantizedConvAdd in {type(m) for m in fused.modules()}
+    x = case.inputs(3)
+    assert torch.equal(fused(*x), unfused(*x))
+    # the report lists each fused module once, in place of the conv and the add it replaced
+    report = L.lowering_report(fused)
+    fused_names = [n for n, what in report.lowered if "conv + add" in what]
+    assert fused_names
+    assert all(n in report.origins for n in fused_names)
+    in_graph = {n.name for n in fused.graph.nodes}
+    assert {n for n, _ in report.lowered} <= in_graph  # no entry for an erased conv or add
+    assert set(report.origins) <= in_graph

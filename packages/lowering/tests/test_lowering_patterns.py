@@ -31,7 +31,7 @@ from quantbridge.lowering import (
     lower_to_kernels,
     lowering_report,
 )
-from quantbridge.patterns import MatchAllNode
+from quantbridge.patterns import MatchAllNode, Nested
 
 if str(Path(__file__).parent) not in sys.path:  # helpers, under --import-mode=importlib
     sys.path.insert(0, str(Path(__file__).parent))
@@ -81,9 +81,10 @@ def test_default_table_lists_every_family_in_matching_order() -> None:
         "shape ops",
         "dynamic linear",
         "embedding",
+        "conv + add (+relu)",
     ]
     by_name = {r.name: r for r in default_lowering_rules()}
-    assert (nn.ReLU, operator.add) in by_name["add / mul + relu"].ops
+    assert Nested(nn.ReLU, operator.add) in by_name["add / mul + relu"].ops
     assert {nn.MaxPool2d, F.max_pool2d} <= set(by_name["max_pool2d"].ops)
     assert by_name["dynamic linear"].kind == by_name["embedding"].kind == "float_output"
 
@@ -373,7 +374,7 @@ def test_bad_rules_raise_lowering_errors_naming_the_rule() -> None:
         LoweringRule("all", (MatchAllNode,), build, kind="float_output")
     with pytest.raises(LoweringError, match="non-empty tuple of patterns"):
         LoweringRule("empty", (), build)
-    with pytest.raises(LoweringError, match="kind must be 'static' or 'float_output'"):
+    with pytest.raises(LoweringError, match="kind must be 'static', 'float_output' or 'fusion'"):
         LoweringRule("kind", (nn.ReLU,), build, kind="dynamic")  # type: ignore[arg-type]
     with pytest.raises(LoweringError, match="build must be callable"):
         LoweringRule("nobuild", (nn.ReLU,), None)  # type: ignore[arg-type]

@@ -178,8 +178,8 @@ def test_custom_ops_follow_torchs_count(lowered, chosen):
     model, _x = lowered
     fc = next(m for m in model.modules() if isinstance(m, QuantizedLinear))
     q = torch.randint(0, 256, (64, fc.weight.shape[1]), dtype=torch.uint8)
-    args = (fc.weight, fc.weight_scale, fc.weight_zero_point, fc.bias, fc._xs, fc._xz,
-            fc._os, fc._oz, False, fc.target)  # fmt: skip
+    args = (fc.weight, fc.weight_scale, fc.weight_zero_point, fc.bias, *fc.input_qparams,
+            *fc.output_qparams, False, fc.target)  # fmt: skip
     results = {}
     for n in (1, 2):
         torch.set_num_threads(n)

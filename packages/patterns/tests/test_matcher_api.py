@@ -7,12 +7,14 @@ import operator
 import pytest
 import torch
 import torch.nn.functional as F
+from _complex import find_complex
 from _patterns_zoo import parametrized_model
 from torch import nn
 from torch.fx import Graph, GraphModule, symbolic_trace
 
 from quantbridge.patterns import (
     MatchAllNode,
+    Nested,
     PatternError,
     find_matches,
     sequential_to_complex,
@@ -44,7 +46,7 @@ def test_longer_patterns_win_and_nodes_are_in_pattern_order() -> None:
         sequential_to_complex((nn.Conv2d, nn.BatchNorm2d, nn.ReLU)),
         nn.Conv2d,
     ]
-    matches = find_matches(gm, patterns)
+    matches = find_complex(gm, patterns)
     assert _names(matches) == [("relu", "bn", "conv")]
     m = matches[0]
     assert m.anchor.name == "relu"
@@ -57,31 +59,28 @@ def test_sequential_patterns_longer_than_three() -> None:
     gm = symbolic_trace(Chain())
     four = sequential_to_complex((nn.Conv2d, nn.BatchNorm2d, nn.ReLU, torch.sigmoid))
     five = sequential_to_complex((nn.Conv2d, nn.BatchNorm2d, nn.ReLU, torch.sigmoid, "view"))
-    matches = find_matches(gm, [four, five, operator.add])
+    matches = find_complex(gm, [four, five, operator.add])
     # view is called as view(sigmoid, -1): two positional args, so the 5-chain cannot match
     assert _names(matches) == [("add",), ("sigmoid", "relu", "bn", "conv")]
     with_input = (("view", four, MatchAllNode), operator.add)
-    matches = find_matches(gm, list(with_input))
+    matches = find_complex(gm, list(with_input))
     assert _names(matches) == [("add",), ("view", "sigmoid", "relu", "bn", "conv")]
     assert matches[1].inputs == (-1,)
 
 
 def test_registration_order_breaks_ties() -> None:
     gm = symbolic_trace(Chain())
-    a = (nn.ReLU, nn.BatchNorm2d)
-    b = (nn.ReLU, MatchAllNode)
+    a = Nested(nn.ReLU, nn.BatchNorm2d)
+    b = Nested(nn.ReLU, MatchAllNode)
     assert find_matches(gm, [a, b])[0].pattern == a
     assert find_matches(gm, [b, a])[0].pattern == b
-    assert sort_patterns([nn.ReLU, a, (nn.ReLU, (nn.BatchNorm2d, nn.Conv2d))]) == [
-        (nn.ReLU, (nn.BatchNorm2d, nn.Conv2d)),
-        a,
-        nn.ReLU,
-    ]
+    longest = Nested(nn.ReLU, Nested(nn.BatchNorm2d, nn.Conv2d))
+    assert sort_patterns([nn.ReLU, a, longest]) == [longest, a, nn.ReLU]
 
 
 def test_match_all_node_binds_constants_and_multi_user_nodes() -> None:
     gm = symbolic_trace(Chain())
-    matches = find_matches(gm, [(operator.add, "view", MatchAllNode)])
+    matches = find_complex(gm, [(operator.add, "view", MatchAllNode)])
     assert len(matches) == 1
     assert matches[0].inputs == (1,)
     assert matches[0].claimed == matches[0].nodes
@@ -90,29 +89,29 @@ def test_match_all_node_binds_constants_and_multi_user_nodes() -> None:
 def test_prepare_mode_claims_match_all_inputs_fuse_mode_does_not() -> None:
     gm = symbolic_trace(Chain())
     patterns = [(torch.sigmoid, MatchAllNode), nn.ReLU]
-    prepare = find_matches(gm, patterns)
-    fuse = find_matches(gm, patterns, mode="fuse")
+    prepare = find_complex(gm, patterns)
+    fuse = find_complex(gm, patterns, mode="fuse")
     assert _names(prepare) == [("sigmoid",)]
     assert _names(fuse) == [("sigmoid",), ("relu",)]
 
 
 def test_parametrized_modules_match_their_original_type() -> None:
     gm = symbolic_trace(parametrized_model())
-    matches = find_matches(gm, [(nn.ReLU, nn.Conv2d), nn.Linear])
+    matches = find_complex(gm, [(nn.ReLU, nn.Conv2d), nn.Linear])
     assert _names(matches) == [("lin",), ("relu", "conv")]
 
 
 def test_is_ignored_hook() -> None:
     gm = symbolic_trace(Chain())
     seq = sequential_to_complex((nn.Conv2d, nn.BatchNorm2d, nn.ReLU))
-    matches = find_matches(gm, [seq, nn.Conv2d, nn.ReLU], is_ignored=lambda n: n.name == "bn")
+    matches = find_complex(gm, [seq, nn.Conv2d, nn.ReLU], is_ignored=lambda n: n.name == "bn")
     assert _names(matches) == [("relu",), ("conv",)]
 
 
 def test_root_node_getter_hook() -> None:
     gm = symbolic_trace(Chain())
     seq = sequential_to_complex((nn.Conv2d, nn.BatchNorm2d, nn.ReLU))
-    matches = find_matches(gm, [seq], root_node_getters={seq: lambda np: np[0]})
+    matches = find_complex(gm, [seq], root_node_getters={seq: lambda np: np[0]})
     assert matches[0].root.name == "relu"
 
 
@@ -123,7 +122,7 @@ def test_getattr_pattern() -> None:
     dtype = graph.call_function(getattr, (x, "dtype"))
     graph.output((shape, dtype))
     gm = GraphModule(nn.Module(), graph)
-    matches = find_matches(gm, [(getattr, "dtype")])
+    matches = find_complex(gm, [(getattr, "dtype")])
     assert _names(matches) == [(dtype.name,)]
 
 
@@ -152,7 +151,7 @@ def test_each_node_is_tried_only_against_its_anchor_patterns(
 
     decoys = [(make(i), MatchAllNode) for i in range(200)]
     gm = symbolic_trace(Chain())
-    assert _names(find_matches(gm, [*decoys, nn.ReLU])) == [("relu",)]
+    assert _names(find_complex(gm, [*decoys, nn.ReLU])) == [("relu",)]
     # one candidate (nn.ReLU) for the relu node, none for the other nodes
     assert len(tried) == 1
 
@@ -163,12 +162,16 @@ def test_errors() -> None:
     gm = symbolic_trace(Chain())
     with pytest.raises(PatternError, match=r"patterns\[1\].*not a pattern element"):
         find_matches(gm, [nn.ReLU, 42])
-    with pytest.raises(PatternError, match=r"patterns\[0\]\[1\].*not a pattern element"):
-        find_matches(gm, [(nn.ReLU, [nn.Conv2d])])
+    with pytest.raises(PatternError, match=r"args\[0\].*not a pattern element"):
+        find_matches(gm, [Nested(nn.ReLU, [nn.Conv2d])])
+    with pytest.raises(PatternError, match=r"patterns\[0\].*bare tuple.*ambiguous"):
+        find_matches(gm, [(nn.ReLU, nn.Conv2d)])
     with pytest.raises(PatternError, match="reads as one pattern"):
         find_matches(gm, (nn.ReLU, nn.Conv2d))
     with pytest.raises(PatternError, match="wrap a single pattern"):
         find_matches(gm, nn.ReLU)  # type: ignore[arg-type]
+    with pytest.raises(PatternError, match="wrap a single pattern"):
+        find_matches(gm, Nested(nn.ReLU, nn.Conv2d))  # type: ignore[arg-type]
     with pytest.raises(PatternError, match="mode"):
         find_matches(gm, [nn.ReLU], mode="train")  # type: ignore[arg-type]
 
@@ -179,16 +182,16 @@ def test_errors() -> None:
             return x
 
     with pytest.raises(PatternError, match=r"patterns\[0\].*not hashable"):
-        find_matches(gm, [(nn.ReLU, Unhashable())])
+        find_matches(gm, [Nested(nn.ReLU, Unhashable())])
     with pytest.raises(PatternError, match="getattr"):
-        find_matches(gm, [(getattr, "a", "b")])
+        find_matches(gm, [Nested(getattr, "a", "b")])
     del gm.relu  # the graph still calls it
     with pytest.raises(PatternError, match=r"'relu'.*out of sync"):
-        find_matches(gm, [nn.ReLU])
+        find_complex(gm, [nn.ReLU])
 
 
 def test_dict_patterns_use_keys_in_order() -> None:
     gm = symbolic_trace(Chain())
     table = {(nn.ReLU, MatchAllNode): "first", (nn.ReLU, nn.BatchNorm2d): "second"}
-    assert find_matches(gm, table)[0].pattern == (nn.ReLU, MatchAllNode)
+    assert find_complex(gm, table)[0].pattern == (nn.ReLU, MatchAllNode)
     assert F.relu not in table

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from _complex import find_complex
 
 pytest.importorskip("torch.ao.quantization")
 
@@ -20,7 +21,7 @@ from _patterns_oracle import (
 from _patterns_zoo import chain_model, zoo
 from torch.fx import GraphModule
 
-from quantbridge.patterns import default_root_node_getter, find_matches
+from quantbridge.patterns import default_root_node_getter
 
 GRAPHS = {**zoo(), "chain": chain_model(4)}
 
@@ -39,7 +40,7 @@ def test_prepare_mode_assigns_like_torch_ao(graph_name: str, set_name: str) -> N
     gm = GRAPHS[graph_name]
     patterns, getters = PATTERN_SETS[set_name]
     expected = ao_prepare_map(gm, patterns, getters)
-    got = our_prepare_map(find_matches(gm, patterns, root_node_getters=getters))
+    got = our_prepare_map(find_complex(gm, patterns, root_node_getters=getters))
     assert expected, "the oracle matched nothing: the zoo graph is useless"
     assert got == expected
 
@@ -50,7 +51,7 @@ def test_prepare_mode_node_pattern_like_torch_ao(graph_name: str, set_name: str)
     gm = GRAPHS[graph_name]
     patterns, getters = PATTERN_SETS[set_name]
     expected = ao_prepare_full(gm, patterns, getters)
-    for match in find_matches(gm, patterns, root_node_getters=getters):
+    for match in find_complex(gm, patterns, root_node_getters=getters):
         anchor, node_pattern, pattern = expected[match.anchor.name]
         assert anchor is match.anchor
         assert pattern == match.pattern
@@ -68,7 +69,7 @@ def test_fuse_mode_like_torch_ao_fuser(graph_name: str, set_name: str) -> None:
     gm = GRAPHS[graph_name]
     patterns, getters = PATTERN_SETS[set_name]
     expected = ao_fuse_map(gm, patterns)
-    matches = find_matches(gm, patterns, mode="fuse", root_node_getters=getters)
+    matches = find_complex(gm, patterns, mode="fuse", root_node_getters=getters)
     assert our_fuse_map(matches) == {k: (v[0], v[1]) for k, v in expected.items()}
     for match in matches:
         _, _, nested = expected[match.anchor.name]
@@ -81,7 +82,7 @@ def test_fuse_mode_like_torch_ao_fuser(graph_name: str, set_name: str) -> None:
 def test_onednn_conv_add_records_match_all_input_and_root() -> None:
     gm = GRAPHS["conv_add"]
     patterns, getters = PATTERN_SETS["onednn"]
-    matches = {m.anchor.name: m for m in find_matches(gm, patterns, root_node_getters=getters)}
+    matches = {m.anchor.name: m for m in find_complex(gm, patterns, root_node_getters=getters)}
     relu = matches["relu"]
     # relu(conv3(b) + a): the add's second input is bound by MatchAllNode
     assert [n.name for n in relu.nodes] == ["relu", "add_2", "conv3"]
@@ -97,18 +98,18 @@ def test_zoo_exercises_the_cases_the_brief_lists() -> None:
     native = PATTERN_SETS["native"][0]
     seen_sizes = set()
     for gm in GRAPHS.values():
-        for m in find_matches(gm, native):
+        for m in find_complex(gm, native):
             seen_sizes.add(len(m.nodes))
     assert {1, 2, 3} <= seen_sizes
     with_inputs = [
         m
         for gm in GRAPHS.values()
-        for m in find_matches(gm, patterns, root_node_getters=getters)
+        for m in find_complex(gm, patterns, root_node_getters=getters)
         if m.inputs
     ]
     assert len(with_inputs) >= 2
     gm: GraphModule = GRAPHS["several_users"]
-    names = {n.name: m.pattern for m in find_matches(gm, native) for n in m.nodes}
+    names = {n.name: m.pattern for m in find_complex(gm, native) for n in m.nodes}
     # conv and bn each have two users, so conv-bn-relu cannot swallow them
     assert names["conv"] is not names["relu"]
 
@@ -129,9 +130,9 @@ def test_match_all_node_bound_to_a_list_claims_the_nodes_inside() -> None:
     gm = GraphModule(nn.Module(), graph)
     patterns = [(torch.cat, MatchAllNode), torch.relu, torch.sigmoid]
     expected = ao_prepare_map(gm, patterns)
-    matches = find_matches(gm, patterns)
+    matches = find_complex(gm, patterns)
     assert our_prepare_map(matches) == expected
     assert [m.anchor.name for m in matches] == ["cat"]
     assert set(expected) == {"cat", "relu", "sigmoid"}
-    fuse = find_matches(gm, patterns, mode="fuse")
+    fuse = find_complex(gm, patterns, mode="fuse")
     assert [m.anchor.name for m in fuse] == ["cat", "sigmoid", "relu"]

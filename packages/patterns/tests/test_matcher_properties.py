@@ -7,12 +7,13 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from _complex import find_complex
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
 from torch.fx import Graph, GraphModule, Node
 
-from quantbridge.patterns import MatchAllNode, find_matches, pattern_operators
+from quantbridge.patterns import MatchAllNode, pattern_operators
 
 UNARY: list[Any] = [nn.ReLU, nn.Identity, nn.Tanh, F.relu, torch.sigmoid, "relu", "sigmoid"]
 BINARY: list[Any] = [torch.add, operator.add, torch.mul]
@@ -120,7 +121,7 @@ def _walk(pattern: Any, value: Any, ops: list[Any], inputs: list[Any]) -> None:
 def test_matches_are_real_disjoint_and_prioritized(
     gm: GraphModule, patterns: list[Any], mode: Any
 ) -> None:
-    matches = find_matches(gm, patterns, mode=mode)
+    matches = find_complex(gm, patterns, mode=mode)
     order = _priority_order(patterns)
     operator_nodes: set[Node] = set()
     claimed: set[Node] = set()
@@ -158,9 +159,9 @@ def test_random_graphs_agree_with_torch_ao(gm: GraphModule, patterns: list[Any])
     pytest.importorskip("torch.ao.quantization")
     from _patterns_oracle import ao_fuse_map, ao_prepare_map, our_fuse_map, our_prepare_map
 
-    assert our_prepare_map(find_matches(gm, patterns)) == ao_prepare_map(gm, patterns)
+    assert our_prepare_map(find_complex(gm, patterns)) == ao_prepare_map(gm, patterns)
     fused = ao_fuse_map(gm, patterns)
-    assert our_fuse_map(find_matches(gm, patterns, mode="fuse")) == {
+    assert our_fuse_map(find_complex(gm, patterns, mode="fuse")) == {
         k: (v[0], v[1]) for k, v in fused.items()
     }
 
@@ -168,6 +169,6 @@ def test_random_graphs_agree_with_torch_ao(gm: GraphModule, patterns: list[Any])
 @settings(max_examples=60, deadline=None)
 @given(gm=graphs(), patterns=pattern_sets())
 def test_deterministic(gm: GraphModule, patterns: list[Any]) -> None:
-    first = [(m.anchor.name, m.pattern) for m in find_matches(gm, patterns)]
-    second = [(m.anchor.name, m.pattern) for m in find_matches(gm, patterns)]
+    first = [(m.anchor.name, m.pattern) for m in find_complex(gm, patterns)]
+    second = [(m.anchor.name, m.pattern) for m in find_complex(gm, patterns)]
     assert first == second

@@ -7,6 +7,7 @@ import operator
 
 import pytest
 import torch
+from _complex import find_complex, typed
 from torch import nn
 from torch.fx import Graph, GraphModule, symbolic_trace
 
@@ -14,7 +15,6 @@ from quantbridge.patterns import (
     MatchAllNode,
     PatternError,
     ReplacementPattern,
-    find_matches,
     replace_pattern,
 )
 
@@ -54,12 +54,12 @@ def _fused_block() -> GraphModule:
 def test_matcher_resolves_a_module_under_its_second_path() -> None:
     gm = _fused_block()
     add_relu = (nn.ReLU, (operator.add, MatchAllNode, MatchAllNode))
-    matches = find_matches(gm, [add_relu, nn.Conv2d], mode="fuse")
+    matches = find_complex(gm, [add_relu, nn.Conv2d], mode="fuse")
     assert [(m.pattern, [n.name for n in m.nodes]) for m in matches] == [
         (add_relu, ["relu_1", "add"]),
         (nn.Conv2d, ["conv2"]),
     ]
-    matches = find_matches(gm, [nn.ReLU, FusedConvReLU])
+    matches = find_complex(gm, [nn.ReLU, FusedConvReLU])
     assert sorted(m.anchor.name for m in matches) == ["conv1", "relu_1"]
     assert {m.anchor.name: m.pattern for m in matches} == {
         "relu_1": nn.ReLU,
@@ -69,10 +69,10 @@ def test_matcher_resolves_a_module_under_its_second_path() -> None:
 
 def test_out_of_sync_only_when_no_path_has_the_module() -> None:
     gm = _fused_block()
-    find_matches(gm, [nn.ReLU])  # reachable under conv1.1 and relu: in sync
+    find_complex(gm, [nn.ReLU])  # reachable under conv1.1 and relu: in sync
     del gm.relu  # now only conv1.1 holds it, and the graph still calls "relu"
     with pytest.raises(PatternError, match=r"'relu'.*out of sync"):
-        find_matches(gm, [nn.ReLU])
+        find_complex(gm, [nn.ReLU])
 
 
 def test_rewriter_matches_and_traces_modules_under_a_second_path() -> None:
@@ -80,7 +80,7 @@ def test_rewriter_matches_and_traces_modules_under_a_second_path() -> None:
     x = torch.randn(1, 2, 3, 3)
     expected = gm(x)
     rule = ReplacementPattern(
-        pattern=(nn.ReLU, MatchAllNode), replacement=lambda v: torch.clamp(v, min=0.0)
+        pattern=typed((nn.ReLU, MatchAllNode)), replacement=lambda v: torch.clamp(v, min=0.0)
     )
     matches = replace_pattern(gm, rule)
     assert [m.anchor.name for m in matches] == ["relu_1"]

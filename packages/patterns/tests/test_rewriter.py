@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from _complex import typed
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
@@ -16,6 +17,7 @@ from torch.fx import Graph, GraphModule, Node, symbolic_trace
 from quantbridge.patterns import (
     ArgConstraint,
     MatchAllNode,
+    Nested,
     PatternError,
     ReplacementPattern,
     RewriteMatch,
@@ -73,7 +75,9 @@ def test_constraint_selects_uint8_dequantize_and_callback_builds_nodes() -> None
     expected = gm(a, b)
     # dequantize has 4 positional args in the first call but 3 + dtype= in the third:
     # the complex pattern needs exactly 3 positional args, so only the kwarg forms match.
-    rule = ReplacementPattern(pattern=DEQUANT_RELU, build=_build_dequant_relu, constraints=[UINT8])
+    rule = ReplacementPattern(
+        pattern=typed(DEQUANT_RELU), build=_build_dequant_relu, constraints=[UINT8]
+    )
     matches = replace_pattern(gm, rule)
     assert [m.anchor.name for m in matches] == ["relu_2"]  # the int8 one is refused
     targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
@@ -87,7 +91,7 @@ def test_constraint_by_position_and_predicate() -> None:
     gm = symbolic_trace(Reference())
     pattern = (torch.relu, (dequantize, MatchAllNode, MatchAllNode, MatchAllNode, MatchAllNode))
     rule = ReplacementPattern(
-        pattern=pattern,
+        pattern=typed(pattern),
         build=_build_dequant_relu,
         constraints=[
             ArgConstraint(op=1, position=3, predicate=lambda d: d in (torch.uint8,)),
@@ -139,7 +143,7 @@ def test_inner_node_with_outside_user_blocks_the_match() -> None:
 
     gm = symbolic_trace(M())
     rule = ReplacementPattern(
-        pattern=(F.relu, (operator.add, MatchAllNode, MatchAllNode)),
+        pattern=typed((F.relu, (operator.add, MatchAllNode, MatchAllNode))),
         replacement=lambda x, c: torch.clamp(x + c, min=0),
     )
     assert replace_pattern(gm, rule) == []
@@ -160,7 +164,7 @@ def test_meta_is_preserved_and_dead_nodes_removed() -> None:
     relu.meta.update({"stack_trace": "model.py:7", "val": "relu-value", "tag": 1})
     sub.meta["tag"] = 2
     rule = ReplacementPattern(
-        pattern=(F.relu, (torch.mul, MatchAllNode, MatchAllNode)),
+        pattern=typed((F.relu, (torch.mul, MatchAllNode, MatchAllNode))),
         # drops the buffer input: its get_attr node becomes dead and must go
         replacement=lambda x, k: torch.clamp(x * 3.0, min=0.0).neg().neg(),
     )
@@ -192,7 +196,7 @@ def test_chained_matches_feed_each_other() -> None:
     t = torch.randn(6)
     expected = gm(t)
     rule = ReplacementPattern(
-        pattern=(torch.relu, (torch.add, MatchAllNode, MatchAllNode)),
+        pattern=typed((torch.relu, (torch.add, MatchAllNode, MatchAllNode))),
         replacement=lambda a, b: torch.clamp(torch.add(a, b), min=0),
     )
     assert len(replace_pattern(gm, rule)) == 3
@@ -233,10 +237,10 @@ def test_random_graphs_keep_outputs(ops: list[tuple[Any, int]], seed: int) -> No
     expected = gm(x, y)
     rules = [
         ReplacementPattern(
-            pattern=(torch.relu, (torch.add, MatchAllNode, MatchAllNode)),
+            pattern=typed((torch.relu, (torch.add, MatchAllNode, MatchAllNode))),
             replacement=lambda a, b: torch.clamp(torch.add(a, b), min=0),
         ),
-        ReplacementPattern(pattern=torch.sigmoid, build=_sigmoid_by_hand),
+        ReplacementPattern(pattern=typed(torch.sigmoid), build=_sigmoid_by_hand),
     ]
     n_relu_add = sum(
         1
@@ -266,16 +270,18 @@ def test_errors() -> None:
     with pytest.raises(PatternError, match="exactly one of pattern"):
         ReplacementPattern(replacement=lambda x: x)
     with pytest.raises(PatternError, match="exactly one of replacement"):
-        ReplacementPattern(pattern=torch.relu)
-    with pytest.raises(PatternError, match=r"pattern\[1\].*not a pattern element"):
-        ReplacementPattern(pattern=(torch.relu, 3), replacement=lambda: None)
+        ReplacementPattern(pattern=typed(torch.relu))
+    with pytest.raises(PatternError, match=r"args\[0\].*not a pattern element"):
+        ReplacementPattern(pattern=Nested(torch.relu, 3), replacement=lambda: None)
+    with pytest.raises(PatternError, match=r"bare tuple.*ambiguous.*Chain\(.*Nested\("):
+        ReplacementPattern(pattern=(torch.relu, MatchAllNode), replacement=lambda v: v)
     with pytest.raises(PatternError, match=r"takes 2 input.*binds 1"):
         ReplacementPattern(
-            pattern=(torch.relu, MatchAllNode), replacement=lambda a, b: torch.add(a, b)
+            pattern=typed((torch.relu, MatchAllNode)), replacement=lambda a, b: torch.add(a, b)
         )
     with pytest.raises(PatternError, match="op=2 but the pattern has 2"):
         ReplacementPattern(
-            pattern=DEQUANT_RELU,
+            pattern=typed(DEQUANT_RELU),
             build=_build_dequant_relu,
             constraints=[ArgConstraint(op=2, position=0, equals=1)],
         )
@@ -285,15 +291,16 @@ def test_errors() -> None:
         ArgConstraint(position=0)
     with pytest.raises(PatternError, match="call_module"):
         ReplacementPattern(
-            pattern=(torch.relu, MatchAllNode), replacement=symbolic_trace(nn.Sequential(nn.ReLU()))
+            pattern=typed((torch.relu, MatchAllNode)),
+            replacement=symbolic_trace(nn.Sequential(nn.ReLU())),
         )
-    rule = ReplacementPattern(pattern=torch.relu, build=_sigmoid_by_hand)
+    rule = ReplacementPattern(pattern=typed(torch.relu), build=_sigmoid_by_hand)
     with pytest.raises(PatternError, match="GraphModule"):
         replace_pattern(nn.ReLU(), rule)  # type: ignore[arg-type]
     with pytest.raises(PatternError, match=r"single output|one operation"):
         ReplacementPattern(pattern_fn=lambda x: x, replacement=lambda x: x)
     gm = symbolic_trace(Reference())
-    bad = ReplacementPattern(pattern=torch.relu, build=lambda m, g: 3)
+    bad = ReplacementPattern(pattern=typed(torch.relu), build=lambda m, g: 3)
     with pytest.raises(PatternError, match="not a graph node"):
         replace_pattern(gm, bad)
 
@@ -305,9 +312,13 @@ def test_keyword_default_and_missing_argument() -> None:
     gm = GraphModule(nn.Module(), graph)
     found = ArgConstraint(position=1, keyword="min_val", default=-1.0, equals=-1.0)
     missing = ArgConstraint(position=1, keyword="min_val", equals=-1.0)
-    rule = ReplacementPattern(pattern=F.hardtanh, build=_sigmoid_by_hand, constraints=[found])
+    rule = ReplacementPattern(
+        pattern=typed(F.hardtanh), build=_sigmoid_by_hand, constraints=[found]
+    )
     assert len(find_rewrite_matches(gm, rule)) == 1
-    rule = ReplacementPattern(pattern=F.hardtanh, build=_sigmoid_by_hand, constraints=[missing])
+    rule = ReplacementPattern(
+        pattern=typed(F.hardtanh), build=_sigmoid_by_hand, constraints=[missing]
+    )
     assert find_rewrite_matches(gm, rule) == []
 
 
@@ -325,7 +336,7 @@ class _ReluOverMany(nn.Module):
 
 
 def _rule(pattern: Any, name: str) -> ReplacementPattern:
-    return ReplacementPattern(pattern=pattern, build=lambda m, g: m.anchor, name=name)
+    return ReplacementPattern(pattern=typed(pattern), build=lambda m, g: m.anchor, name=name)
 
 
 def test_rules_sharing_an_anchor_keep_their_order_across_first_argument_operators() -> None:

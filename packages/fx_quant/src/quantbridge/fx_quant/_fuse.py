@@ -21,7 +21,7 @@ from torch import nn
 from torch.fx import Graph, GraphModule, Node
 
 from quantbridge.fx_quant._errors import FxQuantError
-from quantbridge.patterns import MatchAllNode, find_matches
+from quantbridge.patterns import MatchAllNode, Nested, find_matches
 from quantbridge.qconfig import BackendConfig, BackendPatternConfig
 
 __all__ = ["FusionError", "fuse"]
@@ -98,8 +98,8 @@ def fuse(
     model: GraphModule, is_qat: bool, backend_config: BackendConfig, *, recompile: bool = True
 ) -> GraphModule:
     """Fuse ``model`` (a traced GraphModule) in place following ``backend_config``."""
-    configs = {
-        pattern: config
+    configs = {  # typed patterns: the matcher refuses BackendConfig's bare tuples
+        Nested.from_tuple(pattern): config
         for pattern, config in backend_config._pattern_complex_format_to_config.items()
         if config.fuser_method is not None
     }

@@ -48,7 +48,7 @@ from quantbridge.fx_quant._transformer_swap import (
     swap_transformer_modules,
 )
 from quantbridge.fx_quant.nn.intrinsic import FusedModule
-from quantbridge.patterns import describe_pattern_element, find_matches
+from quantbridge.patterns import Nested, describe_pattern_element, find_matches
 from quantbridge.qconfig import BackendConfig, QConfigAny, QConfigMapping
 
 __all__ = [
@@ -278,7 +278,9 @@ def prepare(
 
     probe = ObserverProbe()
     no_tensors = NoTensorCache(modules, recorded.scalars)
-    configs = bc._pattern_complex_format_to_config
+    configs = {  # typed patterns: the matcher refuses BackendConfig's bare tuples
+        Nested.from_tuple(p): c for p, c in bc._pattern_complex_format_to_config.items()
+    }
     getters = {p: c._root_node_getter for p, c in configs.items() if c._root_node_getter}
     found = find_matches(gm, list(configs), root_node_getters=getters, mode="prepare")
     matches: dict[str, PatternMatch] = {}
@@ -451,6 +453,8 @@ def _describe_target(node: Node) -> str:
 
 
 def _describe_pattern(pattern: Any) -> str:
+    if isinstance(pattern, Nested):
+        pattern = pattern.to_tuple()
     if isinstance(pattern, tuple):
         return "(" + ", ".join(_describe_pattern(p) for p in pattern) + ")"
     if isinstance(pattern, type):

@@ -37,9 +37,9 @@ from quantbridge.lowering._modules import LoweredModule
 from quantbridge.lowering._numba_backend import (
     TORCH_AO_CPU_CONFIGS,
     NumbaBackend,
+    numba_backend_config,
     torch_ao_cpu_lowering,
 )
-from quantbridge.lowering._numba_config import numba_backend_config
 from quantbridge.lowering._reference import ReferenceBackend, reference
 from quantbridge.lowering._rules import LoweringRule, RuleMatch
 from quantbridge.lowering._table import default_lowering_rules

@@ -112,6 +112,8 @@ class LoweringContext:
         self.graph = graph_module.graph
         self.target = target
         self.report = LoweringReport(target)
+        # lowered node -> the op whose quantized output it returns (compare_layers reads it)
+        self.outputs: dict[str, dict[str, object]] = {}
         self.anchor: Node | None = None
         self._names: set[str] = {n for n, _ in graph_module.named_modules(remove_duplicate=False)}
 
@@ -180,6 +182,35 @@ class LoweringContext:
     def record(self, node: Node, what: str) -> None:
         """List ``node`` as lowered, run by ``what``, in the report."""
         self.report.lowered.append((node.name, what))
+
+    def record_output(self, node: Node, op: str, qparams: QParams, **extra: str) -> None:
+        """``node`` returns the quantized output of reference op ``op`` (first record wins:
+        a builder may return an earlier op's node)."""
+        if node.name not in self.outputs:
+            self.outputs[node.name] = {
+                "output_of": op,
+                "scale": qparams[0],
+                "zero_point": qparams[1],
+                **extra,
+            }
+
+    def absorb(self, new: Node, replaced: tuple[Node, ...]) -> None:
+        """Report ``new`` in place of the lowered nodes a fusion merged into it: ``replaced[0]``
+        (whose value ``new`` computes) gives its origin and output, the others their weights."""
+        anchor, inner = replaced[0], replaced[1:]
+        gone = {n.name for n in replaced}
+        rep = self.report
+        rep.lowered = [entry for entry in rep.lowered if entry[0] not in gone]
+        rep.origins[new.name] = rep.origins.pop(anchor.name, anchor.name)
+        out = self.outputs.pop(anchor.name, None)
+        weights: dict[str, object] = {}
+        for node in inner:
+            rep.origins.pop(node.name, None)
+            inner_out = self.outputs.pop(node.name, None)
+            if inner_out is not None:
+                weights = {"weights_of": inner_out["output_of"]}
+        if out is not None:
+            self.outputs[new.name] = {**out, **weights}
 
     def requantize(
         self, value: Node, qp_in: QParams, qp_out: QParams, *, before: Node | None = None

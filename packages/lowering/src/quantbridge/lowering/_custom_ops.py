@@ -41,11 +41,11 @@ def is_tracing(*tensors: torch.Tensor) -> bool:
     return torch.compiler.is_compiling()
 
 
-def _p(v: list[int]) -> tuple[int, int]:
+def _pair(v: list[int]) -> tuple[int, int]:
     return (v[0], v[1]) if len(v) > 1 else (v[0], v[0])
 
 
-def _np(t: torch.Tensor) -> Any:
+def _numpy(t: torch.Tensor) -> Any:
     return (t if t.is_contiguous() else t.contiguous()).numpy()
 
 
@@ -68,11 +68,11 @@ def _wqp(scale: torch.Tensor, zero_point: torch.Tensor) -> tuple[Any, Any]:
     """Per-tensor weight qparams as Python numbers, per-channel as arrays."""
     if scale.numel() == 1:
         return float(scale.reshape(-1)[0]), int(zero_point.reshape(-1)[0])
-    return _np(scale), _np(zero_point)
+    return _numpy(scale), _numpy(zero_point)
 
 
 def _bias(b: torch.Tensor | None) -> Any:
-    return None if b is None else _np(b.detach().to(torch.float32))
+    return None if b is None else _numpy(b.detach().to(torch.float32))
 
 
 def _packed_linear(
@@ -86,7 +86,7 @@ def _packed_linear(
     packed: K.PackedLinearWeight = _cached(
         _wkey("linear", weight, target),
         lambda: K.PackedLinearWeight(
-            _np(weight), *_wqp(w_scale, w_zero_point), _bias(bias), target=target
+            _numpy(weight), *_wqp(w_scale, w_zero_point), _bias(bias), target=target
         ),
     )
     return packed
@@ -107,7 +107,7 @@ def linear_op(
     target: str,
 ) -> torch.Tensor:
     packed = _packed_linear(weight, w_scale, w_zero_point, bias, target)
-    out = K.linear(_np(x), packed, x_scale, x_zero_point, out_scale, out_zero_point, relu=relu)
+    out = K.linear(_numpy(x), packed, x_scale, x_zero_point, out_scale, out_zero_point, relu=relu)
     return torch.from_numpy(out)
 
 
@@ -126,7 +126,7 @@ def linear_dynamic_op(
     target: str,
 ) -> torch.Tensor:
     packed = _packed_linear(weight, w_scale, w_zero_point, bias, target)
-    return torch.from_numpy(K.linear_dynamic(_np(x.to(torch.float32)), packed))
+    return torch.from_numpy(K.linear_dynamic(_numpy(x.to(torch.float32)), packed))
 
 
 @linear_dynamic_op.register_fake
@@ -155,7 +155,7 @@ def conv_op(
     packed = _cached(
         _wkey("conv", weight, target, tuple(stride), tuple(padding), tuple(dilation), groups),
         lambda: K.PackedConvWeight(
-            _np(weight),
+            _numpy(weight),
             *_wqp(w_scale, w_zero_point),
             _bias(bias),
             stride=tuple(stride),
@@ -166,7 +166,7 @@ def conv_op(
         ),
     )
     fn = K.conv2d if weight.dim() == 4 else K.conv1d
-    out = fn(_np(x), packed, x_scale, x_zero_point, out_scale, out_zero_point, relu=relu)
+    out = fn(_numpy(x), packed, x_scale, x_zero_point, out_scale, out_zero_point, relu=relu)
     return torch.from_numpy(out)
 
 
@@ -205,9 +205,16 @@ def binary_op(
     if a.shape != b.shape:
         a, b = torch.broadcast_tensors(a, b)  # type: ignore[no-untyped-call]
     out = fn(
-        _np(a), a_scale, a_zero_point, _np(b), b_scale, b_zero_point, out_scale, out_zero_point,
+        _numpy(a),
+        a_scale,
+        a_zero_point,
+        _numpy(b),
+        b_scale,
+        b_zero_point,
+        out_scale,
+        out_zero_point,
         target=target,
-    )  # fmt: skip
+    )
     return torch.from_numpy(out)
 
 
@@ -218,7 +225,7 @@ def _(a: torch.Tensor, a_scale: float, a_zero_point: int, b: torch.Tensor, *args
 
 @torch.library.custom_op(f"{_NS}::lut", mutates_args=())
 def lut_op(x: torch.Tensor, table: torch.Tensor, target: str) -> torch.Tensor:
-    return torch.from_numpy(K.apply_lut(_np(x), _np(table), target=target))
+    return torch.from_numpy(K.apply_lut(_numpy(x), _numpy(table), target=target))
 
 
 @lut_op.register_fake
@@ -235,7 +242,7 @@ def requantize_op(
     out_zero_point: int,
     target: str,
 ) -> torch.Tensor:
-    out = K.requantize(_np(x), in_scale, in_zero_point, out_scale, out_zero_point, target=target)
+    out = K.requantize(_numpy(x), in_scale, in_zero_point, out_scale, out_zero_point, target=target)
     return torch.from_numpy(out)
 
 
@@ -255,9 +262,14 @@ def max_pool2d_op(
     target: str,
 ) -> torch.Tensor:
     out = K.max_pool2d(
-        _np(x), _p(kernel_size), _p(stride), _p(padding), _p(dilation), ceil_mode,
+        _numpy(x),
+        _pair(kernel_size),
+        _pair(stride),
+        _pair(padding),
+        _pair(dilation),
+        ceil_mode,
         target=target,
-    )  # fmt: skip
+    )
     return torch.from_numpy(out)
 
 
@@ -291,10 +303,10 @@ def avg_pool2d_op(
     target: str,
 ) -> torch.Tensor:
     out = K.avg_pool2d(
-        _np(x),
-        _p(kernel_size),
-        _p(stride),
-        _p(padding),
+        _numpy(x),
+        _pair(kernel_size),
+        _pair(stride),
+        _pair(padding),
         ceil_mode,
         count_include_pad,
         divisor_override,
@@ -324,12 +336,12 @@ def _(
 
 @torch.library.custom_op(f"{_NS}::adaptive_avg_pool2d", mutates_args=())
 def adaptive_avg_pool2d_op(x: torch.Tensor, output_size: list[int], target: str) -> torch.Tensor:
-    return torch.from_numpy(K.adaptive_avg_pool2d(_np(x), _p(output_size), target=target))
+    return torch.from_numpy(K.adaptive_avg_pool2d(_numpy(x), _pair(output_size), target=target))
 
 
 @adaptive_avg_pool2d_op.register_fake
 def _(x: torch.Tensor, output_size: list[int], target: str) -> torch.Tensor:
-    return F.adaptive_avg_pool2d(x.float(), _p(output_size)).to(torch.uint8)
+    return F.adaptive_avg_pool2d(x.float(), _pair(output_size)).to(torch.uint8)
 
 
 @torch.library.custom_op(f"{_NS}::matmul", mutates_args=())
@@ -348,9 +360,16 @@ def matmul_op(
     a3 = a.expand(*lead, *a.shape[-2:]).reshape(-1, *a.shape[-2:])
     b3 = b.expand(*lead, *b.shape[-2:]).reshape(-1, *b.shape[-2:])
     out = K.matmul(
-        _np(a3), a_scale, a_zero_point, _np(b3), b_scale, b_zero_point, out_scale,
-        out_zero_point, target=target,
-    )  # fmt: skip
+        _numpy(a3),
+        a_scale,
+        a_zero_point,
+        _numpy(b3),
+        b_scale,
+        b_zero_point,
+        out_scale,
+        out_zero_point,
+        target=target,
+    )
     return torch.from_numpy(np.asarray(out)).reshape(*lead, a.shape[-2], b.shape[-1])
 
 
@@ -374,15 +393,15 @@ def embedding_bag_op(
     packed = _cached(
         _wkey("embedding", weight),
         lambda: K.PackedEmbedding(
-            _np(weight), _np(row_scale), _np(row_bias), 8, int(weight.shape[1])
+            _numpy(weight), _numpy(row_scale), _numpy(row_bias), 8, int(weight.shape[1])
         ),
     )
     out = K.embedding_bag(
         packed,
-        _np(indices),
-        None if offsets is None else _np(offsets),
+        _numpy(indices),
+        None if offsets is None else _numpy(offsets),
         mode,
-        None if per_sample_weights is None else _np(per_sample_weights),
+        None if per_sample_weights is None else _numpy(per_sample_weights),
         include_last_offset,
         target=target,
     )

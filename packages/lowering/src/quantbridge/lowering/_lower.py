@@ -20,7 +20,6 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from itertools import product
-from typing import TypeVar
 
 from torch import nn
 from torch.fx import GraphModule, Node
@@ -37,10 +36,18 @@ from quantbridge.lowering._context import (
 )
 from quantbridge.lowering._errors import LoweringError
 from quantbridge.lowering._rules import LoweringRule, RuleMatch
-from quantbridge.lowering._table import _no_kernel, default_lowering_rules, lowerable_op_names
-from quantbridge.patterns import Pattern, ReplacementPattern, RewriteMatch, find_rewrite_matches
+from quantbridge.lowering._table import _no_kernel, default_lowering_rules
+from quantbridge.patterns import (
+    MatchAllNode,
+    Nested,
+    Pattern,
+    ReplacementPattern,
+    RewriteMatch,
+    as_complex,
+    find_rewrite_matches,
+)
 
-__all__ = ["LoweringReport", "lower_to_kernels", "lowerable_op_names", "lowering_report"]
+__all__ = ["LoweringReport", "lower_to_kernels", "lowering_report"]
 
 _REPORT_KEY = "quantbridge_lowering"
 
@@ -87,17 +94,6 @@ class _Pass:
         self.rules = rules
         self.owner: dict[ReplacementPattern, LoweringRule] = {}
         self._types: set[type] = set()
-        # lowered node -> the op whose quantized output it returns (compare_layers reads it)
-        self.outputs: dict[str, dict[str, object]] = {}
-
-    def _output(self, node: Node, op: str, qparams: tuple[float, int], **extra: str) -> None:
-        if node.name not in self.outputs:  # a builder may return an earlier op's node
-            self.outputs[node.name] = {
-                "output_of": op,
-                "scale": qparams[0],
-                "zero_point": qparams[1],
-                **extra,
-            }
 
     def _compile(self, kind: str) -> list[ReplacementPattern]:
         """The rules' rewrite patterns in table order, with subclass variants if any."""
@@ -105,15 +101,16 @@ class _Pass:
         for rule in self.rules:
             if rule.kind != kind:
                 continue
+            own = {as_complex(op) for op in rule.ops if op is not MatchAllNode}
             for op, compiled in zip(rule.ops, rule._compiled, strict=True):
                 out.append(compiled)
                 self.owner[compiled] = rule
-                if not self._types:
+                if not self._types or op is MatchAllNode:
                     continue
-                for variant in _subclass_variants(op, self._types)[1:]:
-                    if variant in rule.ops:
+                for variant in _subclass_variants(as_complex(op), self._types)[1:]:
+                    if variant in own:
                         continue
-                    extra = rule.compile(variant)
+                    extra = rule.compile(Nested.from_tuple(variant))
                     out.append(extra)
                     self.owner[extra] = rule
         return out
@@ -129,7 +126,7 @@ class _Pass:
     def _rule_match(self, found: RewriteMatch) -> RuleMatch:
         rule = self.owner[found.rule]
         anchor = found.anchor
-        if rule.kind == "float_output":
+        if rule.kind != "static":
             return RuleMatch(rule, anchor, found.nodes, anchor, None)
         op = anchor.args[0]
         assert isinstance(op, Node)
@@ -158,51 +155,34 @@ class _Pass:
                     self._unmatched_quantize(node)
         self._cleanup()
 
-    def _fuse_residual_adds(self) -> None:
-        """conv → add(+relu) pairs of lowered modules → one ``QuantizedConvAdd`` each.
-
-        A 2-D conv whose only user is a lowered add of the same qparams hands its output codes
-        straight to the add inside the conv kernel's epilogue (``kernels.conv2d_add``): the
-        same numbers without writing and re-reading the conv output (a ResNet block's add).
-        """
+    def _fuse(self) -> None:
+        """The fusion rules, on the lowered graph: each merges lowered modules into one."""
         ctx = self.ctx
-        gm = ctx.graph_module
+        found = self._find("fusion")
         for node in list(ctx.graph.nodes):
-            add = _module_of(gm, node, lm.QuantizedBinary)
-            if add is None or type(add) is not lm.QuantizedBinary or add.kind not in _ADDS:
+            match = found.get(node)
+            if match is None:
                 continue
-            operands = ((add._xs, add._xz), (add._bs, add._bz))
-            for i, arg in enumerate(node.args[:2]):
-                conv = _module_of(gm, arg, lm.QuantizedConv)
-                if (
-                    conv is None
-                    or type(conv) is not lm.QuantizedConv
-                    or conv.weight.dim() != 4
-                    or len(arg.users) != 1
-                    or operands[i] != (conv._os, conv._oz)
-                ):
-                    continue
-                assert isinstance(arg, Node)
-                other = node.args[1 - i]
-                fused = lm.QuantizedConvAdd(
-                    conv, operands[1 - i], (add._os, add._oz), add.kind == "add_relu"
-                )
-                new = ctx.add_module(
-                    f"{arg.name}_{add.kind}", fused, (arg.args[0], other), before=node
-                )
-                node.replace_all_uses_with(new)
-                rep = ctx.report
-                rep.lowered = [e for e in rep.lowered if e[0] not in (arg.name, node.name)]
-                rep.lowered.append((new.name, f"{fused.kernel} ({ctx.target}), conv + {add.kind}"))
-                rep.origins[new.name] = rep.origins.pop(node.name, node.name)
-                rep.origins.pop(arg.name, None)
-                out, conv_out = self.outputs.pop(node.name, None), self.outputs.pop(arg.name, None)
-                if out is not None:
-                    weights = {} if conv_out is None else {"weights_of": conv_out["output_of"]}
-                    self.outputs[new.name] = {**out, **weights}
-                ctx.graph.erase_node(node)
-                ctx.graph.erase_node(arg)
-                break
+            ctx.anchor = match.anchor
+            try:
+                new = match.rule.build(ctx, match)
+            except NotLowerableError:
+                continue  # the modules stay lowered as they are
+            finally:
+                ctx.anchor = None
+            self._check_built(match, new)
+            match.anchor.replace_all_uses_with(new)
+            ctx.absorb(new, match.nodes)
+            for replaced in match.nodes:
+                ctx.graph.erase_node(replaced)
+
+    def _check_built(self, match: RuleMatch, new: object) -> None:
+        if not isinstance(new, Node) or new is match.anchor:
+            raise LoweringError(
+                f"lowering rule {match.rule.name!r}: its builder returned {new!r} for node "
+                f"{match.anchor.name!r}; return the new node that replaces it, or raise "
+                "NotLowerableError('why') to keep the reference form"
+            )
 
     def _apply(self, match: RuleMatch) -> None:
         ctx = self.ctx
@@ -214,16 +194,11 @@ class _Pass:
             return
         finally:
             ctx.anchor = None
-        if not isinstance(new, Node) or new is match.anchor:
-            raise LoweringError(
-                f"lowering rule {match.rule.name!r}: its builder returned {new!r} for node "
-                f"{match.anchor.name!r}; return the new node that replaces it, or raise "
-                "NotLowerableError('why') to keep the reference form"
-            )
+        self._check_built(match, new)
         match.anchor.replace_all_uses_with(new)
         ctx.report.origins[new.name] = match.anchor.name
         if match.output_qparams is not None:
-            self._output(new, match.node.name, match.output_qparams)
+            ctx.record_output(new, match.node.name, match.output_qparams)
 
     def _unmatched_quantize(self, q: Node) -> None:
         """A static quantize no rule lowered: report why its op stays reference."""
@@ -267,7 +242,7 @@ class _Pass:
             node.replace_all_uses_with(new)
             ctx.report.origins[new.name] = node.name
             if source is not None:
-                self._output(new, source, qp)
+                ctx.record_output(new, source, qp)
 
     def _cleanup(self) -> None:
         gm, graph = self.ctx.graph_module, self.ctx.graph
@@ -275,7 +250,7 @@ class _Pass:
         graph.eliminate_dead_code()  # first: dequantizes read only by replaced ops go
         self._boundaries()
         graph.eliminate_dead_code()
-        self._fuse_residual_adds()  # on the final graph: a conv's users are real users now
+        self._fuse()  # on the final graph: a conv's users are real users now
         after = {n.target for n in graph.nodes if n.op == "get_attr"}
         for t in before - after:
             path = str(t)
@@ -302,18 +277,6 @@ def _check_rules(rules: Iterable[LoweringRule]) -> tuple[LoweringRule, ...]:
     return table
 
 
-_ADDS = ("add", "add_relu")
-_M = TypeVar("_M", bound=nn.Module)
-
-
-def _module_of(gm: GraphModule, node: object, kind: type[_M]) -> _M | None:
-    """The ``kind`` submodule ``node`` calls, else None."""
-    if not isinstance(node, Node) or node.op != "call_module":
-        return None
-    mod = gm.get_submodule(str(node.target))
-    return mod if isinstance(mod, kind) else None
-
-
 def lower_to_kernels(
     reference_model: GraphModule, target: str, rules: Iterable[LoweringRule] | None = None
 ) -> GraphModule:
@@ -331,5 +294,5 @@ def lower_to_kernels(
     lowering = _Pass(ctx, table)
     lowering.run()
     reference_model.meta[_REPORT_KEY] = ctx.report
-    reference_model.meta[QUANTIZED_OUTPUTS_KEY] = lowering.outputs
+    reference_model.meta[QUANTIZED_OUTPUTS_KEY] = ctx.outputs
     return reference_model

@@ -47,16 +47,20 @@ __all__ = [
 ]
 
 
-def _t(value: Any) -> torch.Tensor:
+def _as_tensor(value: Any) -> torch.Tensor:
     """Custom ops are typed loosely by torch.library; their results are tensors."""
     return value  # type: ignore[no-any-return]
 
 
-def _p(v: list[int]) -> tuple[int, int]:
+def _qp(qparams: tuple[float, int]) -> str:
+    return f"({qparams[0]:.6g}, {qparams[1]})"
+
+
+def _pair(v: list[int]) -> tuple[int, int]:
     return (v[0], v[1]) if len(v) > 1 else (v[0], v[0])
 
 
-def _np(t: torch.Tensor) -> Any:
+def _numpy(t: torch.Tensor) -> Any:
     """C-contiguous numpy view (a copy only when ``t`` is laid out otherwise)."""
     t = t.detach()  # float inputs may come from float ops with parameters (grad mode on)
     return (t if t.is_contiguous() else t.contiguous()).numpy()
@@ -132,18 +136,28 @@ class LoweredModule(nn.Module):
     def _sync(self) -> None:
         """Refresh the Python mirrors of the buffers (and repack weights in subclasses)."""
         b = dict(self.named_buffers(recurse=False))
-        self._xs = float(b["input_scale"]) if "input_scale" in b else 1.0
-        self._xz = int(b["input_zero_point"]) if "input_zero_point" in b else 0
-        self._os = float(b["scale"]) if "scale" in b else 1.0
-        self._oz = int(b["zero_point"]) if "zero_point" in b else 0
+        self._in_scale = float(b["input_scale"]) if "input_scale" in b else 1.0
+        self._in_zero_point = int(b["input_zero_point"]) if "input_zero_point" in b else 0
+        self._out_scale = float(b["scale"]) if "scale" in b else 1.0
+        self._out_zero_point = int(b["zero_point"]) if "zero_point" in b else 0
+
+    @property
+    def input_qparams(self) -> tuple[float, int]:
+        """(scale, zero point) of the first input's codes ((1.0, 0) when it has none)."""
+        return (self._in_scale, self._in_zero_point)
+
+    @property
+    def output_qparams(self) -> tuple[float, int]:
+        """(scale, zero point) of the output codes ((1.0, 0) for a float output)."""
+        return (self._out_scale, self._out_zero_point)
 
     def _qparams_repr(self) -> str:
         b = dict(self.named_buffers(recurse=False))
         parts = []
         if "input_scale" in b:
-            parts.append(f"in=({self._xs:.6g}, {self._xz})")
+            parts.append(f"in=({self._in_scale:.6g}, {self._in_zero_point})")
         if "scale" in b:
-            parts.append(f"out=({self._os:.6g}, {self._oz})")
+            parts.append(f"out=({self._out_scale:.6g}, {self._out_zero_point})")
         return ", ".join(parts)
 
     def extra_repr(self) -> str:
@@ -190,11 +204,11 @@ class _WeightedBase(LoweredModule):
         LoweredModule.__init__(self, target, in_qparams, out_qparams)
 
     def _weight_args(self) -> tuple[Any, Any, Any, Any]:
-        ws, wz = _np(self.weight_scale), _np(self.weight_zero_point)
+        ws, wz = _numpy(self.weight_scale), _numpy(self.weight_zero_point)
         if ws.shape[0] == 1:
             ws, wz = float(ws[0]), int(wz[0])
-        bias = None if self.bias is None else _np(self.bias)
-        return _np(self.weight), ws, wz, bias
+        bias = None if self.bias is None else _numpy(self.bias)
+        return _numpy(self.weight), ws, wz, bias
 
     def _pack_details(self) -> str:
         per = "per_channel" if self.weight_scale.numel() > 1 else "per_tensor"
@@ -217,12 +231,30 @@ class QuantizedLinear(_WeightedBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if is_tracing(x):
-            return _t(ops.linear_op(
-                x, self.weight, self.weight_scale, self.weight_zero_point, self.bias,
-                self._xs, self._xz, self._os, self._oz, self.relu, self.target,
-            ))  # fmt: skip
-        out = K.linear(_np(x), self._packed, self._xs, self._xz, self._os, self._oz,
-                       relu=self.relu)  # fmt: skip
+            return _as_tensor(
+                ops.linear_op(
+                    x,
+                    self.weight,
+                    self.weight_scale,
+                    self.weight_zero_point,
+                    self.bias,
+                    self._in_scale,
+                    self._in_zero_point,
+                    self._out_scale,
+                    self._out_zero_point,
+                    self.relu,
+                    self.target,
+                )
+            )
+        out = K.linear(
+            _numpy(x),
+            self._packed,
+            self._in_scale,
+            self._in_zero_point,
+            self._out_scale,
+            self._out_zero_point,
+            relu=self.relu,
+        )
         return torch.from_numpy(out)
 
     def _details(self) -> str:
@@ -241,7 +273,7 @@ class QuantizedDynamicLinear(_WeightedBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if is_tracing(x):
-            return _t(
+            return _as_tensor(
                 ops.linear_dynamic_op(
                     x,
                     self.weight,
@@ -253,7 +285,7 @@ class QuantizedDynamicLinear(_WeightedBase):
             )
         if x.dtype != torch.float32:
             x = x.to(torch.float32)
-        return torch.from_numpy(K.linear_dynamic(_np(x), self._packed))
+        return torch.from_numpy(K.linear_dynamic(_numpy(x), self._packed))
 
     def _details(self) -> str:
         return self._pack_details()
@@ -287,19 +319,48 @@ class QuantizedConv(_WeightedBase):
         super()._sync()
         w, ws, wz, bias = self._weight_args()
         self._packed = K.PackedConvWeight(
-            w, ws, wz, bias, stride=tuple(self.stride), padding=tuple(self.padding),
-            dilation=tuple(self.dilation), groups=self.groups, target=self.target,
-        )  # fmt: skip
+            w,
+            ws,
+            wz,
+            bias,
+            stride=tuple(self.stride),
+            padding=tuple(self.padding),
+            dilation=tuple(self.dilation),
+            groups=self.groups,
+            target=self.target,
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if is_tracing(x):
-            return _t(ops.conv_op(
-                x, self.weight, self.weight_scale, self.weight_zero_point, self.bias,
-                self.stride, self.padding, self.dilation, self.groups,
-                self._xs, self._xz, self._os, self._oz, self.relu, self.target,
-            ))  # fmt: skip
-        out = self._fn(_np_dense(x), self._packed, self._xs, self._xz, self._os, self._oz,
-                       relu=self.relu, channels_last=True)  # fmt: skip
+            return _as_tensor(
+                ops.conv_op(
+                    x,
+                    self.weight,
+                    self.weight_scale,
+                    self.weight_zero_point,
+                    self.bias,
+                    self.stride,
+                    self.padding,
+                    self.dilation,
+                    self.groups,
+                    self._in_scale,
+                    self._in_zero_point,
+                    self._out_scale,
+                    self._out_zero_point,
+                    self.relu,
+                    self.target,
+                )
+            )
+        out = self._fn(
+            _np_dense(x),
+            self._packed,
+            self._in_scale,
+            self._in_zero_point,
+            self._out_scale,
+            self._out_zero_point,
+            relu=self.relu,
+            channels_last=True,
+        )
         return torch.from_numpy(out)
 
     def _details(self) -> str:
@@ -334,11 +395,19 @@ class QuantizedConvAdd(QuantizedConv):
     ) -> None:
         self.add_relu = add_relu
         super().__init__(
-            conv.weight, conv.weight_scale, conv.weight_zero_point, conv.bias, conv.target,
-            (conv._xs, conv._xz), (conv._os, conv._oz), stride=tuple(conv.stride),
-            padding=tuple(conv.padding), dilation=tuple(conv.dilation), groups=conv.groups,
+            conv.weight,
+            conv.weight_scale,
+            conv.weight_zero_point,
+            conv.bias,
+            conv.target,
+            conv.input_qparams,
+            conv.output_qparams,
+            stride=tuple(conv.stride),
+            padding=tuple(conv.padding),
+            dilation=tuple(conv.dilation),
+            groups=conv.groups,
             relu=conv.relu,
-        )  # fmt: skip
+        )
         self.kernel = "kernels.conv2d_add"
         # registered after the base init (which resets the module), then mirrored
         for name, value, dtype in (
@@ -354,28 +423,61 @@ class QuantizedConvAdd(QuantizedConv):
         super()._sync()
         b = dict(self.named_buffers(recurse=False))
         if "add_scale" in b:  # absent while the base class initializes
-            self._bs, self._bz = float(b["input2_scale"]), int(b["input2_zero_point"])
-            self._as, self._az = float(b["add_scale"]), int(b["add_zero_point"])
+            self._other_scale, self._other_zero_point = (
+                float(b["input2_scale"]),
+                int(b["input2_zero_point"]),
+            )
+            self._add_scale, self._add_zero_point = float(b["add_scale"]), int(b["add_zero_point"])
+
+    @property
+    def other_qparams(self) -> tuple[float, int]:
+        """(scale, zero point) of the other operand of the add."""
+        return (self._other_scale, self._other_zero_point)
+
+    @property
+    def output_qparams(self) -> tuple[float, int]:
+        """(scale, zero point) of the add's output codes (what this module returns)."""
+        return (self._add_scale, self._add_zero_point)
 
     def forward(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         if is_tracing(x, other):
             conv = super().forward(x)
             kind = "add_relu" if self.add_relu else "add"
-            return _t(ops.binary_op(
-                conv, self._os, self._oz, other, self._bs, self._bz, self._as, self._az,
-                kind, self.target,
-            ))  # fmt: skip
+            return _as_tensor(
+                ops.binary_op(
+                    conv,
+                    self._out_scale,
+                    self._out_zero_point,
+                    other,
+                    self._other_scale,
+                    self._other_zero_point,
+                    self._add_scale,
+                    self._add_zero_point,
+                    kind,
+                    self.target,
+                )
+            )
         out = K.conv2d_add(
-            _np_dense(x), self._packed, self._xs, self._xz, self._os, self._oz,
-            _np_dense(other), self._bs, self._bz, self._as, self._az,
-            relu_conv=self.relu, relu=self.add_relu,
-        )  # fmt: skip
+            _np_dense(x),
+            self._packed,
+            self._in_scale,
+            self._in_zero_point,
+            self._out_scale,
+            self._out_zero_point,
+            _np_dense(other),
+            self._other_scale,
+            self._other_zero_point,
+            self._add_scale,
+            self._add_zero_point,
+            relu_conv=self.relu,
+            relu=self.add_relu,
+        )
         return torch.from_numpy(out)
 
     def _qparams_repr(self) -> str:
         return (
-            f"in=({self._xs:.6g}, {self._xz}), conv=({self._os:.6g}, {self._oz}), "
-            f"other=({self._bs:.6g}, {self._bz}), out=({self._as:.6g}, {self._az})"
+            f"in={_qp(self.input_qparams)}, conv={_qp((self._out_scale, self._out_zero_point))}, "
+            f"other={_qp(self.other_qparams)}, out={_qp(self.output_qparams)}"
         )
 
     def _details(self) -> str:
@@ -406,44 +508,93 @@ class QuantizedBinary(LoweredModule):
 
     def _sync(self) -> None:
         super()._sync()
-        self._bs, self._bz = float(self.input2_scale), int(self.input2_zero_point)
+        self._other_scale, self._other_zero_point = (
+            float(self.input2_scale),
+            int(self.input2_zero_point),
+        )
+
+    @property
+    def other_qparams(self) -> tuple[float, int]:
+        """(scale, zero point) of the second input's codes."""
+        return (self._other_scale, self._other_zero_point)
 
     def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         if is_tracing(a, b):
-            return _t(ops.binary_op(
-                a, self._xs, self._xz, b, self._bs, self._bz, self._os, self._oz,
-                self.kind, self.target,
-            ))  # fmt: skip
+            return _as_tensor(
+                ops.binary_op(
+                    a,
+                    self._in_scale,
+                    self._in_zero_point,
+                    b,
+                    self._other_scale,
+                    self._other_zero_point,
+                    self._out_scale,
+                    self._out_zero_point,
+                    self.kind,
+                    self.target,
+                )
+            )
         if a.shape != b.shape:  # the kernels take equal shapes: broadcast first
             a, b = torch.broadcast_tensors(a, b)  # type: ignore[no-untyped-call]
-        out = self._fn(_np_dense(a), self._xs, self._xz, _np_dense(b), self._bs, self._bz,
-                       self._os, self._oz, target=self.target)  # fmt: skip
+        out = self._fn(
+            _np_dense(a),
+            self._in_scale,
+            self._in_zero_point,
+            _np_dense(b),
+            self._other_scale,
+            self._other_zero_point,
+            self._out_scale,
+            self._out_zero_point,
+            target=self.target,
+        )
         return torch.from_numpy(out)
 
     def _qparams_repr(self) -> str:
         return (
-            f"a=({self._xs:.6g}, {self._xz}), b=({self._bs:.6g}, {self._bz}), "
-            f"out=({self._os:.6g}, {self._oz})"
+            f"a={_qp(self.input_qparams)}, b={_qp(self.other_qparams)}, "
+            f"out={_qp(self.output_qparams)}"
         )
 
 
 class QuantizedMatmul(QuantizedBinary):
     """uint8 ``a @ b`` (2-D or batched 3-D): ``kernels.matmul``."""
 
-    def __init__(self, target: str, a_qparams: tuple[float, int], b_qparams: tuple[float, int],
-                 out_qparams: tuple[float, int]) -> None:  # fmt: skip
+    def __init__(
+        self,
+        target: str,
+        a_qparams: tuple[float, int],
+        b_qparams: tuple[float, int],
+        out_qparams: tuple[float, int],
+    ) -> None:
         super().__init__("matmul", target, a_qparams, b_qparams, out_qparams)
 
     def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         if is_tracing(a, b):
-            return _t(
+            return _as_tensor(
                 ops.matmul_op(
-                    a, self._xs, self._xz, b, self._bs, self._bz, self._os, self._oz, self.target
+                    a,
+                    self._in_scale,
+                    self._in_zero_point,
+                    b,
+                    self._other_scale,
+                    self._other_zero_point,
+                    self._out_scale,
+                    self._out_zero_point,
+                    self.target,
                 )
             )
         if a.dim() == b.dim() and a.dim() in (2, 3) and a.shape[:-2] == b.shape[:-2]:
-            out = K.matmul(_np(a), self._xs, self._xz, _np(b), self._bs, self._bz, self._os,
-                           self._oz, target=self.target)  # fmt: skip
+            out = K.matmul(
+                _numpy(a),
+                self._in_scale,
+                self._in_zero_point,
+                _numpy(b),
+                self._other_scale,
+                self._other_zero_point,
+                self._out_scale,
+                self._out_zero_point,
+                target=self.target,
+            )
             return torch.from_numpy(out)
         # broadcast leading dims, run as one batched [B, M, K] x [B, K, N] call
         if a.dim() < 2 or b.dim() < 2:
@@ -454,8 +605,17 @@ class QuantizedMatmul(QuantizedBinary):
         lead = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])  # type: ignore[no-untyped-call]
         a3 = a.expand(*lead, *a.shape[-2:]).reshape(-1, *a.shape[-2:])
         b3 = b.expand(*lead, *b.shape[-2:]).reshape(-1, *b.shape[-2:])
-        out = K.matmul(_np(a3), self._xs, self._xz, _np(b3), self._bs, self._bz, self._os,
-                       self._oz, target=self.target)  # fmt: skip
+        out = K.matmul(
+            _numpy(a3),
+            self._in_scale,
+            self._in_zero_point,
+            _numpy(b3),
+            self._other_scale,
+            self._other_zero_point,
+            self._out_scale,
+            self._out_zero_point,
+            target=self.target,
+        )
         return torch.from_numpy(out).reshape(*lead, a.shape[-2], b.shape[-1])
 
 
@@ -484,11 +644,11 @@ class QuantizedLookupTable(LoweredModule):
 
     def _sync(self) -> None:
         super()._sync()
-        self._table = _np(self.table)
+        self._table = _numpy(self.table)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if is_tracing(x):
-            return _t(ops.lut_op(x, self.table, self.target))
+            return _as_tensor(ops.lut_op(x, self.table, self.target))
         return torch.from_numpy(K.apply_lut(_np_dense(x), self._table, target=self.target))
 
     def _details(self) -> str:
@@ -506,13 +666,17 @@ class Quantize(LoweredModule):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if is_tracing(x):
-            return _t(torch.ops.quantbridge.quantize_per_tensor.tensor(
-                x, self.scale, self.zero_point, 0, 255, torch.uint8
-            ))  # fmt: skip
+            return _as_tensor(
+                torch.ops.quantbridge.quantize_per_tensor.tensor(
+                    x, self.scale, self.zero_point, 0, 255, torch.uint8
+                )
+            )
         if x.dtype != torch.float32:
             x = x.to(torch.float32)
         return torch.from_numpy(
-            K.quantize_per_tensor(_np_dense(x), self._os, self._oz, target=self.target)
+            K.quantize_per_tensor(
+                _np_dense(x), self._out_scale, self._out_zero_point, target=self.target
+            )
         )
 
 
@@ -526,13 +690,17 @@ class Dequantize(LoweredModule):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if is_tracing(x):
-            return _t(torch.ops.quantbridge.dequantize_per_tensor.tensor(
-                x, self.input_scale, self.input_zero_point, 0, 255, torch.uint8
-            ))  # fmt: skip
+            return _as_tensor(
+                torch.ops.quantbridge.dequantize_per_tensor.tensor(
+                    x, self.input_scale, self.input_zero_point, 0, 255, torch.uint8
+                )
+            )
         return torch.from_numpy(
             # C-contiguous like the reference model's float values (lowered convs return
             # channels-last codes; user code may ``view`` a model output)
-            K.dequantize_per_tensor(_np(x), self._xs, self._xz, target=self.target)
+            K.dequantize_per_tensor(
+                _numpy(x), self._in_scale, self._in_zero_point, target=self.target
+            )
         )
 
 
@@ -543,8 +711,24 @@ class Requantize(LoweredModule):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if is_tracing(x):
-            return _t(ops.requantize_op(x, self._xs, self._xz, self._os, self._oz, self.target))
-        out = K.requantize(_np_dense(x), self._xs, self._xz, self._os, self._oz, target=self.target)
+            return _as_tensor(
+                ops.requantize_op(
+                    x,
+                    self._in_scale,
+                    self._in_zero_point,
+                    self._out_scale,
+                    self._out_zero_point,
+                    self.target,
+                )
+            )
+        out = K.requantize(
+            _np_dense(x),
+            self._in_scale,
+            self._in_zero_point,
+            self._out_scale,
+            self._out_zero_point,
+            target=self.target,
+        )
         return torch.from_numpy(out)
 
 
@@ -553,19 +737,41 @@ class QuantizedMaxPool2d(LoweredModule):
 
     kernel = "kernels.max_pool2d"
 
-    def __init__(self, kernel_size: tuple[int, int], stride: tuple[int, int],
-                 padding: tuple[int, int], dilation: tuple[int, int], ceil_mode: bool,
-                 target: str) -> None:  # fmt: skip
+    def __init__(
+        self,
+        kernel_size: tuple[int, int],
+        stride: tuple[int, int],
+        padding: tuple[int, int],
+        dilation: tuple[int, int],
+        ceil_mode: bool,
+        target: str,
+    ) -> None:
         self.kernel_size, self.stride = list(kernel_size), list(stride)
         self.padding, self.dilation, self.ceil_mode = list(padding), list(dilation), ceil_mode
         super().__init__(target, None, None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if is_tracing(x):
-            return _t(ops.max_pool2d_op(x, self.kernel_size, self.stride, self.padding,
-                                        self.dilation, self.ceil_mode, self.target))  # fmt: skip
-        out = K.max_pool2d(_np_dense(x), _p(self.kernel_size), _p(self.stride), _p(self.padding),
-                           _p(self.dilation), self.ceil_mode, target=self.target)  # fmt: skip
+            return _as_tensor(
+                ops.max_pool2d_op(
+                    x,
+                    self.kernel_size,
+                    self.stride,
+                    self.padding,
+                    self.dilation,
+                    self.ceil_mode,
+                    self.target,
+                )
+            )
+        out = K.max_pool2d(
+            _np_dense(x),
+            _pair(self.kernel_size),
+            _pair(self.stride),
+            _pair(self.padding),
+            _pair(self.dilation),
+            self.ceil_mode,
+            target=self.target,
+        )
         return torch.from_numpy(out)
 
     def _details(self) -> str:
@@ -577,29 +783,59 @@ class QuantizedAvgPool2d(LoweredModule):
 
     kernel = "kernels.avg_pool2d"
 
-    def __init__(self, kernel_size: tuple[int, int], stride: tuple[int, int],
-                 padding: tuple[int, int], ceil_mode: bool, count_include_pad: bool,
-                 divisor_override: int | None, target: str, in_qparams: tuple[float, int],
-                 out_qparams: tuple[float, int]) -> None:  # fmt: skip
+    def __init__(
+        self,
+        kernel_size: tuple[int, int],
+        stride: tuple[int, int],
+        padding: tuple[int, int],
+        ceil_mode: bool,
+        count_include_pad: bool,
+        divisor_override: int | None,
+        target: str,
+        in_qparams: tuple[float, int],
+        out_qparams: tuple[float, int],
+    ) -> None:
         self.kernel_size, self.stride, self.padding = (
-            list(kernel_size), list(stride), list(padding),
-        )  # fmt: skip
+            list(kernel_size),
+            list(stride),
+            list(padding),
+        )
         self.ceil_mode, self.count_include_pad = ceil_mode, count_include_pad
         self.divisor_override = divisor_override
         super().__init__(target, in_qparams, out_qparams)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if is_tracing(x):
-            return _t(ops.avg_pool2d_op(
-                x, self.kernel_size, self.stride, self.padding, self.ceil_mode,
-                self.count_include_pad, self.divisor_override, self._xs, self._xz, self._os,
-                self._oz, self.target,
-            ))  # fmt: skip
+            return _as_tensor(
+                ops.avg_pool2d_op(
+                    x,
+                    self.kernel_size,
+                    self.stride,
+                    self.padding,
+                    self.ceil_mode,
+                    self.count_include_pad,
+                    self.divisor_override,
+                    self._in_scale,
+                    self._in_zero_point,
+                    self._out_scale,
+                    self._out_zero_point,
+                    self.target,
+                )
+            )
         out = K.avg_pool2d(
-            _np_dense(x), _p(self.kernel_size), _p(self.stride), _p(self.padding),
-            self.ceil_mode, self.count_include_pad, self.divisor_override, scale=self._xs,
-            zero_point=self._xz, out_scale=self._os, out_zero_point=self._oz, target=self.target,
-        )  # fmt: skip
+            _np_dense(x),
+            _pair(self.kernel_size),
+            _pair(self.stride),
+            _pair(self.padding),
+            self.ceil_mode,
+            self.count_include_pad,
+            self.divisor_override,
+            scale=self._in_scale,
+            zero_point=self._in_zero_point,
+            out_scale=self._out_scale,
+            out_zero_point=self._out_zero_point,
+            target=self.target,
+        )
         return torch.from_numpy(out)
 
     def _details(self) -> str:
@@ -617,8 +853,8 @@ class QuantizedAdaptiveAvgPool2d(LoweredModule):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if is_tracing(x):
-            return _t(ops.adaptive_avg_pool2d_op(x, self.output_size, self.target))
-        out = K.adaptive_avg_pool2d(_np_dense(x), _p(self.output_size), target=self.target)
+            return _as_tensor(ops.adaptive_avg_pool2d_op(x, self.output_size, self.target))
+        out = K.adaptive_avg_pool2d(_np_dense(x), _pair(self.output_size), target=self.target)
         return torch.from_numpy(out)
 
     def _details(self) -> str:
@@ -637,8 +873,15 @@ class QuantizedEmbeddingBag(LoweredModule):
     row_scale: torch.Tensor
     row_bias: torch.Tensor
 
-    def __init__(self, codes: torch.Tensor, row_scale: torch.Tensor, row_bias: torch.Tensor,
-                 mode: str, include_last_offset: bool, target: str) -> None:  # fmt: skip
+    def __init__(
+        self,
+        codes: torch.Tensor,
+        row_scale: torch.Tensor,
+        row_bias: torch.Tensor,
+        mode: str,
+        include_last_offset: bool,
+        target: str,
+    ) -> None:
         nn.Module.__init__(self)
         self.mode, self.include_last_offset = mode, include_last_offset
         self.register_buffer("weight", codes.detach().to(torch.uint8).contiguous())
@@ -649,9 +892,12 @@ class QuantizedEmbeddingBag(LoweredModule):
     def _sync(self) -> None:
         super()._sync()
         self._packed = K.PackedEmbedding(
-            _np(self.weight), _np(self.row_scale), _np(self.row_bias), 8,
+            _numpy(self.weight),
+            _numpy(self.row_scale),
+            _numpy(self.row_bias),
+            8,
             int(self.weight.shape[1]),
-        )  # fmt: skip
+        )
 
     def forward(
         self,
@@ -660,15 +906,28 @@ class QuantizedEmbeddingBag(LoweredModule):
         per_sample_weights: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if is_tracing(indices):
-            return _t(ops.embedding_bag_op(
-                self.weight, self.row_scale, self.row_bias, indices, offsets, per_sample_weights,
-                self.mode, self.include_last_offset, self.target,
-            ))  # fmt: skip
+            return _as_tensor(
+                ops.embedding_bag_op(
+                    self.weight,
+                    self.row_scale,
+                    self.row_bias,
+                    indices,
+                    offsets,
+                    per_sample_weights,
+                    self.mode,
+                    self.include_last_offset,
+                    self.target,
+                )
+            )
         out = K.embedding_bag(
-            self._packed, _np(indices), None if offsets is None else _np(offsets), self.mode,
-            None if per_sample_weights is None else _np(per_sample_weights),
-            self.include_last_offset, target=self.target,
-        )  # fmt: skip
+            self._packed,
+            _numpy(indices),
+            None if offsets is None else _numpy(offsets),
+            self.mode,
+            None if per_sample_weights is None else _numpy(per_sample_weights),
+            self.include_last_offset,
+            target=self.target,
+        )
         return torch.from_numpy(out)
 
     def _details(self) -> str:
@@ -678,8 +937,9 @@ class QuantizedEmbeddingBag(LoweredModule):
 class QuantizedEmbedding(QuantizedEmbeddingBag):
     """Weight-only 8-bit Embedding: each index is a bag of one row (``kernels.embedding_bag``)."""
 
-    def __init__(self, codes: torch.Tensor, row_scale: torch.Tensor, row_bias: torch.Tensor,
-                 target: str) -> None:  # fmt: skip
+    def __init__(
+        self, codes: torch.Tensor, row_scale: torch.Tensor, row_bias: torch.Tensor, target: str
+    ) -> None:
         super().__init__(codes, row_scale, row_bias, "sum", False, target)
 
     def forward(  # type: ignore[override]

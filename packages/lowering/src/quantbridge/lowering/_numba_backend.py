@@ -7,11 +7,14 @@ import copy
 from torch.fx import GraphModule
 
 from quantbridge import kernels as K
+from quantbridge.fx_quant import get_native_backend_config
 from quantbridge.lowering._backend import Backend, SupportedOp, get_backend
-from quantbridge.lowering._lower import lower_to_kernels, lowerable_op_names
-from quantbridge.lowering._numba_config import numba_backend_config
+from quantbridge.lowering._lower import lower_to_kernels
+from quantbridge.lowering._rules import backend_config_from_rules
+from quantbridge.lowering._table import default_lowering_rules
 from quantbridge.qconfig import (
     FIXED_QPARAMS_OP_TO_OBSERVER,
+    BackendConfig,
     FusedMovingAvgObsFakeQuantize,
     HistogramObserver,
     MovingAverageMinMaxObserver,
@@ -23,17 +26,22 @@ from quantbridge.qconfig import (
     get_default_qconfig_mapping,
 )
 
-__all__ = ["TORCH_AO_CPU_CONFIGS", "NumbaBackend", "TorchAoConfigLowering", "torch_ao_cpu_lowering"]
+__all__ = [
+    "TORCH_AO_CPU_CONFIGS",
+    "NumbaBackend",
+    "TorchAoConfigLowering",
+    "numba_backend_config",
+    "torch_ao_cpu_lowering",
+]
 
 # torch.ao lowered BackendConfigs of these names to its quantized CPU engines (fbgemm, onednn)
 TORCH_AO_CPU_CONFIGS = ("x86", "fbgemm", "onednn", "native")
 
-_MODES = {
-    "kernels.linear": "static",
-    "kernels.conv1d / conv2d": "static",
-    "kernels.linear_dynamic": "dynamic",
-    "kernels.embedding_bag": "weight_only",
-}
+
+def numba_backend_config(name: str) -> BackendConfig:
+    """The BackendConfig named ``name`` allowing exactly what the numba lowering table lowers:
+    fx_quant's native entries whose operators the rules cover, in the modes they declare."""
+    return backend_config_from_rules(name, default_lowering_rules(), get_native_backend_config())
 
 
 class NumbaBackend(Backend):
@@ -100,11 +108,11 @@ class NumbaBackend(Backend):
         return lower_to_kernels(copy.deepcopy(reference_model), self.target)
 
     def supported_ops(self) -> list[SupportedOp]:
-        rows = []
-        for op, kernel in lowerable_op_names().items():
-            mode = _MODES.get(kernel, "static")
-            rows.append(SupportedOp(op, (mode,), f"{kernel} [{self.target}]"))
-        return rows
+        """One row per rule of the lowering table: what it lowers, in which modes, with what."""
+        return [
+            SupportedOp(rule.description or rule.name, rule.modes, f"{rule.kernel} [{self.target}]")
+            for rule in default_lowering_rules()
+        ]
 
 
 class TorchAoConfigLowering:

@@ -14,7 +14,7 @@ the reason when the kernels cannot run the match. The built-in table is in ``_ta
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeAlias
 
@@ -32,12 +32,15 @@ from quantbridge.lowering._errors import LoweringError
 from quantbridge.patterns import (
     ArgConstraint,
     MatchAllNode,
+    Nested,
     Pattern,
     PatternError,
     ReplacementPattern,
     RewriteMatch,
-    check_complex_pattern,
+    as_complex,
+    pattern_operators,
 )
+from quantbridge.qconfig import BackendConfig, DTypeConfig
 
 __all__ = [
     "STATIC_OUTPUT_CONSTRAINTS",
@@ -48,7 +51,9 @@ __all__ = [
     "static_pattern",
 ]
 
-RuleKind: TypeAlias = Literal["static", "float_output"]
+RuleKind: TypeAlias = Literal["static", "float_output", "fusion"]
+# dtype modes a rule can declare; BackendConfig dtype configs are classified into these
+MODES = ("static", "dynamic", "weight_only", "fp16", "dynamic_fp16")
 
 
 @dataclass(frozen=True, eq=False)
@@ -111,29 +116,43 @@ STATIC_OUTPUT_CONSTRAINTS: tuple[ArgConstraint, ...] = (
 )
 
 
-def static_pattern(op: Pattern) -> Pattern:
-    """The complex pattern ``quantize_per_tensor(op, scale, zero_point, min, max, dtype)``."""
-    return (QUANTIZE, op, MatchAllNode, MatchAllNode, MatchAllNode, MatchAllNode, MatchAllNode)
+def static_pattern(op: Pattern) -> Nested:
+    """The pattern ``quantize_per_tensor(op, scale, zero_point, min, max, dtype)``."""
+    return Nested(
+        QUANTIZE, op, MatchAllNode, MatchAllNode, MatchAllNode, MatchAllNode, MatchAllNode
+    )
 
 
 @dataclass(frozen=True, eq=False)
 class LoweringRule:
-    """One row of the lowering table: reference pattern(s) and the builder that lowers them.
+    """One row of the lowering table: what it lowers, how, and what it supports.
 
     Args:
         name: the family, used in error messages (e.g. ``"max_pool2d"``).
-        ops: complex-format patterns (quantbridge.patterns) of the float op, anchor first:
-            a module class, function or method name, or nested such as
-            ``(nn.ReLU, operator.add)``. A module class also matches its subclasses.
+        ops: typed patterns (quantbridge.patterns) of the float op in the reference model:
+            a module class, function or method name, or ``Nested(nn.ReLU, operator.add)``
+            (a bare tuple is refused: it cannot say which order it is in). A module class
+            also matches its subclasses.
         build: ``build(ctx, match) -> Node``: emits the lowered node(s) with the
             :class:`LoweringContext` helpers and returns the node that takes over the users
             of ``match.anchor``; raises :class:`NotLowerableError` to keep the match as it is.
         kind: ``"static"``: the op's output feeds a static uint8 quantize (the pattern is
-            ``quantize(op, ...)``); ``"float_output"``: the op alone (float result).
+            ``quantize(op, ...)``); ``"float_output"``: the op alone (float result);
+            ``"fusion"``: runs after the other rules on the lowered graph and merges lowered
+            modules (``ops`` then name lowered module classes).
         constraints: ``ArgConstraint`` on the pattern's operators, indexed in pre-order:
-            for a static rule 0 is the quantize and 1 the float op; for a float-output rule
-            0 is the op.
+            for a static rule 0 is the quantize and 1 the float op; otherwise 0 is the op.
         match_filter: a final test on the ``RewriteMatch`` (``match.anchor``, ``.nodes``).
+        description: the op family as the support table shows it (default: ``name``).
+        kernel: what runs it, for the support table.
+        modes: the dtype modes it lowers (``"static"``, ``"dynamic"``, ``"weight_only"``):
+            a backend built from the table allows exactly these.
+        config_ops: operators of BackendConfig patterns (the float model's modules,
+            functions and methods, before convert) whose quantized form this rule lowers,
+            besides the operators named in ``ops``.
+        folds: operators a BackendConfig pattern may apply to this rule's operators because
+            convert folds them away (BatchNorm after a conv or linear); alone they are not
+            supported.
     """
 
     name: str
@@ -142,6 +161,11 @@ class LoweringRule:
     kind: RuleKind = "static"
     constraints: tuple[ArgConstraint, ...] = ()
     match_filter: Callable[[RewriteMatch], bool] | None = None
+    description: str = ""
+    kernel: str = ""
+    modes: tuple[str, ...] = ("static",)
+    config_ops: tuple[Any, ...] = ()
+    folds: tuple[Any, ...] = ()
     _compiled: tuple[ReplacementPattern, ...] = field(init=False, repr=False)
     _module_classes: frozenset[type] = field(init=False, repr=False)
 
@@ -149,9 +173,9 @@ class LoweringRule:
         where = f"LoweringRule {self.name!r}"
         if not isinstance(self.name, str) or not self.name:
             raise LoweringError(f"LoweringRule: name must be a non-empty string, got {self.name!r}")
-        if self.kind not in ("static", "float_output"):
+        if self.kind not in ("static", "float_output", "fusion"):
             raise LoweringError(
-                f"{where}: kind must be 'static' or 'float_output', got {self.kind!r}"
+                f"{where}: kind must be 'static', 'float_output' or 'fusion', got {self.kind!r}"
             )
         if not callable(self.build):
             raise LoweringError(f"{where}: build must be callable as build(ctx, match) -> Node")
@@ -168,20 +192,40 @@ class LoweringRule:
             if op is MatchAllNode:
                 continue  # static rules only: any input of the quantize, narrowed by constraints
             try:
-                check_complex_pattern(op, where=f"{where}.ops[{i}]")
+                as_complex(op, where=f"{where}.ops[{i}]")
             except PatternError as e:
                 raise LoweringError(str(e)) from e
+        for label in ("modes", "config_ops", "folds"):
+            object.__setattr__(self, label, tuple(getattr(self, label)))
+        unknown = [m for m in self.modes if m not in MODES]
+        if unknown:
+            raise LoweringError(f"{where}: unknown modes {unknown}; modes are {MODES}")
         object.__setattr__(self, "constraints", tuple(self.constraints))
         object.__setattr__(self, "_compiled", tuple(self.compile(op) for op in self.ops))
-        classes = frozenset(c for op in self.ops for c in _module_classes(op))
+        classes = frozenset(c for op in self.ops for c in _module_classes(as_complex(op)))
         object.__setattr__(self, "_module_classes", classes)
 
+    def operators(self) -> tuple[Any, ...]:
+        """Every operator this rule names: in ``ops`` and ``config_ops`` (not ``folds``)."""
+        named = [
+            o
+            for op in self.ops
+            if op is not MatchAllNode
+            for o in pattern_operators(as_complex(op))
+        ]
+        return tuple(named) + self.config_ops
+
     def full_pattern(self, op: Pattern) -> Pattern:
-        """The complex pattern searched for ``op``: wrapped in the quantize if static."""
+        """The pattern searched for ``op``: wrapped in the quantize if static."""
         return static_pattern(op) if self.kind == "static" else op
 
     def compile(self, op: Pattern) -> ReplacementPattern:
         """The quantbridge.patterns rewrite pattern that finds ``op`` for this rule."""
+        if op is MatchAllNode and self.kind != "static":
+            raise LoweringError(
+                f"LoweringRule {self.name!r}: MatchAllNode alone matches any node; only a static "
+                "rule (quantize of anything, narrowed by constraints) may use it"
+            )
         extra = STATIC_OUTPUT_CONSTRAINTS if self.kind == "static" else ()
         try:
             return ReplacementPattern(
@@ -202,3 +246,64 @@ def _module_classes(pattern: Pattern) -> Iterator[type]:
             yield from _module_classes(p)
     elif isinstance(pattern, type) and issubclass(pattern, nn.Module):
         yield pattern
+
+
+def dtype_mode(dc: DTypeConfig) -> str:
+    """The mode a BackendConfig dtype config quantizes in (one of :data:`MODES`)."""
+    if dc.is_dynamic:
+        return "dynamic" if dc.weight_dtype != torch.float16 else "dynamic_fp16"
+    if dc.input_dtype == torch.float16:
+        return "fp16"
+    if dc.input_dtype in (None, torch.float32) and dc.weight_dtype is not None:
+        return "weight_only"
+    return "static"
+
+
+def _covering_rules(pattern: Pattern, rules: Sequence[LoweringRule]) -> list[LoweringRule] | None:
+    """The rules that cover every operator of a complex pattern, or None if one is uncovered.
+
+    An operator is covered by a rule that names it, or by a rule that declares it in ``folds``
+    when the operator's first argument is one the same rule names (BatchNorm over a conv).
+    """
+    found: list[LoweringRule] = []
+
+    def names(rule: LoweringRule, op: object) -> bool:
+        return any(op is o or (isinstance(o, str) and o == op) for o in rule.operators())
+
+    def walk(p: Pattern) -> bool:
+        if p is MatchAllNode:
+            return True
+        op, args = (p[0], p[1:]) if isinstance(p, tuple) else (p, ())
+        owners = [r for r in rules if names(r, op)]
+        if not owners:
+            first = args[0] if args else None
+            first_op = first[0] if isinstance(first, tuple) else first
+            owners = [
+                r
+                for r in rules
+                if any(op is f for f in r.folds) and first_op is not None and names(r, first_op)
+            ]
+        if not owners:
+            return False
+        found.extend(r for r in owners if r not in found)
+        return all(walk(a) for a in args)
+
+    return found if walk(pattern) else None
+
+
+def backend_config_from_rules(
+    name: str, rules: Sequence[LoweringRule], source: BackendConfig
+) -> BackendConfig:
+    """The BackendConfig named ``name`` allowing what ``rules`` lower: the entries of
+    ``source`` (in order) whose every operator a rule covers, each with only the dtype
+    configs of the modes its covering rules declare."""
+    config = BackendConfig(name)
+    for entry in source.configs:
+        owners = _covering_rules(entry.complex_pattern, rules)
+        if owners is None:
+            continue
+        modes = {m for rule in owners for m in rule.modes}
+        kept = [dc for dc in entry.dtype_configs if dtype_mode(dc) in modes]
+        if kept:
+            config.set_backend_pattern_config(entry.set_dtype_configs(kept))
+    return config

@@ -17,7 +17,9 @@ from torch import nn
 from torch.fx import Node
 
 from quantbridge.fx_quant.nn import intrinsic as nni
+from quantbridge.fx_quant.nn import qat as nnqat
 from quantbridge.fx_quant.nn import reference as nnqr
+from quantbridge.fx_quant.nn.intrinsic import qat as nniqat
 from quantbridge.lowering import _modules as lm
 from quantbridge.lowering._context import (
     DEQUANTIZE,
@@ -29,9 +31,9 @@ from quantbridge.lowering._context import (
     static_qparams,
 )
 from quantbridge.lowering._rules import LoweringRule, RuleMatch
-from quantbridge.patterns import ArgConstraint, MatchAllNode, Pattern, RewriteMatch
+from quantbridge.patterns import ArgConstraint, MatchAllNode, Nested, Pattern, RewriteMatch
 
-__all__ = ["default_lowering_rules", "lowerable_op_names"]
+__all__ = ["default_lowering_rules"]
 
 
 # --- op families ---------------------------------------------------------------------------
@@ -484,9 +486,9 @@ def _relu_over(binary_ops: tuple[Any, ...]) -> tuple[Pattern, ...]:
     pats: list[Pattern] = []
     for relu in (nn.ReLU, *_RELU_FNS):
         for op in binary_ops:
-            pats.append((relu, op))
+            pats.append(Nested(relu, op))
             if relu is F.relu:
-                pats.append((relu, op, MatchAllNode))
+                pats.append(Nested(relu, op, MatchAllNode))
     return tuple(pats)
 
 
@@ -496,61 +498,170 @@ def default_lowering_rules() -> tuple[LoweringRule, ...]:
     return _DEFAULT_RULES
 
 
+def _residual_conv(match: RewriteMatch) -> tuple[int, Any, Any, Any] | None:
+    """(position of the conv among the add's operands, add, conv, other operand) when a lowered
+    2-D conv feeds only a lowered add (+relu) that reads it in the conv's output qparams."""
+    add_node, conv_node = match.anchor, match.nodes[1]
+    gm = add_node.graph.owning_module
+    assert gm is not None
+    add, conv = gm.get_submodule(str(add_node.target)), gm.get_submodule(str(conv_node.target))
+    if type(add) is not lm.QuantizedBinary or add.kind not in ("add", "add_relu"):
+        return None
+    if type(conv) is not lm.QuantizedConv or conv.weight.dim() != 4:
+        return None
+    position = 0 if add_node.args[0] is conv_node else 1
+    other = add_node.args[1 - position]
+    operands = (add.input_qparams, add.other_qparams)
+    if other is conv_node or operands[position] != conv.output_qparams:
+        return None
+    return position, add, conv, other
+
+
+def _build_conv_add(ctx: LoweringContext, m: RuleMatch) -> Node:
+    found = _residual_conv(RewriteMatch(m.rule._compiled[0], m.nodes, m.anchor, ()))
+    if found is None:
+        raise NotLowerableError("not a residual conv + add")
+    position, add, conv, other = found
+    operands = (add.input_qparams, add.other_qparams)
+    conv_node = m.nodes[1]
+    fused = lm.QuantizedConvAdd(
+        conv, operands[1 - position], add.output_qparams, add.kind == "add_relu"
+    )
+    new = ctx.add_module(
+        f"{conv_node.name}_{add.kind}", fused, (conv_node.args[0], other), before=m.anchor
+    )
+    ctx.record(new, f"{fused.kernel} ({ctx.target}), conv + {add.kind}")
+    return new
+
+
+# float-model operators (before convert) whose quantized form the weighted rule lowers
+_WEIGHTED_CONFIG_OPS: tuple[Any, ...] = (
+    nn.Linear, nn.Conv1d, nn.Conv2d, F.linear, F.conv1d, F.conv2d,
+    nnqat.Linear, nnqat.Conv1d, nnqat.Conv2d,
+    nni.LinearBn1d, nni.ConvBn1d, nni.ConvBn2d, nni.ConvBnReLU1d, nni.ConvBnReLU2d,
+    nniqat.LinearReLU, nniqat.LinearBn1d, nniqat.ConvReLU1d, nniqat.ConvReLU2d,
+    nniqat.ConvBn1d, nniqat.ConvBn2d, nniqat.ConvBnReLU1d, nniqat.ConvBnReLU2d,
+)  # fmt: skip
+_DYNAMIC_CONFIG_OPS: tuple[Any, ...] = (
+    nn.Linear, F.linear, nnqat.Linear, nni.LinearBn1d, nniqat.LinearBn1d, nniqat.LinearReLU,
+    nn.ReLU, F.relu,
+)  # fmt: skip
+
 _DEFAULT_RULES: tuple[LoweringRule, ...] = (
     LoweringRule(
         "requantize",
         (MatchAllNode,),
         _build_requantize,
         constraints=(ArgConstraint(op=0, position=0, predicate=_is_static_dequantize),),
+        description="quantize(dequantize(x)) between different qparams",
+        kernel="kernels.requantize",
     ),
-    LoweringRule("linear / conv (+relu)", _FUSED_WEIGHTED + _REF_WEIGHTED, _build_weighted),
-    LoweringRule("matmul", _MATMUL_FNS, _build_matmul),
-    LoweringRule("add / mul", _ADD_FNS + _MUL_FNS, _build_add_mul),
-    LoweringRule("add / mul + relu", _relu_over(_ADD_FNS + _MUL_FNS), _build_add_mul_relu),
-    LoweringRule("lookup table", _unique(_LUT_MODULES + _LUT_FNS), _build_lut),
-    LoweringRule("max_pool2d", (nn.MaxPool2d, F.max_pool2d, torch.max_pool2d), _build_max_pool2d),
+    LoweringRule(
+        "linear / conv (+relu)",
+        _FUSED_WEIGHTED + _REF_WEIGHTED,
+        _build_weighted,
+        description="Linear / Conv1d / Conv2d (+relu, BN folded), depthwise",
+        kernel="kernels.linear / conv1d / conv2d",
+        config_ops=_WEIGHTED_CONFIG_OPS,
+        folds=(nn.BatchNorm1d, nn.BatchNorm2d),
+    ),
+    LoweringRule(
+        "matmul",
+        _MATMUL_FNS,
+        _build_matmul,
+        description="matmul of two quantized tensors",
+        kernel="kernels.matmul",
+    ),
+    LoweringRule(
+        "add / mul",
+        _ADD_FNS + _MUL_FNS,
+        _build_add_mul,
+        description="add / mul of two quantized tensors, or of one and a scalar",
+        kernel="kernels.add / mul (lookup table for a scalar)",
+    ),
+    LoweringRule(
+        "add / mul + relu",
+        _relu_over(_ADD_FNS + _MUL_FNS),
+        _build_add_mul_relu,
+        description="relu(add / mul) of two quantized tensors",
+        kernel="kernels.add_relu / mul_relu",
+    ),
+    LoweringRule(
+        "lookup table",
+        _unique(_LUT_MODULES + _LUT_FNS),
+        _build_lut,
+        description="activations of one input (relu, hardswish, sigmoid, clamp, ...)",
+        kernel="kernels.apply_lut",
+        # allowed by the native config, kept in reference form by the pass (no kernel yet)
+        config_ops=("hardsigmoid", "hardsigmoid_"),
+    ),
+    LoweringRule(
+        "max_pool2d",
+        (nn.MaxPool2d, F.max_pool2d, torch.max_pool2d),
+        _build_max_pool2d,
+        description="MaxPool2d / max_pool2d",
+        kernel="kernels.max_pool2d",
+    ),
     LoweringRule(
         "avg_pool2d",
         _unique((nn.AvgPool2d, F.avg_pool2d, torch._C._nn.avg_pool2d)),
         _build_avg_pool2d,
+        description="AvgPool2d / avg_pool2d",
+        kernel="kernels.avg_pool2d",
     ),
     LoweringRule(
         "adaptive_avg_pool2d",
         _unique((nn.AdaptiveAvgPool2d, F.adaptive_avg_pool2d, torch._C._nn.adaptive_avg_pool2d)),
         _build_adaptive_avg_pool2d,
+        description="AdaptiveAvgPool2d / adaptive_avg_pool2d",
+        kernel="kernels.adaptive_avg_pool2d",
     ),
-    LoweringRule("cat", _CAT_FNS, _build_cat),
-    LoweringRule("shape ops", _unique(_SHAPE_MODULES + _SHAPE_FNS), _build_shape),
+    LoweringRule(
+        "cat",
+        _CAT_FNS,
+        _build_cat,
+        description="cat",
+        kernel="torch.cat on uint8 (+kernels.requantize)",
+    ),
+    LoweringRule(
+        "shape ops",
+        _unique(_SHAPE_MODULES + _SHAPE_FNS),
+        _build_shape,
+        description="flatten, reshape, view (as reshape), permute, getitem, dropout, ...",
+        kernel="the op on uint8 (+kernels.requantize)",
+    ),
     LoweringRule(
         "dynamic linear",
-        ((nnqr.Linear, MatchAllNode), (nni.LinearReLU, MatchAllNode)),
+        (Nested(nnqr.Linear, MatchAllNode), Nested(nni.LinearReLU, MatchAllNode)),
         _build_dynamic_linear,
         kind="float_output",
         constraints=(ArgConstraint(op=0, position=0, predicate=_is_dynamic_quantized_input),),
         match_filter=_no_kwargs,
+        description="dynamic Linear (+relu): float in and out, int8 weights",
+        kernel="kernels.linear_dynamic",
+        modes=("dynamic",),
+        config_ops=_DYNAMIC_CONFIG_OPS,
     ),
     LoweringRule(
-        "embedding", (nnqr.EmbeddingBag, nnqr.Embedding), _build_embedding, kind="float_output"
+        "embedding",
+        (nnqr.EmbeddingBag, nnqr.Embedding),
+        _build_embedding,
+        kind="float_output",
+        description="EmbeddingBag / Embedding (8-bit and 4-bit weight-only)",
+        kernel="kernels.embedding_bag",
+        modes=("weight_only",),
+        config_ops=(nn.Embedding, nn.EmbeddingBag, nnqat.Embedding, nnqat.EmbeddingBag),
+    ),
+    LoweringRule(
+        "conv + add (+relu)",
+        (
+            Nested(lm.QuantizedBinary, lm.QuantizedConv, MatchAllNode),
+            Nested(lm.QuantizedBinary, MatchAllNode, lm.QuantizedConv),
+        ),
+        _build_conv_add,
+        kind="fusion",
+        match_filter=lambda match: _residual_conv(match) is not None,
+        description="Conv2d whose only user is an add (+relu): a residual block",
+        kernel="kernels.conv2d_add (the add in the conv's epilogue)",
     ),
 )
-
-
-def lowerable_op_names() -> dict[str, str]:
-    """Readable op name → kernel, for the support table (one row per kernel family)."""
-    return {
-        "Linear / linear (+relu), fused LinearReLU": "kernels.linear",
-        "Conv1d / Conv2d (+relu, BN folded), depthwise": "kernels.conv1d / conv2d",
-        "dynamic Linear (+relu) (float in/out, int8 weights)": "kernels.linear_dynamic",
-        "add / mul (+relu) of two quantized tensors": "kernels.add / add_relu / mul / mul_relu",
-        "Conv2d whose only user is an add (+relu): residual block": "kernels.conv2d_add (fused)",
-        "matmul of two quantized tensors": "kernels.matmul",
-        "MaxPool2d / max_pool2d": "kernels.max_pool2d",
-        "AvgPool2d / avg_pool2d": "kernels.avg_pool2d",
-        "AdaptiveAvgPool2d / adaptive_avg_pool2d": "kernels.adaptive_avg_pool2d",
-        "activations of one input, scalar add/mul (lookup table)": "kernels.apply_lut",
-        "cat": "torch.cat on uint8 (+kernels.requantize)",
-        "flatten, reshape, view (as reshape), permute, getitem, ...": (
-            "the op on uint8 (+kernels.requantize)"
-        ),
-        "EmbeddingBag / Embedding (8-bit weight-only)": "kernels.embedding_bag",
-    }

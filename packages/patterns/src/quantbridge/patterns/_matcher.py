@@ -23,7 +23,7 @@ from torch.fx import GraphModule, Node
 from torch.nn.utils.parametrize import type_before_parametrizations
 
 from quantbridge.patterns._errors import PatternError
-from quantbridge.patterns._forms import MatchAllNode, Pattern, check_complex_pattern
+from quantbridge.patterns._forms import MatchAllNode, Pattern
 from quantbridge.patterns._typed import Chain, Nested, as_complex
 
 # Nested structure of matched nodes as torch.ao records it: a list at the top, tuples for
@@ -109,7 +109,7 @@ class _Compiled:
 
 
 # (priority, pattern, compiled pattern, key of the operator its first argument must be)
-_Entry: TypeAlias = tuple[int, Pattern, _Compiled, "tuple[int, object] | None"]
+_Entry: TypeAlias = tuple[int, Pattern, _Compiled, "tuple[int, object] | None"]  # pattern as given
 
 
 def _element_key(element: Pattern) -> tuple[int, object]:
@@ -152,12 +152,20 @@ def _pattern_size(pattern: Pattern) -> int:
     return 1
 
 
-def sort_patterns(patterns: Iterable[Pattern]) -> list[Pattern]:
-    """Patterns in matching priority: tuples by decreasing size, then single operators.
+def complex_priority(complex_form: Pattern) -> int:
+    """Sort key of the one priority rule of matcher and rewriter, on a complex-format
+    pattern: larger patterns first (``-size``, where ``MatchAllNode`` counts), single
+    operators last."""
+    return -_pattern_size(complex_form) if isinstance(complex_form, tuple) else 1
 
-    The sort is stable, so registration order breaks ties (torch.ao's rule).
+
+def sort_patterns(patterns: Iterable[Pattern]) -> list[Pattern]:
+    """Patterns in matching priority: larger patterns first, then single operators.
+
+    The sort is stable, so the given order breaks ties (torch.ao's rule). ``find_matches``
+    and ``find_rewrite_matches`` both order their patterns this way.
     """
-    return sorted(patterns, key=lambda p: -_pattern_size(p) if isinstance(p, tuple) else 1)
+    return sorted(patterns, key=lambda p: complex_priority(as_complex(p)))
 
 
 class _Resolver:
@@ -279,25 +287,26 @@ def _record(
     return nodes, inputs, prepare, fused_top
 
 
-def _normalize_patterns(patterns: Iterable[Pattern] | Mapping[Pattern, Any]) -> list[Pattern]:
-    if isinstance(patterns, (str, type)) or not isinstance(patterns, Iterable):
+def _normalize_patterns(
+    patterns: Iterable[Pattern] | Mapping[Pattern, Any],
+) -> list[tuple[Pattern, Pattern]]:
+    """(pattern as given, its complex form) for each distinct pattern, in the given order."""
+    if isinstance(patterns, (str, type, Chain, Nested)) or not isinstance(patterns, Iterable):
         raise PatternError(
             f"patterns must be an ordered collection of patterns (a list, tuple or dict keyed "
             f"by pattern), got {type(patterns).__name__} {patterns!r}; wrap a single pattern "
             "in a list"
         )
     if isinstance(patterns, tuple) and patterns and not isinstance(patterns[0], tuple):
-        # (nn.ReLU, nn.Conv2d) would be ambiguous: one pattern or two?
+        # (nn.Conv2d, nn.ReLU) reads as one pattern: ask for a list to be sure it is not
         raise PatternError(
             f"patterns {patterns!r} is a tuple of operators, which reads as one pattern; pass "
-            "a list of patterns, e.g. [pattern] or [op1, op2]"
+            "a list of patterns, e.g. [Chain(nn.Conv2d, nn.ReLU)] or [op1, op2]"
         )
-    result: list[Pattern] = []
+    result: list[tuple[Pattern, Pattern]] = []
     seen: set[Pattern] = set()
     for i, pattern in enumerate(patterns):
-        if isinstance(pattern, (Chain, Nested)):  # interim: typed patterns compile as tuples
-            pattern = as_complex(pattern, where=f"patterns[{i}]")
-        check_complex_pattern(pattern, where=f"patterns[{i}]")
+        complex_form = as_complex(pattern, where=f"patterns[{i}]")
         try:
             hash(pattern)
         except TypeError:
@@ -308,7 +317,7 @@ def _normalize_patterns(patterns: Iterable[Pattern] | Mapping[Pattern, Any]) -> 
         if pattern in seen:
             continue  # the first registration of a pattern wins, as with dict keys
         seen.add(pattern)
-        result.append(pattern)
+        result.append((pattern, complex_form))
     return result
 
 
@@ -353,15 +362,15 @@ def find_matches(
         raise PatternError(f"mode must be 'prepare' or 'fuse', got {mode!r}")
     ordered = _normalize_patterns(patterns)
     if not presorted:
-        ordered = sort_patterns(ordered)
+        ordered = sorted(ordered, key=lambda entry: complex_priority(entry[1]))
     getters = dict(root_node_getters or {})
 
     # Anchor index: key -> [(priority, pattern, compiled)], wildcard anchors kept apart and
     # merged in priority order on first use of each key.
     by_key: dict[tuple[int, object], list[_Entry]] = {}
     wildcard: list[_Entry] = []
-    for priority, pattern in enumerate(ordered):
-        compiled = _compile(pattern)
+    for priority, (pattern, complex_form) in enumerate(ordered):
+        compiled = _compile(complex_form)
         # The operator required of the first argument, if any: a cheap pre-check that only
         # rejects patterns the full check would reject too.
         first = compiled.args[0] if compiled.args else None

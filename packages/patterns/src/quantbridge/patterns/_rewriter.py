@@ -22,9 +22,16 @@ import torch
 from torch.fx import Graph, GraphModule, Node, symbolic_trace
 
 from quantbridge.patterns._errors import PatternError
-from quantbridge.patterns._forms import MatchAllNode, Pattern, check_complex_pattern
-from quantbridge.patterns._matcher import _FUNCTION, _METHOD, _MODULE, _element_key, _Resolver
-from quantbridge.patterns._typed import Chain, Nested, as_complex
+from quantbridge.patterns._forms import MatchAllNode, Pattern
+from quantbridge.patterns._matcher import (
+    _FUNCTION,
+    _METHOD,
+    _MODULE,
+    _element_key,
+    _Resolver,
+    complex_priority,
+)
+from quantbridge.patterns._typed import as_complex
 
 _NO_VALUE: Any = object()
 
@@ -118,6 +125,7 @@ class ReplacementPattern:
     _compiled: _ROp = field(init=False, repr=False, compare=False)
     _num_inputs: int = field(init=False, repr=False, compare=False)
     _num_ops: int = field(init=False, repr=False, compare=False)
+    _priority: int = field(init=False, repr=False, compare=False)
     _replacement_graph: Graph | None = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -133,15 +141,15 @@ class ReplacementPattern:
                 "or build= (a callback building the new nodes)"
             )
         if self.pattern is not None:
-            pattern = self.pattern
-            if isinstance(pattern, (Chain, Nested)):
-                pattern = as_complex(pattern, where=f"{label}.pattern")
-            check_complex_pattern(pattern, where=f"{label}.pattern")
+            pattern = as_complex(self.pattern, where=f"{label}.pattern")
             compiled, num_inputs = _compile_complex(pattern)
+            priority = complex_priority(pattern)
         else:
             assert self.pattern_fn is not None
             compiled, num_inputs = _compile_traced(_trace(self.pattern_fn, label, "pattern_fn"))
         num_ops = len(_operators(compiled))
+        if self.pattern is None:  # the size rule of complex patterns: operators and inputs
+            priority = 1 if num_ops == 1 and num_inputs == 0 else -(num_ops + num_inputs)
         for i, constraint in enumerate(self.constraints):
             if not isinstance(constraint, ArgConstraint):
                 raise PatternError(
@@ -173,6 +181,7 @@ class ReplacementPattern:
         object.__setattr__(self, "_compiled", compiled)
         object.__setattr__(self, "_num_inputs", num_inputs)
         object.__setattr__(self, "_num_ops", num_ops)
+        object.__setattr__(self, "_priority", priority)
         object.__setattr__(self, "_replacement_graph", replacement_graph)
 
 
@@ -422,7 +431,12 @@ def _try(rule: ReplacementPattern, node: Node, resolver: _Resolver) -> RewriteMa
 def find_rewrite_matches(
     graph_module: GraphModule, rules: ReplacementPattern | Sequence[ReplacementPattern]
 ) -> list[RewriteMatch]:
-    """Non-overlapping occurrences of ``rules`` (earlier rules first), last anchor first."""
+    """Non-overlapping occurrences of ``rules``, last anchor first.
+
+    At each node the rules are tried in the matcher's priority order (:func:`sort_patterns`:
+    larger patterns first, then the given order), so a list picks the same winner here as in
+    ``find_matches``.
+    """
     if not isinstance(graph_module, GraphModule):
         raise PatternError(
             f"expected a torch.fx.GraphModule, got {type(graph_module).__name__}; trace the "
@@ -438,7 +452,8 @@ def find_rewrite_matches(
     # operator their first argument must be), each with its position in ``rules``; a node is
     # only tried against the rules that can match it, in the order given.
     by_key: dict[_Key, tuple[list[tuple[int, ReplacementPattern]], dict[_Key, list[Any]]]] = {}
-    for position, rule in enumerate(rule_list):
+    ordered = sorted(rule_list, key=lambda r: r._priority)
+    for position, rule in enumerate(ordered):
         root = rule._compiled
         any_first, by_first = by_key.setdefault((root.kind, root.ident), ([], {}))
         first = root.args[0] if root.args else None
