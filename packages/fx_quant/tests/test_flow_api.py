@@ -37,7 +37,7 @@ from quantbridge.fx_quant import (
     register_lowering,
     unregister_lowering,
 )
-from quantbridge.fx_quant import _lowering_registry as registry
+from quantbridge.fx_quant import _registry as registry
 from quantbridge.fx_quant.nn import intrinsic as nni
 from quantbridge.fx_quant.nn import reference as nnqr
 from quantbridge.qconfig import (
@@ -376,8 +376,10 @@ def test_lowerings_load_lazily_from_entry_points(monkeypatch: pytest.MonkeyPatch
         return [FakeEntryPoint()]
 
     monkeypatch.setattr(registry.importlib.metadata, "entry_points", entry_points)
-    monkeypatch.setattr(registry, "_entry_points_loaded", False)
-    monkeypatch.setattr(registry, "_registry", dict(registry._registry))
+    monkeypatch.setattr(registry.backend_registry, "_entry_points_loaded", False)
+    monkeypatch.setattr(
+        registry.backend_registry, "_entries", dict(registry.backend_registry._entries)
+    )
     assert calls == []  # nothing read at import or setup
     assert get_lowering("ep_backend") is not None
     assert calls == ["quantbridge.backends", "load"]

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-import quantbridge.fx_quant._lowering_registry as registry
+import quantbridge.fx_quant._registry as registry
 import quantbridge.qconfig as qbq
 from quantbridge.fx_quant import (
     ConvertCustomConfig,
@@ -586,8 +586,12 @@ def test_torch_ao_cpu_config_without_quantbridge_lowering_warns_to_install_it(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # as if quantbridge-lowering were not installed: nothing registered, no entry points
-    monkeypatch.setattr(registry, "_registry", {})
-    monkeypatch.setattr(registry, "_entry_points_loaded", True)
+    built_in = {
+        name: registry.BackendEntry(name, config=factory, origin="built in")
+        for name, factory in registry.BUILTIN_BACKEND_CONFIGS.items()
+    }
+    monkeypatch.setattr(registry.backend_registry, "_entries", built_in)
+    monkeypatch.setattr(registry.backend_registry, "_entry_points_loaded", True)
     for name in registry.TORCH_AO_CPU_CONFIGS:
         (message,) = _convert_warnings(name)
         assert f"torch.ao lowered {name!r} to its quantized CPU engine" in message
@@ -620,9 +624,10 @@ class _EntryPoint:
 def plugins(monkeypatch: pytest.MonkeyPatch) -> list[_EntryPoint]:
     eps: list[_EntryPoint] = []
     monkeypatch.setattr(registry.importlib.metadata, "entry_points", lambda group: list(eps))
-    monkeypatch.setattr(registry, "_entry_points_loaded", False)
-    monkeypatch.setattr(registry, "_registry", dict(registry._registry))
-    monkeypatch.setattr(registry, "_load_failures", {})
+    reg = registry.backend_registry
+    monkeypatch.setattr(reg, "_entry_points_loaded", False)
+    monkeypatch.setattr(reg, "_entries", dict(reg._entries))
+    monkeypatch.setattr(reg, "_failures", {})
     return eps
 
 
@@ -656,13 +661,15 @@ def test_loaded_flag_is_set_only_after_loading(plugins: list[_EntryPoint]) -> No
     states: list[bool] = []
 
     def probe() -> Any:
-        states.append(registry._entry_points_loaded)
+        states.append(registry.backend_registry._entry_points_loaded)
         return lambda m: m
 
     plugins.append(_EntryPoint("porting_probe", probe))
     assert get_lowering("porting_probe") is not None
     assert states == [False]
-    assert registry._entry_points_loaded
+    assert registry.backend_registry._entry_points_loaded
+    origin = registry.backend_registry.entry("porting_probe").origin  # type: ignore[union-attr]
+    assert origin == "entry point porting_probe = plugin_porting_probe:lowering"
 
 
 # -- explain after convert and lowering -----------------------------------------------------------

@@ -18,8 +18,18 @@ import lowering_zoo as zoo
 
 import quantbridge.lowering as L
 from quantbridge import kernels as K
-from quantbridge.fx_quant import convert_fx, get_lowering, prepare_fx, registered_lowerings
+from quantbridge.fx_quant import (
+    LoweringRegistryError,
+    backend_registry,
+    convert_fx,
+    get_backend_config,
+    get_lowering,
+    get_native_backend_config,
+    prepare_fx,
+    registered_lowerings,
+)
 from quantbridge.lowering import _numba_backend
+from quantbridge.lowering._rules import backend_config_from_rules
 
 BUILTINS = ["numba", "numba_avx2", "numba_avx512_vnni", "numba_generic", "reference"]
 
@@ -63,7 +73,7 @@ def test_unavailable_target_is_absent_and_get_backend_explains(
         L.get_backend("numba_avx512_vnni")
     reference = zoo.reference_model(zoo.STATIC_CASES[0], L.get_backend("numba_generic"))
     with pytest.raises(L.BackendUnavailableError, match="cannot run on this machine"):
-        L.numba_avx512_vnni.lower(reference)
+        L.numba_avx512_vnni_backend.lower(reference)
 
 
 def test_register_backend_conflicts_and_replace() -> None:
@@ -151,6 +161,75 @@ def test_support_table_lists_ops_and_modes() -> None:
         assert word in table
     ref_rows = L.get_backend("reference").supported_ops()
     assert any(r.op == "nn.Linear" and "dynamic" in r.modes for r in ref_rows)
+
+
+def test_numba_config_follows_the_rule_table() -> None:
+    # a config entry is allowed exactly when the table's rules cover every operator in it
+    table = L.default_lowering_rules()
+    full = L.get_backend("numba").backend_config
+    without_pools = [r for r in table if "pool" not in r.name]
+
+    reduced = backend_config_from_rules("x", without_pools, get_native_backend_config())
+    pools = {nn.MaxPool2d, nn.AvgPool2d, nn.AdaptiveAvgPool2d}
+    assert any(c.pattern in pools for c in full.configs)
+    assert not any(c.pattern in pools for c in reduced.configs)
+    assert len(reduced.configs) < len(full.configs)
+    # BatchNorm only folded into a conv: conv-bn is allowed, BatchNorm alone is not
+    patterns = [c.complex_pattern for c in full.configs]
+    assert (nn.BatchNorm2d, nn.Conv2d) in patterns
+    assert nn.BatchNorm2d not in patterns
+    assert (nn.ReLU, nn.BatchNorm2d) not in patterns
+
+
+def test_one_name_space_for_configs_lowerings_and_backends() -> None:
+    numba = L.get_backend("numba")
+    assert get_backend_config("numba").to_dict() == numba.backend_config.to_dict()
+    assert get_lowering("numba") is numba
+    entry = backend_registry.entry("numba")
+    assert entry is not None
+    assert entry.backend is numba
+    assert "quantbridge.lowering" in entry.origin
+    # no module attribute shadows the numba library or fx_quant.nn.reference
+    assert not hasattr(L, "numba")
+    assert not hasattr(L, "reference")
+    assert L.numba_backend is numba
+
+
+def test_configs_handed_out_are_copies() -> None:
+    numba = L.get_backend("numba")
+    before = len(numba.backend_config.configs)
+    mine = numba.backend_config
+    mine.set_name("mine").set_backend_pattern_config(
+        L.get_backend("reference").backend_config.configs[0]
+    )
+    other = get_backend_config("numba")
+    other.set_name("other")
+    assert numba.backend_config.name == "numba"
+    assert len(numba.backend_config.configs) == before
+    assert get_backend_config("numba").name == "numba"
+
+
+def test_convert_fx_takes_a_backend_object_or_name() -> None:
+    backend = L.get_backend("numba")
+    model = zoo.ConvBnCNN().eval()
+    x = torch.randn(2, 3, 16, 16)
+    prepared = prepare_fx(
+        model, backend.qconfig_mapping(), (x,), backend_config=backend.backend_config
+    )
+    prepared(x)
+    want = backend.convert(copy.deepcopy(prepared))(x)
+    by_object = convert_fx(copy.deepcopy(prepared), backend=backend)(x)
+    by_name = convert_fx(copy.deepcopy(prepared), backend="numba")(x)
+    assert torch.equal(by_object, want)
+    assert torch.equal(by_name, want)
+    with pytest.raises(LoweringRegistryError, match="drop one"):
+        convert_fx(
+            copy.deepcopy(prepared),
+            backend=backend,
+            backend_config=L.get_backend("reference").backend_config,
+        )
+    with pytest.raises(LoweringRegistryError, match="no backend object is registered"):
+        convert_fx(copy.deepcopy(prepared), backend="qnnpack")
 
 
 def test_convert_fx_finds_builtin_through_entry_point_without_importing_lowering() -> None:

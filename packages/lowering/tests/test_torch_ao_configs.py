@@ -69,16 +69,31 @@ def _outputs(result: Any) -> list[torch.Tensor]:
     return list(result) if isinstance(result, tuple) else [result]
 
 
-def test_the_torch_ao_names_are_registered_as_numba_lowerings() -> None:
+def test_the_torch_ao_names_are_backends_that_lower_with_numba() -> None:
+    numba = L.get_backend("numba")
     for name in NAMES:
-        fn = get_lowering(name)
-        assert fn is not None
-        assert fn is get_lowering("x86")  # one lowering object for the four names
+        backend = L.get_backend(name)  # one name space: configs, lowerings and backends
+        assert backend.name == name
+        assert get_lowering(name) is backend
+        assert backend.backend_config.to_dict() == get_backend_config(name).to_dict()
+        assert backend.supported_ops() == numba.supported_ops()
     for name in ("qnnpack", "executorch", "tensorrt"):
         assert get_lowering(name) is None
+        with pytest.raises(L.LoweringError, match=r"no lowering.*get_backend\('numba'\)"):
+            L.get_backend(name)
+    # they are names of numba, not backends of their own: the list of backends leaves them out
     assert not set(NAMES) & set(L.available_backends())
-    with pytest.raises(L.LoweringError, match=r"get_backend\('numba'\)"):
-        L.get_backend("x86")
+
+
+def test_get_backend_x86_converts_like_convert_fx_with_the_x86_config() -> None:
+    case = zoo.STATIC_CASES[1]
+    prepared = _prepared(case, "x86")
+    via_backend = L.get_backend("x86").convert(copy.deepcopy(prepared))
+    via_config = convert_fx(copy.deepcopy(prepared), backend_config=get_backend_config("x86"))
+    via_name = convert_fx(copy.deepcopy(prepared), backend="x86")
+    x = case.inputs(5)
+    assert torch.equal(via_backend(*x), via_config(*x))
+    assert torch.equal(via_name(*x), via_config(*x))
 
 
 # where the numba backend's own config converts differently from the torch.ao-named one:

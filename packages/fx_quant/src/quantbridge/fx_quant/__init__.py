@@ -17,8 +17,6 @@ from quantbridge.fx_quant._api import (
     prepare_qat_fx,
 )
 from quantbridge.fx_quant._backend_configs import (
-    backend_config_names,
-    get_backend_config,
     get_executorch_backend_config,
     get_fbgemm_backend_config,
     get_native_backend_config,
@@ -28,7 +26,6 @@ from quantbridge.fx_quant._backend_configs import (
     get_tensorrt_backend_config,
     get_tensorrt_backend_config_dict,
     get_x86_backend_config,
-    register_backend_config,
 )
 from quantbridge.fx_quant._bias_correction import bias_correction
 from quantbridge.fx_quant._calibrate import ProgressBar, calibrate
@@ -52,15 +49,22 @@ from quantbridge.fx_quant._distributed import sync_observers, sync_observers_hoo
 from quantbridge.fx_quant._errors import FxQuantError
 from quantbridge.fx_quant._explain import ExplainReport, explain
 from quantbridge.fx_quant._fuse import FusionError
-from quantbridge.fx_quant._lowering_registry import (
+from quantbridge.fx_quant._prepare import ExampleInputsError, StrictPrepareError
+from quantbridge.fx_quant._qconfig_propagation import FusionQConfigError
+from quantbridge.fx_quant._registry import (
+    BackendEntry,
+    BackendLike,
+    BackendRegistry,
     LoweringRegistryError,
+    backend_config_names,
+    backend_registry,
+    get_backend_config,
     get_lowering,
+    register_backend_config,
     register_lowering,
     registered_lowerings,
     unregister_lowering,
 )
-from quantbridge.fx_quant._prepare import ExampleInputsError, StrictPrepareError
-from quantbridge.fx_quant._qconfig_propagation import FusionQConfigError
 from quantbridge.fx_quant._state import NodeDecision, SwappedModule
 from quantbridge.fx_quant._tracer import QuantizationTracer, TraceError
 from quantbridge.fx_quant._transformer_swap import TransformerSwapError
@@ -98,7 +102,11 @@ __all__ = [
     "WeightComparison",
     "WeightError",
     "QUANTIZED_OUTPUTS_KEY",
-    # lowering registry (entry-point group "quantbridge.backends")
+    # the backend registry (entry-point group "quantbridge.backends")
+    "BackendEntry",
+    "BackendLike",
+    "BackendRegistry",
+    "backend_registry",
     "register_lowering",
     "get_lowering",
     "registered_lowerings",

@@ -16,12 +16,13 @@ from quantbridge.fx_quant._custom_config import (
 )
 from quantbridge.fx_quant._equalize import insert_equalization_observers
 from quantbridge.fx_quant._errors import FxQuantError
-from quantbridge.fx_quant._lowering_registry import (
+from quantbridge.fx_quant._prepare import fuse_model, prepare, resolve_backend_config
+from quantbridge.fx_quant._registry import (
+    BackendLike,
     LoweringRegistryError,
-    get_lowering,
+    backend_registry,
     warn_not_lowered,
 )
-from quantbridge.fx_quant._prepare import fuse_model, prepare, resolve_backend_config
 from quantbridge.fx_quant._state import OBSERVED_KEY, ObservedState
 from quantbridge.fx_quant._torch_ao_names import port_backend_config
 from quantbridge.qconfig import BackendConfig, QConfigMapping
@@ -139,14 +140,22 @@ def convert_fx(
     qconfig_mapping: QConfigMapping | dict[str, Any] | None = None,
     backend_config: BackendConfig | dict[str, Any] | None = None,
     keep_original_weights: bool = False,
+    *,
+    backend: BackendLike | str | None = None,
 ) -> GraphModule:
     """The reference model, lowered by the lowering registered for ``backend_config.name``.
 
-    Without a registered lowering the reference model is returned, with a warning (once per
-    process and name) saying why and how to get a fast model. ``backend_config`` defaults to
-    the one given to prepare.
+    ``backend`` (a backend object such as ``quantbridge.lowering.get_backend("numba")``, or a
+    registered name) converts with its BackendConfig and lowers with it. Without a lowering
+    the reference model is returned, with a warning (once per process and name) saying why
+    and how to get a fast model. ``backend_config`` defaults to the one given to prepare.
     """
     state = observed_state(graph_module, "convert_fx")
+    if backend is not None:
+        return _convert_with_backend(
+            graph_module, backend, backend_config, convert_custom_config, _remove_qconfig,
+            qconfig_mapping,
+        )  # fmt: skip
     bc = state.backend_config if backend_config is None else _backend_config(backend_config)
     reference = convert_reference(
         graph_module,
@@ -156,17 +165,59 @@ def convert_fx(
         bc,
         where="convert_fx",
     )
-    lowering = get_lowering(bc.name) if bc.name else None
+    entry = backend_registry.entry(bc.name, "lowering") if bc.name else None
+    lowering = None if entry is None else entry.lowering
     if lowering is None:
         warn_not_lowered(bc.name)
         return reference
-    lowered = lowering(reference)
+    return _checked_lowered(bc.name, lowering(reference))
+
+
+def _convert_with_backend(
+    graph_module: GraphModule,
+    backend: BackendLike | str,
+    backend_config: BackendConfig | dict[str, Any] | None,
+    convert_custom_config: ConvertCustomConfig | dict[str, Any] | None,
+    remove_qconfig: bool,
+    qconfig_mapping: QConfigMapping | dict[str, Any] | None,
+) -> GraphModule:
+    if isinstance(backend, str):
+        entry = backend_registry.entry(backend, "backend")
+        if entry is None or entry.backend is None:
+            known = [n for n in backend_registry.names() if backend_registry.entry(n).backend]  # type: ignore[union-attr]
+            raise LoweringRegistryError(
+                f"convert_fx(backend={backend!r}): no backend object is registered under that "
+                f"name; registered backends: {known}"
+            )
+        backend = entry.backend
+    if not isinstance(backend, BackendLike):
+        raise LoweringRegistryError(
+            f"convert_fx(backend=...): expected a backend object (.name, .backend_config, "
+            f".lower) or a registered name, got {type(backend).__name__}"
+        )
+    bc = backend.backend_config
+    if backend_config is not None:
+        given = _backend_config(backend_config)
+        if given.name != bc.name:
+            raise LoweringRegistryError(
+                f"convert_fx: backend={backend.name!r} converts with its own BackendConfig "
+                f"({bc.name!r}), but backend_config={given.name!r} was given too; drop one of "
+                "them"
+            )
+    reference = convert_reference(
+        graph_module, convert_custom_config, remove_qconfig, qconfig_mapping, bc,
+        where="convert_fx",
+    )  # fmt: skip
+    return _checked_lowered(backend.name, backend.lower(reference))
+
+
+def _checked_lowered(name: str, lowered: object) -> GraphModule:
     if not isinstance(lowered, nn.Module):
         raise LoweringRegistryError(
-            f"the lowering registered for backend {bc.name!r} returned "
+            f"the lowering registered for backend {name!r} returned "
             f"{type(lowered).__name__}, not a module"
         )
-    return lowered
+    return lowered  # type: ignore[return-value]
 
 
 def _backend_config(backend_config: BackendConfig | dict[str, Any] | None) -> BackendConfig:

@@ -1,20 +1,12 @@
 """quantbridge.lowering: backends that turn reference models into fast int8 models.
 
-``get_backend(name)`` returns a :class:`Backend` (``.name``, ``.backend_config``,
-``.qconfig_mapping(qat=False)``, ``.lower(reference_model)``, ``.convert(prepared_model)``,
-``.supported_ops()``); ``available_backends()`` lists those that run on this machine. Every
-backend is registered in fx_quant's lowering registry, so ``convert_fx(prepared,
-backend_config=get_backend(name).backend_config)`` lowers with it. The torch.ao-named CPU
-configs (``get_backend_config("x86")``, fbgemm, onednn, native) lower with ``numba`` too.
-
-The lowering pass onto the kernels (``lower_to_kernels``) is driven by a table of
-:class:`LoweringRule` (a quantbridge.patterns pattern and a builder); ``default_lowering_rules()``
-is the built-in table, and ``lower_to_kernels(model, target, rules=...)`` takes an extended one.
+``get_backend(name)`` returns a :class:`Backend`; ``available_backends()`` lists those that run
+here. The numba backends are their table of :class:`LoweringRule` (``default_lowering_rules()``),
+which gives their BackendConfig, their support table and the pass (``lower_to_kernels``).
 """
 
 import importlib
 
-from quantbridge.fx_quant import register_lowering
 from quantbridge.lowering._auto_quantize import (
     AutoQuantizeError,
     AutoQuantizeReport,
@@ -34,30 +26,40 @@ from quantbridge.lowering._context import LoweringContext, NotLowerableError
 from quantbridge.lowering._errors import LoweringError
 from quantbridge.lowering._lower import LoweringReport, lower_to_kernels, lowering_report
 from quantbridge.lowering._modules import LoweredModule
-from quantbridge.lowering._numba_backend import (
-    TORCH_AO_CPU_CONFIGS,
-    NumbaBackend,
-    numba_backend_config,
-    torch_ao_cpu_lowering,
-)
-from quantbridge.lowering._reference import ReferenceBackend, reference
+from quantbridge.lowering._numba_backend import NumbaBackend, numba_backend_config
+from quantbridge.lowering._reference import ReferenceBackend, reference_backend
 from quantbridge.lowering._rules import LoweringRule, RuleMatch
 from quantbridge.lowering._table import default_lowering_rules
 
-# built-in instances; the pyproject's entry points name these objects
-numba = NumbaBackend("numba", None)
-numba_avx512_vnni = NumbaBackend("numba_avx512_vnni", "avx512_vnni")
-numba_avx2 = NumbaBackend("numba_avx2", "avx2")
-numba_generic = NumbaBackend("numba_generic", "generic")
+# built-in instances (named so they shadow neither the numba library nor
+# quantbridge.fx_quant.nn.reference); the pyproject's entry points name these objects
+numba_backend = NumbaBackend("numba", None)
+numba_avx512_vnni_backend = NumbaBackend("numba_avx512_vnni", "avx512_vnni")
+numba_avx2_backend = NumbaBackend("numba_avx2", "avx2")
+numba_generic_backend = NumbaBackend("numba_generic", "generic")
 
 
 def _register_builtins() -> None:
-    for backend in (reference, numba, numba_avx512_vnni, numba_avx2, numba_generic):
+    builtins: tuple[Backend, ...] = (
+        reference_backend,
+        numba_backend,
+        numba_avx512_vnni_backend,
+        numba_avx2_backend,
+        numba_generic_backend,
+    )
+    for backend in builtins:
         register_backend(backend)
-    # convert_fx with get_backend_config("x86") etc. lowers to numba, as torch.ao lowered
-    # these configs to its engines (the pyproject's entry points name the same object)
-    for name in TORCH_AO_CPU_CONFIGS:
-        register_lowering(name, torch_ao_cpu_lowering)
+    # get_backend("x86") etc.: torch.ao's configs, lowered by numba as torch.ao lowered them
+    # to its engines (the pyproject's entry points name the same objects)
+    from quantbridge.lowering import _torch_ao_backends as torch_ao
+
+    for torch_ao_backend in (
+        torch_ao.x86_backend,
+        torch_ao.fbgemm_backend,
+        torch_ao.onednn_backend,
+        torch_ao.native_backend,
+    ):
+        register_backend(torch_ao_backend)
     # torch_native is the one module touching quantized tensors: imported only here, guarded
     try:
         native = importlib.import_module("quantbridge.lowering._torch_native")
@@ -94,12 +96,12 @@ __all__ = [
     "get_backend",
     "lower_to_kernels",
     "lowering_report",
-    "numba",
-    "numba_avx2",
-    "numba_avx512_vnni",
+    "numba_avx2_backend",
+    "numba_avx512_vnni_backend",
+    "numba_backend",
     "numba_backend_config",
-    "numba_generic",
-    "reference",
+    "numba_generic_backend",
+    "reference_backend",
     "register_backend",
     "unregister_backend",
 ]

@@ -1,30 +1,23 @@
-"""The Backend base class and the backend registry.
+"""The Backend base class, and backends by name in fx_quant's one backend registry.
 
-A backend is a BackendConfig (what the flow may quantize and how), default qconfigs that satisfy
-it, and a lowering pass that turns the reference model into something fast. A ``Backend``
-instance is callable (``backend(reference_model)`` lowers), so it is directly a valid
-fx_quant lowering function: registering a backend registers it in fx_quant's lowering registry
-(``quantbridge.fx_quant.register_lowering``), the single registry of lowerings, and
-``convert_fx(prepared, backend_config=backend.backend_config)`` then lowers with it.
-Third-party distributions point an entry point of group ``quantbridge.backends`` at a Backend
-instance; :func:`get_backend` finds those too.
+A backend is a BackendConfig (what the flow may quantize), default qconfigs that satisfy it,
+and a lowering pass. ``register_backend`` puts it in ``quantbridge.fx_quant.backend_registry``
+(config, lowering and object under one name); entry points of group ``quantbridge.backends``
+that name a Backend instance are found the same way.
 """
 
 from __future__ import annotations
 
-import threading
+import copy
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch.fx import GraphModule
 
 from quantbridge.fx_quant import (
+    LoweringRegistryError,
+    backend_registry,
     convert_to_reference_fx,
-    get_lowering,
-    register_lowering,
-    registered_lowerings,
-    unregister_lowering,
 )
 from quantbridge.lowering._errors import LoweringError
 from quantbridge.qconfig import (
@@ -119,8 +112,9 @@ class Backend:
 
     @property
     def backend_config(self) -> BackendConfig:
-        """What this backend can run, for ``prepare_fx``/``convert_fx``."""
-        return self._backend_config
+        """What this backend can run, for ``prepare_fx``/``convert_fx``: a new copy each time,
+        so editing it never changes the backend."""
+        return copy.deepcopy(self._backend_config)
 
     def is_available(self) -> bool:
         """Whether this backend can run on this machine (CPU features, installed engines)."""
@@ -146,7 +140,7 @@ class Backend:
 
     def convert(self, prepared_model: GraphModule) -> GraphModule:
         """``convert_to_reference_fx`` with this backend's config, then :meth:`lower`."""
-        reference = convert_to_reference_fx(prepared_model, backend_config=self.backend_config)
+        reference = convert_to_reference_fx(prepared_model, backend_config=self._backend_config)
         return self.lower(reference)
 
     def __call__(self, reference_model: GraphModule) -> GraphModule:
@@ -155,7 +149,7 @@ class Backend:
     def supported_ops(self) -> list[SupportedOp]:
         """The op x mode table, read from :attr:`backend_config` unless a subclass knows more."""
         rows: dict[str, list[str]] = {}
-        for cfg in self.backend_config.configs:
+        for cfg in self._backend_config.configs:
             op = _pattern_name(cfg.pattern if cfg.pattern is not None else cfg.complex_pattern)
             modes = rows.setdefault(op, [])
             for dc in cfg.dtype_configs:
@@ -193,81 +187,68 @@ class Backend:
         return f"{type(self).__name__}(name={self.name!r}{state})"
 
 
-_backends: dict[str, Backend] = {}
-_lock = threading.Lock()
-
-
 def register_backend(backend: Backend, *, replace: bool = False) -> Backend:
-    """Register ``backend`` under ``backend.name`` here and in fx_quant's lowering registry.
-
-    Registering a different backend under a taken name is an error unless ``replace=True``.
-    Returns ``backend`` so it can be used as an expression.
-    """
+    """Register ``backend`` under ``backend.name`` in the backend registry (its config, its
+    lowering and the object). A different backend under a taken name is an error unless
+    ``replace=True``. Returns ``backend`` so it can be used as an expression."""
     if not isinstance(backend, Backend):
         raise LoweringError(
             f"register_backend: expected a quantbridge.lowering.Backend instance, got "
             f"{type(backend).__name__}; plain lowering functions go to "
             "quantbridge.fx_quant.register_lowering"
         )
-    with _lock:
-        existing = _backends.get(backend.name)
-        if existing is not None and existing is not backend and not replace:
-            raise LoweringError(
-                f"register_backend: a different backend {existing!r} is already registered as "
-                f"{backend.name!r}; pass replace=True to override it"
-            )
-        _backends[backend.name] = backend
-    register_lowering(backend.name, backend, replace=replace)
+    try:
+        backend_registry.register(backend.name, backend=backend, replace_existing=replace)
+    except LoweringRegistryError as e:
+        raise LoweringError(f"register_backend: {e}") from e
     return backend
 
 
 def unregister_backend(name: str) -> None:
-    """Remove a backend from both registries (no error if absent)."""
-    with _lock:
-        _backends.pop(name, None)
-    unregister_lowering(name)
+    """Remove a backend (no error if absent); a built-in torch.ao config keeps its name."""
+    backend_registry.unregister(name, "lowering", "backend")
 
 
 def _lookup(name: str) -> Backend | None:
-    found = _backends.get(name)
-    if found is not None:
-        return found
-    fn: Any = get_lowering(name)  # also loads the quantbridge.backends entry points
-    if isinstance(fn, Backend):
-        with _lock:
-            _backends.setdefault(name, fn)
-        return fn
-    target = getattr(fn, "backend_name", None)  # TorchAoConfigLowering: a torch.ao config name
-    if isinstance(target, str):
-        raise LoweringError(
-            f"get_backend({name!r}): {name!r} names a torch.ao BackendConfig "
-            f"(quantbridge.fx_quant.get_backend_config({name!r})), not a backend; convert_fx "
-            f"lowers models prepared with it using the {target!r} backend: "
-            f"get_backend({target!r})"
-        )
-    if fn is not None:
+    entry = backend_registry.entry(name, "backend")  # may load the entry points
+    if entry is None:
+        return None
+    if isinstance(entry.backend, Backend):
+        return entry.backend
+    if entry.lowering is not None:
         raise LoweringError(
             f"get_backend({name!r}): the lowering registered under {name!r} is "
-            f"{getattr(fn, '__qualname__', fn)!r}, a plain function, not a "
-            "quantbridge.lowering.Backend; it still lowers through convert_fx, but has no "
-            "backend_config or qconfig_mapping to offer"
+            f"{getattr(entry.lowering, '__qualname__', entry.lowering)!r}, a plain function, "
+            "not a quantbridge.lowering.Backend; it still lowers through convert_fx, but has "
+            "no backend_config or qconfig_mapping to offer"
+        )
+    if entry.config is not None:
+        raise LoweringError(
+            f"get_backend({name!r}): {name!r} names a BackendConfig "
+            f"(quantbridge.fx_quant.get_backend_config({name!r}), {entry.origin}) with no "
+            "lowering: quantbridge has no kernels for it and convert_fx returns the reference "
+            "model. For a fast CPU model use get_backend('numba')"
         )
     return None
 
 
 def _all_backends() -> list[Backend]:
-    found = dict(_backends)
-    for name in registered_lowerings():  # entry points from other distributions
-        if name not in found:
-            fn: Any = get_lowering(name)
-            if isinstance(fn, Backend):
-                found[name] = fn
-    return [found[n] for n in sorted(found)]
+    found = []
+    for name in backend_registry.names():
+        entry = backend_registry.entry(name)
+        if entry is not None and isinstance(entry.backend, Backend):
+            found.append(entry.backend)
+    return found
 
 
 def available_backends() -> list[str]:
-    """Names of the backends that can run on this machine, sorted."""
-    return [b.name for b in _all_backends() if b.is_available()]
+    """Names of the backends that can run on this machine, sorted (the torch.ao names that
+    lower with another backend, ``get_backend("x86")`` etc., are left out)."""
+    return [
+        b.name
+        for b in _all_backends()
+        if b.is_available() and getattr(b, "lowers_with", None) is None
+    ]
 
 
 def get_backend(name: str) -> Backend:

@@ -8,7 +8,7 @@ from torch.fx import GraphModule
 
 from quantbridge import kernels as K
 from quantbridge.fx_quant import get_native_backend_config
-from quantbridge.lowering._backend import Backend, SupportedOp, get_backend
+from quantbridge.lowering._backend import Backend, SupportedOp
 from quantbridge.lowering._lower import lower_to_kernels
 from quantbridge.lowering._rules import backend_config_from_rules
 from quantbridge.lowering._table import default_lowering_rules
@@ -26,16 +26,7 @@ from quantbridge.qconfig import (
     get_default_qconfig_mapping,
 )
 
-__all__ = [
-    "TORCH_AO_CPU_CONFIGS",
-    "NumbaBackend",
-    "TorchAoConfigLowering",
-    "numba_backend_config",
-    "torch_ao_cpu_lowering",
-]
-
-# torch.ao lowered BackendConfigs of these names to its quantized CPU engines (fbgemm, onednn)
-TORCH_AO_CPU_CONFIGS = ("x86", "fbgemm", "onednn", "native")
+__all__ = ["NumbaBackend", "numba_backend_config"]
 
 
 def numba_backend_config(name: str) -> BackendConfig:
@@ -113,26 +104,3 @@ class NumbaBackend(Backend):
             SupportedOp(rule.description or rule.name, rule.modes, f"{rule.kernel} [{self.target}]")
             for rule in default_lowering_rules()
         ]
-
-
-class TorchAoConfigLowering:
-    """convert_fx's lowering for models prepared with the torch.ao-named CPU configs
-    (``get_backend_config("x86")``, fbgemm, onednn, native): the ``numba`` backend's pass,
-    as torch.ao lowered these configs to its own engines.
-
-    Registered under those names, not as a backend: ``get_backend("x86")`` points to
-    ``get_backend("numba")``. Ops the numba kernels do not run (the configs allow more than
-    the numba backend's own config: conv3d, transposed convs, norms, ...) keep their
-    reference form, listed in ``lowering_report``.
-    """
-
-    backend_name = "numba"
-
-    def __call__(self, reference_model: GraphModule) -> GraphModule:
-        return get_backend(self.backend_name).lower(reference_model)
-
-    def __repr__(self) -> str:
-        return f"TorchAoConfigLowering(lowers with {self.backend_name!r})"
-
-
-torch_ao_cpu_lowering = TorchAoConfigLowering()

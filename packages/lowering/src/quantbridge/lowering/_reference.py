@@ -5,7 +5,7 @@ from __future__ import annotations
 from quantbridge.fx_quant import get_native_backend_config
 from quantbridge.lowering._backend import Backend
 
-__all__ = ["ReferenceBackend", "reference"]
+__all__ = ["ReferenceBackend", "reference_backend"]
 
 
 class ReferenceBackend(Backend):
@@ -23,4 +23,4 @@ class ReferenceBackend(Backend):
         )
 
 
-reference = ReferenceBackend()
+reference_backend = ReferenceBackend()
