@@ -18,7 +18,7 @@ from typing import Any
 
 from numba import njit, prange
 
-from quantbridge.kernels._vnni import KERNEL_IDS, block_cols, block_kernel, k_step
+from quantbridge.kernels._block_kernels import KERNEL_IDS, block_cols, block_kernel, k_step
 
 # target -> (rows of the big block, rows of the tail block); the 1-row kernel ends every tail
 _ROWS = {"avx512_vnni": (8, 4), "avx2": (6, 3)}

@@ -1,40 +1,8 @@
-"""Register-blocked int8 GEMM micro-kernels, emitted as LLVM IR through numba ``@intrinsic``.
+"""The AVX-512 VNNI target of the GEMM micro-kernels: ``vpdpbusd`` on uint8 x int8.
 
-Plain numba loops never make LLVM emit ``vpdpbusd`` or ``vpmaddubsw``, so the inner kernels
-are written as IR: one block kernel per (target, rows, output mode) computes an ``MR x NR`` block
-of C over the whole reduction in vector registers and requantizes it in registers before the
-single store (a separate requantization pass costs ~20 %).
-
-Targets and packed-B layouts (``_pack.py`` builds them):
-
-* ``avx512_vnni``: B is int8 ``[Np/32][Kp/4][32][4]``; one step consumes 4 k values:
-  ``acc(16 x i32) = vpdpbusd(acc, broadcast(a[k:k+4] as i32), b_panel[step][16 cols][4])``.
-  u8 x s8 products summed in int32 without saturation.
-* ``avx2``: B is int16 ``[Np/16][Kp/2][16][2]``; one step consumes 2 k values:
-  ``acc(8 x i32) += vpmaddwd(broadcast(a16[k:k+2] as i32), b_panel[step][8 cols][2])``, where
-  ``a16`` is the activation zero-extended to int16 once per call (so each step is a single
-  broadcast load instead of a byte-pair load, widen and broadcast).
-  Widening to 16 bits keeps every product and pair sum exact (|255 * 128 * 2| < 2**31), which
-  ``vpmaddubsw`` (int16 saturation at 32767) would not.
-
-A row's activations are addressed as ``a[rowoffs[r] + koffs[step] + 0..KSTEP-1]``; linear
-uses ``rowoffs = i * K`` and ``koffs = KSTEP * step``, conv uses pixel offsets into padded
-NHWC input and per-tap offsets (implicit im2col). Rows past ``mvalid`` recompute the last
-valid row (never read out of bounds) and are not stored.
-
-Epilogue per output element (the rule in ``_requant.py``):
-``v = acc + colcorr[j] - wzp[j] * rowsum[i]``; mode ``u8``:
-``clamp(rint((float(v) + biasq[j]) * mult[j]) + ozp, qmin, qmax)``; mode ``f32``:
-``fma(float(v), mult[j], biasq[j])`` (one rounding, as fbgemm's float output does); mode
-``u8add`` (conv fused with a following quantized add, channels-last output): the u8 code ``q``
-of the block, then with ``addp = [sa, pa, sb, pb, inv, floor, zp]`` and the residual code ``r``
-at the same place of ``res``: ``t = max(fma(sa, q, pa) + fma(sb, r, pb), floor)``,
-``clamp(rint(t * inv) + zp, 0, 255)`` -- exactly the ``add``/``add_relu`` kernel on the
-conv's output codes (``floor`` is 0 for add_relu, -inf for add). Other modes ignore ``res``
-and ``addp``.
-
-All block kernels go through the one module-level intrinsic ``block_kernel`` (numbered by
-``KERNEL_IDS``), so numba's ``cache=True`` can reload the drivers that call them.
+B is packed int8 ``[Np/32][Kp/4][32][4]``; one step consumes 4 k values:
+``acc(16 x i32) = vpdpbusd(acc, broadcast(a[k:k+4] as i32), b_panel[step][16 cols][4])``:
+u8 x s8 products summed in int32 without saturation. Also the peak probe the bench uses.
 """
 
 from __future__ import annotations
@@ -46,338 +14,34 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-# k steps ahead that the one-row kernels prefetch packed weights (they stream from L2); 16
-# (2 KB ahead) was fastest of 8-64 at M = 1, 768x768
-PREFETCH_STEPS = 16
+from quantbridge.kernels._ir import I8, I32, I64, declare, stack_slot, vec_broadcast
 
-I8 = ir.IntType(8)
-I16 = ir.IntType(16)
-I32 = ir.IntType(32)
-I64 = ir.IntType(64)
-F32T = ir.FloatType()
-
-# target -> (vector lanes of i32, vectors per block row, k values per step, B element type)
-_SPEC: dict[str, tuple[int, int, int, ir.Type]] = {
-    "avx512_vnni": (16, 2, 4, I8),
-    "avx2": (8, 2, 2, I16),
-}
+# vector lanes of i32, vectors per block row, k values per step, packed B element type
+LANES, VECTORS_PER_ROW, K_STEP, B_ELEMENT = 16, 2, 4, I8
+_VPDPBUSD = "llvm.x86.avx512.vpdpbusd.512"
 
 
-def block_cols(target: str) -> int:
-    """Columns one micro-kernel call produces (the packed panel width NR)."""
-    lanes, nvec, _, _ = _SPEC[target]
-    return lanes * nvec
+def declare_dot(module: ir.Module, acc_type: ir.VectorType, b_type: ir.VectorType) -> ir.Function:
+    """The multiply-accumulate intrinsic of this target."""
+    return declare(module, ir.FunctionType(acc_type, [acc_type, acc_type, acc_type]), _VPDPBUSD)
 
 
-def k_step(target: str) -> int:
-    """k values consumed per step (the koffs granularity)."""
-    return _SPEC[target][2]
-
-
-def _declare(module: ir.Module, fnty: ir.FunctionType, name: str) -> ir.Function:
-    """Declare (once) an LLVM intrinsic in ``module``."""
-    return cgutils.get_or_insert_function(module, fnty, name)  # type: ignore[no-untyped-call]
-
-
-def _slot(builder: ir.IRBuilder, value: ir.Value) -> ir.Value:
-    """An entry-block stack slot; LLVM promotes these accumulators to registers."""
-    return cgutils.alloca_once_value(builder, value)  # type: ignore[no-untyped-call]
-
-
-def _vec_broadcast(builder: ir.IRBuilder, scalar: ir.Value, lanes: int) -> ir.Value:
-    vt = ir.VectorType(scalar.type, lanes)
-    v = builder.insert_element(ir.Constant(vt, ir.Undefined), scalar, ir.Constant(I32, 0))
-    mask = ir.Constant(ir.VectorType(I32, lanes), [0] * lanes)
-    return builder.shuffle_vector(v, ir.Constant(vt, ir.Undefined), mask)
-
-
-def _load_vec(builder: ir.IRBuilder, ptr: ir.Value, vt: ir.VectorType) -> ir.Value:
-    v = builder.load(builder.bitcast(ptr, vt.as_pointer()))
-    v.align = 1
-    return v
-
-
-def _store_vec(builder: ir.IRBuilder, value: ir.Value, ptr: ir.Value) -> None:
-    st = builder.store(value, builder.bitcast(ptr, value.type.as_pointer()))
-    st.align = 1
-
-
-def _store_transposed(
+def emit_dot_step(
     builder: ir.IRBuilder,
-    rows: list[ir.Value],
-    c_p: ir.Value,
-    j0: ir.Value,
-    col0: int,
-    ldc: ir.Value,
-    r0: ir.Value,
-    mvalid: ir.Value,
+    dot: ir.Function,
+    a_ptr: ir.Value,
+    b_vectors: list[ir.Value],
+    slots: list[ir.Value],
+    b_type: ir.VectorType,
 ) -> None:
-    """Store an ``mr x lanes`` uint8 block channel-major: ``c[(j0+col0+ch)*ldc + r0 + r]``.
-
-    Used for conv's NCHW output (rows are pixels, columns channels): a full block is
-    transposed in registers and stored as one ``mr``-byte run per channel; a partial block
-    stores its valid bytes one by one.
-    """
-    mr = len(rows)
-    lanes = rows[0].type.count
-    full = builder.icmp_signed("==", mvalid, ir.Constant(I64, mr))
-    with builder.if_else(full) as (then, otherwise):
-        with then:
-            vecs = list(rows)
-            while len(vecs) > 1:  # concatenate pairwise (mr is a power of two)
-                width = vecs[0].type.count
-                vecs = [
-                    builder.shuffle_vector(
-                        vecs[i],
-                        vecs[i + 1],
-                        ir.Constant(ir.VectorType(I32, 2 * width), list(range(2 * width))),
-                    )
-                    for i in range(0, len(vecs), 2)
-                ]
-            block = vecs[0]
-            undef = ir.Constant(block.type, ir.Undefined)
-            order = [r * lanes + ch for ch in range(lanes) for r in range(mr)]
-            tblock = builder.shuffle_vector(
-                block, undef, ir.Constant(ir.VectorType(I32, mr * lanes), order)
-            )
-            for ch in range(lanes):
-                base = builder.add(
-                    builder.mul(builder.add(j0, ir.Constant(I64, col0 + ch)), ldc), r0
-                )
-                ptr = builder.gep(c_p, [base])
-                if mr == 1:
-                    byte = builder.extract_element(tblock, ir.Constant(I32, ch))
-                    builder.store(byte, ptr)
-                else:
-                    run = builder.shuffle_vector(
-                        tblock,
-                        undef,
-                        ir.Constant(ir.VectorType(I32, mr), [ch * mr + r for r in range(mr)]),
-                    )
-                    _store_vec(builder, run, ptr)
-        with otherwise:
-            for r in range(mr):
-                with builder.if_then(builder.icmp_signed("<", ir.Constant(I64, r), mvalid)):
-                    for ch in range(lanes):
-                        base = builder.add(
-                            builder.mul(builder.add(j0, ir.Constant(I64, col0 + ch)), ldc),
-                            builder.add(r0, ir.Constant(I64, r)),
-                        )
-                        byte = builder.extract_element(rows[r], ir.Constant(I32, ch))
-                        builder.store(byte, builder.gep(c_p, [base]))
-
-
-def _make_kernel(target: str, mr: int, ku: int, mode: str) -> Any:
-    """IR codegen for an ``mr x NR`` block, ``ku`` interleaved k accumulators."""
-    lanes, nvec, kstep, belt = _SPEC[target]
-    nr = lanes * nvec
-    vi32 = ir.VectorType(I32, lanes)
-    vf32 = ir.VectorType(F32T, lanes)
-    bvt = ir.VectorType(belt, lanes * kstep)  # one vector of packed B: lanes cols x kstep
-
-    def codegen(context: Any, builder: ir.IRBuilder, sig: Any, args: Any) -> ir.Value:
-        (a, rowoffs, r0, koffs, nk, bp, boff, c, ldc, mvalid) = args[:10]
-        (colcorr, wzp, rowsum, biasq, mult, j0, ozp, qmin, qmax, res, addp) = args[10:]
-        aty = sig.args
-
-        def data(i: int, v: ir.Value) -> ir.Value:
-            return context.make_array(aty[i])(context, builder, v).data
-
-        a_p, ro_p, ko_p, b_p, c_p = (
-            data(0, a),
-            data(1, rowoffs),
-            data(3, koffs),
-            data(5, bp),
-            data(7, c),
-        )
-        cc_p, wz_p, rs_p, bq_p, mu_p = (
-            data(10, colcorr),
-            data(11, wzp),
-            data(12, rowsum),
-            data(13, biasq),
-            data(14, mult),
-        )
-        res_p, ap_p = data(19, res), data(20, addp)
-        mod = builder.module
-        if target == "avx512_vnni":
-            fn = _declare(
-                mod, ir.FunctionType(vi32, [vi32, vi32, vi32]), "llvm.x86.avx512.vpdpbusd.512"
-            )
-        else:
-            fn = _declare(mod, ir.FunctionType(vi32, [bvt, bvt]), "llvm.x86.avx2.pmadd.wd")
-        rint = _declare(mod, ir.FunctionType(vf32, [vf32]), f"llvm.rint.v{lanes}f32")
-        prefetch = _declare(
-            mod,
-            ir.FunctionType(ir.VoidType(), [I8.as_pointer(), I32, I32, I32]),
-            "llvm.prefetch.p0i8",
-        )
-        vfma = _declare(mod, ir.FunctionType(vf32, [vf32, vf32, vf32]), f"llvm.fma.v{lanes}f32")
-        # row base offsets, duplicating the last valid row for rows past mvalid
-        last = builder.sub(mvalid, ir.Constant(I64, 1))
-        rbase = []
-        for r in range(mr):
-            rr = ir.Constant(I64, r)
-            ridx = builder.select(builder.icmp_signed("<", rr, last), rr, last)
-            rbase.append(builder.load(builder.gep(ro_p, [builder.add(r0, ridx)])))
-        zero = ir.Constant(vi32, [0] * lanes)
-        # the first accumulator set starts from the column correction: one add fewer per output
-        ccs = [
-            _load_vec(
-                builder, builder.gep(cc_p, [builder.add(j0, ir.Constant(I64, v * lanes))]), vi32
-            )
-            for v in range(nvec)
-        ]
-        accs = [
-            [[_slot(builder, ccs[v] if u == 0 else zero) for v in range(nvec)] for u in range(ku)]
-            for _ in range(mr)
-        ]
-        panel_elems = ir.Constant(I64, nr * kstep)
-        nouter = builder.sdiv(nk, ir.Constant(I64, ku))
-
-        def emit_step(step: ir.Value, u: int, prefetch_ahead: bool) -> None:
-            koff = builder.load(builder.gep(ko_p, [step]))
-            bbase = builder.add(boff, builder.mul(step, panel_elems))
-            if prefetch_ahead:
-                # one row streams the weights from L2; fetch a few steps ahead
-                for line in range(ku * nvec):
-                    ahead = builder.add(
-                        bbase,
-                        ir.Constant(
-                            I64, (PREFETCH_STEPS * nr * kstep) + line * 64 // belt.width * 8
-                        ),
-                    )
-                    pf_ptr = builder.bitcast(builder.gep(b_p, [ahead]), I8.as_pointer())
-                    builder.call(
-                        prefetch,
-                        [pf_ptr, ir.Constant(I32, 0), ir.Constant(I32, 3), ir.Constant(I32, 1)],
-                    )
-            bvecs = [
-                _load_vec(
-                    builder,
-                    builder.gep(b_p, [builder.add(bbase, ir.Constant(I64, v * lanes * kstep))]),
-                    bvt,
-                )
-                for v in range(nvec)
-            ]
-            for r in range(mr):
-                aptr = builder.gep(a_p, [builder.add(rbase[r], koff)])
-                if target == "avx512_vnni":
-                    word = builder.load(builder.bitcast(aptr, I32.as_pointer()))
-                    word.align = 1
-                    abc = _vec_broadcast(builder, word, lanes)
-                    for v in range(nvec):
-                        slot = accs[r][u][v]
-                        bw = builder.bitcast(bvecs[v], vi32)
-                        builder.store(builder.call(fn, [builder.load(slot), abc, bw]), slot)
-                else:
-                    # activations arrive widened to int16: one 4-byte broadcast load
-                    pair = builder.load(builder.bitcast(aptr, I32.as_pointer()))
-                    pair.align = 1
-                    abc = builder.bitcast(_vec_broadcast(builder, pair, lanes), bvt)
-                    for v in range(nvec):
-                        slot = accs[r][u][v]
-                        prod = builder.call(fn, [abc, bvecs[v]])
-                        builder.store(builder.add(builder.load(slot), prod), slot)
-
-        with cgutils.for_range(builder, nouter) as loop:
-            for u in range(ku):
-                step = builder.add(
-                    builder.mul(loop.index, ir.Constant(I64, ku)), ir.Constant(I64, u)
-                )
-                emit_step(step, u, mr == 1 and u == 0)
-        if ku > 1:  # the steps past the last full interleave, on the first accumulator set
-            done = builder.mul(nouter, ir.Constant(I64, ku))
-            with cgutils.for_range(builder, builder.sub(nk, done)) as rest:
-                emit_step(builder.add(done, rest.index), 0, False)
-        # epilogue, in registers
-        ozp_f = builder.sitofp(builder.trunc(ozp, I32), F32T)
-        qmin_f = _vec_broadcast(builder, builder.sitofp(builder.trunc(qmin, I32), F32T), lanes)
-        qmax_f = _vec_broadcast(builder, builder.sitofp(builder.trunc(qmax, I32), F32T), lanes)
-        ozp_v = _vec_broadcast(builder, ozp_f, lanes)
-        if mode == "u8add":  # addp: [sa, pa, sb, pb, inv, floor, zp] (see the module docstring)
-            addv = [
-                _vec_broadcast(
-                    builder, builder.load(builder.gep(ap_p, [ir.Constant(I64, k)])), lanes
-                )
-                for k in range(7)
-            ]
-            zero_f = ir.Constant(vf32, [0.0] * lanes)
-            top_f = ir.Constant(vf32, [255.0] * lanes)
-        for v in range(nvec):
-            jv = builder.add(j0, ir.Constant(I64, v * lanes))
-            wz = _load_vec(builder, builder.gep(wz_p, [jv]), vi32)
-            bq = _load_vec(builder, builder.gep(bq_p, [jv]), vf32)
-            mu = _load_vec(builder, builder.gep(mu_p, [jv]), vf32)
-            raw = []
-            for r in range(mr):
-                acc = builder.load(accs[r][0][v])
-                for u in range(1, ku):
-                    acc = builder.add(acc, builder.load(accs[r][u][v]))
-                raw.append(acc)
-            # - wzp[j] * rowsum[i], skipped for the usual all-zero weight zero points
-            wz_any = builder.icmp_unsigned(
-                "!=",
-                builder.bitcast(wz, ir.IntType(32 * lanes)),
-                ir.Constant(ir.IntType(32 * lanes), 0),
-            )
-            before = builder.block
-            with builder.if_then(wz_any, likely=False):
-                fixed = []
-                for r in range(mr):
-                    ridx = builder.add(r0, ir.Constant(I64, r))
-                    valid = builder.icmp_signed("<", ir.Constant(I64, r), mvalid)
-                    rs = builder.load(builder.gep(rs_p, [builder.select(valid, ridx, r0)]))
-                    fixed.append(
-                        builder.sub(raw[r], builder.mul(wz, _vec_broadcast(builder, rs, lanes)))
-                    )
-                fixed_end = builder.block
-            vals = []
-            for r in range(mr):  # phis first: they must open the merge block
-                val = builder.phi(vi32)
-                val.add_incoming(fixed[r], fixed_end)
-                val.add_incoming(raw[r], before)
-                vals.append(val)
-            row_vals: list[ir.Value] = []
-            for r in range(mr):
-                fv = builder.sitofp(vals[r], vf32)
-                ridx = builder.add(r0, ir.Constant(I64, r))
-                cidx = builder.add(builder.mul(ridx, ldc), jv)
-                if mode in ("u8", "u8t", "u8add"):
-                    # rint, + zero point and the clamp in float (all exact on integral values;
-                    # NaN goes to qmin): one conversion back to int
-                    x = builder.fadd(
-                        builder.call(rint, [builder.fmul(builder.fadd(fv, bq), mu)]), ozp_v
-                    )
-                    x = builder.select(builder.fcmp_unordered("<", x, qmin_f), qmin_f, x)
-                    x = builder.select(builder.fcmp_ordered(">", x, qmax_f), qmax_f, x)
-                    if mode == "u8add":
-                        # x is the conv's output code; add the residual code as the add kernel
-                        # does: fma(sa, qa, pa) + fma(sb, qb, pb), floor, rint(t * inv) + zp
-                        sa, pa, sb, pb, inv, floor, zpa = addv
-                        rq = _load_vec(
-                            builder, builder.gep(res_p, [cidx]), ir.VectorType(I8, lanes)
-                        )
-                        rf = builder.uitofp(rq, vf32)
-                        t = builder.fadd(
-                            builder.call(vfma, [sa, x, pa]), builder.call(vfma, [sb, rf, pb])
-                        )
-                        t = builder.select(builder.fcmp_ordered("<", t, floor), floor, t)
-                        x = builder.fadd(builder.call(rint, [builder.fmul(t, inv)]), zpa)
-                        x = builder.select(builder.fcmp_unordered("<", x, zero_f), zero_f, x)
-                        x = builder.select(builder.fcmp_ordered(">", x, top_f), top_f, x)
-                    outv = builder.trunc(builder.fptosi(x, vi32), ir.VectorType(I8, lanes))
-                else:
-                    outv = builder.call(vfma, [fv, mu, bq])
-                if mode == "u8t":
-                    row_vals.append(outv)
-                    continue
-                with builder.if_then(builder.icmp_signed("<", ir.Constant(I64, r), mvalid)):
-                    _store_vec(builder, outv, builder.gep(c_p, [cidx]))
-            if mode == "u8t":
-                _store_transposed(builder, row_vals, c_p, j0, v * lanes, ldc, r0, mvalid)
-        return context.get_dummy_value()
-
-    return codegen
+    """Accumulate one k step of one row into ``slots`` (one per B vector)."""
+    acc_type = ir.VectorType(I32, LANES)
+    word = builder.load(builder.bitcast(a_ptr, I32.as_pointer()))  # four uint8 activations
+    word.align = 1
+    a_broadcast = vec_broadcast(builder, word, LANES)
+    for acc_slot, b in zip(slots, b_vectors, strict=True):
+        b_words = builder.bitcast(b, acc_type)
+        builder.store(builder.call(dot, [builder.load(acc_slot), a_broadcast, b_words]), acc_slot)
 
 
 @intrinsic
@@ -391,14 +55,14 @@ def vpdpbusd_peak_loop(typingctx: Any, iters: Any) -> Any:
 
     def codegen(context: Any, builder: ir.IRBuilder, sig: Any, args: Any) -> ir.Value:
         vi32 = ir.VectorType(I32, 16)
-        fn = _declare(
+        fn = declare(
             builder.module,
             ir.FunctionType(vi32, [vi32, vi32, vi32]),
-            "llvm.x86.avx512.vpdpbusd.512",
+            _VPDPBUSD,
         )
         a = ir.Constant(vi32, [0x01010101] * 16)
         b = ir.Constant(vi32, [0x01FF0102 + i for i in range(16)])
-        slots = [_slot(builder, ir.Constant(vi32, [i] * 16)) for i in range(16)]
+        slots = [stack_slot(builder, ir.Constant(vi32, [i] * 16)) for i in range(16)]
         with cgutils.for_range(builder, args[0]):
             for slot in slots:
                 builder.store(builder.call(fn, [builder.load(slot), a, b]), slot)
@@ -409,69 +73,3 @@ def vpdpbusd_peak_loop(typingctx: Any, iters: Any) -> Any:
         return builder.sext(lane0, I64)
 
     return sig, codegen
-
-
-# (target, rows, k accumulator sets, mode) of every block kernel; its index is its number.
-# Rows per block: 8 fills 16 of the 32 zmm registers for VNNI; AVX2 has 16 ymm registers, so
-# 6 rows (12 accumulators). The 1-row kernels split k over 4 accumulator sets to hide the
-# 4-cycle latency. ``u8t``: conv's NCHW output, channel-major transposed stores (VNNI only).
-_BLOCKS = [
-    (target, mr, ku, mode)
-    for target, sizes, modes in (
-        ("avx512_vnni", ((8, 1), (4, 2), (1, 4)), ("u8", "f32", "u8t", "u8add")),
-        ("avx2", ((6, 1), (3, 2), (1, 4)), ("u8", "f32", "u8add")),
-    )
-    for mode in modes
-    for mr, ku in sizes
-]
-# Drivers name kernels by number: plain ints as closure constants pickle deterministically,
-# which numba's on-disk cache key needs.
-KERNEL_IDS: dict[tuple[str, int, str], int] = {
-    (target, mr, mode): i for i, (target, mr, _, mode) in enumerate(_BLOCKS)
-}
-_CODEGENS = [_make_kernel(*block) for block in _BLOCKS]
-
-
-def _block_kernel(
-    typingctx: Any,
-    kind: Any,
-    a: Any,
-    rowoffs: Any,
-    r0: Any,
-    koffs: Any,
-    nk: Any,
-    bp: Any,
-    boff: Any,
-    c: Any,
-    ldc: Any,
-    mvalid: Any,
-    colcorr: Any,
-    wzp: Any,
-    rowsum: Any,
-    biasq: Any,
-    mult: Any,
-    j0: Any,
-    ozp: Any,
-    qmin: Any,
-    qmax: Any,
-    res: Any,
-    addp: Any,
-) -> Any:
-    """``block_kernel(KERNEL_IDS[(target, rows, mode)], <that block kernel's 21 arguments>)``.
-
-    ``kind`` must be a compile-time constant; the call then is exactly that block kernel.
-    """
-    if not isinstance(kind, types.IntegerLiteral):
-        return None  # numba retries with the literal type when the value is a constant
-    args = (a, rowoffs, r0, koffs, nk, bp, boff, c, ldc, mvalid, colcorr, wzp, rowsum)
-    inner_sig = types.void(*args, biasq, mult, j0, ozp, qmin, qmax, res, addp)
-    inner_codegen = _CODEGENS[kind.literal_value]
-
-    def codegen(context: Any, builder: ir.IRBuilder, sig: Any, cargs: Any) -> ir.Value:
-        return inner_codegen(context, builder, inner_sig, cargs[1:])
-
-    return types.void(kind, *inner_sig.args), codegen
-
-
-# typed Any: callers pass the 22 arguments, not numba's typing context
-block_kernel: Any = intrinsic(_block_kernel)
