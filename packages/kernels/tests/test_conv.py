@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from quantbridge.kernels import (
     KernelError,
     PackedConvWeight,
+    QParams,
     available_targets,
     conv1d,
     conv2d,
@@ -514,7 +515,7 @@ def test_asymmetric_stride_dilation_every_layout(target, grouping, stride, dilat
         # conv2d_add: the reference conv's codes, then the add kernel (tested on its own)
         other = np.random.default_rng(3).integers(0, 256, want.shape, dtype=np.uint8)
         got_add = conv2d_add(
-            x, packed, a_s, a_zp, o_s, o_zp, other, 0.05, 120, 0.07, 110,
+            x, packed, (a_s, a_zp), QParams(o_s, o_zp), other, (0.05, 120), (0.07, 110),
             relu_conv=case["relu"],
         )  # fmt: skip
         want_add = add_kernel(want, o_s, o_zp, other, 0.05, 120, 0.07, 110)

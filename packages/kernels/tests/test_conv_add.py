@@ -57,7 +57,7 @@ def test_conv2d_add_equals_conv_then_add(target, case):
     add = qk.add_relu if case["relu"] else qk.add
     want = add(y, conv_s, 90, other, 0.06, 120, 0.09, 100)
     got = qk.conv2d_add(
-        x, packed, 0.04, 7, conv_s, 90, other, 0.06, 120, 0.09, 100,
+        x, packed, qk.QParams(0.04, 7), (conv_s, 90), other, (0.06, 120), (0.09, 100),
         relu_conv=case["relu_conv"], relu=case["relu"], num_threads=case["threads"],
     )  # fmt: skip
     np.testing.assert_array_equal(got, want)
@@ -79,4 +79,8 @@ def test_conv2d_add_bad_other_shape():
     packed = PackedConvWeight(np.zeros((64, 8, 3, 3), np.int8), 0.01, padding=1)
     x = np.zeros((1, 8, 5, 5), np.uint8)
     with pytest.raises(KernelError, match="other: expected the conv output's shape"):
-        qk.conv2d_add(x, packed, 0.1, 0, 0.1, 0, np.zeros((1, 64, 4, 4), np.uint8), 0.1, 0, 0.1, 0)
+        qk.conv2d_add(
+            x, packed, (0.1, 0), (0.1, 0), np.zeros((1, 64, 4, 4), np.uint8), (0.1, 0), (0.1, 0)
+        )
+    with pytest.raises(KernelError, match=r"conv_qparams: expected QParams\(scale, zero_point\)"):
+        qk.conv2d_add(x, packed, (0.1, 0), 0.1, x, (0.1, 0), (0.1, 0))  # type: ignore[arg-type]

@@ -73,7 +73,9 @@ def _conv2d_add(
     out_scale: float = GOOD,
 ) -> object:
     pc = qk.PackedConvWeight(WC[:, :2].repeat(2, axis=1), w_scale, 0, B4, padding=1)
-    return qk.conv2d_add(XC, pc, x_scale, 3, conv_scale, 4, XC, other_scale, 6, out_scale, 5)
+    return qk.conv2d_add(
+        XC, pc, (x_scale, 3), (conv_scale, 4), XC, (other_scale, 6), (out_scale, 5)
+    )
 
 
 def _matmul(a_scale: float = GOOD, b_scale: float = GOOD, out_scale: float = GOOD) -> object:
@@ -114,10 +116,10 @@ SCALE_CASES: list[tuple[str, str, Callable[[Any], object]]] = [
     ("conv1d", "x_scale", lambda s: _conv1d(x_scale=s)),
     ("conv1d", "out_scale", lambda s: _conv1d(out_scale=s)),
     ("conv1d", "weight scale", lambda s: _conv1d(w_scale=s)),
-    ("conv2d_add", "x_scale", lambda s: _conv2d_add(x_scale=s)),
-    ("conv2d_add", "conv_scale", lambda s: _conv2d_add(conv_scale=s)),
-    ("conv2d_add", "other_scale", lambda s: _conv2d_add(other_scale=s)),
-    ("conv2d_add", "out_scale", lambda s: _conv2d_add(out_scale=s)),
+    ("conv2d_add", "x_qparams.scale", lambda s: _conv2d_add(x_scale=s)),
+    ("conv2d_add", "conv_qparams.scale", lambda s: _conv2d_add(conv_scale=s)),
+    ("conv2d_add", "other_qparams.scale", lambda s: _conv2d_add(other_scale=s)),
+    ("conv2d_add", "out_qparams.scale", lambda s: _conv2d_add(out_scale=s)),
     ("matmul", "a_scale", lambda s: _matmul(a_scale=s)),
     ("matmul", "b_scale", lambda s: _matmul(b_scale=s)),
     ("matmul", "out_scale", lambda s: _matmul(out_scale=s)),
@@ -281,7 +283,7 @@ DERIVED_CASES: list[tuple[str, str, Callable[[], object]]] = [
         "x_scale * weight scale underflows",
         lambda: _conv2d_add(x_scale=1e-30, w_scale=1e-30),
     ),
-    ("conv2d_add", "1 / out_scale", lambda: _conv2d_add(out_scale=1e38)),
+    ("conv2d_add", "1 / out_qparams.scale", lambda: _conv2d_add(out_scale=1e38)),
     ("matmul", "a_scale * b_scale is subnormal", lambda: _matmul(a_scale=1e-20, b_scale=1e-20)),
     (
         "matmul",

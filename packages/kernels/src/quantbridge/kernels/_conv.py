@@ -41,6 +41,7 @@ from quantbridge.kernels._pack import (
     weight_scales,
     weight_zero_points,
 )
+from quantbridge.kernels._qparams import QParams, as_qparams
 from quantbridge.kernels._quantize import f32_scale
 from quantbridge.kernels._threads import apply_num_threads, with_threads
 from quantbridge.kernels._transpose import nchw_into_padded_nhwc, nhwc_into_padded_nhwc
@@ -523,15 +524,11 @@ def conv1d(
 def conv2d_add(
     x: npt.NDArray[np.uint8],
     packed: PackedConvWeight,
-    x_scale: float,
-    x_zero_point: int,
-    conv_scale: float,
-    conv_zero_point: int,
+    x_qparams: QParams | tuple[float, int],
+    conv_qparams: QParams | tuple[float, int],
     other: npt.NDArray[np.uint8],
-    other_scale: float,
-    other_zero_point: int,
-    out_scale: float,
-    out_zero_point: int,
+    other_qparams: QParams | tuple[float, int],
+    out_qparams: QParams | tuple[float, int],
     *,
     relu_conv: bool = False,
     relu: bool = False,
@@ -539,18 +536,23 @@ def conv2d_add(
 ) -> npt.NDArray[np.uint8]:
     """``add(conv2d(x), other)`` (``add_relu`` with ``relu=True``) in one pass: a residual block.
 
-    Exactly ``add[_relu](conv2d(x, packed, x_scale, x_zero_point, conv_scale,
-    conv_zero_point, relu=relu_conv), conv_scale, conv_zero_point, other, other_scale,
-    other_zero_point, out_scale, out_zero_point)``: the conv's output codes are computed and
-    rounded as usual, then added to ``other`` with the add kernel's arithmetic, in the GEMM's
-    epilogue while the block is still in registers (no conv output written and read back).
-    ``other`` has the conv output's shape, C-contiguous or channels-last; the result is
+    Exactly ``add[_relu](conv2d(x, packed, *x_qparams, *conv_qparams, relu=relu_conv),
+    *conv_qparams, other, *other_qparams, *out_qparams)``: the conv's output codes are computed
+    and rounded as usual, then added to ``other`` with the add kernel's arithmetic, in the
+    GEMM's epilogue while the block is still in registers (no conv output written and read
+    back). ``other`` has the conv output's shape, C-contiguous or channels-last; the result is
     channels-last. Fused on ``avx512_vnni``/``avx2`` for groups = 1 and output channels a
     multiple of the panel width; otherwise the two kernels run one after the other.
     """
-    f32_scale("conv_scale", conv_scale)  # under this function's names, whichever path runs
-    f32_scale("other_scale", other_scale)
-    f32_scale("out_scale", out_scale, inverted=True)
+    x_scale, x_zero_point = as_qparams("x_qparams", x_qparams)
+    conv_scale, conv_zero_point = as_qparams("conv_qparams", conv_qparams)
+    other_scale, other_zero_point = as_qparams("other_qparams", other_qparams)
+    out_scale, out_zero_point = as_qparams("out_qparams", out_qparams)
+    # under this function's names, whichever path runs
+    f32_scale("x_qparams.scale", x_scale)
+    f32_scale("conv_qparams.scale", conv_scale)
+    f32_scale("other_qparams.scale", other_scale)
+    f32_scale("out_qparams.scale", out_scale, inverted=True)
     conv = conv2d(
         x, packed, x_scale, x_zero_point, conv_scale, conv_zero_point,
         relu=relu_conv, num_threads=num_threads, channels_last=True,
@@ -570,12 +572,12 @@ def conv2d_add(
     if other_nhwc is None:
         other_nhwc = np.ascontiguousarray(ob.transpose(0, 2, 3, 1))
     sa, pa, sb, pb, inv, zp = _add_params(
-        f32_scale("conv_scale", conv_scale),
-        check_zero_point("conv_zero_point", conv_zero_point, 0, 255),
-        f32_scale("other_scale", other_scale),
-        check_zero_point("other_zero_point", other_zero_point, 0, 255),
-        f32_scale("out_scale", out_scale, inverted=True),
-        check_zero_point("out_zero_point", out_zero_point, 0, 255),
+        f32_scale("conv_qparams.scale", conv_scale),
+        check_zero_point("conv_qparams.zero_point", conv_zero_point, 0, 255),
+        f32_scale("other_qparams.scale", other_scale),
+        check_zero_point("other_qparams.zero_point", other_zero_point, 0, 255),
+        f32_scale("out_qparams.scale", out_scale, inverted=True),
+        check_zero_point("out_qparams.zero_point", out_zero_point, 0, 255),
     )
     floor = np.float32(0.0) if relu else np.float32(-np.inf)
     addp = np.array([sa, pa, sb, pb, inv, floor, zp], np.float32)

@@ -460,15 +460,11 @@ class QuantizedConvAdd(QuantizedConv):
         out = K.conv2d_add(
             _np_dense(x),
             self._packed,
-            self._in_scale,
-            self._in_zero_point,
-            self._out_scale,
-            self._out_zero_point,
+            (self._in_scale, self._in_zero_point),
+            (self._out_scale, self._out_zero_point),  # the conv's own output: its rounding point
             _np_dense(other),
-            self._other_scale,
-            self._other_zero_point,
-            self._add_scale,
-            self._add_zero_point,
+            self.other_qparams,
+            self.output_qparams,
             relu_conv=self.relu,
             relu=self.add_relu,
         )
