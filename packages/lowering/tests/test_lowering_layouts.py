@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -64,15 +65,28 @@ def test_conv_outputs_stay_channels_last_through_the_chain(case_name: str, backe
 @pytest.mark.parametrize(
     "case_name", ["residual_add_mul", "conv_bn_cnn", "depthwise", "pools", "conv1d"]
 )
-def test_channels_last_chain_gives_the_numbers_of_nchw_convs(case_name: str, backend_name: str):
+def test_channels_last_chain_gives_the_numbers_of_nchw_convs(
+    case_name: str, backend_name: str, monkeypatch: pytest.MonkeyPatch
+):
     lowered, x = _lowered(case_name, backend_name)
     want = lowered(*x)
     convs = [m for m in lowered.modules() if isinstance(m, QuantizedConv)]
     assert convs
-    for mod in convs:  # the same convs returning C-contiguous NCHW instead
-        fn = mod._fn
-        mod._fn = lambda *a, _fn=fn, **kw: _fn(*a, **{**kw, "channels_last": False})
+    calls: list[str] = []
+
+    def nchw(name: str) -> Any:
+        real = getattr(K, name)
+
+        def run(*args: Any, **kwargs: Any) -> Any:
+            calls.append(name)
+            return real(*args, **{**kwargs, "channels_last": False})
+
+        return run
+
+    for name in ("conv1d", "conv2d"):  # the same convs returning C-contiguous NCHW instead
+        monkeypatch.setattr(K, name, nchw(name))
     got = lowered(*x)
+    assert calls  # the lowered convs did run through the patched kernels
     torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 

@@ -184,7 +184,7 @@ def _convert_with_backend(
     if isinstance(backend, str):
         entry = backend_registry.entry(backend, "backend")
         if entry is None or entry.backend is None:
-            known = [n for n in backend_registry.names() if backend_registry.entry(n).backend]  # type: ignore[union-attr]
+            known = [n for n, e in backend_registry.entries().items() if e.backend is not None]
             raise LoweringRegistryError(
                 f"convert_fx(backend={backend!r}): no backend object is registered under that "
                 f"name; registered backends: {known}"

@@ -222,6 +222,11 @@ class BackendRegistry:
             config = copy.deepcopy(config)  # never the backend's own object
         return config
 
+    def entries(self) -> dict[str, BackendEntry]:
+        """Every name and what it holds, after loading the entry points."""
+        self.load_entry_points()
+        return dict(sorted(self._entries.items()))
+
     def names(self) -> list[str]:
         """Every registered name, after loading the entry points."""
         self.load_entry_points()
@@ -342,8 +347,7 @@ def get_lowering(name: str) -> Lowering | None:
 
 def registered_lowerings() -> list[str]:
     """Names with a lowering (after reading the entry points)."""
-    backend_registry.load_entry_points()
-    return sorted(n for n, e in backend_registry._entries.items() if e.lowering is not None)
+    return [n for n, e in backend_registry.entries().items() if e.lowering is not None]
 
 
 # --- convert_fx without a lowering ------------------------------------------------------------

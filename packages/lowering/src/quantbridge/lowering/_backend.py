@@ -11,7 +11,6 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass
 
-import torch
 from torch.fx import GraphModule
 
 from quantbridge.fx_quant import (
@@ -20,9 +19,9 @@ from quantbridge.fx_quant import (
     convert_to_reference_fx,
 )
 from quantbridge.lowering._errors import LoweringError
+from quantbridge.lowering._rules import dtype_mode
 from quantbridge.qconfig import (
     BackendConfig,
-    DTypeConfig,
     QConfigMapping,
     get_default_qat_qconfig_mapping,
     get_default_qconfig_mapping,
@@ -69,16 +68,6 @@ def _pattern_name(pattern: object) -> str:
     if name is not None:
         return str(name)
     return str(pattern)
-
-
-def _dtype_mode(dc: DTypeConfig) -> str:
-    if dc.is_dynamic:
-        return "dynamic" if dc.weight_dtype != torch.float16 else "dynamic_fp16"
-    if dc.input_dtype == torch.float16:
-        return "fp16"
-    if dc.input_dtype in (None, torch.float32) and dc.weight_dtype is not None:
-        return "weight_only"
-    return "static"
 
 
 class Backend:
@@ -153,7 +142,7 @@ class Backend:
             op = _pattern_name(cfg.pattern if cfg.pattern is not None else cfg.complex_pattern)
             modes = rows.setdefault(op, [])
             for dc in cfg.dtype_configs:
-                m = _dtype_mode(dc)
+                m = dtype_mode(dc)
                 if m not in modes:
                     modes.append(m)
         return [SupportedOp(op, tuple(modes), "") for op, modes in rows.items()]

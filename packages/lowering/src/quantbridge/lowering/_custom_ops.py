@@ -15,11 +15,11 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
 from quantbridge import kernels as K
+from quantbridge.lowering import _lowered_ops as lowered
 
 __all__ = ["is_tracing"]
 
@@ -41,14 +41,6 @@ def is_tracing(*tensors: torch.Tensor) -> bool:
     return torch.compiler.is_compiling()
 
 
-def _pair(v: list[int]) -> tuple[int, int]:
-    return (v[0], v[1]) if len(v) > 1 else (v[0], v[0])
-
-
-def _numpy(t: torch.Tensor) -> Any:
-    return (t if t.is_contiguous() else t.contiguous()).numpy()
-
-
 def _cached(key: tuple[Any, ...], build: Any) -> Any:
     with _pack_lock:
         found = _pack_cache.get(key)
@@ -68,11 +60,11 @@ def _wqp(scale: torch.Tensor, zero_point: torch.Tensor) -> tuple[Any, Any]:
     """Per-tensor weight qparams as Python numbers, per-channel as arrays."""
     if scale.numel() == 1:
         return float(scale.reshape(-1)[0]), int(zero_point.reshape(-1)[0])
-    return _numpy(scale), _numpy(zero_point)
+    return lowered.numpy_view(scale), lowered.numpy_view(zero_point)
 
 
 def _bias(b: torch.Tensor | None) -> Any:
-    return None if b is None else _numpy(b.detach().to(torch.float32))
+    return None if b is None else lowered.numpy_view(b.detach().to(torch.float32))
 
 
 def _packed_linear(
@@ -86,7 +78,7 @@ def _packed_linear(
     packed: K.PackedLinearWeight = _cached(
         _wkey("linear", weight, target),
         lambda: K.PackedLinearWeight(
-            _numpy(weight), *_wqp(w_scale, w_zero_point), _bias(bias), target=target
+            lowered.numpy_view(weight), *_wqp(w_scale, w_zero_point), _bias(bias), target=target
         ),
     )
     return packed
@@ -107,8 +99,7 @@ def linear_op(
     target: str,
 ) -> torch.Tensor:
     packed = _packed_linear(weight, w_scale, w_zero_point, bias, target)
-    out = K.linear(_numpy(x), packed, x_scale, x_zero_point, out_scale, out_zero_point, relu=relu)
-    return torch.from_numpy(out)
+    return lowered.linear(x, packed, (x_scale, x_zero_point), (out_scale, out_zero_point), relu)
 
 
 @linear_op.register_fake
@@ -125,8 +116,7 @@ def linear_dynamic_op(
     bias: torch.Tensor | None,
     target: str,
 ) -> torch.Tensor:
-    packed = _packed_linear(weight, w_scale, w_zero_point, bias, target)
-    return torch.from_numpy(K.linear_dynamic(_numpy(x.to(torch.float32)), packed))
+    return lowered.linear_dynamic(x, _packed_linear(weight, w_scale, w_zero_point, bias, target))
 
 
 @linear_dynamic_op.register_fake
@@ -155,7 +145,7 @@ def conv_op(
     packed = _cached(
         _wkey("conv", weight, target, tuple(stride), tuple(padding), tuple(dilation), groups),
         lambda: K.PackedConvWeight(
-            _numpy(weight),
+            lowered.numpy_view(weight),
             *_wqp(w_scale, w_zero_point),
             _bias(bias),
             stride=tuple(stride),
@@ -165,9 +155,8 @@ def conv_op(
             target=target,
         ),
     )
-    fn = K.conv2d if weight.dim() == 4 else K.conv1d
-    out = fn(_numpy(x), packed, x_scale, x_zero_point, out_scale, out_zero_point, relu=relu)
-    return torch.from_numpy(out)
+    in_qp, out_qp = (x_scale, x_zero_point), (out_scale, out_zero_point)
+    return lowered.conv(x, packed, in_qp, out_qp, relu).contiguous()  # NCHW, as the fake
 
 
 @conv_op.register_fake
@@ -201,21 +190,10 @@ def binary_op(
     kind: str,
     target: str,
 ) -> torch.Tensor:
-    fn = getattr(K, kind)
-    if a.shape != b.shape:
-        a, b = torch.broadcast_tensors(a, b)  # type: ignore[no-untyped-call]
-    out = fn(
-        _numpy(a),
-        a_scale,
-        a_zero_point,
-        _numpy(b),
-        b_scale,
-        b_zero_point,
-        out_scale,
-        out_zero_point,
-        target=target,
-    )
-    return torch.from_numpy(out)
+    return lowered.binary(
+        kind, a, (a_scale, a_zero_point), b, (b_scale, b_zero_point),
+        (out_scale, out_zero_point), target,
+    )  # fmt: skip
 
 
 @binary_op.register_fake
@@ -225,7 +203,7 @@ def _(a: torch.Tensor, a_scale: float, a_zero_point: int, b: torch.Tensor, *args
 
 @torch.library.custom_op(f"{_NS}::lut", mutates_args=())
 def lut_op(x: torch.Tensor, table: torch.Tensor, target: str) -> torch.Tensor:
-    return torch.from_numpy(K.apply_lut(_numpy(x), _numpy(table), target=target))
+    return lowered.lookup_table(x, lowered.numpy_view(table), target)
 
 
 @lut_op.register_fake
@@ -242,8 +220,7 @@ def requantize_op(
     out_zero_point: int,
     target: str,
 ) -> torch.Tensor:
-    out = K.requantize(_numpy(x), in_scale, in_zero_point, out_scale, out_zero_point, target=target)
-    return torch.from_numpy(out)
+    return lowered.requantize(x, (in_scale, in_zero_point), (out_scale, out_zero_point), target)
 
 
 @requantize_op.register_fake
@@ -261,16 +238,7 @@ def max_pool2d_op(
     ceil_mode: bool,
     target: str,
 ) -> torch.Tensor:
-    out = K.max_pool2d(
-        _numpy(x),
-        _pair(kernel_size),
-        _pair(stride),
-        _pair(padding),
-        _pair(dilation),
-        ceil_mode,
-        target=target,
-    )
-    return torch.from_numpy(out)
+    return lowered.max_pool2d(x, kernel_size, stride, padding, dilation, ceil_mode, target)
 
 
 @max_pool2d_op.register_fake
@@ -302,21 +270,10 @@ def avg_pool2d_op(
     out_zero_point: int,
     target: str,
 ) -> torch.Tensor:
-    out = K.avg_pool2d(
-        _numpy(x),
-        _pair(kernel_size),
-        _pair(stride),
-        _pair(padding),
-        ceil_mode,
-        count_include_pad,
-        divisor_override,
-        scale=scale,
-        zero_point=zero_point,
-        out_scale=out_scale,
-        out_zero_point=out_zero_point,
-        target=target,
-    )
-    return torch.from_numpy(out)
+    return lowered.avg_pool2d(
+        x, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override,
+        (scale, zero_point), (out_scale, out_zero_point), target,
+    )  # fmt: skip
 
 
 @avg_pool2d_op.register_fake
@@ -336,12 +293,12 @@ def _(
 
 @torch.library.custom_op(f"{_NS}::adaptive_avg_pool2d", mutates_args=())
 def adaptive_avg_pool2d_op(x: torch.Tensor, output_size: list[int], target: str) -> torch.Tensor:
-    return torch.from_numpy(K.adaptive_avg_pool2d(_numpy(x), _pair(output_size), target=target))
+    return lowered.adaptive_avg_pool2d(x, output_size, target)
 
 
 @adaptive_avg_pool2d_op.register_fake
 def _(x: torch.Tensor, output_size: list[int], target: str) -> torch.Tensor:
-    return F.adaptive_avg_pool2d(x.float(), _pair(output_size)).to(torch.uint8)
+    return F.adaptive_avg_pool2d(x.float(), lowered.pair(output_size)).to(torch.uint8)
 
 
 @torch.library.custom_op(f"{_NS}::matmul", mutates_args=())
@@ -356,21 +313,9 @@ def matmul_op(
     out_zero_point: int,
     target: str,
 ) -> torch.Tensor:
-    lead = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])  # type: ignore[no-untyped-call]
-    a3 = a.expand(*lead, *a.shape[-2:]).reshape(-1, *a.shape[-2:])
-    b3 = b.expand(*lead, *b.shape[-2:]).reshape(-1, *b.shape[-2:])
-    out = K.matmul(
-        _numpy(a3),
-        a_scale,
-        a_zero_point,
-        _numpy(b3),
-        b_scale,
-        b_zero_point,
-        out_scale,
-        out_zero_point,
-        target=target,
+    return lowered.matmul(
+        a, (a_scale, a_zero_point), b, (b_scale, b_zero_point), (out_scale, out_zero_point), target
     )
-    return torch.from_numpy(np.asarray(out)).reshape(*lead, a.shape[-2], b.shape[-1])
 
 
 @matmul_op.register_fake
@@ -393,19 +338,16 @@ def embedding_bag_op(
     packed = _cached(
         _wkey("embedding", weight),
         lambda: K.PackedEmbedding(
-            _numpy(weight), _numpy(row_scale), _numpy(row_bias), 8, int(weight.shape[1])
+            lowered.numpy_view(weight),
+            lowered.numpy_view(row_scale),
+            lowered.numpy_view(row_bias),
+            8,
+            int(weight.shape[1]),
         ),
     )
-    out = K.embedding_bag(
-        packed,
-        _numpy(indices),
-        None if offsets is None else _numpy(offsets),
-        mode,
-        None if per_sample_weights is None else _numpy(per_sample_weights),
-        include_last_offset,
-        target=target,
+    return lowered.embedding_bag(
+        packed, indices, offsets, mode, per_sample_weights, include_last_offset, target
     )
-    return torch.from_numpy(out)
 
 
 @embedding_bag_op.register_fake

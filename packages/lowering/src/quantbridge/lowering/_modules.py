@@ -15,7 +15,6 @@ the kernels cannot use, raises a LoweringError naming its key (``_state_dict.py`
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -23,8 +22,8 @@ from torch import nn
 
 from quantbridge import kernels as K
 from quantbridge.lowering import _custom_ops as ops
+from quantbridge.lowering import _lowered_ops as lowered
 from quantbridge.lowering._custom_ops import is_tracing
-from quantbridge.lowering._errors import LoweringError
 from quantbridge.lowering._state_dict import check_state_entry
 
 __all__ = [
@@ -54,30 +53,6 @@ def _as_tensor(value: Any) -> torch.Tensor:
 
 def _qp(qparams: tuple[float, int]) -> str:
     return f"({qparams[0]:.6g}, {qparams[1]})"
-
-
-def _pair(v: list[int]) -> tuple[int, int]:
-    return (v[0], v[1]) if len(v) > 1 else (v[0], v[0])
-
-
-def _numpy(t: torch.Tensor) -> Any:
-    """C-contiguous numpy view (a copy only when ``t`` is laid out otherwise)."""
-    t = t.detach()  # float inputs may come from float ops with parameters (grad mode on)
-    return (t if t.is_contiguous() else t.contiguous()).numpy()
-
-
-def _np_dense(t: torch.Tensor) -> Any:
-    """Zero-copy numpy view of a C-contiguous or channels-last tensor, else a C-contiguous copy.
-
-    For the kernels that take either layout (conv, elementwise): convs return channels-last
-    data, so activations stay channels-last from conv to conv without transposes.
-    """
-    t = t.detach()
-    if t.is_contiguous():
-        return t.numpy()
-    if t.dim() >= 3 and t.movedim(1, -1).is_contiguous():
-        return t.numpy()
-    return t.contiguous().numpy()
 
 
 class LoweredModule(nn.Module):
@@ -140,6 +115,8 @@ class LoweredModule(nn.Module):
         self._in_zero_point = int(b["input_zero_point"]) if "input_zero_point" in b else 0
         self._out_scale = float(b["scale"]) if "scale" in b else 1.0
         self._out_zero_point = int(b["zero_point"]) if "zero_point" in b else 0
+        self._other_scale: float
+        self._other_zero_point: int
 
     @property
     def input_qparams(self) -> tuple[float, int]:
@@ -150,6 +127,11 @@ class LoweredModule(nn.Module):
     def output_qparams(self) -> tuple[float, int]:
         """(scale, zero point) of the output codes ((1.0, 0) for a float output)."""
         return (self._out_scale, self._out_zero_point)
+
+    @property
+    def other_qparams(self) -> tuple[float, int]:
+        """(scale, zero point) of the second input's codes (two-input modules only)."""
+        return (self._other_scale, self._other_zero_point)
 
     def _qparams_repr(self) -> str:
         b = dict(self.named_buffers(recurse=False))
@@ -204,11 +186,11 @@ class _WeightedBase(LoweredModule):
         LoweredModule.__init__(self, target, in_qparams, out_qparams)
 
     def _weight_args(self) -> tuple[Any, Any, Any, Any]:
-        ws, wz = _numpy(self.weight_scale), _numpy(self.weight_zero_point)
+        ws, wz = lowered.numpy_view(self.weight_scale), lowered.numpy_view(self.weight_zero_point)
         if ws.shape[0] == 1:
             ws, wz = float(ws[0]), int(wz[0])
-        bias = None if self.bias is None else _numpy(self.bias)
-        return _numpy(self.weight), ws, wz, bias
+        bias = None if self.bias is None else lowered.numpy_view(self.bias)
+        return lowered.numpy_view(self.weight), ws, wz, bias
 
     def _pack_details(self) -> str:
         per = "per_channel" if self.weight_scale.numel() > 1 else "per_tensor"
@@ -246,16 +228,7 @@ class QuantizedLinear(_WeightedBase):
                     self.target,
                 )
             )
-        out = K.linear(
-            _numpy(x),
-            self._packed,
-            self._in_scale,
-            self._in_zero_point,
-            self._out_scale,
-            self._out_zero_point,
-            relu=self.relu,
-        )
-        return torch.from_numpy(out)
+        return lowered.linear(x, self._packed, self.input_qparams, self.output_qparams, self.relu)
 
     def _details(self) -> str:
         return f"relu={self.relu}, {self._pack_details()}"
@@ -283,9 +256,7 @@ class QuantizedDynamicLinear(_WeightedBase):
                     self.target,
                 )
             )
-        if x.dtype != torch.float32:
-            x = x.to(torch.float32)
-        return torch.from_numpy(K.linear_dynamic(_numpy(x), self._packed))
+        return lowered.linear_dynamic(x, self._packed)
 
     def _details(self) -> str:
         return self._pack_details()
@@ -313,7 +284,6 @@ class QuantizedConv(_WeightedBase):
         self.relu = relu
         super().__init__(*args, **kwargs)
         self.kernel = "kernels.conv2d" if self.weight.dim() == 4 else "kernels.conv1d"
-        self._fn: Callable[..., Any] = K.conv2d if self.weight.dim() == 4 else K.conv1d
 
     def _sync(self) -> None:
         super()._sync()
@@ -329,6 +299,11 @@ class QuantizedConv(_WeightedBase):
             groups=self.groups,
             target=self.target,
         )
+
+    @property
+    def conv_qparams(self) -> tuple[float, int]:
+        """(scale, zero point) of the conv's own output codes (its rounding point)."""
+        return (self._out_scale, self._out_zero_point)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if is_tracing(x):
@@ -351,17 +326,7 @@ class QuantizedConv(_WeightedBase):
                     self.target,
                 )
             )
-        out = self._fn(
-            _np_dense(x),
-            self._packed,
-            self._in_scale,
-            self._in_zero_point,
-            self._out_scale,
-            self._out_zero_point,
-            relu=self.relu,
-            channels_last=True,
-        )
-        return torch.from_numpy(out)
+        return lowered.conv(x, self._packed, self.input_qparams, self.conv_qparams, self.relu)
 
     def _details(self) -> str:
         dw = ", depthwise" if self.groups > 1 and self.groups == self.weight.shape[0] else ""
@@ -430,11 +395,6 @@ class QuantizedConvAdd(QuantizedConv):
             self._add_scale, self._add_zero_point = float(b["add_scale"]), int(b["add_zero_point"])
 
     @property
-    def other_qparams(self) -> tuple[float, int]:
-        """(scale, zero point) of the other operand of the add."""
-        return (self._other_scale, self._other_zero_point)
-
-    @property
     def output_qparams(self) -> tuple[float, int]:
         """(scale, zero point) of the add's output codes (what this module returns)."""
         return (self._add_scale, self._add_zero_point)
@@ -457,18 +417,10 @@ class QuantizedConvAdd(QuantizedConv):
                     self.target,
                 )
             )
-        out = K.conv2d_add(
-            _np_dense(x),
-            self._packed,
-            (self._in_scale, self._in_zero_point),
-            (self._out_scale, self._out_zero_point),  # the conv's own output: its rounding point
-            _np_dense(other),
-            self.other_qparams,
-            self.output_qparams,
-            relu_conv=self.relu,
-            relu=self.add_relu,
-        )
-        return torch.from_numpy(out)
+        return lowered.conv_add(
+            x, self._packed, self.input_qparams, self.conv_qparams, other, self.other_qparams,
+            self.output_qparams, self.relu, self.add_relu,
+        )  # fmt: skip
 
     def _qparams_repr(self) -> str:
         return (
@@ -497,7 +449,6 @@ class QuantizedBinary(LoweredModule):
         nn.Module.__init__(self)
         self.kind = kind
         self.kernel = f"kernels.{kind}"
-        self._fn: Callable[..., Any] = getattr(K, kind)
         self.register_buffer("input2_scale", torch.tensor(b_qparams[0], dtype=torch.float64))
         self.register_buffer("input2_zero_point", torch.tensor(b_qparams[1], dtype=torch.int64))
         super().__init__(target, a_qparams, out_qparams)
@@ -508,11 +459,6 @@ class QuantizedBinary(LoweredModule):
             float(self.input2_scale),
             int(self.input2_zero_point),
         )
-
-    @property
-    def other_qparams(self) -> tuple[float, int]:
-        """(scale, zero point) of the second input's codes."""
-        return (self._other_scale, self._other_zero_point)
 
     def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         if is_tracing(a, b):
@@ -530,20 +476,10 @@ class QuantizedBinary(LoweredModule):
                     self.target,
                 )
             )
-        if a.shape != b.shape:  # the kernels take equal shapes: broadcast first
-            a, b = torch.broadcast_tensors(a, b)  # type: ignore[no-untyped-call]
-        out = self._fn(
-            _np_dense(a),
-            self._in_scale,
-            self._in_zero_point,
-            _np_dense(b),
-            self._other_scale,
-            self._other_zero_point,
-            self._out_scale,
-            self._out_zero_point,
-            target=self.target,
-        )
-        return torch.from_numpy(out)
+        return lowered.binary(
+            self.kind, a, self.input_qparams, b, self.other_qparams, self.output_qparams,
+            self.target,
+        )  # fmt: skip
 
     def _qparams_repr(self) -> str:
         return (
@@ -579,40 +515,9 @@ class QuantizedMatmul(QuantizedBinary):
                     self.target,
                 )
             )
-        if a.dim() == b.dim() and a.dim() in (2, 3) and a.shape[:-2] == b.shape[:-2]:
-            out = K.matmul(
-                _numpy(a),
-                self._in_scale,
-                self._in_zero_point,
-                _numpy(b),
-                self._other_scale,
-                self._other_zero_point,
-                self._out_scale,
-                self._out_zero_point,
-                target=self.target,
-            )
-            return torch.from_numpy(out)
-        # broadcast leading dims, run as one batched [B, M, K] x [B, K, N] call
-        if a.dim() < 2 or b.dim() < 2:
-            raise LoweringError(
-                f"quantized matmul: operands need at least 2 dims, got {tuple(a.shape)} and "
-                f"{tuple(b.shape)}"
-            )
-        lead = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])  # type: ignore[no-untyped-call]
-        a3 = a.expand(*lead, *a.shape[-2:]).reshape(-1, *a.shape[-2:])
-        b3 = b.expand(*lead, *b.shape[-2:]).reshape(-1, *b.shape[-2:])
-        out = K.matmul(
-            _numpy(a3),
-            self._in_scale,
-            self._in_zero_point,
-            _numpy(b3),
-            self._other_scale,
-            self._other_zero_point,
-            self._out_scale,
-            self._out_zero_point,
-            target=self.target,
+        return lowered.matmul(
+            a, self.input_qparams, b, self.other_qparams, self.output_qparams, self.target
         )
-        return torch.from_numpy(out).reshape(*lead, a.shape[-2], b.shape[-1])
 
 
 class QuantizedLookupTable(LoweredModule):
@@ -640,12 +545,12 @@ class QuantizedLookupTable(LoweredModule):
 
     def _sync(self) -> None:
         super()._sync()
-        self._table = _numpy(self.table)
+        self._table = lowered.numpy_view(self.table)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if is_tracing(x):
             return _as_tensor(ops.lut_op(x, self.table, self.target))
-        return torch.from_numpy(K.apply_lut(_np_dense(x), self._table, target=self.target))
+        return lowered.lookup_table(x, self._table, self.target)
 
     def _details(self) -> str:
         return f"fn={self.what}"
@@ -671,7 +576,7 @@ class Quantize(LoweredModule):
             x = x.to(torch.float32)
         return torch.from_numpy(
             K.quantize_per_tensor(
-                _np_dense(x), self._out_scale, self._out_zero_point, target=self.target
+                lowered.dense_view(x), self._out_scale, self._out_zero_point, target=self.target
             )
         )
 
@@ -695,7 +600,7 @@ class Dequantize(LoweredModule):
             # C-contiguous like the reference model's float values (lowered convs return
             # channels-last codes; user code may ``view`` a model output)
             K.dequantize_per_tensor(
-                _numpy(x), self._in_scale, self._in_zero_point, target=self.target
+                lowered.numpy_view(x), self._in_scale, self._in_zero_point, target=self.target
             )
         )
 
@@ -717,15 +622,7 @@ class Requantize(LoweredModule):
                     self.target,
                 )
             )
-        out = K.requantize(
-            _np_dense(x),
-            self._in_scale,
-            self._in_zero_point,
-            self._out_scale,
-            self._out_zero_point,
-            target=self.target,
-        )
-        return torch.from_numpy(out)
+        return lowered.requantize(x, self.input_qparams, self.output_qparams, self.target)
 
 
 class QuantizedMaxPool2d(LoweredModule):
@@ -759,16 +656,10 @@ class QuantizedMaxPool2d(LoweredModule):
                     self.target,
                 )
             )
-        out = K.max_pool2d(
-            _np_dense(x),
-            _pair(self.kernel_size),
-            _pair(self.stride),
-            _pair(self.padding),
-            _pair(self.dilation),
-            self.ceil_mode,
-            target=self.target,
-        )
-        return torch.from_numpy(out)
+        return lowered.max_pool2d(
+            x, self.kernel_size, self.stride, self.padding, self.dilation, self.ceil_mode,
+            self.target,
+        )  # fmt: skip
 
     def _details(self) -> str:
         return f"kernel_size={tuple(self.kernel_size)}, stride={tuple(self.stride)}"
@@ -818,21 +709,11 @@ class QuantizedAvgPool2d(LoweredModule):
                     self.target,
                 )
             )
-        out = K.avg_pool2d(
-            _np_dense(x),
-            _pair(self.kernel_size),
-            _pair(self.stride),
-            _pair(self.padding),
-            self.ceil_mode,
-            self.count_include_pad,
-            self.divisor_override,
-            scale=self._in_scale,
-            zero_point=self._in_zero_point,
-            out_scale=self._out_scale,
-            out_zero_point=self._out_zero_point,
-            target=self.target,
-        )
-        return torch.from_numpy(out)
+        return lowered.avg_pool2d(
+            x, self.kernel_size, self.stride, self.padding, self.ceil_mode,
+            self.count_include_pad, self.divisor_override, self.input_qparams,
+            self.output_qparams, self.target,
+        )  # fmt: skip
 
     def _details(self) -> str:
         return f"kernel_size={tuple(self.kernel_size)}, stride={tuple(self.stride)}"
@@ -850,8 +731,7 @@ class QuantizedAdaptiveAvgPool2d(LoweredModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if is_tracing(x):
             return _as_tensor(ops.adaptive_avg_pool2d_op(x, self.output_size, self.target))
-        out = K.adaptive_avg_pool2d(_np_dense(x), _pair(self.output_size), target=self.target)
-        return torch.from_numpy(out)
+        return lowered.adaptive_avg_pool2d(x, self.output_size, self.target)
 
     def _details(self) -> str:
         return f"output_size={tuple(self.output_size)}"
@@ -888,9 +768,9 @@ class QuantizedEmbeddingBag(LoweredModule):
     def _sync(self) -> None:
         super()._sync()
         self._packed = K.PackedEmbedding(
-            _numpy(self.weight),
-            _numpy(self.row_scale),
-            _numpy(self.row_bias),
+            lowered.numpy_view(self.weight),
+            lowered.numpy_view(self.row_scale),
+            lowered.numpy_view(self.row_bias),
             8,
             int(self.weight.shape[1]),
         )
@@ -915,16 +795,10 @@ class QuantizedEmbeddingBag(LoweredModule):
                     self.target,
                 )
             )
-        out = K.embedding_bag(
-            self._packed,
-            _numpy(indices),
-            None if offsets is None else _numpy(offsets),
-            self.mode,
-            None if per_sample_weights is None else _numpy(per_sample_weights),
-            self.include_last_offset,
-            target=self.target,
-        )
-        return torch.from_numpy(out)
+        return lowered.embedding_bag(
+            self._packed, indices, offsets, self.mode, per_sample_weights,
+            self.include_last_offset, self.target,
+        )  # fmt: skip
 
     def _details(self) -> str:
         return f"mode={self.mode}, weight={tuple(self.weight.shape)} uint8 per-row"
