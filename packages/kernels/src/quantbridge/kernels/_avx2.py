@@ -12,28 +12,19 @@ from __future__ import annotations
 
 from llvmlite import ir
 
-from quantbridge.kernels._ir import I16, I32, declare, vec_broadcast
+from quantbridge.kernels._ir import I16, declare
 
 # vector lanes of i32, vectors per block row, k values per step, packed B element type
 LANES, VECTORS_PER_ROW, K_STEP, B_ELEMENT = 8, 2, 2, I16
 
 
 def declare_dot(module: ir.Module, acc_type: ir.VectorType, b_type: ir.VectorType) -> ir.Function:
-    """The multiply-accumulate intrinsic of this target."""
+    """``vpmaddwd``: pairs of int16 products summed into int32 lanes."""
     return declare(module, ir.FunctionType(acc_type, [b_type, b_type]), "llvm.x86.avx2.pmadd.wd")
 
 
-def emit_dot_step(
-    builder: ir.IRBuilder,
-    dot: ir.Function,
-    a_ptr: ir.Value,
-    b_vectors: list[ir.Value],
-    slots: list[ir.Value],
-    b_type: ir.VectorType,
-) -> None:
-    """Accumulate one k step of one row into ``slots`` (one per B vector)."""
-    pair = builder.load(builder.bitcast(a_ptr, I32.as_pointer()))  # two int16 activations
-    pair.align = 1
-    a_broadcast = builder.bitcast(vec_broadcast(builder, pair, LANES), b_type)
-    for slot, b in zip(slots, b_vectors, strict=True):
-        builder.store(builder.add(builder.load(slot), builder.call(dot, [a_broadcast, b])), slot)
+def accumulate(
+    builder: ir.IRBuilder, dot: ir.Function, acc: ir.Value, a_words: ir.Value, b: ir.Value
+) -> ir.Value:
+    """``acc`` plus one k step: ``a_words`` holds two int16 activations per i32 lane."""
+    return builder.add(acc, builder.call(dot, [builder.bitcast(a_words, b.type), b]))

@@ -228,7 +228,13 @@ def _make_kernel(target: str, mr: int, ku: int, mode: str) -> Any:
             ]
             for r in range(mr):
                 aptr = builder.gep(a_p, [builder.add(rbase[r], koff)])
-                spec.emit_dot_step(builder, dot, aptr, bvecs, accs[r][u], bvt)
+                # the step's k activations of this row, as one i32 broadcast to every lane
+                word = builder.load(builder.bitcast(aptr, I32.as_pointer()))
+                word.align = 1
+                a_words = vec_broadcast(builder, word, lanes)
+                for acc_slot, b in zip(accs[r][u], bvecs, strict=True):
+                    acc = spec.accumulate(builder, dot, builder.load(acc_slot), a_words, b)
+                    builder.store(acc, acc_slot)
 
         with cgutils.for_range(builder, nouter) as loop:
             for u in range(ku):

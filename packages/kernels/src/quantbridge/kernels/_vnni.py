@@ -14,7 +14,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from quantbridge.kernels._ir import I8, I32, I64, declare, stack_slot, vec_broadcast
+from quantbridge.kernels._ir import I8, I32, I64, declare, stack_slot
 
 # vector lanes of i32, vectors per block row, k values per step, packed B element type
 LANES, VECTORS_PER_ROW, K_STEP, B_ELEMENT = 16, 2, 4, I8
@@ -22,26 +22,15 @@ _VPDPBUSD = "llvm.x86.avx512.vpdpbusd.512"
 
 
 def declare_dot(module: ir.Module, acc_type: ir.VectorType, b_type: ir.VectorType) -> ir.Function:
-    """The multiply-accumulate intrinsic of this target."""
+    """``vpdpbusd``: four uint8 x int8 products summed into each int32 lane."""
     return declare(module, ir.FunctionType(acc_type, [acc_type, acc_type, acc_type]), _VPDPBUSD)
 
 
-def emit_dot_step(
-    builder: ir.IRBuilder,
-    dot: ir.Function,
-    a_ptr: ir.Value,
-    b_vectors: list[ir.Value],
-    slots: list[ir.Value],
-    b_type: ir.VectorType,
-) -> None:
-    """Accumulate one k step of one row into ``slots`` (one per B vector)."""
-    acc_type = ir.VectorType(I32, LANES)
-    word = builder.load(builder.bitcast(a_ptr, I32.as_pointer()))  # four uint8 activations
-    word.align = 1
-    a_broadcast = vec_broadcast(builder, word, LANES)
-    for acc_slot, b in zip(slots, b_vectors, strict=True):
-        b_words = builder.bitcast(b, acc_type)
-        builder.store(builder.call(dot, [builder.load(acc_slot), a_broadcast, b_words]), acc_slot)
+def accumulate(
+    builder: ir.IRBuilder, dot: ir.Function, acc: ir.Value, a_words: ir.Value, b: ir.Value
+) -> ir.Value:
+    """``acc`` plus one k step: ``a_words`` holds four uint8 activations per i32 lane."""
+    return builder.call(dot, [acc, a_words, builder.bitcast(b, a_words.type)])
 
 
 @intrinsic
