@@ -18,9 +18,16 @@ import lowering_zoo as zoo
 
 import quantbridge.lowering as L
 from quantbridge import kernels as K
-from quantbridge.fx_quant import LoweringRegistryError, backend_registry, convert_fx
-from quantbridge.fx_quant import get_backend_config, get_lowering, get_native_backend_config
-from quantbridge.fx_quant import prepare_fx, registered_lowerings
+from quantbridge.fx_quant import (
+    LoweringRegistryError,
+    backend_registry,
+    convert_fx,
+    get_backend_config,
+    get_lowering,
+    get_native_backend_config,
+    prepare_fx,
+    registered_lowerings,
+)
 from quantbridge.lowering import _numba_backend
 from quantbridge.lowering._rules import backend_config_from_rules
 
