@@ -75,16 +75,7 @@ class LoweredModule(nn.Module):
                 self.register_buffer(prefix + "zero_point", torch.tensor(qp[1], dtype=torch.int64))
         self._sync()
 
-    def _load_from_state_dict(
-        self,
-        state_dict: dict[str, Any],
-        prefix: str,
-        local_metadata: dict[str, Any],
-        strict: bool,
-        missing_keys: list[str],
-        unexpected_keys: list[str],
-        error_msgs: list[str],
-    ) -> None:
+    def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
         """Check this module's entries (exact dtype, shape, kernel-safe values), load, repack.
 
         Repacking here rather than in a post-load hook keeps each module consistent even
@@ -93,9 +84,7 @@ class LoweredModule(nn.Module):
         for name, current in self._buffers.items():
             if current is not None and prefix + name in state_dict:
                 check_state_entry(prefix + name, name, state_dict[prefix + name], current)
-        super()._load_from_state_dict(
-            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
-        )
+        super()._load_from_state_dict(state_dict, prefix, *args)
         self._sync()
 
     def __getstate__(self) -> dict[str, Any]:

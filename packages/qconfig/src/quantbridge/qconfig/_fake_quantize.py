@@ -180,21 +180,11 @@ class FakeQuantize(FakeQuantizeBase):
             f"ch_axis={self.ch_axis}, scale={self.scale}, zero_point={self.zero_point}"
         )
 
-    def _load_from_state_dict(
-        self,
-        state_dict: dict[str, Any],
-        prefix: str,
-        local_metadata: dict[str, Any],
-        strict: bool,
-        missing_keys: list[str],
-        unexpected_keys: list[str],
-        error_msgs: list[str],
-    ) -> None:
+    def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+        # args: local_metadata, strict, missing_keys, unexpected_keys, error_msgs (nn.Module's)
         # Per-channel qparams are [C], not the initial [1]: resize before copying.
         resize_for_state_dict(self, state_dict, prefix, ("scale", "zero_point"))
-        super()._load_from_state_dict(
-            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
-        )
+        super()._load_from_state_dict(state_dict, prefix, *args)
 
 
 class FixedQParamsFakeQuantize(FakeQuantize):

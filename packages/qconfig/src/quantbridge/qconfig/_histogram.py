@@ -333,16 +333,9 @@ class HistogramObserver(UniformQuantizationObserverBase):
     def extra_repr(self) -> str:
         return f"min_val={self.min_val}, max_val={self.max_val}"
 
-    def _load_from_state_dict(
-        self,
-        state_dict: dict[str, Any],
-        prefix: str,
-        local_metadata: dict[str, Any],
-        strict: bool,
-        missing_keys: list[str],
-        unexpected_keys: list[str],
-        error_msgs: list[str],
-    ) -> None:
+    def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+        # args: local_metadata, strict, missing_keys, unexpected_keys, error_msgs (nn.Module's)
+        local_metadata: dict[str, Any] = args[0]
         version = local_metadata.get("version")
         if version is None or version < 3:
             # Before version 3 an unobserved min/max was stored as an empty [0] tensor.
@@ -354,6 +347,4 @@ class HistogramObserver(UniformQuantizationObserverBase):
             value = state_dict.get(prefix + name)
             if isinstance(value, torch.Tensor):
                 getattr(self, name).resize_(value.shape)
-        super()._load_from_state_dict(
-            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
-        )
+        super()._load_from_state_dict(state_dict, prefix, *args)

@@ -200,23 +200,14 @@ class UniformQuantizationObserverBase(ObserverBase):
             min_val, max_val, self._qrange, self.qscheme, self.eps, type(self).__name__
         )
 
-    def _load_from_state_dict(
-        self,
-        state_dict: dict[str, Any],
-        prefix: str,
-        local_metadata: dict[str, Any],
-        strict: bool,
-        missing_keys: list[str],
-        unexpected_keys: list[str],
-        error_msgs: list[str],
-    ) -> None:
+    def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+        # args: local_metadata, strict, missing_keys, unexpected_keys, error_msgs (nn.Module's)
+        local_metadata: dict[str, Any] = args[0]
         version = local_metadata.get("version")
         if version is None or version == 1:
             # Version 1 state_dicts predate the eps buffer: use the default eps.
             state_dict[prefix + "eps"] = torch.tensor([_FLOAT32_EPS])
-        super()._load_from_state_dict(
-            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
-        )
+        super()._load_from_state_dict(state_dict, prefix, *args)
 
     def reset_min_max_vals(self) -> None:
         raise QConfigError(f"{type(self).__name__} has no min/max values to reset")

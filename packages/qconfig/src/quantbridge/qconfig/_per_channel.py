@@ -113,21 +113,11 @@ class PerChannelMinMaxObserver(UniformQuantizationObserverBase):
         self.min_val.resize_(0)
         self.max_val.resize_(0)
 
-    def _load_from_state_dict(
-        self,
-        state_dict: dict[str, Any],
-        prefix: str,
-        local_metadata: dict[str, Any],
-        strict: bool,
-        missing_keys: list[str],
-        unexpected_keys: list[str],
-        error_msgs: list[str],
-    ) -> None:
+    def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+        # args: local_metadata, strict, missing_keys, unexpected_keys, error_msgs (nn.Module's)
         # A fresh observer has [0] buffers; resize them so [C] values can be copied in.
         resize_for_state_dict(self, state_dict, prefix, ("min_val", "max_val"))
-        super()._load_from_state_dict(
-            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
-        )
+        super()._load_from_state_dict(state_dict, prefix, *args)
 
 
 class MovingAveragePerChannelMinMaxObserver(PerChannelMinMaxObserver):

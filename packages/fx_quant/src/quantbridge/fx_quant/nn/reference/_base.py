@@ -129,16 +129,8 @@ class ReferenceQuantizedModule(nn.Module):
         except (KeyError, TypeError, AttributeError, ValueError) as e:
             raise FxQuantError(f"{where}: unreadable weight qparam state {state!r}: {e}") from None
 
-    def _load_from_state_dict(
-        self,
-        state_dict: dict[str, Any],
-        prefix: str,
-        local_metadata: dict[str, Any],
-        strict: bool,
-        missing_keys: list[str],
-        unexpected_keys: list[str],
-        error_msgs: list[str],
-    ) -> None:
+    def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+        # args: local_metadata, strict, missing_keys, unexpected_keys, error_msgs (nn.Module's)
         _accept_torch_ao_state(state_dict, prefix, self.weight_axis.device)
         # Per-channel qparams may differ in length from this module's placeholders: take the
         # saved tensors as they are instead of copying into the existing buffers.
@@ -146,9 +138,7 @@ class ReferenceQuantizedModule(nn.Module):
             value = state_dict.get(prefix + name)
             if isinstance(value, torch.Tensor):
                 setattr(self, name, value.detach().clone().to(getattr(self, name).device))
-        super()._load_from_state_dict(
-            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
-        )
+        super()._load_from_state_dict(state_dict, prefix, *args)
         self.weight_axis_int = int(self.weight_axis.item())
 
 

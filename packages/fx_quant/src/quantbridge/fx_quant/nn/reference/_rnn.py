@@ -148,25 +148,15 @@ class _PerWeightQParams(nn.Module):
                 f"{self._where()}: unreadable weight qparam state {state!r}: {e}"
             ) from None
 
-    def _load_from_state_dict(
-        self,
-        state_dict: dict[str, Any],
-        prefix: str,
-        local_metadata: dict[str, Any],
-        strict: bool,
-        missing_keys: list[str],
-        unexpected_keys: list[str],
-        error_msgs: list[str],
-    ) -> None:
+    def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+        # args: local_metadata, strict, missing_keys, unexpected_keys, error_msgs (nn.Module's)
         # Per-channel qparams may differ in length from the placeholders: take them as saved.
         for name in self._weight_names:
             for suffix in _BUFFER_SUFFIXES:
                 value = state_dict.get(prefix + name + suffix)
                 if isinstance(value, torch.Tensor):
                     setattr(self, name + suffix, value.detach().clone())
-        super()._load_from_state_dict(
-            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
-        )
+        super()._load_from_state_dict(state_dict, prefix, *args)
 
 
 class _RNNBase(_PerWeightQParams, nn.RNNBase):
