@@ -202,21 +202,11 @@ class QuantizedLinear(_WeightedBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if is_tracing(x):
-            return _as_tensor(
-                ops.linear_op(
-                    x,
-                    self.weight,
-                    self.weight_scale,
-                    self.weight_zero_point,
-                    self.bias,
-                    self._in_scale,
-                    self._in_zero_point,
-                    self._out_scale,
-                    self._out_zero_point,
-                    self.relu,
-                    self.target,
-                )
-            )
+            return _as_tensor(ops.linear_op(
+                x, self.weight, self.weight_scale, self.weight_zero_point, self.bias,
+                self._in_scale, self._in_zero_point, self._out_scale, self._out_zero_point,
+                self.relu, self.target,
+            ))  # fmt: skip
         return lowered.linear(x, self._packed, self.input_qparams, self.output_qparams, self.relu)
 
     def _details(self) -> str:
@@ -235,16 +225,9 @@ class QuantizedDynamicLinear(_WeightedBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if is_tracing(x):
-            return _as_tensor(
-                ops.linear_dynamic_op(
-                    x,
-                    self.weight,
-                    self.weight_scale,
-                    self.weight_zero_point,
-                    self.bias,
-                    self.target,
-                )
-            )
+            return _as_tensor(ops.linear_dynamic_op(
+                x, self.weight, self.weight_scale, self.weight_zero_point, self.bias, self.target,
+            ))  # fmt: skip
         return lowered.linear_dynamic(x, self._packed)
 
     def _details(self) -> str:
@@ -296,25 +279,11 @@ class QuantizedConv(_WeightedBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if is_tracing(x):
-            return _as_tensor(
-                ops.conv_op(
-                    x,
-                    self.weight,
-                    self.weight_scale,
-                    self.weight_zero_point,
-                    self.bias,
-                    self.stride,
-                    self.padding,
-                    self.dilation,
-                    self.groups,
-                    self._in_scale,
-                    self._in_zero_point,
-                    self._out_scale,
-                    self._out_zero_point,
-                    self.relu,
-                    self.target,
-                )
-            )
+            return _as_tensor(ops.conv_op(
+                x, self.weight, self.weight_scale, self.weight_zero_point, self.bias, self.stride,
+                self.padding, self.dilation, self.groups, self._in_scale, self._in_zero_point,
+                self._out_scale, self._out_zero_point, self.relu, self.target,
+            ))  # fmt: skip
         return lowered.conv(x, self._packed, self.input_qparams, self.conv_qparams, self.relu)
 
     def _details(self) -> str:
@@ -392,20 +361,10 @@ class QuantizedConvAdd(QuantizedConv):
         if is_tracing(x, other):
             conv = super().forward(x)
             kind = "add_relu" if self.add_relu else "add"
-            return _as_tensor(
-                ops.binary_op(
-                    conv,
-                    self._out_scale,
-                    self._out_zero_point,
-                    other,
-                    self._other_scale,
-                    self._other_zero_point,
-                    self._add_scale,
-                    self._add_zero_point,
-                    kind,
-                    self.target,
-                )
-            )
+            return _as_tensor(ops.binary_op(
+                conv, self._out_scale, self._out_zero_point, other, self._other_scale,
+                self._other_zero_point, self._add_scale, self._add_zero_point, kind, self.target,
+            ))  # fmt: skip
         return lowered.conv_add(
             x, self._packed, self.input_qparams, self.conv_qparams, other, self.other_qparams,
             self.output_qparams, self.relu, self.add_relu,
@@ -451,20 +410,11 @@ class QuantizedBinary(LoweredModule):
 
     def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         if is_tracing(a, b):
-            return _as_tensor(
-                ops.binary_op(
-                    a,
-                    self._in_scale,
-                    self._in_zero_point,
-                    b,
-                    self._other_scale,
-                    self._other_zero_point,
-                    self._out_scale,
-                    self._out_zero_point,
-                    self.kind,
-                    self.target,
-                )
-            )
+            return _as_tensor(ops.binary_op(
+                a, self._in_scale, self._in_zero_point, b, self._other_scale,
+                self._other_zero_point, self._out_scale, self._out_zero_point, self.kind,
+                self.target,
+            ))  # fmt: skip
         return lowered.binary(
             self.kind, a, self.input_qparams, b, self.other_qparams, self.output_qparams,
             self.target,
@@ -491,19 +441,10 @@ class QuantizedMatmul(QuantizedBinary):
 
     def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         if is_tracing(a, b):
-            return _as_tensor(
-                ops.matmul_op(
-                    a,
-                    self._in_scale,
-                    self._in_zero_point,
-                    b,
-                    self._other_scale,
-                    self._other_zero_point,
-                    self._out_scale,
-                    self._out_zero_point,
-                    self.target,
-                )
-            )
+            return _as_tensor(ops.matmul_op(
+                a, self._in_scale, self._in_zero_point, b, self._other_scale,
+                self._other_zero_point, self._out_scale, self._out_zero_point, self.target,
+            ))  # fmt: skip
         return lowered.matmul(
             a, self.input_qparams, b, self.other_qparams, self.output_qparams, self.target
         )
@@ -601,16 +542,10 @@ class Requantize(LoweredModule):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if is_tracing(x):
-            return _as_tensor(
-                ops.requantize_op(
-                    x,
-                    self._in_scale,
-                    self._in_zero_point,
-                    self._out_scale,
-                    self._out_zero_point,
-                    self.target,
-                )
-            )
+            return _as_tensor(ops.requantize_op(
+                x, self._in_scale, self._in_zero_point, self._out_scale, self._out_zero_point,
+                self.target,
+            ))  # fmt: skip
         return lowered.requantize(x, self.input_qparams, self.output_qparams, self.target)
 
 
@@ -634,17 +569,10 @@ class QuantizedMaxPool2d(LoweredModule):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if is_tracing(x):
-            return _as_tensor(
-                ops.max_pool2d_op(
-                    x,
-                    self.kernel_size,
-                    self.stride,
-                    self.padding,
-                    self.dilation,
-                    self.ceil_mode,
-                    self.target,
-                )
-            )
+            return _as_tensor(ops.max_pool2d_op(
+                x, self.kernel_size, self.stride, self.padding, self.dilation, self.ceil_mode,
+                self.target,
+            ))  # fmt: skip
         return lowered.max_pool2d(
             x, self.kernel_size, self.stride, self.padding, self.dilation, self.ceil_mode,
             self.target,
@@ -682,22 +610,11 @@ class QuantizedAvgPool2d(LoweredModule):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if is_tracing(x):
-            return _as_tensor(
-                ops.avg_pool2d_op(
-                    x,
-                    self.kernel_size,
-                    self.stride,
-                    self.padding,
-                    self.ceil_mode,
-                    self.count_include_pad,
-                    self.divisor_override,
-                    self._in_scale,
-                    self._in_zero_point,
-                    self._out_scale,
-                    self._out_zero_point,
-                    self.target,
-                )
-            )
+            return _as_tensor(ops.avg_pool2d_op(
+                x, self.kernel_size, self.stride, self.padding, self.ceil_mode,
+                self.count_include_pad, self.divisor_override, self._in_scale,
+                self._in_zero_point, self._out_scale, self._out_zero_point, self.target,
+            ))  # fmt: skip
         return lowered.avg_pool2d(
             x, self.kernel_size, self.stride, self.padding, self.ceil_mode,
             self.count_include_pad, self.divisor_override, self.input_qparams,
@@ -771,19 +688,10 @@ class QuantizedEmbeddingBag(LoweredModule):
         per_sample_weights: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if is_tracing(indices):
-            return _as_tensor(
-                ops.embedding_bag_op(
-                    self.weight,
-                    self.row_scale,
-                    self.row_bias,
-                    indices,
-                    offsets,
-                    per_sample_weights,
-                    self.mode,
-                    self.include_last_offset,
-                    self.target,
-                )
-            )
+            return _as_tensor(ops.embedding_bag_op(
+                self.weight, self.row_scale, self.row_bias, indices, offsets, per_sample_weights,
+                self.mode, self.include_last_offset, self.target,
+            ))  # fmt: skip
         return lowered.embedding_bag(
             self._packed, indices, offsets, self.mode, per_sample_weights,
             self.include_last_offset, self.target,

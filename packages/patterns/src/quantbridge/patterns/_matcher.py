@@ -16,7 +16,7 @@ from __future__ import annotations
 import builtins
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal, TypeAlias
+from typing import Any, Generic, Literal, TypeAlias, TypeVar
 
 import torch
 from torch.fx import GraphModule, Node
@@ -32,7 +32,6 @@ NodePattern: TypeAlias = Any
 RootNodeGetter: TypeAlias = Callable[[Any], Any]
 MatchMode: TypeAlias = Literal["prepare", "fuse"]
 
-_UNSET = object()
 
 # Anchor kinds of the index.
 _MODULE = 0
@@ -106,10 +105,6 @@ class _Compiled:
         self.args = args
         self.is_getattr = is_getattr
         self.attr = attr
-
-
-# (priority, pattern, compiled pattern, key of the operator its first argument must be)
-_Entry: TypeAlias = tuple[int, Pattern, _Compiled, "tuple[int, object] | None"]  # pattern as given
 
 
 def _element_key(element: Pattern) -> tuple[int, object]:
@@ -204,6 +199,50 @@ class _Resolver:
         if op == "call_module":
             return (_MODULE, self.module_type(node))
         return None
+
+
+_Key: TypeAlias = "tuple[int, object]"
+_T = TypeVar("_T")
+
+
+class AnchorIndex(Generic[_T]):
+    """Patterns by the operator at their anchor, and by the operator their first argument
+    must be (when the pattern names one): a node is only tried against the patterns that
+    can match it, in priority order. Matcher and rewriter share it."""
+
+    def __init__(self, resolver: _Resolver) -> None:
+        self._resolver = resolver
+        self._by_anchor: dict[_Key, list[tuple[int, _Key | None, _T]]] = {}
+        self._wildcard: list[tuple[int, _Key | None, _T]] = []  # anchors matching any node
+        self._needs_first: set[_Key] = set()  # anchors with a first-argument condition
+        self._merged: dict[tuple[_Key | None, _Key | None], list[_T]] = {}
+
+    def add(self, priority: int, anchor: _Key | None, first: _Key | None, item: _T) -> None:
+        """``anchor`` None: the pattern's anchor is MatchAllNode (matches any node)."""
+        entry = (priority, first, item)
+        if anchor is None:
+            if first is not None:
+                raise PatternError("a MatchAllNode anchor takes no argument patterns")
+            self._wildcard.append(entry)
+        else:
+            self._by_anchor.setdefault(anchor, []).append(entry)
+            if first is not None:
+                self._needs_first.add(anchor)
+        self._merged.clear()
+
+    def candidates(self, node: Node) -> list[_T]:
+        key = self._resolver.key(node)
+        first_key = None
+        if key in self._needs_first:
+            first = node.args[0] if node.args else None
+            first_key = self._resolver.key(first) if isinstance(first, Node) else None
+        found = self._merged.get((key, first_key))
+        if found is None:
+            own = self._by_anchor.get(key, []) if key is not None else []
+            entries = sorted(own + self._wildcard, key=lambda e: e[0])
+            found = [item for _, want, item in entries if want is None or want == first_key]
+            self._merged[(key, first_key)] = found
+        return found
 
 
 def _node_fits(resolver: _Resolver, node: Node, c: _Compiled) -> bool:
@@ -365,32 +404,15 @@ def find_matches(
         ordered = sorted(ordered, key=lambda entry: complex_priority(entry[1]))
     getters = dict(root_node_getters or {})
 
-    # Anchor index: key -> [(priority, pattern, compiled)], wildcard anchors kept apart and
-    # merged in priority order on first use of each key.
-    by_key: dict[tuple[int, object], list[_Entry]] = {}
-    wildcard: list[_Entry] = []
+    resolver = _Resolver(graph_module)
+    index: AnchorIndex[tuple[int, Pattern, _Compiled]] = AnchorIndex(resolver)
     for priority, (pattern, complex_form) in enumerate(ordered):
         compiled = _compile(complex_form)
-        # The operator required of the first argument, if any: a cheap pre-check that only
-        # rejects patterns the full check would reject too.
+        anchor = None if compiled.kind == _ANY else (compiled.kind, compiled.ident)
         first = compiled.args[0] if compiled.args else None
         first_key = None if first is None or first.kind == _ANY else (first.kind, first.ident)
-        entry = (priority, pattern, compiled, first_key)
-        if compiled.kind == _ANY:
-            wildcard.append(entry)
-        else:
-            by_key.setdefault((compiled.kind, compiled.ident), []).append(entry)
-    merged: dict[tuple[int, object] | None, list[_Entry]] = {}
+        index.add(priority, anchor, first_key, (priority, pattern, compiled))
 
-    def candidates(key: tuple[int, object] | None) -> list[_Entry]:
-        found = merged.get(key)
-        if found is None:
-            own = by_key.get(key, []) if key is not None else []
-            found = sorted(own + wildcard, key=lambda e: e[0]) if wildcard else own
-            merged[key] = found
-        return found
-
-    resolver = _Resolver(graph_module)
     claimed: set[Node] = set()
     claim_inputs = mode == "prepare"
     matches: list[Match] = []
@@ -399,14 +421,7 @@ def find_matches(
             continue
         if is_ignored is not None and is_ignored(node):
             continue
-        first_arg_key: object = _UNSET
-        for priority, pattern, compiled, first_key in candidates(resolver.key(node)):
-            if first_key is not None:
-                if first_arg_key is _UNSET:
-                    first_arg = node.args[0] if node.args else None
-                    first_arg_key = resolver.key(first_arg) if isinstance(first_arg, Node) else None
-                if first_arg_key != first_key:
-                    continue
+        for priority, pattern, compiled in index.candidates(node):
             if not _matches(resolver, node, compiled, False):
                 continue
             nodes, inputs, prepare, fused = _record(compiled, node, pattern)

@@ -27,6 +27,7 @@ from quantbridge.patterns._matcher import (
     _FUNCTION,
     _METHOD,
     _MODULE,
+    AnchorIndex,
     _element_key,
     _Resolver,
     complex_priority,
@@ -448,44 +449,19 @@ def find_rewrite_matches(
             raise PatternError(
                 f"rules[{i}]: expected a ReplacementPattern, got {type(rule).__name__}"
             )
-    # Index: anchor operator -> (rules whose first argument may be anything, rules by the
-    # operator their first argument must be), each with its position in ``rules``; a node is
-    # only tried against the rules that can match it, in the order given.
-    by_key: dict[_Key, tuple[list[tuple[int, ReplacementPattern]], dict[_Key, list[Any]]]] = {}
-    ordered = sorted(rule_list, key=lambda r: r._priority)
-    for position, rule in enumerate(ordered):
-        root = rule._compiled
-        any_first, by_first = by_key.setdefault((root.kind, root.ident), ([], {}))
-        first = root.args[0] if root.args else None
-        if isinstance(first, _ROp):
-            by_first.setdefault((first.kind, first.ident), []).append((position, rule))
-        else:
-            any_first.append((position, rule))
-    # (anchor key, first argument's key) -> the rules to try there, merged on first use
-    merged: dict[tuple[_Key, _Key | None], list[ReplacementPattern]] = {}
     resolver = _Resolver(graph_module)
+    index: AnchorIndex[ReplacementPattern] = AnchorIndex(resolver)
+    for position, rule in enumerate(sorted(rule_list, key=lambda r: r._priority)):
+        root = rule._compiled
+        first = root.args[0] if root.args else None
+        first_key = (first.kind, first.ident) if isinstance(first, _ROp) else None
+        index.add(position, (root.kind, root.ident), first_key, rule)
     claimed: set[Node] = set()
     found: list[RewriteMatch] = []
     for node in reversed(graph_module.graph.nodes):
         if node in claimed:
             continue
-        key = resolver.key(node)
-        if key is None:
-            continue
-        indexed = by_key.get(key)
-        if indexed is None:
-            continue
-        any_first, by_first = indexed
-        arg_key = None
-        if by_first:
-            first_arg = node.args[0] if node.args else None
-            arg_key = resolver.key(first_arg) if isinstance(first_arg, Node) else None
-        candidates = merged.get((key, arg_key))
-        if candidates is None:
-            own = by_first.get(arg_key, []) if arg_key is not None else []
-            candidates = [rule for _, rule in sorted(any_first + own, key=lambda e: e[0])]
-            merged[(key, arg_key)] = candidates
-        for rule in candidates:
+        for rule in index.candidates(node):
             match = _try(rule, node, resolver)
             if match is None or any(n in claimed for n in match.nodes):
                 continue
