@@ -203,7 +203,9 @@ class Elementwise:
             t = kernel_target(backend)
             table = kernels.build_lut("sigmoid", X_SCALE, X_ZP, 1 / 256, 0)
             numba_ops: dict[str, Callable[[], Any]] = {
-                "add": lambda: kernels.add(a, X_SCALE, X_ZP, b, X_SCALE, X_ZP, 0.1, 0, target=t),
+                "add": lambda: kernels.add(
+                    a, (X_SCALE, X_ZP), b, (X_SCALE, X_ZP), (0.1, 0), target=t
+                ),
                 "max_pool2d": lambda: kernels.max_pool2d(a, 3, 2, 1, target=t),
                 "avg_pool2d": lambda: kernels.avg_pool2d(
                     a, 3, 2, 1, scale=X_SCALE, zero_point=X_ZP, target=t

@@ -518,5 +518,5 @@ def test_asymmetric_stride_dilation_every_layout(target, grouping, stride, dilat
             x, packed, (a_s, a_zp), QParams(o_s, o_zp), other, (0.05, 120), (0.07, 110),
             relu_conv=case["relu"],
         )  # fmt: skip
-        want_add = add_kernel(want, o_s, o_zp, other, 0.05, 120, 0.07, 110)
+        want_add = add_kernel(want, (o_s, o_zp), other, (0.05, 120), (0.07, 110))
         np.testing.assert_array_equal(got_add, want_add, err_msg=f"conv2d_add {where}")

@@ -55,7 +55,7 @@ def test_conv2d_add_equals_conv_then_add(target, case):
     if case["other_cl"]:
         other = channels_last(other)
     add = qk.add_relu if case["relu"] else qk.add
-    want = add(y, conv_s, 90, other, 0.06, 120, 0.09, 100)
+    want = add(y, (conv_s, 90), other, (0.06, 120), (0.09, 100))
     got = qk.conv2d_add(
         x, packed, qk.QParams(0.04, 7), (conv_s, 90), other, (0.06, 120), (0.09, 100),
         relu_conv=case["relu_conv"], relu=case["relu"], num_threads=case["threads"],

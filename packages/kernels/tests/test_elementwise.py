@@ -60,7 +60,7 @@ def test_matches_reference(op, ref, relu):
         (sa, sb, so), (za, zb, zo) = _params(rng)
         a = rng.integers(0, 256, shape).astype(np.uint8)
         b = rng.integers(0, 256, shape).astype(np.uint8)
-        got = op(a, sa, za, b, sb, zb, so, zo)
+        got = op(a, (sa, za), b, (sb, zb), (so, zo))
         assert got.shape == shape
         assert got.dtype == np.uint8
         np.testing.assert_array_equal(got, ref(a, sa, za, b, sb, zb, so, zo, relu))
@@ -69,10 +69,14 @@ def test_matches_reference(op, ref, relu):
 def test_add_mul_of_known_values():
     a = np.array([10, 20, 30], np.uint8)  # 0.0, 1.0, 2.0 at scale 0.1, zp 10
     b = np.array([5, 5, 25], np.uint8)  # -1.0, -1.0, 3.0 at scale 0.2, zp 10
-    np.testing.assert_array_equal(qk.add(a, 0.1, 10, b, 0.2, 10, 0.5, 100), [98, 100, 110])
-    np.testing.assert_array_equal(qk.add_relu(a, 0.1, 10, b, 0.2, 10, 0.5, 100), [100, 100, 110])
-    np.testing.assert_array_equal(qk.mul(a, 0.1, 10, b, 0.2, 10, 0.5, 100), [100, 98, 112])
-    np.testing.assert_array_equal(qk.mul_relu(a, 0.1, 10, b, 0.2, 10, 0.5, 100), [100, 100, 112])
+    np.testing.assert_array_equal(qk.add(a, (0.1, 10), b, (0.2, 10), (0.5, 100)), [98, 100, 110])
+    np.testing.assert_array_equal(
+        qk.add_relu(a, (0.1, 10), b, (0.2, 10), (0.5, 100)), [100, 100, 110]
+    )
+    np.testing.assert_array_equal(qk.mul(a, (0.1, 10), b, (0.2, 10), (0.5, 100)), [100, 98, 112])
+    np.testing.assert_array_equal(
+        qk.mul_relu(a, (0.1, 10), b, (0.2, 10), (0.5, 100)), [100, 100, 112]
+    )
 
 
 def test_in_place_into_an_input():
@@ -80,14 +84,14 @@ def test_in_place_into_an_input():
     a = rng.integers(0, 256, 1000).astype(np.uint8)
     b = rng.integers(0, 256, 1000).astype(np.uint8)
     want = ref_add(a, 0.05, 3, b, 0.07, 200, 0.1, 50)
-    result = qk.add(a, 0.05, 3, b, 0.07, 200, 0.1, 50, out=a)
+    result = qk.add(a, (0.05, 3), b, (0.07, 200), (0.1, 50), out=a)
     assert result is a
     np.testing.assert_array_equal(a, want)
     want = ref_mul(a, 0.1, 50, b, 0.07, 200, 0.3, 9)
-    assert qk.mul(a, 0.1, 50, b, 0.07, 200, 0.3, 9, out=b) is b
+    assert qk.mul(a, (0.1, 50), b, (0.07, 200), (0.3, 9), out=b) is b
     np.testing.assert_array_equal(b, want)
     with pytest.raises(KernelError, match="overlaps"):  # shifted views would read written data
-        qk.add(a[1:], 0.1, 0, b[1:], 0.1, 0, 0.1, 0, out=a[:-1])
+        qk.add(a[1:], (0.1, 0), b[1:], (0.1, 0), (0.1, 0), out=a[:-1])
 
 
 @pytest.mark.parametrize(
@@ -105,22 +109,22 @@ def test_in_place_into_an_input():
 @pytest.mark.parametrize("op", [qk.add, qk.mul, qk.add_relu, qk.mul_relu])
 def test_bad_arrays(op, args, message):
     with pytest.raises(KernelError, match=message):
-        op(args[0], 0.1, 0, args[1], 0.1, 0, 0.1, 0)
+        op(args[0], (0.1, 0), args[1], (0.1, 0), (0.1, 0))
 
 
 @pytest.mark.parametrize("op", [qk.add, qk.mul])
 def test_bad_qparams(op):
     a = np.zeros(4, np.uint8)
-    with pytest.raises(KernelError, match="a_scale"):
-        op(a, -1.0, 0, a, 0.1, 0, 0.1, 0)
-    with pytest.raises(KernelError, match="b_zero_point"):
-        op(a, 0.1, 0, a, 0.1, 256, 0.1, 0)
-    with pytest.raises(KernelError, match="out_scale"):
-        op(a, 0.1, 0, a, 0.1, 0, float("inf"), 0)
-    with pytest.raises(KernelError, match="out_zero_point"):
-        op(a, 0.1, 0, a, 0.1, 0, 0.1, None)
+    with pytest.raises(KernelError, match=r"a_qparams\.scale"):
+        op(a, (-1.0, 0), a, (0.1, 0), (0.1, 0))
+    with pytest.raises(KernelError, match=r"b_qparams\.zero_point"):
+        op(a, (0.1, 0), a, (0.1, 256), (0.1, 0))
+    with pytest.raises(KernelError, match=r"out_qparams\.scale"):
+        op(a, (0.1, 0), a, (0.1, 0), (float("inf"), 0))
+    with pytest.raises(KernelError, match=r"out_qparams\.zero_point"):
+        op(a, (0.1, 0), a, (0.1, 0), (0.1, None))
     with pytest.raises(KernelError, match="out: expected shape"):
-        op(a, 0.1, 0, a, 0.1, 0, 0.1, 0, out=np.zeros(5, np.uint8))
+        op(a, (0.1, 0), a, (0.1, 0), (0.1, 0), out=np.zeros(5, np.uint8))
 
 
 @pytest.mark.parametrize("target", qk.available_targets())
@@ -135,7 +139,7 @@ def test_large_inputs_every_target_and_thread_count(op, ref, relu, threads, targ
     _force_threaded_path(monkeypatch, threads)
     qk.set_num_threads(threads)
     try:
-        got = op(a, 0.03, 120, b, 0.05, 7, 0.08, 64, target=target)
+        got = op(a, (0.03, 120), b, (0.05, 7), (0.08, 64), target=target)
     finally:
         qk.set_num_threads(None)
     # numba's own per-thread count (set above to differ from the call's) is left as it was
@@ -149,3 +153,13 @@ def _force_threaded_path(monkeypatch, threads):
     # the size threshold is tuned for speed; lower it so these inputs take the threaded path
     monkeypatch.setattr(_quantize_module, "PARALLEL_MIN_WORK", 1)
     numba.set_num_threads(numba.config.NUMBA_NUM_THREADS if threads == 1 else 1)
+
+
+def test_qparams_must_be_pairs_and_may_be_qparams():
+    a = np.arange(6, dtype=np.uint8)
+    with pytest.raises(KernelError, match=r"a_qparams: expected QParams\(scale, zero_point\)"):
+        qk.add(a, 0.1, a, (0.1, 0), (0.1, 0))  # type: ignore[arg-type]
+    with pytest.raises(KernelError, match=r"out_qparams: expected QParams"):
+        qk.mul(a, (0.1, 0), a, (0.1, 0), (0.1, 0, 0))  # type: ignore[arg-type]
+    named = qk.add(a, qk.QParams(0.1, 2), a, qk.QParams(0.2, 3), qk.QParams(0.3, 4))
+    np.testing.assert_array_equal(named, qk.add(a, (0.1, 2), a, (0.2, 3), (0.3, 4)))

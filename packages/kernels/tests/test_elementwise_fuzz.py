@@ -59,7 +59,7 @@ def test_add_mul(op, a, b, params):
     )
     sa, za, sb, zb, so, zo = params
     try:
-        got = fn(a, sa, za, b, sb, zb, so, zo)
+        got = fn(a, (sa, za), b, (sb, zb), (so, zo))
     except KernelError:
         return
     np.testing.assert_array_equal(got, ref(kind, a, sa, za, b, sb, zb, so, zo, relu))

@@ -39,7 +39,7 @@ def test_byte_identical_to_torch_on_vector_multiples(name):
         n = VECTOR_STEP * int(rng.integers(1, 40))
         a, b, ta, tb, (sa, za, sb, zb, so, zo) = _pair(rng, n)
         want = _torch_op(name)(ta, tb, so, zo).int_repr().numpy()
-        np.testing.assert_array_equal(ours(a, sa, za, b, sb, zb, so, zo), want)
+        np.testing.assert_array_equal(ours(a, (sa, za), b, (sb, zb), (so, zo)), want)
 
 
 @pytest.mark.parametrize("name", ["add", "add_relu", "mul", "mul_relu"])
@@ -53,7 +53,7 @@ def test_any_length_within_one_code_of_torch(name):
         n = int(rng.integers(1, 700))
         a, b, ta, tb, (sa, za, sb, zb, so, zo) = _pair(rng, n)
         want = _torch_op(name)(ta, tb, so, zo).int_repr().numpy().astype(np.int16)
-        got = ours(a, sa, za, b, sb, zb, so, zo).astype(np.int16)
+        got = ours(a, (sa, za), b, (sb, zb), (so, zo)).astype(np.int16)
         body = n - n % VECTOR_STEP
         np.testing.assert_array_equal(got[:body], want[:body])
         assert np.abs(got - want).max(initial=0) <= 1

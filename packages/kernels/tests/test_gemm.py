@@ -144,7 +144,7 @@ def test_fuzz_wrappers_raise_kernel_error_or_succeed(x, s, zp, target):
         lambda: qk.linear(x, lin, s, zp, 0.1, 0),
         lambda: qk.linear_dynamic(x, lin),
         lambda: qk.conv2d(x, conv, 0.1, zp, s, 0),
-        lambda: qk.matmul(x, 0.1, 0, x, s, zp, 0.1, 0, target=target),
+        lambda: qk.matmul(x, (0.1, 0), x, (s, zp), (0.1, 0), target=target),
         lambda: PackedLinearWeight(x, s, zp, target=target),
         lambda: PackedLinearWeight(np.ones((3, 5), np.int8), s, zp, x, target=target),
         lambda: PackedConvWeight(np.ones((2, 1, 2, 2), np.int8), s, zp, stride=zp, groups=zp),

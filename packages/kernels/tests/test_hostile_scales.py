@@ -79,12 +79,12 @@ def _conv2d_add(
 
 
 def _matmul(a_scale: float = GOOD, b_scale: float = GOOD, out_scale: float = GOOD) -> object:
-    return qk.matmul(X2, a_scale, 3, X2.T.copy(), b_scale, 4, out_scale, 5)
+    return qk.matmul(X2, (a_scale, 3), X2.T.copy(), (b_scale, 4), (out_scale, 5))
 
 
 def _binary(op: Callable[..., object]) -> Callable[..., object]:
     def call(a_scale: float = GOOD, b_scale: float = GOOD, out_scale: float = GOOD) -> object:
-        return op(Q, a_scale, 3, Q, b_scale, 4, out_scale, 5)
+        return op(Q, (a_scale, 3), Q, (b_scale, 4), (out_scale, 5))
 
     return call
 
@@ -120,9 +120,9 @@ SCALE_CASES: list[tuple[str, str, Callable[[Any], object]]] = [
     ("conv2d_add", "conv_qparams.scale", lambda s: _conv2d_add(conv_scale=s)),
     ("conv2d_add", "other_qparams.scale", lambda s: _conv2d_add(other_scale=s)),
     ("conv2d_add", "out_qparams.scale", lambda s: _conv2d_add(out_scale=s)),
-    ("matmul", "a_scale", lambda s: _matmul(a_scale=s)),
-    ("matmul", "b_scale", lambda s: _matmul(b_scale=s)),
-    ("matmul", "out_scale", lambda s: _matmul(out_scale=s)),
+    ("matmul", "a_qparams.scale", lambda s: _matmul(a_scale=s)),
+    ("matmul", "b_qparams.scale", lambda s: _matmul(b_scale=s)),
+    ("matmul", "out_qparams.scale", lambda s: _matmul(out_scale=s)),
     ("quantize_per_tensor", "scale", lambda s: qk.quantize_per_tensor(F, s, 3)),
     (
         "quantize_per_channel",
@@ -152,7 +152,7 @@ def _binary_case(op: Callable[..., object], arg: str) -> Callable[[Any], object]
 
 
 SCALE_CASES += [
-    (op.__name__, arg, _binary_case(op, arg))
+    (op.__name__, arg.replace("_scale", "_qparams.scale"), _binary_case(op, arg))
     for op in (qk.add, qk.add_relu, qk.mul, qk.mul_relu)
     for arg in ("a_scale", "b_scale", "out_scale")
 ]
@@ -296,7 +296,7 @@ DERIVED_CASES: list[tuple[str, str, Callable[[], object]]] = [
         "a_scale * b_scale / out_scale",
         lambda: _binary(qk.mul_relu)(a_scale=1e-20, b_scale=1e-10, out_scale=1e20),
     ),
-    ("add", "1 / out_scale", lambda: _binary(qk.add)(out_scale=1e38)),
+    ("add", "1 / out_qparams.scale", lambda: _binary(qk.add)(out_scale=1e38)),
     ("quantize_per_tensor", "1 / scale", lambda: qk.quantize_per_tensor(F, 1e38, 3)),
     (
         "quantize_per_channel",
@@ -370,14 +370,14 @@ ZP_CASES: list[tuple[str, Callable[[], object]]] = [
         "x_zero_point",
         lambda: qk.conv2d(XC, qk.PackedConvWeight(WC, GOOD, groups=2), GOOD, 300, GOOD, 0),
     ),
-    ("a_zero_point", lambda: qk.matmul(X2, GOOD, -1, X2.T.copy(), GOOD, 0, GOOD, 0)),
-    ("b_zero_point", lambda: qk.matmul(X2, GOOD, 0, W2.T.copy(), GOOD, 128, GOOD, 0)),
+    ("a_qparams.zero_point", lambda: qk.matmul(X2, (GOOD, -1), X2.T.copy(), (GOOD, 0), (GOOD, 0))),
+    ("b_qparams.zero_point", lambda: qk.matmul(X2, (GOOD, 0), W2.T.copy(), (GOOD, 128), (GOOD, 0))),
     ("zero_point", lambda: qk.quantize_per_tensor(F, GOOD, 128, np.int8)),
     ("zero_point", lambda: qk.dequantize_per_tensor(Q.view(np.int8), GOOD, -129)),
     ("zero_points", lambda: qk.quantize_per_channel(F, CH3, np.array([0, 256, 0]), 1)),
     ("in_zero_point", lambda: qk.requantize(Q, GOOD, 256, GOOD, 0)),
-    ("b_zero_point", lambda: qk.add(Q, GOOD, 0, Q, GOOD, 2**40, GOOD, 0)),
-    ("out_zero_point", lambda: qk.mul(Q, GOOD, 0, Q, GOOD, 0, GOOD, 1.5)),
+    ("b_qparams.zero_point", lambda: qk.add(Q, (GOOD, 0), Q, (GOOD, 2**40), (GOOD, 0))),
+    ("out_qparams.zero_point", lambda: qk.mul(Q, (GOOD, 0), Q, (GOOD, 0), (GOOD, 1.5))),
     ("zero_point", lambda: qk.relu(Q, True)),
     ("zero_point", lambda: qk.clamp(Q, GOOD, -3)),
     ("out_zero_point", lambda: qk.build_lut("tanh", GOOD, 0, GOOD, 256)),
@@ -426,8 +426,8 @@ SUBCLASS_CALLS: list[tuple[str, Callable[[Callable[[np.ndarray], np.ndarray]], o
             wrap(XC), qk.PackedConvWeight(WC, 0.02, 0, B4, groups=2), 0.1, 3, 0.2, 5
         ),
     ),
-    ("matmul", lambda wrap: qk.matmul(wrap(X2), 0.1, 3, wrap(X2.T.copy()), 0.1, 4, 0.5, 5)),
-    ("add", lambda wrap: qk.add(wrap(Q), 0.1, 3, wrap(Q), 0.2, 4, 0.3, 5)),
+    ("matmul", lambda wrap: qk.matmul(wrap(X2), (0.1, 3), wrap(X2.T.copy()), (0.1, 4), (0.5, 5))),
+    ("add", lambda wrap: qk.add(wrap(Q), (0.1, 3), wrap(Q), (0.2, 4), (0.3, 5))),
     ("quantize_per_tensor", lambda wrap: qk.quantize_per_tensor(wrap(F), 0.02, 128)),
     (
         "dequantize_per_channel",
@@ -461,17 +461,17 @@ def test_memmap_and_subclass_inputs_give_the_ndarray_result(
 
 def test_memmap_out_is_written(tmp_path: Path) -> None:
     out = np.memmap(tmp_path / "out.bin", dtype=np.uint8, mode="w+", shape=Q.shape)
-    qk.add(Q, 0.1, 3, Q, 0.2, 4, 0.3, 5, out=out)
-    np.testing.assert_array_equal(np.asarray(out), qk.add(Q, 0.1, 3, Q, 0.2, 4, 0.3, 5))
+    qk.add(Q, (0.1, 3), Q, (0.2, 4), (0.3, 5), out=out)
+    np.testing.assert_array_equal(np.asarray(out), qk.add(Q, (0.1, 3), Q, (0.2, 4), (0.3, 5)))
 
 
 @pytest.mark.parametrize(
     ("entry", "call"),
     [
         ("linear", lambda m: qk.linear(m, qk.PackedLinearWeight(W2, 0.02), 0.1, 3, 0.2, 5)),
-        ("add", lambda m: qk.add(m, 0.1, 3, m, 0.2, 4, 0.3, 5)),
+        ("add", lambda m: qk.add(m, (0.1, 3), m, (0.2, 4), (0.3, 5))),
         ("quantize_per_tensor", lambda m: qk.quantize_per_tensor(m, 0.1, 3)),
-        ("add out=", lambda m: qk.add(X2, 0.1, 3, X2, 0.2, 4, 0.3, 5, out=np.asmatrix(X2))),
+        ("add out=", lambda m: qk.add(X2, (0.1, 3), X2, (0.2, 4), (0.3, 5), out=np.asmatrix(X2))),
     ],
     ids=["linear", "add", "quantize_per_tensor", "add-out"],
 )

@@ -184,12 +184,12 @@ def test_quantize_keeps_a_transposed_layout():
 def test_binary_ops_on_mixed_layouts(kind):
     fn = getattr(qk, kind)
     b = np.random.default_rng(9).integers(0, 256, X.shape, dtype=np.uint8)
-    want = fn(X, 0.1, 20, b, 0.05, 100, 0.2, 60)
+    want = fn(X, (0.1, 20), b, (0.05, 100), (0.2, 60))
     for a_in, b_in in ((channels_last(X), channels_last(b)), (channels_last(X), b)):
-        got = fn(a_in, 0.1, 20, b_in, 0.05, 100, 0.2, 60)
+        got = fn(a_in, (0.1, 20), b_in, (0.05, 100), (0.2, 60))
         np.testing.assert_array_equal(got, want)
         assert is_channels_last(got)  # the first input's layout
-    got = fn(X, 0.1, 20, channels_last(b), 0.05, 100, 0.2, 60)
+    got = fn(X, (0.1, 20), channels_last(b), (0.05, 100), (0.2, 60))
     np.testing.assert_array_equal(got, want)
     assert got.flags.c_contiguous
 

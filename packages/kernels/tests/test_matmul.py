@@ -38,7 +38,7 @@ def test_matmul_matches_integer_reference(target, batch, m, k, n, signed, seed):
     else:
         b, b_zp = rng.integers(0, 256, (batch, k, n), dtype=np.uint8), int(rng.integers(0, 256))
     o_s = 0.02 * 0.03 * 80 * 80 * np.sqrt(k) / 40
-    got = matmul(a, 0.02, 17, b, 0.03, b_zp, o_s, 128, target=target, num_threads=1)
+    got = matmul(a, (0.02, 17), b, (0.03, b_zp), (o_s, 128), target=target, num_threads=1)
     np.testing.assert_array_equal(got, reference_matmul(a, 0.02, 17, b, 0.03, b_zp, o_s, 128))
 
 
@@ -47,19 +47,19 @@ def test_matmul_2d_and_threads(threads):
     rng = np.random.default_rng(2)
     a = rng.integers(0, 256, (33, 64), dtype=np.uint8)
     b = rng.integers(0, 256, (64, 50), dtype=np.uint8)
-    got = matmul(a, 0.05, 128, b, 0.05, 128, 0.5, 128, num_threads=threads)
+    got = matmul(a, (0.05, 128), b, (0.05, 128), (0.5, 128), num_threads=threads)
     np.testing.assert_array_equal(got, reference_matmul(a, 0.05, 128, b, 0.05, 128, 0.5, 128))
 
 
 def test_matmul_bad_input():
     a = np.zeros((2, 3, 4), np.uint8)
     with pytest.raises(KernelError, match="K=4 does not match"):
-        matmul(a, 0.1, 0, np.zeros((2, 5, 6), np.uint8), 0.1, 0, 0.1, 0)
+        matmul(a, (0.1, 0), np.zeros((2, 5, 6), np.uint8), (0.1, 0), (0.1, 0))
     with pytest.raises(KernelError, match="batch sizes differ"):
-        matmul(a, 0.1, 0, np.zeros((3, 4, 6), np.uint8), 0.1, 0, 0.1, 0)
+        matmul(a, (0.1, 0), np.zeros((3, 4, 6), np.uint8), (0.1, 0), (0.1, 0))
     with pytest.raises(KernelError, match="both be 2-D or both 3-D"):
-        matmul(a, 0.1, 0, np.zeros((4, 6), np.uint8), 0.1, 0, 0.1, 0)
-    with pytest.raises(KernelError, match="b_zero_point"):
-        matmul(a, 0.1, 0, np.zeros((2, 4, 6), np.int8), 0.1, 200, 0.1, 0)
+        matmul(a, (0.1, 0), np.zeros((4, 6), np.uint8), (0.1, 0), (0.1, 0))
+    with pytest.raises(KernelError, match=r"b_qparams\.zero_point"):
+        matmul(a, (0.1, 0), np.zeros((2, 4, 6), np.int8), (0.1, 200), (0.1, 0))
     with pytest.raises(KernelError, match="dtype"):
-        matmul(a, 0.1, 0, np.zeros((2, 4, 6), np.int16), 0.1, 0, 0.1, 0)
+        matmul(a, (0.1, 0), np.zeros((2, 4, 6), np.int16), (0.1, 0), (0.1, 0))

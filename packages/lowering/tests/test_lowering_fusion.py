@@ -50,7 +50,7 @@ def test_residual_add_fuses_into_the_conv_with_the_same_numbers(backend_name: st
             x.numpy(), mod._packed, *mod.input_qparams, *conv_qp, relu=mod.relu, channels_last=True
         )
         add = K.add_relu if mod.add_relu else K.add
-        want = add(conv, *conv_qp, other.numpy(), *mod.other_qparams, *mod.output_qparams)
+        want = add(conv, conv_qp, other.numpy(), mod.other_qparams, mod.output_qparams)
         assert torch.equal(out, torch.from_numpy(want))
     # no lowered conv is left whose only user is a lowered add
     for node in lowered.graph.nodes:

@@ -560,8 +560,8 @@ def conv2d_add(
     if conv is not None:
         add = add_relu if relu else add_plain
         return add(
-            conv, conv_scale, conv_zero_point, other, other_scale, other_zero_point,
-            out_scale, out_zero_point,
+            conv, (conv_scale, conv_zero_point), other, (other_scale, other_zero_point),
+            (out_scale, out_zero_point),
         )  # fmt: skip
     xa = check_array("x", x, np.uint8, 4, contiguous=False)
     ob = check_array("other", other, np.uint8, 4, contiguous=False)

@@ -25,6 +25,7 @@ from quantbridge.kernels._checks import check_array, check_derived, check_out, c
 from quantbridge.kernels._errors import KernelError
 from quantbridge.kernels._fma import fma32
 from quantbridge.kernels._layout import check_dense, empty_in_order, flat, in_order
+from quantbridge.kernels._qparams import QParams, as_qparams
 from quantbridge.kernels._quantize import choose_kernel, f32_scale
 from quantbridge.kernels._targets import check_target
 
@@ -125,13 +126,10 @@ def _check_mul_scales(sa: float, sb: float, so: float) -> None:
 def _binary(
     kind: str,
     a: object,
-    a_scale: float,
-    a_zero_point: int,
+    a_qparams: QParams | tuple[float, int],
     b: object,
-    b_scale: float,
-    b_zero_point: int,
-    out_scale: float,
-    out_zero_point: int,
+    b_qparams: QParams | tuple[float, int],
+    out_qparams: QParams | tuple[float, int],
     relu: bool,
     out: U8 | None,
     target: str | None,
@@ -144,14 +142,17 @@ def _binary(
             f"b: shape {qb.shape} differs from a's shape {qa.shape}; quantized {kind} needs "
             "equal shapes (no broadcasting, like torch.ops.quantized.{kind})"
         )
-    sa = f32_scale("a_scale", a_scale)
-    sb = f32_scale("b_scale", b_scale)
-    so = f32_scale("out_scale", out_scale, inverted=True)
+    a_scale, a_zero_point = as_qparams("a_qparams", a_qparams)
+    b_scale, b_zero_point = as_qparams("b_qparams", b_qparams)
+    out_scale, out_zero_point = as_qparams("out_qparams", out_qparams)
+    sa = f32_scale("a_qparams.scale", a_scale)
+    sb = f32_scale("b_qparams.scale", b_scale)
+    so = f32_scale("out_qparams.scale", out_scale, inverted=True)
     if kind == "mul":
         _check_mul_scales(sa, sb, so)
-    za = check_zero_point("a_zero_point", a_zero_point, 0, 255)
-    zb = check_zero_point("b_zero_point", b_zero_point, 0, 255)
-    zo = check_zero_point("out_zero_point", out_zero_point, 0, 255)
+    za = check_zero_point("a_qparams.zero_point", a_zero_point, 0, 255)
+    zb = check_zero_point("b_qparams.zero_point", b_zero_point, 0, 255)
+    zo = check_zero_point("out_qparams.zero_point", out_zero_point, 0, 255)
     qb = in_order(qb, order)  # b in a's layout (a copy only when the layouts differ)
     if out is None:
         out = empty_in_order(qa, np.uint8)
@@ -163,81 +164,36 @@ def _binary(
     return out
 
 
+QP = QParams | tuple[float, int]
+
+
 def add(
-    a: U8,
-    a_scale: float,
-    a_zero_point: int,
-    b: U8,
-    b_scale: float,
-    b_zero_point: int,
-    out_scale: float,
-    out_zero_point: int,
-    *,
-    out: U8 | None = None,
-    target: str | None = None,
-) -> U8:
+    a: U8, a_qparams: QP, b: U8, b_qparams: QP, out_qparams: QP, *,
+    out: U8 | None = None, target: str | None = None,
+) -> U8:  # fmt: skip
     """Quantized ``a + b`` (torch.ops.quantized.add numerics); ``out`` may be ``a`` or ``b``."""
-    return _binary(
-        "add", a, a_scale, a_zero_point, b, b_scale, b_zero_point, out_scale, out_zero_point,
-        False, out, target,
-    )  # fmt: skip
+    return _binary("add", a, a_qparams, b, b_qparams, out_qparams, False, out, target)
 
 
 def add_relu(
-    a: U8,
-    a_scale: float,
-    a_zero_point: int,
-    b: U8,
-    b_scale: float,
-    b_zero_point: int,
-    out_scale: float,
-    out_zero_point: int,
-    *,
-    out: U8 | None = None,
-    target: str | None = None,
-) -> U8:
+    a: U8, a_qparams: QP, b: U8, b_qparams: QP, out_qparams: QP, *,
+    out: U8 | None = None, target: str | None = None,
+) -> U8:  # fmt: skip
     """Quantized ``relu(a + b)`` (torch.ops.quantized.add_relu numerics)."""
-    return _binary(
-        "add", a, a_scale, a_zero_point, b, b_scale, b_zero_point, out_scale, out_zero_point,
-        True, out, target,
-    )  # fmt: skip
+    return _binary("add", a, a_qparams, b, b_qparams, out_qparams, True, out, target)
 
 
 def mul(
-    a: U8,
-    a_scale: float,
-    a_zero_point: int,
-    b: U8,
-    b_scale: float,
-    b_zero_point: int,
-    out_scale: float,
-    out_zero_point: int,
-    *,
-    out: U8 | None = None,
-    target: str | None = None,
-) -> U8:
+    a: U8, a_qparams: QP, b: U8, b_qparams: QP, out_qparams: QP, *,
+    out: U8 | None = None, target: str | None = None,
+) -> U8:  # fmt: skip
     """Quantized ``a * b`` (torch.ops.quantized.mul numerics); ``out`` may be ``a`` or ``b``."""
-    return _binary(
-        "mul", a, a_scale, a_zero_point, b, b_scale, b_zero_point, out_scale, out_zero_point,
-        False, out, target,
-    )  # fmt: skip
+    return _binary("mul", a, a_qparams, b, b_qparams, out_qparams, False, out, target)
 
 
 def mul_relu(
-    a: U8,
-    a_scale: float,
-    a_zero_point: int,
-    b: U8,
-    b_scale: float,
-    b_zero_point: int,
-    out_scale: float,
-    out_zero_point: int,
-    *,
-    out: U8 | None = None,
-    target: str | None = None,
-) -> U8:
+    a: U8, a_qparams: QP, b: U8, b_qparams: QP, out_qparams: QP, *,
+    out: U8 | None = None, target: str | None = None,
+) -> U8:  # fmt: skip
     """Quantized ``relu(a * b)`` (torch.ops.quantized.mul_relu numerics)."""
-    return _binary(
-        "mul", a, a_scale, a_zero_point, b, b_scale, b_zero_point, out_scale, out_zero_point,
-        True, out, target,
-    )  # fmt: skip
+    return _binary("mul", a, a_qparams, b, b_qparams, out_qparams, True, out, target)

@@ -21,23 +21,24 @@ from quantbridge.kernels._checks import (
 )
 from quantbridge.kernels._errors import KernelError
 from quantbridge.kernels._linear import PackedLinearWeight, _fast_zp, linear
+from quantbridge.kernels._qparams import QParams, as_qparams
 from quantbridge.kernels._targets import resolve_target
 
 
 def matmul(
     a: npt.NDArray[np.uint8],
-    a_scale: float,
-    a_zero_point: int,
+    a_qparams: QParams | tuple[float, int],
     b: npt.NDArray[np.uint8] | npt.NDArray[np.int8],
-    b_scale: float,
-    b_zero_point: int,
-    out_scale: float,
-    out_zero_point: int,
+    b_qparams: QParams | tuple[float, int],
+    out_qparams: QParams | tuple[float, int],
     *,
     target: str | None = None,
     num_threads: int | None = None,
 ) -> npt.NDArray[np.uint8]:
     """uint8 ``a @ b`` for [M, K] x [K, N] or batched [B, M, K] x [B, K, N]."""
+    a_scale, a_zero_point = as_qparams("a_qparams", a_qparams)
+    b_scale, b_zero_point = as_qparams("b_qparams", b_qparams)
+    out_scale, out_zero_point = as_qparams("out_qparams", out_qparams)
     aa = check_array("a", a, np.uint8, (2, 3))
     bb = check_array("b", b, (np.uint8, np.int8), (2, 3))
     if aa.ndim != bb.ndim:
@@ -52,22 +53,22 @@ def matmul(
     tgt = resolve_target(target)
     unsigned = bb.dtype == np.uint8
     if unsigned:
-        b_zp = _fast_zp(b_zero_point, "b_zero_point")
+        b_zp = _fast_zp(b_zero_point, "b_qparams.zero_point")
     else:
-        b_zp = check_zero_point("b_zero_point", b_zero_point, -128, 127)
+        b_zp = check_zero_point("b_qparams.zero_point", b_zero_point, -128, 127)
     k = int(aa.shape[-1])
     check_accumulation_fits_int32("b", k, 255, 255)
     # checked here under matmul's names (linear below would call them x_scale / weight scale)
-    sa = check_scale("a_scale", a_scale)
-    sb = check_scale("b_scale", b_scale)
-    so = check_scale("out_scale", out_scale)
+    sa = check_scale("a_qparams.scale", a_scale)
+    sb = check_scale("b_qparams.scale", b_scale)
+    so = check_scale("out_qparams.scale", out_scale)
     with np.errstate(all="ignore"):  # out-of-range products are refused just below
         ab = np.float32(sa) * np.float32(sb)
         mult = ab / np.float32(so)
     check_derived("a_scale * b_scale", ab)
     check_derived("a_scale * b_scale / out_scale", mult)
-    check_zero_point("a_zero_point", a_zero_point, 0, 255)
-    check_zero_point("out_zero_point", out_zero_point, 0, 255)
+    check_zero_point("a_qparams.zero_point", a_zero_point, 0, 255)
+    check_zero_point("out_qparams.zero_point", out_zero_point, 0, 255)
     a3 = aa if aa.ndim == 3 else aa[None]
     b3 = bb if bb.ndim == 3 else bb[None]
     outs = []

@@ -96,7 +96,7 @@ def binary(
     if a.shape != b.shape:  # the kernels take equal shapes
         a, b = torch.broadcast_tensors(a, b)  # type: ignore[no-untyped-call]
     fn = getattr(K, kind)
-    out = fn(dense_view(a), *a_qp, dense_view(b), *b_qp, *out_qp, target=target)
+    out = fn(dense_view(a), a_qp, dense_view(b), b_qp, out_qp, target=target)
     return torch.from_numpy(out)
 
 
@@ -105,7 +105,7 @@ def matmul(
 ) -> torch.Tensor:
     """2-D or batched; leading dims broadcast and run as one [B, M, K] x [B, K, N] call."""
     if a.dim() == b.dim() and a.dim() in (2, 3) and a.shape[:-2] == b.shape[:-2]:
-        out = K.matmul(numpy_view(a), *a_qp, numpy_view(b), *b_qp, *out_qp, target=target)
+        out = K.matmul(numpy_view(a), a_qp, numpy_view(b), b_qp, out_qp, target=target)
         return torch.from_numpy(out)
     if a.dim() < 2 or b.dim() < 2:
         raise LoweringError(
@@ -115,7 +115,7 @@ def matmul(
     lead = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])  # type: ignore[no-untyped-call]
     a3 = a.expand(*lead, *a.shape[-2:]).reshape(-1, *a.shape[-2:])
     b3 = b.expand(*lead, *b.shape[-2:]).reshape(-1, *b.shape[-2:])
-    out = K.matmul(numpy_view(a3), *a_qp, numpy_view(b3), *b_qp, *out_qp, target=target)
+    out = K.matmul(numpy_view(a3), a_qp, numpy_view(b3), b_qp, out_qp, target=target)
     return torch.from_numpy(np.asarray(out)).reshape(*lead, a.shape[-2], b.shape[-1])
 
 
