@@ -81,7 +81,7 @@ def _cases(target: str) -> list[tuple[str, Callable[[], Any], Callable[[], Any]]
         (
             "add 1x16",
             lambda: add(x8, b8),
-            lambda: K.add(xn, 0.02, 128, bn, 0.03, 120, 0.05, 100, target=target),
+            lambda: K.add(xn, (0.02, 128), bn, (0.03, 120), (0.05, 100), target=target),
         ),
         ("lut 1x16", lambda: lut(x8), lambda: K.apply_lut(xn, tn, target=target)),
         (
