@@ -3,7 +3,7 @@
 fuse_fx, prepare_fx, prepare_qat_fx, convert_to_reference_fx and convert_fx with torch.ao
 2.13's signatures and custom configs; the quantize/dequantize ops in the
 ``torch.ops.quantbridge`` namespace; the fused, QAT and reference nn modules
-(``quantbridge.fx_quant.nn``); the built-in BackendConfigs; the lowering registry; and
+(``quantbridge.fx_quant.nn``); the built-in BackendConfigs; the backend registry; and
 diagnostics and calibration helpers (explain, compare_layers/compare_weights, bias_correction,
 calibrate, sync_observers).
 """

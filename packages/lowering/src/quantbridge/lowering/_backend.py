@@ -79,7 +79,7 @@ class Backend:
 
     ``backend_config.name`` should equal ``name`` so that
     ``convert_fx(prepared, backend_config=backend.backend_config)`` finds this backend in
-    fx_quant's lowering registry.
+    fx_quant's backend registry.
     """
 
     def __init__(self, name: str, backend_config: BackendConfig, *, description: str = "") -> None:
