@@ -592,7 +592,8 @@ _DEFAULT_RULES: tuple[LoweringRule, ...] = (
         _build_lut,
         description="activations of one input (relu, hardswish, sigmoid, clamp, ...)",
         kernel="kernels.apply_lut",
-        # allowed by the native config, kept in reference form by the pass (no kernel yet)
+        # method names torch.ao's configs list (torch.Tensor has no such method): kept so the
+        # derived config has every entry the native one has for this family
         config_ops=("hardsigmoid", "hardsigmoid_"),
     ),
     LoweringRule(
