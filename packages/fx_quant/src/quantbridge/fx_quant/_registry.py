@@ -218,8 +218,8 @@ class BackendRegistry:
                 f"get_backend_config({name!r}): the registered factory {entry.config!r} returned "
                 f"{type(config).__name__}, not a quantbridge.qconfig.BackendConfig"
             )
-        if entry.backend is not None and entry.config is not None:
-            config = copy.deepcopy(config)  # never the backend's own object
+        if entry.config_from_backend:  # a third-party backend may hand out its own object
+            config = copy.deepcopy(config)
         return config
 
     def entries(self) -> dict[str, BackendEntry]:

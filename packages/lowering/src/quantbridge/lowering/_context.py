@@ -21,6 +21,7 @@ from torch.fx import GraphModule, Node
 from quantbridge import kernels as K
 from quantbridge.lowering import _modules as lm
 from quantbridge.lowering._errors import LoweringError
+from quantbridge.lowering._lowered_ops import QParams
 
 __all__ = [
     "QUANTIZE",
@@ -36,8 +37,6 @@ __all__ = [
 
 QUANTIZE = torch.ops.quantbridge.quantize_per_tensor.tensor
 DEQUANTIZE = torch.ops.quantbridge.dequantize_per_tensor.tensor
-
-QParams = tuple[float, int]
 
 
 @dataclass

@@ -15,7 +15,7 @@ import torch
 from quantbridge import kernels as K
 from quantbridge.lowering._errors import LoweringError
 
-QParams = tuple[float, int]
+QParams = tuple[float, int]  # (scale, zero point); kernels.QParams is one too
 
 
 def numpy_view(t: torch.Tensor) -> Any:

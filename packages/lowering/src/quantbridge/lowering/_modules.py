@@ -59,6 +59,9 @@ class LoweredModule(nn.Module):
     """Base: target, kernel name, input/output qparam buffers and their Python mirrors."""
 
     kernel: str = ""
+    # mirrors of the second input's buffers, set by two-input modules' _sync
+    _other_scale: float
+    _other_zero_point: int
 
     def __init__(
         self,
@@ -104,8 +107,6 @@ class LoweredModule(nn.Module):
         self._in_zero_point = int(b["input_zero_point"]) if "input_zero_point" in b else 0
         self._out_scale = float(b["scale"]) if "scale" in b else 1.0
         self._out_zero_point = int(b["zero_point"]) if "zero_point" in b else 0
-        self._other_scale: float
-        self._other_zero_point: int
 
     @property
     def input_qparams(self) -> tuple[float, int]:

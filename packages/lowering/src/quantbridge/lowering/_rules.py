@@ -168,6 +168,7 @@ class LoweringRule:
     folds: tuple[Any, ...] = ()
     _compiled: tuple[ReplacementPattern, ...] = field(init=False, repr=False)
     _module_classes: frozenset[type] = field(init=False, repr=False)
+    _operators: frozenset[Any] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         where = f"LoweringRule {self.name!r}"
@@ -204,16 +205,14 @@ class LoweringRule:
         object.__setattr__(self, "_compiled", tuple(self.compile(op) for op in self.ops))
         classes = frozenset(c for op in self.ops for c in _module_classes(as_complex(op)))
         object.__setattr__(self, "_module_classes", classes)
-
-    def operators(self) -> tuple[Any, ...]:
-        """Every operator this rule names: in ``ops`` and ``config_ops`` (not ``folds``)."""
         named = [
-            o
-            for op in self.ops
-            if op is not MatchAllNode
-            for o in pattern_operators(as_complex(op))
+            o for op in ops if op is not MatchAllNode for o in pattern_operators(as_complex(op))
         ]
-        return tuple(named) + self.config_ops
+        object.__setattr__(self, "_operators", frozenset((*named, *self.config_ops)))
+
+    def names(self, operator: object) -> bool:
+        """Whether ``operator`` is named in ``ops`` or ``config_ops`` (not ``folds``)."""
+        return operator in self._operators
 
     def full_pattern(self, op: Pattern) -> Pattern:
         """The pattern searched for ``op``: wrapped in the quantize if static."""
@@ -267,21 +266,16 @@ def _covering_rules(pattern: Pattern, rules: Sequence[LoweringRule]) -> list[Low
     """
     found: list[LoweringRule] = []
 
-    def names(rule: LoweringRule, op: object) -> bool:
-        return any(op is o or (isinstance(o, str) and o == op) for o in rule.operators())
-
     def walk(p: Pattern) -> bool:
         if p is MatchAllNode:
             return True
         op, args = (p[0], p[1:]) if isinstance(p, tuple) else (p, ())
-        owners = [r for r in rules if names(r, op)]
+        owners = [r for r in rules if r.names(op)]
         if not owners:
             first = args[0] if args else None
             first_op = first[0] if isinstance(first, tuple) else first
             owners = [
-                r
-                for r in rules
-                if any(op is f for f in r.folds) and first_op is not None and names(r, first_op)
+                r for r in rules if op in r.folds and first_op is not None and r.names(first_op)
             ]
         if not owners:
             return False

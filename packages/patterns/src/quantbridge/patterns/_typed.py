@@ -53,8 +53,9 @@ class Chain:
     output used only by the next one.
     """
 
-    __slots__ = ("ops",)
+    __slots__ = ("_complex", "ops")
     ops: tuple[Any, ...]
+    _complex: Any
 
     def __init__(self, *ops: object) -> None:
         if not ops:
@@ -67,6 +68,9 @@ class Chain:
                     "chain; use Nested(op, ..., MatchAllNode) to leave an argument open"
                 )
         object.__setattr__(self, "ops", tuple(ops))
+        nested = self.to_nested()
+        complex_form = nested.to_tuple() if isinstance(nested, Nested) else nested
+        object.__setattr__(self, "_complex", complex_form)  # what the engines compile
 
     def __setattr__(self, name: str, value: object) -> None:
         raise AttributeError("Chain is immutable")
@@ -97,9 +101,10 @@ class Nested:
     torch.ao's "complex format"; :meth:`from_tuple` converts one of its tuples.
     """
 
-    __slots__ = ("args", "op")
+    __slots__ = ("_complex", "args", "op")
     op: Any
     args: tuple[Any, ...]
+    _complex: tuple[Any, ...]
 
     def __init__(self, op: object, *args: object) -> None:
         _element(op, "Nested(op, ...)")
@@ -119,6 +124,8 @@ class Nested:
                 _element(arg, f"Nested(...).args[{i}]")
         object.__setattr__(self, "op", op)
         object.__setattr__(self, "args", tuple(args))
+        complex_form = (op, *(a._complex if isinstance(a, Nested) else a for a in self.args))
+        object.__setattr__(self, "_complex", complex_form)  # what the engines compile
 
     def __setattr__(self, name: str, value: object) -> None:
         raise AttributeError("Nested is immutable")
@@ -132,7 +139,7 @@ class Nested:
 
     def to_tuple(self) -> tuple[Any, ...]:
         """torch.ao's complex-format tuple of this pattern."""
-        return (self.op, *(a.to_tuple() if isinstance(a, Nested) else a for a in self.args))
+        return self._complex
 
     def to_chain(self) -> Chain:
         """The same pattern in execution order; PatternError unless it is a simple chain."""
@@ -179,10 +186,9 @@ def as_complex(pattern: object, where: str = "pattern") -> Any:
     operator itself for one operator. A bare tuple is refused with a PatternError naming the
     constructor to use."""
     if isinstance(pattern, Nested):
-        return pattern.to_tuple()
+        return pattern._complex
     if isinstance(pattern, Chain):
-        nested = pattern.to_nested()
-        return nested.to_tuple() if isinstance(nested, Nested) else nested
+        return pattern._complex
     if isinstance(pattern, tuple):
         raise PatternError(
             f"{where}: the bare tuple {pattern!r} is ambiguous; write Chain(...) for "
