@@ -48,6 +48,7 @@ from quantbridge.fx_quant._custom_config import (
 from quantbridge.fx_quant._distributed import sync_observers, sync_observers_hook
 from quantbridge.fx_quant._errors import FxQuantError
 from quantbridge.fx_quant._explain import ExplainReport, explain
+from quantbridge.fx_quant._export_capture import ExportCaptureError, equivalence_table
 from quantbridge.fx_quant._fuse import FusionError
 from quantbridge.fx_quant._prepare import ExampleInputsError, StrictPrepareError
 from quantbridge.fx_quant._qconfig_propagation import FusionQConfigError
@@ -93,6 +94,8 @@ __all__ = [
     "NotPreparedError",
     "StrictPrepareError",
     "TraceError",
+    "ExportCaptureError",
+    "equivalence_table",
     "TransformerSwapError",
     # accuracy debugging: which quantized op or weight loses the signal
     "compare_layers",

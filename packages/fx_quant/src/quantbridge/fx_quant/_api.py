@@ -16,7 +16,13 @@ from quantbridge.fx_quant._custom_config import (
 )
 from quantbridge.fx_quant._equalize import insert_equalization_observers
 from quantbridge.fx_quant._errors import FxQuantError
-from quantbridge.fx_quant._prepare import fuse_model, prepare, resolve_backend_config
+from quantbridge.fx_quant._export_capture import is_exported_module
+from quantbridge.fx_quant._prepare import (
+    check_capture,
+    fuse_model,
+    prepare,
+    resolve_backend_config,
+)
 from quantbridge.fx_quant._registry import (
     BackendLike,
     LoweringRegistryError,
@@ -52,14 +58,21 @@ def prepare_fx(
     backend_config: BackendConfig | dict[str, Any] | None = None,
     *,
     strict: bool = False,
+    capture: str = "fx",
 ) -> GraphModule:
     """Prepare ``model`` (eval mode) for post-training quantization: trace, fuse, insert observers.
 
     Run calibration data through the result, then call :func:`convert_to_reference_fx` or
     :func:`convert_fx`. ``strict=True`` raises :class:`StrictPrepareError` when a node with a
     qconfig would stay float (torch.ao skips it silently); :func:`explain` shows every decision.
+
+    ``capture="export"`` captures the model with ``torch.export`` instead of
+    ``torch.fx.symbolic_trace`` (for models fx cannot trace), with every input dimension
+    dynamic where the model allows. The module of ``torch.export.export(...).module()`` is
+    accepted as ``model`` directly; the mode it was exported in must be eval.
     """
-    if model.training:
+    check_capture(capture, model)
+    if model.training and not is_exported_module(model):
         raise FxQuantError(
             "prepare_fx is for post-training quantization and needs the model in eval mode; "
             "call model.eval() first, or use prepare_qat_fx for quantization-aware training"
@@ -72,6 +85,7 @@ def prepare_fx(
         prepare_custom_config,
         _backend_config(backend_config),
         strict=strict,
+        capture=capture,
     )
     if _equalization_config is not None:
         insert_equalization_observers(prepared, _equalization_config)
@@ -87,13 +101,16 @@ def prepare_qat_fx(
     backend_config: BackendConfig | dict[str, Any] | None = None,
     *,
     strict: bool = False,
+    capture: str = "fx",
 ) -> GraphModule:
     """Prepare ``model`` (train mode) for quantization-aware training.
 
     Fuses for QAT (batch norm stays live), swaps float and fused modules for their
-    quantbridge QAT versions and inserts fake quantizes.
+    quantbridge QAT versions and inserts fake quantizes. ``capture`` as in
+    :func:`prepare_fx`; an exported module must have been exported in train mode.
     """
-    if not model.training:
+    check_capture(capture, model)
+    if not model.training and not is_exported_module(model):
         raise FxQuantError(
             "prepare_qat_fx needs the model in training mode; call model.train() first, or "
             "use prepare_fx for post-training quantization"
@@ -106,6 +123,7 @@ def prepare_qat_fx(
         prepare_custom_config,
         _backend_config(backend_config),
         strict=strict,
+        capture=capture,
     )
     _warn_ignored_qconfigs(prepared, "prepare_qat_fx")
     return prepared

@@ -23,6 +23,14 @@ from quantbridge.fx_quant._custom_config import (
 )
 from quantbridge.fx_quant._dtype_matching import ObserverProbe, describe_dtype_config
 from quantbridge.fx_quant._errors import FxQuantError
+from quantbridge.fx_quant._export_capture import (
+    CAPTURES,
+    ExportCaptureError,
+    capture_export,
+    exported_mode,
+    is_exported_module,
+    lift_exported,
+)
 from quantbridge.fx_quant._fuse import fuse
 from quantbridge.fx_quant._observer_insertion import (
     NoTensorCache,
@@ -40,7 +48,7 @@ from quantbridge.fx_quant._qconfig_propagation import (
     update_qconfig_for_fusion,
     update_qconfig_for_qat,
 )
-from quantbridge.fx_quant._state import OBSERVED_KEY, NodeDecision, ObservedState
+from quantbridge.fx_quant._state import OBSERVED_KEY, NodeDecision, ObservedState, SwappedModule
 from quantbridge.fx_quant._tracer import trace
 from quantbridge.fx_quant._transformer_swap import (
     ATTENTION_CORE_REASON,
@@ -63,6 +71,8 @@ __all__ = [
 PREPARED_ATTRS_KEY = "_quantbridge_preserved_attributes"
 # Reason for nodes with no tensor data to quantize (shape and size queries, int arithmetic).
 _NO_TENSOR_DATA = "no tensor data (shape or size query)"
+# Reason for nodes that only move integer data (an attention mask sliced and reshaped).
+_INTEGER_DATA = "integer tensor from integer inputs: nothing to quantize"
 
 
 class StrictPrepareError(FxQuantError):
@@ -152,11 +162,16 @@ def _check_inputs_tuple(example_inputs: object) -> None:
         )
 
 
-def _check_example_inputs(gm: GraphModule, example_inputs: tuple[Any, ...]) -> _DtypeRecorder:
-    """Run ``gm`` on ``example_inputs`` (eval, no grad); what each node held (the recorder)."""
+def _check_example_inputs(
+    gm: GraphModule, example_inputs: tuple[Any, ...], exported: bool = False
+) -> _DtypeRecorder:
+    """Run ``gm`` on ``example_inputs`` (eval, no grad); what each node held (the recorder).
+
+    An exported graph's placeholders are its flattened inputs, which export checked already.
+    """
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     required = [n for n in placeholders if not n.args]  # args hold a default value
-    if not len(required) <= len(example_inputs) <= len(placeholders):
+    if not exported and not len(required) <= len(example_inputs) <= len(placeholders):
         names = ", ".join(n.name for n in placeholders)
         upto = f" to {len(placeholders)}" if len(placeholders) > len(required) else ""
         raise ExampleInputsError(
@@ -197,6 +212,21 @@ class _DtypeRecorder(Interpreter):
         elif isinstance(value, (bool, int, float, complex)):
             self.scalars[n.name] = type(value).__name__
         return value
+
+
+def _integer_nodes(gm: GraphModule, dtypes: dict[str, torch.dtype]) -> dict[str, torch.dtype]:
+    """Nodes whose value (on the example inputs) is an integer or bool tensor computed only
+    from such tensors: masks and indices being sliced and reshaped. They are never observed;
+    an op that mixes one with float data is still reported (non_float_observations)."""
+    found: dict[str, torch.dtype] = {}
+    for node in gm.graph.nodes:
+        dtype = dtypes.get(node.name)
+        if dtype is None or dtype.is_floating_point or node.op == "placeholder":
+            continue
+        inputs = [dtypes.get(n.name) for n in node.all_input_nodes]
+        if all(d is None or not d.is_floating_point for d in inputs):
+            found[node.name] = dtype
+    return found
 
 
 def _describe_values(values: tuple[Any, ...]) -> str:
@@ -245,6 +275,7 @@ def prepare(
     *,
     strict: bool = False,
     is_standalone: bool = False,
+    capture: str = "fx",
 ) -> GraphModule:
     """prepare_fx / prepare_qat_fx (see the module docstring)."""
     pcc = _as_prepare_config(prepare_custom_config)
@@ -252,6 +283,7 @@ def prepare(
     mapping = copy_mapping(qconfig_mapping)
     _check_inputs_tuple(example_inputs)
     preserved = _preserved(model, pcc.preserved_attributes)
+    exported = check_capture(capture, model)
 
     skipped_names = list(pcc.non_traceable_module_names)
     skipped_classes: list[Any] = list(pcc.non_traceable_module_classes)
@@ -259,10 +291,16 @@ def prepare(
         skipped_names += list(pcc.standalone_module_names)
         skipped_classes += list(pcc.standalone_module_classes)
         skipped_classes += pcc.custom_module_classes
-    # Attention/transformer modules are tracer leaves: swap them so their Linears are reached.
-    model, swapped = swap_transformer_modules(model, mapping, skipped_names, skipped_classes)
-    gm, scope = trace(model, skipped_names, skipped_classes)
-    recorded = _check_example_inputs(gm, example_inputs)
+    if exported:
+        gm, scope, swapped = _capture_with_export(
+            model, example_inputs, mapping, pcc, is_qat, skipped_names, skipped_classes
+        )
+    else:
+        # Attention/transformer modules are tracer leaves: swap them so their Linears are
+        # reached.
+        model, swapped = swap_transformer_modules(model, mapping, skipped_names, skipped_classes)
+        gm, scope = trace(model, skipped_names, skipped_classes)
+    recorded = _check_example_inputs(gm, example_inputs, exported)
     dtypes = recorded.dtypes
     gm = fuse(gm, is_qat, bc, recompile=False)  # recompiled once, after observers
 
@@ -275,6 +313,9 @@ def prepare(
     modules = dict(gm.named_modules(remove_duplicate=False))
     qmatches = node_qconfigs(gm, modules, mapping, scope)
     qconfigs = {name: m.qconfig for name, m in qmatches.items()}
+    integer_nodes = _integer_nodes(gm, dtypes)
+    for name in integer_nodes:
+        qconfigs[name] = None
 
     probe = ObserverProbe()
     no_tensors = NoTensorCache(modules, recorded.scalars)
@@ -359,6 +400,7 @@ def prepare(
         bc,
         no_tensors,
         recorded.scalars,
+        integer_nodes,
     )
     if strict:
         _raise_if_skipped(decisions, bc)
@@ -386,6 +428,67 @@ def prepare(
     )
     attach_preserved_attributes(prepared, preserved)
     return prepared
+
+
+def check_capture(capture: str, model: nn.Module) -> bool:
+    """Validate ``capture``; True when the model is (or will be) an exported ATen graph."""
+    if capture not in CAPTURES:
+        raise FxQuantError(f"capture must be one of {list(CAPTURES)}, got {capture!r}")
+    return capture == "export" or is_exported_module(model)
+
+
+def _capture_with_export(
+    model: nn.Module,
+    example_inputs: tuple[Any, ...],
+    mapping: QConfigMapping,
+    pcc: PrepareCustomConfig,
+    is_qat: bool,
+    skipped_names: list[str],
+    skipped_classes: list[Any],
+) -> tuple[GraphModule, dict[str, tuple[str, Any]], list[SwappedModule]]:
+    """torch.export capture, lifted to BackendConfig level (``_export_capture``)."""
+    unsupported = [
+        what
+        for what, present in (
+            ("standalone modules", pcc.standalone_module_names or pcc.standalone_module_classes),
+            ("custom modules", pcc.custom_module_classes),
+        )
+        if present
+    ]
+    if unsupported:
+        raise ExportCaptureError(
+            f"capture='export' does not support {' or '.join(unsupported)} in the "
+            "PrepareCustomConfig (export inlines every module); use capture='fx' for them"
+        )
+    swapped: list[SwappedModule] = []
+    if is_exported_module(model):
+        exported = model
+        assert isinstance(exported, GraphModule)
+    else:
+        model, swapped = swap_transformer_modules(model, mapping, skipped_names, skipped_classes)
+        exported = capture_export(model, example_inputs)
+    mode, witness = exported_mode(exported)
+    if mode is not None and mode != is_qat:
+        exported_as, call, other = (
+            ("training", "prepare_fx", "model.eval()") if mode else ("eval", "prepare_qat_fx",
+                                                                      "model.train()")
+        )  # fmt: skip
+        raise ExportCaptureError(
+            f"{call}: the model was exported in {exported_as} mode (node {witness!r} says so); "
+            f"export it again after {other}, "
+            + ("or use prepare_qat_fx for quantization-aware training" if mode else
+               "or use prepare_fx for post-training quantization")
+        )  # fmt: skip
+    lifted = lift_exported(exported, training=is_qat)
+    # Non-traceable modules stay float: export inlines them, so their ops get no qconfig.
+    for path, kind in lifted.module_classes.items():
+        if path in skipped_names or any(
+            isinstance(c, type) and issubclass(kind, c) for c in skipped_classes
+        ):
+            mapping.set_module_name(path, None)
+    for name in skipped_names + lifted.guards:
+        mapping.set_module_name(name, None)
+    return lifted.graph_module, lifted.scope, swapped
 
 
 def _prepare_standalone(
@@ -426,6 +529,8 @@ def _prepare_standalone(
 
 def _describe_callable(fn: Any) -> str:
     """``torch.conv2d``, ``F.linear``, ``operator.add`` rather than their internal homes."""
+    if isinstance(fn, torch._ops.OpOverload):
+        return str(fn)  # aten.slice.Tensor
     name = getattr(fn, "__name__", None)
     module = getattr(fn, "__module__", None) or ""
     if name is None:
@@ -478,6 +583,7 @@ def _decisions(
     bc: BackendConfig,
     no_tensors: NoTensorCache,
     scalars: dict[str, str],
+    integer_nodes: dict[str, torch.dtype],
 ) -> list[NodeDecision]:
     rows: list[NodeDecision] = []
     for node in nodes:
@@ -507,7 +613,10 @@ def _decisions(
                 for dc, reason in zip(match.config.dtype_configs, verdict, strict=True):
                     candidates.append((describe_dtype_config(dc), reason))
                 chosen = next((i for i, r in enumerate(verdict) if r is None), None)
-        if qconfig is None:
+        if node.name in integer_nodes:
+            dtype = str(integer_nodes[node.name]).removeprefix("torch.")
+            status, reason = "float", f"{_INTEGER_DATA} ({dtype})"
+        elif qconfig is None:
             status, reason = "float", f"qconfig is None ({rule})"
         elif node.name not in observed and no_tensors(node):
             status, reason = "float", _NO_TENSOR_DATA
@@ -573,6 +682,7 @@ def _raise_if_skipped(decisions: list[NodeDecision], bc: BackendConfig) -> None:
         if d.qconfig is not None
         and d.status == "float"
         and d.reason not in (_NO_TENSOR_DATA, ATTENTION_CORE_REASON)
+        and not d.reason.startswith(_INTEGER_DATA)
         and d.op != "get_attr"
     ]
     if not bad:

@@ -11,6 +11,7 @@ and class of the module whose ``forward`` made the call (``("", None)`` at the r
 from __future__ import annotations
 
 import linecache
+import sysconfig
 import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -98,12 +99,19 @@ class QuantizationTracer(Tracer):
             self._module_path_stack.pop()
 
 
-def _user_frame(tb: Any) -> str:
-    """The innermost traceback frame outside torch and quantbridge: the model's line."""
+# The standard library's own frames (inspect, functools, ...) are never the model's line.
+_STDLIB = sysconfig.get_paths()["stdlib"].replace("\\", "/")
+
+
+def user_frame(tb: Any) -> str:
+    """The innermost traceback frame outside torch, quantbridge and the standard library:
+    the model's line."""
     frames = traceback.extract_tb(tb)
     for frame in reversed(frames):
         fname = frame.filename.replace("\\", "/")
         if "/torch/" in fname or ("/quantbridge/" in fname and "/tests/" not in fname):
+            continue
+        if fname.startswith(_STDLIB + "/") and "/site-packages/" not in fname:
             continue
         line = frame.line or linecache.getline(frame.filename, frame.lineno or 0).strip()
         return f'File "{frame.filename}", line {frame.lineno}, in {frame.name}: {line}'
@@ -138,21 +146,26 @@ def trace(
         raise
     except Exception as e:  # tracing runs arbitrary user code
         path = tracer.failed_module_path
+        export = (
+            "capture it with torch.export instead: prepare_fx(..., capture='export') "
+            "quantizes the model unmodified"
+        )
         if path:
             hint = (
-                f"keep it out of tracing (it then stays float) with PrepareCustomConfig()"
-                f".set_non_traceable_module_names([{path!r}]), or make its forward traceable"
+                f"{export}; or keep it out of tracing (it then stays float) with "
+                f"PrepareCustomConfig().set_non_traceable_module_names([{path!r}]), or make "
+                "its forward traceable"
             )
         else:
             hint = (
-                "move the data-dependent code into a submodule and list it in "
+                f"{export}; or move the data-dependent code into a submodule and list it in "
                 "PrepareCustomConfig().set_non_traceable_module_names([...]), or make "
                 "forward traceable"
             )
         raise TraceError(
             f"cannot trace the model symbolically: {type(e).__name__}: {e}\n"
             f"  while tracing {_failing_module(path, model)}\n"
-            f"  at {_user_frame(e.__traceback__)}\n"
+            f"  at {user_frame(e.__traceback__)}\n"
             f"  fix: {hint}"
         ) from e
     gm = GraphModule(tracer.root, graph, type(model).__name__)
