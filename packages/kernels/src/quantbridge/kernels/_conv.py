@@ -26,7 +26,13 @@ import numpy.typing as npt
 from numba import njit
 
 from quantbridge.kernels._checks import check_array, check_zero_point
-from quantbridge.kernels._depthwise import MAX_TAPS, depthwise_nhwc, repeat_weights
+from quantbridge.kernels._depthwise import (
+    MAX_TAPS,
+    PARALLEL_MIN_MACS,
+    depthwise_parallel,
+    depthwise_serial,
+)
+from quantbridge.kernels._dw_simd import LANES
 from quantbridge.kernels._elementwise import _add_params, add_relu
 from quantbridge.kernels._elementwise import add as add_plain
 from quantbridge.kernels._errors import KernelError
@@ -131,9 +137,13 @@ class PackedConvWeight:
         # one input and one output channel per group: the channels-last depthwise loops
         self.depthwise = cg == 1 and self.ocg == 1 and groups > 1 and kh * kw <= MAX_TAPS
         if self.depthwise:
+            # [KH*KW, C rounded up to the vector] float32 ``w - w_zp``: vector loads stay inside
+            self._dw_cp = round_up(oc, LANES)
             w_minus_zp = w4[:, 0].astype(np.int32) - zps[:oc, None, None].astype(np.int32)
-            self._dw_weight = np.ascontiguousarray(w_minus_zp.transpose(1, 2, 0), np.float32)
-            self._dw_rows: dict[int, npt.NDArray[np.float32]] = {}
+            self._dw_weight = np.zeros((kh * kw, self._dw_cp), np.float32)
+            self._dw_weight[:, :oc] = w_minus_zp.reshape(oc, kh * kw).T
+            self._dw_wsum = self._dw_weight.sum(axis=0, dtype=np.float32)  # exact: < 2**24
+            self._dw_corr: dict[int, npt.NDArray[np.float32]] = {}
         self._dw_epilogue: dict[tuple[float, float], tuple[npt.NDArray[np.float32], ...]] = {}
         self._koffs: dict[tuple[int, int], npt.NDArray[np.int64]] = {}
         self._rowoffs: dict[tuple[int, ...], npt.NDArray[np.int64]] = {}
@@ -182,15 +192,15 @@ class PackedConvWeight:
     def depthwise_epilogue(
         self, x_scale: float, out_scale: float
     ) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.float32]]:
-        """Per-channel ``(biasq, mult)`` of the GEMM rule, gathered from the groups (cached)."""
+        """Per-channel ``(biasq, mult)`` of the GEMM rule, gathered from the groups and
+        zero-padded to the vector width (cached)."""
         key = (x_scale, out_scale)
         got = self._dw_epilogue.get(key)
         if got is None:
             parts = [p.epilogue(x_scale, out_scale) for p in self.groups_packed]
-            got = (
-                np.array([bq[0] for bq, _ in parts], np.float32),
-                np.array([m[0] for _, m in parts], np.float32),
-            )
+            got = (np.zeros(self._dw_cp, np.float32), np.zeros(self._dw_cp, np.float32))
+            got[0][: self.oc] = [bq[0] for bq, _ in parts]
+            got[1][: self.oc] = [m[0] for _, m in parts]
             if len(self._dw_epilogue) < 64:
                 self._dw_epilogue[key] = got
         return got  # type: ignore[return-value]
@@ -257,7 +267,7 @@ def _conv(
     hp, wp = h + 2 * ph, w + 2 * pw
     if packed.depthwise and fused_add is None:
         dw_out = _depthwise(xa if nhwc is None else None, nhwc, packed, n, c, h, w, oh, ow,
-                            x_scale, out_scale, a_zp, o_zp, relu)  # fmt: skip
+                            x_scale, out_scale, a_zp, o_zp, relu, threads)  # fmt: skip
         dw_nchw: npt.NDArray[np.uint8] = dw_out.transpose(0, 3, 1, 2)
         if not channels_last:
             dw_nchw = np.ascontiguousarray(dw_nchw)
@@ -329,9 +339,6 @@ def _conv(
     return res_nchw if dims == 2 else res_nchw[:, :, 0, :]
 
 
-_NO_ROWS = np.zeros((0, 0, 0), np.float32)  # repeated weights are unused when stride W > 1
-
-
 def _depthwise(
     x_nchw: npt.NDArray[np.uint8] | None,
     x_nhwc: npt.NDArray[np.uint8] | None,
@@ -347,36 +354,36 @@ def _depthwise(
     a_zp: int,
     o_zp: int,
     relu: bool,
+    threads: int,
 ) -> npt.NDArray[np.uint8]:
-    """Depthwise conv into a new NHWC array, reading a zero-point-padded NHWC copy (or the
-    channels-last input itself when no padding is needed)."""
-    ph, pw = packed.padding
-    hp, wp = h + 2 * ph, w + 2 * pw
-    if x_nhwc is not None and ph == pw == 0:
-        xp = x_nhwc.reshape(n, h, w, c)
-    else:
-        xp = np.empty((n, hp, wp, c), np.uint8)
-        if x_nhwc is not None:
-            nhwc_into_padded_nhwc(
-                x_nhwc.reshape(-1), n, h, w, 1, c, c, ph, pw, wp, hp, a_zp, xp.reshape(-1)
-            )
-        else:
-            assert x_nchw is not None
-            nchw_into_padded_nhwc(
-                x_nchw.reshape(-1), n, c, h, w, 1, c, c, ph, pw, wp, hp, a_zp, xp.reshape(-1)
-            )
+    """Depthwise conv into a new NHWC array; reads channels-last input in place (NCHW input
+    is transposed once), padding handled by the kernels (no zero-point-padded copy)."""
+    if x_nhwc is None:
+        assert x_nchw is not None
+        x_nhwc = np.empty((n, h, w, c), np.uint8)
+        nchw_into_padded_nhwc(
+            x_nchw.reshape(-1), n, c, h, w, 1, c, c, 0, 0, w, h, a_zp, x_nhwc.reshape(-1)
+        )
     biasq, mult = packed.depthwise_epilogue(x_scale, out_scale)
+    corr = packed._dw_corr.get(a_zp)
+    if corr is None:  # x_zp * sum(w - w_zp) per channel, exact in float32
+        corr = np.float32(a_zp) * packed._dw_wsum
+        if len(packed._dw_corr) < 16:
+            packed._dw_corr[a_zp] = corr
     out = np.empty((n, oh, ow, c), np.uint8)
     sh, sw = packed.stride
     dh, dw = packed.dilation
-    wrep = packed._dw_rows.get(ow) if sw == 1 else _NO_ROWS
-    if wrep is None:
-        wrep = repeat_weights(packed._dw_weight, ow)
-        if len(packed._dw_rows) < 16:
-            packed._dw_rows[ow] = wrep
-    depthwise_nhwc(
-        xp, packed._dw_weight, wrep, biasq, mult, a_zp, o_zp, o_zp if relu else 0,
-        sh, sw, dh, dw, out,
+    ph, pw = packed.padding
+    rows = n * oh
+    macs = rows * ow * c * packed.kh * packed.kw
+    if threads > 1 and macs >= PARALLEL_MIN_MACS:
+        drv, per_task = with_threads(depthwise_parallel, threads), -(-rows // (4 * threads))
+    else:
+        drv, per_task = depthwise_serial, rows
+    drv(
+        x_nhwc.reshape(-1), n, h, w, c, oh, ow, packed.kh, packed.kw, sh, sw, dh, dw, ph, pw,
+        packed._dw_weight, packed._dw_cp, corr, biasq, mult, np.float32(a_zp), o_zp,
+        o_zp if relu else 0, out.reshape(-1), per_task,
     )  # fmt: skip
     return out
 
