@@ -49,6 +49,7 @@ from quantbridge.kernels._pack import (
 )
 from quantbridge.kernels._qparams import QParams, as_qparams
 from quantbridge.kernels._quantize import f32_scale
+from quantbridge.kernels._targets import resolve_target
 from quantbridge.kernels._threads import apply_num_threads, with_threads
 from quantbridge.kernels._transpose import nchw_into_padded_nhwc, nhwc_into_padded_nhwc
 
@@ -111,6 +112,19 @@ class PackedConvWeight:
         self.in_channels = cg * groups
         self.ocg = oc // groups
         self.cg4 = round_up(cg, 4)
+        # Few input channels (a stem conv: 3 -> 32/64, 3x3 or 7x7): each kernel row's kw*cg
+        # values are contiguous in the NHWC buffer when the buffer does not pad channels, so the
+        # k steps walk whole kernel rows, padded to the k step (7x7x3 on avx2: 7 x 22 = 154
+        # values instead of 7 x 7 x 4 = 196, a dense K without an im2col matrix). The steps
+        # past kw*cg read up to k_step - 1 bytes past a window row (the buffer has a tail)
+        # against zero weights.
+        kstep = layout(resolve_target(target))[1]
+        row_p = round_up(kw * cg, kstep)
+        self.row_packed = (
+            groups == 1 and self.dilation[1] == 1 and cg != self.cg4 and row_p < kw * self.cg4
+        )
+        if self.row_packed:
+            self.cg4 = cg  # channels per pixel in the buffer: unpadded
         scales, per_channel = weight_scales(scale, oc, "weight scale")
         zps = weight_zero_points(zero_point, oc, oc, "weight")
         if bias is not None:
@@ -119,8 +133,12 @@ class PackedConvWeight:
                 raise KernelError(f"bias: expected shape ({oc},), got {bias.shape}")
         self.groups_packed: list[PackedLinearWeight] = []
         for g in range(groups):
-            wg = np.zeros((self.ocg, kh, kw, self.cg4), np.int8)
-            wg[..., :cg] = w4[g * self.ocg : (g + 1) * self.ocg].transpose(0, 2, 3, 1)
+            if self.row_packed:
+                wg = np.zeros((self.ocg, kh, row_p), np.int8)
+                wg[..., : kw * cg] = w4.transpose(0, 2, 3, 1).reshape(oc, kh, kw * cg)
+            else:
+                wg = np.zeros((self.ocg, kh, kw, self.cg4), np.int8)
+                wg[..., :cg] = w4[g * self.ocg : (g + 1) * self.ocg].transpose(0, 2, 3, 1)
             sl = slice(g * self.ocg, (g + 1) * self.ocg)
             p = PackedLinearWeight(
                 wg.reshape(self.ocg, -1),
@@ -153,7 +171,8 @@ class PackedConvWeight:
         out = []
         _, kstep, _ = layout(self.target)
         ctot = self.groups * self.cg4
-        kg = self.kh * self.kw * self.cg4
+        row_p = round_up(self.kw * self.cg, kstep)
+        kg = self.kh * (row_p if self.row_packed else self.kw * self.cg4)
         nk = round_up(kg, K_ALIGN) // kstep
         dh, dw = self.dilation[0], self.dilation[1]
         for g in range(self.groups):
@@ -161,7 +180,11 @@ class PackedConvWeight:
             if got is None:
                 steps = np.zeros(nk, np.int64)
                 idx = 0
-                for i in range(self.kh):
+                for i in range(self.kh if self.row_packed else 0):  # whole kernel rows
+                    for c in range(0, row_p, kstep):
+                        steps[idx] = i * dh * wp * ctot + c
+                        idx += 1
+                for i in range(0 if self.row_packed else self.kh):
                     for j in range(self.kw):
                         tap = (i * dh * wp + j * dw) * ctot + g * self.cg4
                         for c in range(0, self.cg4, kstep):
@@ -273,10 +296,15 @@ def _conv(
             dw_nchw = np.ascontiguousarray(dw_nchw)
         return dw_nchw if dims == 2 else dw_nchw[:, :, 0, :]
     g, cg, cg4 = packed.groups, packed.cg, packed.cg4
-    if nhwc is not None and ph == pw == 0 and cg == cg4:
+    if nhwc is not None and ph == pw == 0 and cg == cg4 and not packed.row_packed:
         xp = nhwc.reshape(n, h, w, g, cg4)  # already the layout the kernels read: no copy
+        flat = xp.reshape(-1)
     else:
-        xp = np.empty((n, hp, wp, g, cg4), np.uint8)  # every byte is written below
+        size = n * hp * wp * g * cg4
+        buf = np.empty(size + K_ALIGN, np.uint8)  # every byte is written below
+        buf[size:] = 0  # the tail row-packed k steps may read (against zero weights)
+        xp = buf[:size].reshape(n, hp, wp, g, cg4)
+        flat = buf
         if nhwc is not None:
             nhwc_into_padded_nhwc(
                 nhwc.reshape(-1), n, h, w, g, cg, cg4, ph, pw, wp, hp, a_zp, xp.reshape(-1)
@@ -287,7 +315,6 @@ def _conv(
             )
     rowoffs = packed.row_offsets(n, hp, wp, oh, ow)
     m = rowoffs.shape[0]
-    flat = xp.reshape(-1)
     koffs = packed.koffs(wp)
     if packed.groups == 1 and packed.target == "avx512_vnni" and not channels_last:
         res_nchw = _conv_nchw_direct(
