@@ -545,6 +545,33 @@ def test_depthwise_bad_input():
         conv2d(np.zeros((1, 16, 8, 16), np.uint8)[..., ::2], packed, 0.1, 0, 0.1, 0)
 
 
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize(
+    "c, oc, k, stride, wzp, channels_last_in, threads",
+    [(3, 64, 7, 2, False, False, 1), (3, 32, 3, 2, True, True, 2), (1, 16, 5, 1, True, False, 1),
+     (2, 24, 3, 1, False, True, 2), (6, 32, 3, 2, False, False, 1)],
+)  # fmt: skip
+def test_stem_conv_row_packed(target, c, oc, k, stride, wzp, channels_last_in, threads):
+    # few input channels: kernel rows packed densely as k steps (the stem path), batch 2
+    rng = np.random.default_rng(k * 10 + c)
+    x = rng.integers(0, 256, (2, c, 33, 29), dtype=np.uint8)
+    w = rng.integers(-128, 128, (oc, c, k, k), dtype=np.int8)
+    w_s = rng.uniform(0.002, 0.02, oc)
+    w_zp = rng.integers(-20, 20, oc) if wzp else 0
+    bias = rng.normal(0, 3, oc).astype(F32)
+    packed = PackedConvWeight(w, w_s, w_zp, bias, stride=stride, padding=k // 2, target=target)
+    kstep = 2 if target == "avx2" else 4  # rows padded to the k step must save steps
+    assert packed.row_packed == (c % 4 != 0 and -(-k * c // kstep) * kstep < k * -(-c // 4) * 4)
+    o_s = 0.03 * np.mean(w_s) * 60 * k * np.sqrt(c)
+    xin = _channels_last(x) if channels_last_in else x
+    want = reference_conv2d(
+        x, 0.03, 9, w, w_s, w_zp, bias, o_s, 100, (stride,) * 2, (k // 2,) * 2, (1, 1), 1
+    )
+    for cl_out in (False, True):
+        got = conv2d(xin, packed, 0.03, 9, o_s, 100, num_threads=threads, channels_last=cl_out)
+        np.testing.assert_array_equal(got, want)
+
+
 def _channels_last(x):
     """NHWC (NLC) data viewed with ``x``'s NCHW (NCL) shape."""
     order = (0, *range(2, x.ndim), 1)
