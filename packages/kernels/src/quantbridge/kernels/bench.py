@@ -38,6 +38,10 @@ GEMM_SHAPES: tuple[tuple[int, int, int], ...] = (
     (512, 512, 512),
 )
 CONV_SHAPE = (1, 64, 56, 56, 64, 3)  # batch, C, H, W, OC, kernel
+# batch, C, H = W, OC, kernel, stride: MobileNetV2's 144-channel depthwise at 56x56
+DEPTHWISE_SHAPES = ((1, 144, 56, 144, 3, 1), (1, 144, 56, 144, 3, 2), (1, 240, 28, 240, 5, 1))
+# ImageNet stems: ResNet's 7x7 and MobileNet's 3x3, both stride 2 on a 224x224 RGB image
+STEM_SHAPES = ((1, 3, 224, 64, 7, 2), (1, 3, 224, 32, 3, 2))
 
 
 @numba.njit(nogil=True)
@@ -119,7 +123,15 @@ def _torch_linear(torch: Any, a: Any, w: Any, bias: Any, scales: tuple[float, ..
 
 
 def _torch_conv(
-    torch: Any, x: Any, w: Any, bias: Any, scales: tuple[float, ...], channels_last: bool
+    torch: Any,
+    x: Any,
+    w: Any,
+    bias: Any,
+    scales: tuple[float, ...],
+    channels_last: bool,
+    stride: int = 1,
+    padding: int = 1,
+    groups: int = 1,
 ) -> Any:
     a_s, a_zp, w_s, o_s, o_zp = scales
     qops = torch.ops.quantized
@@ -127,8 +139,25 @@ def _torch_conv(
     if channels_last:
         xq = xq.contiguous(memory_format=torch.channels_last)
     wq = torch._make_per_tensor_quantized_tensor(torch.from_numpy(w), w_s, 0)
-    packed = qops.conv2d_prepack(wq, torch.from_numpy(bias), [1, 1], [1, 1], [1, 1], 1)
+    packed = qops.conv2d_prepack(
+        wq, torch.from_numpy(bias), [stride] * 2, [padding] * 2, [1, 1], groups
+    )
     return lambda: qops.conv2d(xq, packed, o_s, int(o_zp))
+
+
+def _torch_conv_fp32(
+    torch: Any, x: Any, w: Any, stride: int, padding: int, groups: int
+) -> Callable[[], object]:
+    """float32 torch conv on channels-last input (its faster layout for depthwise here)."""
+    xf = torch.from_numpy(x.astype(np.float32)).contiguous(memory_format=torch.channels_last)
+    wf = torch.from_numpy(w.astype(np.float32))
+    conv = torch.nn.functional.conv2d
+
+    def run() -> object:
+        with torch.no_grad():
+            return conv(xf, wf, None, stride, padding, 1, groups)
+
+    return run
 
 
 def run(
@@ -194,6 +223,64 @@ def run(
             rows.append(
                 _row(op, shape, ops, target, threads, ours_conv, base, repeat, min_time, peak)
             )
+    rows += _depthwise_and_stem_rows(torch, rng, scales, threads, repeat, min_time, targets,
+                                     quick, peak, rows)  # fmt: skip
+    return rows
+
+
+def _depthwise_and_stem_rows(
+    torch: Any,
+    rng: np.random.Generator,
+    scales: tuple[float, ...],
+    threads: int,
+    repeat: int,
+    min_time: float,
+    targets: list[str],
+    quick: bool,
+    peak: float | None,
+    dense_rows: list[dict[str, Any]],
+) -> list[dict[str, Any]]:
+    """Rows ``depthwise`` (channels-last in and out, as in a lowered CNN; extra keys
+    ``fp32_gops``/``fp32_ratio`` against torch's float32 conv) and ``stem`` (NCHW image input;
+    extra key ``percent_of_dense``: GOPS over the same target's ``conv2d`` row of this run)."""
+    rows: list[dict[str, Any]] = []
+    dense = {r["target"]: r["gops"] for r in dense_rows if r["op"] == "conv2d"}
+    for op, shapes in (("depthwise", DEPTHWISE_SHAPES), ("stem", STEM_SHAPES)):
+        for bn, c, hw, oc, ks, stride in shapes[:1] if quick else shapes:
+            if quick:
+                hw = 12
+            pad = ks // 2
+            groups = c if op == "depthwise" else 1
+            x = rng.integers(0, 256, (bn, c, hw, hw), dtype=np.uint8)
+            xin = x
+            if op == "depthwise":
+                xin = np.ascontiguousarray(x.transpose(0, 2, 3, 1)).transpose(0, 3, 1, 2)
+            w = rng.integers(-128, 128, (oc, c // groups, ks, ks), dtype=np.int8)
+            bias = rng.normal(0, 1, oc).astype(np.float32)
+            oh = (hw + 2 * pad - ks) // stride + 1
+            ops = 2.0 * bn * oc * oh * oh * (c // groups) * ks * ks
+            shape = f"{bn}x{c}x{hw}x{hw}->{oc},k{ks}s{stride}"
+            base = fp32 = None
+            if torch is not None:
+                base = _torch_conv(torch, x, w, bias, scales, op == "depthwise", stride, pad,
+                                   groups)  # fmt: skip
+                fp32 = _torch_conv_fp32(torch, x, w, stride, pad, groups)
+            for target in targets:
+                cp = PackedConvWeight(w, scales[2], 0, bias, stride=stride, padding=pad,
+                                      groups=groups, target=target)  # fmt: skip
+
+                def ours(cp: PackedConvWeight = cp, xin: np.ndarray[Any, Any] = xin) -> object:
+                    return conv2d(xin, cp, 0.05, 3, 2.0, 5, num_threads=threads,
+                                  channels_last=True)  # fmt: skip
+
+                row = _row(op, shape, ops, target, threads, ours, base, repeat, min_time, peak)
+                if op == "depthwise" and fp32 is not None:
+                    t32 = min(_best_time(fp32, 1, min_time) for _ in range(repeat))
+                    row["fp32_gops"] = round(ops / t32 / 1e9, 1)
+                    row["fp32_ratio"] = round(row["gops"] / row["fp32_gops"], 2)
+                if op == "stem" and dense.get(target):
+                    row["percent_of_dense"] = round(100.0 * row["gops"] / dense[target], 1)
+                rows.append(row)
     return rows
 
 
@@ -278,10 +365,15 @@ def _table(rows: list[dict[str, Any]]) -> str:
     )
     lines = [head, "-" * len(head)]
     for r in rows:
+        extra = ""
+        if "fp32_ratio" in r:
+            extra = f"  fp32 {r['fp32_gops']} GOPS, ours/fp32 {r['fp32_ratio']}"
+        if "percent_of_dense" in r:
+            extra = f"  {r['percent_of_dense']} % of this target's dense conv2d GOPS"
         lines.append(
             f"{r['op']:9} {r['shape']:22} {r['target']:12} {r['threads']:>3} {r['gops']:>7} "
             f"{r['percent_of_peak']!s:>6} {r['baseline_gops']!s:>7} "
-            f"{r['ratio']!s:>6} {r['microseconds']:>9}"
+            f"{r['ratio']!s:>6} {r['microseconds']:>9}{extra}"
         )
     if rows and rows[0]["peak_gops"]:
         lines.append(
