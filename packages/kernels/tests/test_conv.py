@@ -547,7 +547,7 @@ def test_depthwise_bad_input():
 
 @pytest.mark.parametrize("target", TARGETS)
 @pytest.mark.parametrize(
-    "c, oc, k, stride, wzp, channels_last_in, threads",
+    ("c", "oc", "k", "stride", "wzp", "channels_last_in", "threads"),
     [(3, 64, 7, 2, False, False, 1), (3, 32, 3, 2, True, True, 2), (1, 16, 5, 1, True, False, 1),
      (2, 24, 3, 1, False, True, 2), (6, 32, 3, 2, False, False, 1)],
 )  # fmt: skip

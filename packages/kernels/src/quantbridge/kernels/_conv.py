@@ -36,7 +36,7 @@ from quantbridge.kernels._dw_simd import LANES
 from quantbridge.kernels._elementwise import _add_params, add_relu
 from quantbridge.kernels._elementwise import add as add_plain
 from quantbridge.kernels._errors import KernelError
-from quantbridge.kernels._gemm_run import NO_ADD, NO_RESIDUAL, row_chunk, run_gemm
+from quantbridge.kernels._gemm_run import NO_ADD, NO_RESIDUAL, SERIAL_BELOW, row_chunk, run_gemm
 from quantbridge.kernels._gemm_simd import drive_vnni_u8t, serial_vnni_u8t
 from quantbridge.kernels._layout import channels_last_data
 from quantbridge.kernels._linear import PackedLinearWeight, _fast_zp
@@ -454,7 +454,7 @@ def _conv_nchw_direct(
     colcorr = pg.colcorr(a_zp)
     rowsum = _window_sums(xp, 0, packed, oh, ow) if pg.has_weight_zp else pg.rows(n * hw)[1]
     npanels = pg.n_padded // 32
-    if threads == 1 or hw * pg.n_padded * koffs.shape[0] < (1 << 20):
+    if threads == 1 or hw * pg.n_padded * koffs.shape[0] < SERIAL_BELOW:
         drv, mchunk = serial_vnni_u8t, hw
     else:
         drv, mchunk = with_threads(drive_vnni_u8t, threads), row_chunk(hw, npanels, threads)

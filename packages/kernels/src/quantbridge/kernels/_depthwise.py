@@ -39,10 +39,12 @@ PARALLEL_MIN_MACS = 1 << 20
 
 def _make_driver(parallel: bool) -> Any:
     # block kinds and their pixel counts as plain ints: numba folds them as constants
-    k31, k31s, p31 = KIND_IDS[(3, 1, BLOCK_PIXELS[(3, 1)])], KIND_IDS[(3, 1, 1)], BLOCK_PIXELS[(3, 1)]
-    k32, k32s, p32 = KIND_IDS[(3, 2, BLOCK_PIXELS[(3, 2)])], KIND_IDS[(3, 2, 1)], BLOCK_PIXELS[(3, 2)]
-    k51, k51s, p51 = KIND_IDS[(5, 1, BLOCK_PIXELS[(5, 1)])], KIND_IDS[(5, 1, 1)], BLOCK_PIXELS[(5, 1)]
-    k52, k52s, p52 = KIND_IDS[(5, 2, BLOCK_PIXELS[(5, 2)])], KIND_IDS[(5, 2, 1)], BLOCK_PIXELS[(5, 2)]
+    kinds = {key: (KIND_IDS[(*key, big)], KIND_IDS[(*key, 1)], big)
+             for key, big in BLOCK_PIXELS.items()}  # fmt: skip
+    k31, k31s, p31 = kinds[(3, 1)]
+    k32, k32s, p32 = kinds[(3, 2)]
+    k51, k51s, p51 = kinds[(5, 1)]
+    k52, k52s, p52 = kinds[(5, 2)]
     lanes = LANES
 
     def driver(  # type: ignore[no-untyped-def]  # numba types the arguments
@@ -142,8 +144,8 @@ def _make_driver(parallel: bool) -> Any:
                             ox += 1
                     if c8 < c:  # the channel tail of the interior pixels
                         for ox in range(rlo, rhi):
-                            dw_taps(x, xrow + (ox * sw - pw) * c + c8, full_offs, full_idx, ntap,
-                                    wf, cp, c8, zpf, biasq, mult, ozp, qmin, out,
+                            dw_taps(x, xrow + (ox * sw - pw) * c + c8, full_offs, full_idx,
+                                    ntap, wf, cp, c8, zpf, biasq, mult, ozp, qmin, out,
                                     obase + ox * c + c8, c - c8)  # fmt: skip
                 else:
                     rlo, rhi = 0, 0  # no block kernel: every pixel takes the tap-list path
@@ -163,8 +165,8 @@ def _make_driver(parallel: bool) -> Any:
                             tidx[nt] = i * kw + j
                             nt += 1
                     for c0 in range(0, c, lanes):
-                        dw_taps(x, img + c0, toffs, tidx, nt, wf, cp, c0, zpf, biasq, mult,
-                                ozp, qmin, out, obase + ox * c + c0, min(lanes, c - c0))  # fmt: skip
+                        dw_taps(x, img + c0, toffs, tidx, nt, wf, cp, c0, zpf, biasq, mult, ozp,
+                                qmin, out, obase + ox * c + c0, min(lanes, c - c0))  # fmt: skip
 
     name = "depthwise_parallel" if parallel else "depthwise_serial"
     # a distinct module-level qualname per driver: its own cache index file

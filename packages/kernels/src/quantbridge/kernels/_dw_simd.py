@@ -125,7 +125,12 @@ def _emit_requant(
 
 
 def _epilogue_vectors(
-    builder: ir.IRBuilder, bq_p: ir.Value, mu_p: ir.Value, c0: ir.Value, ozp: ir.Value, qmin: ir.Value
+    builder: ir.IRBuilder,
+    bq_p: ir.Value,
+    mu_p: ir.Value,
+    c0: ir.Value,
+    ozp: ir.Value,
+    qmin: ir.Value,
 ) -> tuple[ir.Value, ir.Value, ir.Value, ir.Value]:
     bq = load_vec(builder, builder.gep(bq_p, [c0]), _VF)
     mu = load_vec(builder, builder.gep(mu_p, [c0]), _VF)

@@ -322,6 +322,67 @@ def _row(
     }
 
 
+def crossover(repeat: int, target: str) -> list[dict[str, Any]]:
+    """1 vs 2 threads for growing work, per kernel family, with the serial thresholds lifted.
+
+    Families: ``conv1x1`` (the GEMM: pointwise conv C -> C over S x S, work = multiply-adds),
+    ``depthwise`` (3x3 stride 1 over C x S x S, work = multiply-adds) and ``add`` (elementwise,
+    the quantize/LUT/pool family's representative, work = elements). Each size times a call at
+    1 and at 2 threads interleaved, ``repeat`` rounds, medians; ``speedup`` = t1 / t2. The
+    thresholds in ``_gemm_run.SERIAL_BELOW``, ``_depthwise.PARALLEL_MIN_MACS`` and
+    ``_quantize.PARALLEL_MIN_WORK`` are where ``speedup`` crosses 1.
+    """
+    from quantbridge.kernels import _conv, _gemm_run, _quantize
+    from quantbridge.kernels._elementwise import add
+
+    saved = (_gemm_run.SERIAL_BELOW, _conv.PARALLEL_MIN_MACS, _quantize.PARALLEL_MIN_WORK)
+    _gemm_run.SERIAL_BELOW, _conv.PARALLEL_MIN_MACS, _quantize.PARALLEL_MIN_WORK = 0, 0, 0
+    rng = np.random.default_rng(0)
+    rows: list[dict[str, Any]] = []
+    try:
+        for family in ("conv1x1", "depthwise", "add"):
+            for c, size in ((32, 7), (64, 7), (64, 14), (96, 14), (96, 28), (144, 28),
+                            (144, 56), (96, 112)):  # fmt: skip
+                x = rng.integers(0, 256, (1, size, size, c), np.uint8).transpose(0, 3, 1, 2)
+                if family == "add":
+                    work = x.size
+
+                    def call(threads: int, x: Any = x) -> object:
+                        from quantbridge.kernels._threads import set_num_threads
+
+                        set_num_threads(threads)
+                        return add(x, (0.1, 3), x, (0.1, 3), (0.2, 5))
+
+                else:
+                    groups, k = (c, 3) if family == "depthwise" else (1, 1)
+                    w = rng.integers(-128, 128, (c, c // groups, k, k), dtype=np.int8)
+                    cp = PackedConvWeight(w, 0.01, 0, None, padding=k // 2, groups=groups,
+                                          target=target)  # fmt: skip
+                    work = size * size * c * (c // groups) * k * k
+
+                    def call(threads: int, x: Any = x, cp: PackedConvWeight = cp) -> object:
+                        return conv2d(x, cp, 0.05, 3, 2.0, 5, num_threads=threads,
+                                      channels_last=True)  # fmt: skip
+
+                times: dict[int, list[float]] = {1: [], 2: []}
+                call(1), call(2)
+                for _ in range(repeat):
+                    for threads in (1, 2):
+                        t0 = time.perf_counter()
+                        call(threads)
+                        times[threads].append(time.perf_counter() - t0)
+                t1, t2 = float(np.median(times[1])), float(np.median(times[2]))
+                rows.append({"family": family, "shape": f"{c}x{size}x{size}", "work": work,
+                             "t1_us": round(t1 * 1e6, 1), "t2_us": round(t2 * 1e6, 1),
+                             "speedup": round(t1 / t2, 2)})  # fmt: skip
+    finally:
+        from quantbridge.kernels._threads import set_num_threads
+
+        set_num_threads(None)
+        _gemm_run.SERIAL_BELOW, _conv.PARALLEL_MIN_MACS, _quantize.PARALLEL_MIN_WORK = saved
+    return rows
+
+
 _LOAD_PROBE = """
 import time, numpy as np
 from quantbridge.kernels import PackedLinearWeight, linear
@@ -396,6 +457,12 @@ def main(argv: list[str] | None = None) -> int:
         help="comma-separated targets (generic is slow; add it explicitly)",
     )
     parser.add_argument("--quick", action="store_true", help="tiny shapes (smoke test)")
+    parser.add_argument(
+        "--crossover",
+        action="store_true",
+        help="1 vs 2 threads over growing work per kernel family (thresholds lifted); "
+        "--repeat rounds, the first of --targets",
+    )
     args = parser.parse_args(argv)
     if not 1 <= args.threads <= max_threads():
         parser.error(f"--threads must be in [1, {max_threads()}]")
@@ -403,6 +470,19 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [t for t in targets if t not in available_targets()]
     if unknown:
         parser.error(f"targets {unknown} cannot run here; available: {available_targets()}")
+    if args.crossover:
+        if max_threads() < 2:
+            parser.error("--crossover needs numba's pool to have at least 2 threads")
+        cross = crossover(args.repeat, targets[0])
+        if args.json:
+            print(json.dumps(cross, indent=1))
+            return 0
+        print(f"{'family':10} {'shape':12} {'work':>10} {'1 thread us':>12} {'2 threads us':>13} "
+              f"{'speedup':>8}")  # fmt: skip
+        for r in cross:
+            print(f"{r['family']:10} {r['shape']:12} {r['work']:>10} {r['t1_us']:>12} "
+                  f"{r['t2_us']:>13} {r['speedup']:>8}")  # fmt: skip
+        return 0
     rows = run(args.threads, args.repeat, args.min_time, targets, args.quick)
     if args.json:
         print(json.dumps(rows, indent=1))
