@@ -17,6 +17,7 @@ from quantbridge.kernels import (
     conv2d,
     conv2d_add,
 )
+from quantbridge.kernels import _depthwise as depthwise_module
 from quantbridge.kernels import add as add_kernel
 
 TARGETS = available_targets()
@@ -520,8 +521,9 @@ def test_depthwise_blocks_match_integer_reference(target, case):
 
 @pytest.mark.parametrize("target", TARGETS)
 @pytest.mark.parametrize("stride", [1, 2])
-def test_depthwise_large_plane_two_threads(target, stride):
-    # large enough for the parallel driver (PARALLEL_MIN_MACS); 144 channels as MobileNetV2
+def test_depthwise_large_plane_two_threads(target, stride, monkeypatch):
+    # the parallel driver at any size; 144 channels as MobileNetV2's
+    monkeypatch.setattr(depthwise_module, "PARALLEL_MIN_MACS", 1)
     rng = np.random.default_rng(stride)
     x = rng.integers(0, 256, (1, 144, 30, 30), dtype=np.uint8)
     w = rng.integers(-128, 128, (144, 1, 3, 3), dtype=np.int8)

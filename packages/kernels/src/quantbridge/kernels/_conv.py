@@ -25,13 +25,9 @@ import numpy as np
 import numpy.typing as npt
 from numba import njit
 
+from quantbridge.kernels import _depthwise as depthwise_module
 from quantbridge.kernels._checks import check_array, check_zero_point
-from quantbridge.kernels._depthwise import (
-    MAX_TAPS,
-    PARALLEL_MIN_MACS,
-    depthwise_parallel,
-    depthwise_serial,
-)
+from quantbridge.kernels._depthwise import MAX_TAPS, depthwise_parallel, depthwise_serial
 from quantbridge.kernels._dw_simd import LANES
 from quantbridge.kernels._elementwise import _add_params, add_relu
 from quantbridge.kernels._elementwise import add as add_plain
@@ -403,7 +399,7 @@ def _depthwise(
     ph, pw = packed.padding
     rows = n * oh
     macs = rows * ow * c * packed.kh * packed.kw
-    if threads > 1 and macs >= PARALLEL_MIN_MACS:
+    if threads > 1 and macs >= depthwise_module.PARALLEL_MIN_MACS:  # read per call
         drv, per_task = with_threads(depthwise_parallel, threads), -(-rows // (4 * threads))
     else:
         drv, per_task = depthwise_serial, rows

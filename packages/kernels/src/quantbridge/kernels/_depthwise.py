@@ -31,15 +31,16 @@ from quantbridge.kernels._dw_simd import BLOCK_PIXELS, KIND_IDS, LANES, dw_block
 # taps per output for which float32 sums stay exact (255 * 255 * 256 < 2**24)
 MAX_TAPS = 256
 
-# Multiply-adds below which one thread runs the conv. Measured with
-# ``python -m quantbridge.kernels.bench --threads 2 --crossover`` (depthwise 3x3 over C x S x S,
-# 1 vs 2 threads interleaved): see the kernels README, "Threads".
-PARALLEL_MIN_MACS = 1 << 20
+# Multiply-adds below which one thread runs the conv: these kernels do ~15 multiply-adds per
+# ns on one core here, so 2M is ~130 us of serial work, past the ~80 us from which splitting
+# pays for a ~20 us parallel-region launch (idle machine). ``python -m quantbridge.kernels.bench
+# --crossover`` measures the crossover (kernels README, Threads).
+PARALLEL_MIN_MACS = 1 << 21
 
 
 def _make_driver(parallel: bool) -> Any:
     # block kinds and their pixel counts as plain ints: numba folds them as constants
-    kinds = {key: (KIND_IDS[(*key, big)], KIND_IDS[(*key, 1)], big)
+    kinds = {key: (KIND_IDS[(key[0], key[1], big)], KIND_IDS[(key[0], key[1], 1)], big)
              for key, big in BLOCK_PIXELS.items()}  # fmt: skip
     k31, k31s, p31 = kinds[(3, 1)]
     k32, k32s, p32 = kinds[(3, 2)]

@@ -257,8 +257,7 @@ def _emit_taps(
     _store_u8(builder, q8, builder.gep(o_p, [obase]), mask)
 
 
-@intrinsic
-def dw_taps(
+def _dw_taps(
     typingctx: Any,
     x: Any,
     xbase: Any,
@@ -298,3 +297,7 @@ def dw_taps(
         return context.get_dummy_value()
 
     return sig, codegen
+
+
+# typed Any: callers pass the 16 arguments, not numba's typing context
+dw_taps: Any = intrinsic(_dw_taps)

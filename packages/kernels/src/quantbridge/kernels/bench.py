@@ -132,13 +132,21 @@ def _torch_conv(
     stride: int = 1,
     padding: int = 1,
     groups: int = 1,
+    w_scales: Any = None,
 ) -> Any:
+    """torch's x86 quantized conv; ``w_scales`` (an array) makes the weights per-channel."""
     a_s, a_zp, w_s, o_s, o_zp = scales
     qops = torch.ops.quantized
     xq = torch._make_per_tensor_quantized_tensor(torch.from_numpy(x), a_s, int(a_zp))
     if channels_last:
         xq = xq.contiguous(memory_format=torch.channels_last)
-    wq = torch._make_per_tensor_quantized_tensor(torch.from_numpy(w), w_s, 0)
+    if w_scales is not None:  # per-channel weights, zero points 0
+        zeros = torch.zeros(w.shape[0], dtype=torch.int64)
+        wq = torch._make_per_channel_quantized_tensor(
+            torch.from_numpy(w), torch.from_numpy(np.asarray(w_scales, np.float64)), zeros, 0
+        )
+    else:
+        wq = torch._make_per_tensor_quantized_tensor(torch.from_numpy(w), w_s, 0)
     packed = qops.conv2d_prepack(
         wq, torch.from_numpy(bias), [stride] * 2, [padding] * 2, [1, 1], groups
     )
@@ -240,48 +248,70 @@ def _depthwise_and_stem_rows(
     peak: float | None,
     dense_rows: list[dict[str, Any]],
 ) -> list[dict[str, Any]]:
-    """Rows ``depthwise`` (channels-last in and out, as in a lowered CNN; extra keys
-    ``fp32_gops``/``fp32_ratio`` against torch's float32 conv) and ``stem`` (NCHW image input;
-    extra key ``percent_of_dense``: GOPS over the same target's ``conv2d`` row of this run)."""
+    """Rows ``depthwise`` (per-channel weights, as the numba backend's default qconfig) and
+    ``depthwise_pt`` (per-tensor weights): channels-last in and out, as in a lowered CNN; extra
+    keys from medians of interleaved single calls: ``median_us``, ``median_ratio`` (torch x86
+    time / ours), ``fp32_gops``/``fp32_ratio`` (torch float32 conv time / ours). ``stem``: NCHW
+    image input; extra key ``percent_of_dense``: GOPS over this target's ``conv2d`` row."""
     rows: list[dict[str, Any]] = []
     dense = {r["target"]: r["gops"] for r in dense_rows if r["op"] == "conv2d"}
-    for op, shapes in (("depthwise", DEPTHWISE_SHAPES), ("stem", STEM_SHAPES)):
-        for bn, c, hw, oc, ks, stride in shapes[:1] if quick else shapes:
-            if quick:
-                hw = 12
-            pad = ks // 2
-            groups = c if op == "depthwise" else 1
-            x = rng.integers(0, 256, (bn, c, hw, hw), dtype=np.uint8)
-            xin = x
-            if op == "depthwise":
-                xin = np.ascontiguousarray(x.transpose(0, 2, 3, 1)).transpose(0, 3, 1, 2)
-            w = rng.integers(-128, 128, (oc, c // groups, ks, ks), dtype=np.int8)
-            bias = rng.normal(0, 1, oc).astype(np.float32)
-            oh = (hw + 2 * pad - ks) // stride + 1
-            ops = 2.0 * bn * oc * oh * oh * (c // groups) * ks * ks
-            shape = f"{bn}x{c}x{hw}x{hw}->{oc},k{ks}s{stride}"
-            base = fp32 = None
-            if torch is not None:
-                base = _torch_conv(torch, x, w, bias, scales, op == "depthwise", stride, pad,
-                                   groups)  # fmt: skip
-                fp32 = _torch_conv_fp32(torch, x, w, stride, pad, groups)
-            for target in targets:
-                cp = PackedConvWeight(w, scales[2], 0, bias, stride=stride, padding=pad,
-                                      groups=groups, target=target)  # fmt: skip
+    plans = [("depthwise", s, True) for s in DEPTHWISE_SHAPES]  # per-channel weights
+    plans += [("depthwise_pt", s, False) for s in DEPTHWISE_SHAPES[:2]]  # per-tensor weights
+    plans += [("stem", s, False) for s in STEM_SHAPES]
+    if quick:
+        plans = [plans[0], plans[-1]]
+    for op, (bn, c, hw, oc, ks, stride), per_channel in plans:
+        if quick:
+            hw = 12
+        pad = ks // 2
+        groups = 1 if op == "stem" else c
+        x = rng.integers(0, 256, (bn, c, hw, hw), dtype=np.uint8)
+        xin = x
+        if groups > 1:
+            xin = np.ascontiguousarray(x.transpose(0, 2, 3, 1)).transpose(0, 3, 1, 2)
+        w = rng.integers(-128, 128, (oc, c // groups, ks, ks), dtype=np.int8)
+        bias = rng.normal(0, 1, oc).astype(np.float32)
+        w_s = rng.uniform(0.005, 0.015, oc) if per_channel else scales[2]
+        oh = (hw + 2 * pad - ks) // stride + 1
+        ops = 2.0 * bn * oc * oh * oh * (c // groups) * ks * ks
+        shape = f"{bn}x{c}x{hw}x{hw}->{oc},k{ks}s{stride}"
+        base = fp32 = None
+        if torch is not None:
+            base = _torch_conv(torch, x, w, bias, scales, groups > 1, stride, pad, groups,
+                               w_s if per_channel else None)  # fmt: skip
+            fp32 = _torch_conv_fp32(torch, x, w, stride, pad, groups)
+        for target in targets:
+            cp = PackedConvWeight(w, w_s, 0, bias, stride=stride, padding=pad, groups=groups,
+                                  target=target)  # fmt: skip
 
-                def ours(cp: PackedConvWeight = cp, xin: np.ndarray[Any, Any] = xin) -> object:
-                    return conv2d(xin, cp, 0.05, 3, 2.0, 5, num_threads=threads,
-                                  channels_last=True)  # fmt: skip
+            def ours(cp: PackedConvWeight = cp, xin: np.ndarray[Any, Any] = xin) -> object:
+                return conv2d(xin, cp, 0.05, 3, 2.0, 5, num_threads=threads, channels_last=True)
 
-                row = _row(op, shape, ops, target, threads, ours, base, repeat, min_time, peak)
-                if op == "depthwise" and fp32 is not None:
-                    t32 = min(_best_time(fp32, 1, min_time) for _ in range(repeat))
-                    row["fp32_gops"] = round(ops / t32 / 1e9, 1)
-                    row["fp32_ratio"] = round(row["gops"] / row["fp32_gops"], 2)
-                if op == "stem" and dense.get(target):
+            row = _row(op, shape, ops, target, threads, ours, base, repeat, min_time, peak)
+            if op == "stem":
+                if dense.get(target):
                     row["percent_of_dense"] = round(100.0 * row["gops"] / dense[target], 1)
-                rows.append(row)
+            elif fp32 is not None and base is not None:
+                # medians of single calls, the three interleaved (the machine is shared)
+                med = _interleaved_medians((ours, base, fp32), max(repeat, 1) * 20)
+                row["fp32_gops"] = round(ops / med[2] / 1e9, 1)
+                row["fp32_ratio"] = round(med[2] / med[0], 2)
+                row["median_us"] = round(med[0] * 1e6, 1)
+                row["median_ratio"] = round(med[1] / med[0], 2)
+            rows.append(row)
     return rows
+
+
+def _interleaved_medians(fns: tuple[Callable[[], object], ...], calls: int) -> list[float]:
+    """Median seconds of single calls of each function, the functions called in turn."""
+    times: list[list[float]] = [[] for _ in fns]
+    clock = time.perf_counter
+    for _ in range(calls):
+        for i, fn in enumerate(fns):
+            t0 = clock()
+            fn()
+            times[i].append(clock() - t0)
+    return [float(np.median(t)) for t in times]
 
 
 def _row(
@@ -332,11 +362,11 @@ def crossover(repeat: int, target: str) -> list[dict[str, Any]]:
     thresholds in ``_gemm_run.SERIAL_BELOW``, ``_depthwise.PARALLEL_MIN_MACS`` and
     ``_quantize.PARALLEL_MIN_WORK`` are where ``speedup`` crosses 1.
     """
-    from quantbridge.kernels import _conv, _gemm_run, _quantize
+    from quantbridge.kernels import _depthwise, _gemm_run, _quantize
     from quantbridge.kernels._elementwise import add
 
-    saved = (_gemm_run.SERIAL_BELOW, _conv.PARALLEL_MIN_MACS, _quantize.PARALLEL_MIN_WORK)
-    _gemm_run.SERIAL_BELOW, _conv.PARALLEL_MIN_MACS, _quantize.PARALLEL_MIN_WORK = 0, 0, 0
+    saved = (_gemm_run.SERIAL_BELOW, _depthwise.PARALLEL_MIN_MACS, _quantize.PARALLEL_MIN_WORK)
+    _gemm_run.SERIAL_BELOW, _depthwise.PARALLEL_MIN_MACS, _quantize.PARALLEL_MIN_WORK = 0, 0, 0
     rng = np.random.default_rng(0)
     rows: list[dict[str, Any]] = []
     try:
@@ -347,11 +377,13 @@ def crossover(repeat: int, target: str) -> list[dict[str, Any]]:
                 if family == "add":
                     work = x.size
 
-                    def call(threads: int, x: Any = x) -> object:
+                    def call_add(threads: int, x: Any = x) -> object:
                         from quantbridge.kernels._threads import set_num_threads
 
                         set_num_threads(threads)
                         return add(x, (0.1, 3), x, (0.1, 3), (0.2, 5))
+
+                    call: Callable[[int], object] = call_add
 
                 else:
                     groups, k = (c, 3) if family == "depthwise" else (1, 1)
@@ -360,9 +392,11 @@ def crossover(repeat: int, target: str) -> list[dict[str, Any]]:
                                           target=target)  # fmt: skip
                     work = size * size * c * (c // groups) * k * k
 
-                    def call(threads: int, x: Any = x, cp: PackedConvWeight = cp) -> object:
+                    def call_conv(threads: int, x: Any = x, cp: PackedConvWeight = cp) -> object:
                         return conv2d(x, cp, 0.05, 3, 2.0, 5, num_threads=threads,
                                       channels_last=True)  # fmt: skip
+
+                    call = call_conv
 
                 times: dict[int, list[float]] = {1: [], 2: []}
                 call(1), call(2)
@@ -379,7 +413,7 @@ def crossover(repeat: int, target: str) -> list[dict[str, Any]]:
         from quantbridge.kernels._threads import set_num_threads
 
         set_num_threads(None)
-        _gemm_run.SERIAL_BELOW, _conv.PARALLEL_MIN_MACS, _quantize.PARALLEL_MIN_WORK = saved
+        _gemm_run.SERIAL_BELOW, _depthwise.PARALLEL_MIN_MACS, _quantize.PARALLEL_MIN_WORK = saved
     return rows
 
 
@@ -428,7 +462,10 @@ def _table(rows: list[dict[str, Any]]) -> str:
     for r in rows:
         extra = ""
         if "fp32_ratio" in r:
-            extra = f"  fp32 {r['fp32_gops']} GOPS, ours/fp32 {r['fp32_ratio']}"
+            extra = (
+                f"  medians: {r['median_us']} us, ours/torch {r['median_ratio']}, "
+                f"ours/fp32 {r['fp32_ratio']}"
+            )
         if "percent_of_dense" in r:
             extra = f"  {r['percent_of_dense']} % of this target's dense conv2d GOPS"
         lines.append(
