@@ -14,9 +14,11 @@ output pixels, so channels-last output is its natural result; C-contiguous NCHW 
 stored channel-major from registers on ``avx512_vnni`` (one group) and transposed by numpy
 otherwise.
 
-Depthwise convs (one input and one output channel per group) run channels-last loops of their
-own (``_depthwise.py``); other small-group convolutions run through the same GEMM (correct,
-but each group pads its output channels to a full panel, so they are not fast).
+Depthwise convs (one input and one output channel per group) run register-blocked
+channels-last kernels of their own (``_depthwise.py``), reading the input in place; stem convs
+with few input channels keep the channels unpadded and walk whole kernel rows as k steps
+(``PackedConvWeight.row_packed``); other small-group convolutions run through the same GEMM
+(correct, but each group pads its output channels to a full panel, so they are not fast).
 """
 
 from __future__ import annotations
