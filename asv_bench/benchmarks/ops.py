@@ -15,7 +15,13 @@ import torch
 import torch.nn.functional as F
 
 from quantbridge import kernels
-from quantbridge.kernels.bench import CONV_SHAPE, GEMM_SHAPES, measure_peak_gops
+from quantbridge.kernels.bench import (
+    CONV_SHAPE,
+    DEPTHWISE_SHAPES,
+    GEMM_SHAPES,
+    STEM_SHAPES,
+    measure_peak_gops,
+)
 
 from ._common import OP_BACKENDS, best_seconds, interleaved_ratio, kernel_target, single_thread
 
@@ -152,6 +158,70 @@ class Conv2d:
     track_gops.unit = "GOPS"  # type: ignore[attr-defined]
 
     def track_speedup_vs_fp32(self, backend: str) -> float:
+        return interleaved_ratio(self.fp32, self.fn)
+
+    track_speedup_vs_fp32.unit = "x"  # type: ignore[attr-defined]
+
+
+# name -> (batch, C, H = W, OC, kernel, stride): the kernels bench's depthwise and stem rows
+CNN_CONVS = {
+    "depthwise3x3_s1": DEPTHWISE_SHAPES[0],
+    "depthwise3x3_s2": DEPTHWISE_SHAPES[1],
+    "stem7x7_s2": STEM_SHAPES[0],
+    "stem3x3_s2": STEM_SHAPES[1],
+}
+
+
+class CnnConv:
+    """Depthwise (channels-last in and out, as between layers) and stem convs (NCHW image in)."""
+
+    params: ClassVar[list[list[str]]] = [OP_BACKENDS, list(CNN_CONVS)]
+    param_names: ClassVar[list[str]] = ["backend", "conv"]
+    timeout = 120
+
+    def setup(self, backend: str, conv: str) -> None:
+        single_thread()
+        bn, c, hw, oc, ks, stride = CNN_CONVS[conv]
+        groups, pad = (c if conv.startswith("depthwise") else 1), ks // 2
+        rng = np.random.default_rng(0)
+        x = rng.integers(0, 256, (bn, c, hw, hw), dtype=np.uint8)
+        if groups > 1:
+            x = np.ascontiguousarray(x.transpose(0, 2, 3, 1)).transpose(0, 3, 1, 2)
+        w = rng.integers(-128, 128, (oc, c // groups, ks, ks), dtype=np.int8)
+        bias = rng.normal(0, 1, oc).astype(np.float32)
+        oh = (hw + 2 * pad - ks) // stride + 1
+        self.ops = 2.0 * bn * oc * oh * oh * (c // groups) * ks * ks
+        xt = torch.from_numpy(x)  # keeps x's channels-last strides
+        xf, wf, bf = xt.float(), torch.from_numpy(w).float(), torch.from_numpy(bias)
+        self.fp32: Callable[[], Any] = lambda: F.conv2d(xf, wf, bf, stride, pad, 1, groups)
+        if backend == "fp32":
+            self.fn = self.fp32
+        elif backend == "reference":
+
+            def ref() -> torch.Tensor:
+                y = F.conv2d(_deq(xt, X_SCALE, X_ZP), wf * W_SCALE, bf, stride, pad, 1, groups)
+                return _requant(y, OUT_SCALE, OUT_ZP)
+
+            self.fn = ref
+        else:
+            packed = kernels.PackedConvWeight(
+                w, W_SCALE, 0, bias, stride=stride, padding=pad, groups=groups,
+                target=kernel_target(backend),
+            )  # fmt: skip
+            self.fn = lambda: kernels.conv2d(
+                x, packed, X_SCALE, X_ZP, OUT_SCALE, OUT_ZP, num_threads=1, channels_last=True
+            )
+        self.fn()
+
+    def time_conv(self, backend: str, conv: str) -> None:
+        self.fn()
+
+    def track_gops(self, backend: str, conv: str) -> float:
+        return self.ops / best_seconds(self.fn) / 1e9
+
+    track_gops.unit = "GOPS"  # type: ignore[attr-defined]
+
+    def track_speedup_vs_fp32(self, backend: str, conv: str) -> float:
         return interleaved_ratio(self.fp32, self.fn)
 
     track_speedup_vs_fp32.unit = "x"  # type: ignore[attr-defined]

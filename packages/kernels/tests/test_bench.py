@@ -45,7 +45,7 @@ def test_bench_json_quick():
     )
     assert proc.returncode == 0, proc.stderr
     rows = json.loads(proc.stdout)
-    assert {r["op"] for r in rows} == {"linear", "conv2d", "conv2d_cl"}
+    assert {r["op"] for r in rows} == {"linear", "conv2d", "conv2d_cl", "depthwise", "stem"}
     for row in rows:
         assert set(row) >= KEYS
         assert row["target"] == target

@@ -17,6 +17,7 @@ from quantbridge.kernels import (
     conv2d,
     conv2d_add,
 )
+from quantbridge.kernels import _depthwise as depthwise_module
 from quantbridge.kernels import add as add_kernel
 
 TARGETS = available_targets()
@@ -442,6 +443,135 @@ def test_depthwise_matches_integer_reference(target, case):
         case["dilation"], c, case["relu"],
     )  # fmt: skip
     np.testing.assert_array_equal(got, want)
+
+
+@st.composite
+def depthwise_block_cases(draw):
+    """Shapes that reach the register-blocked kernels: 3x3 / 5x5, stride 1 / 2 along W, rows
+    wider than a block, channel counts with and without a tail past the 8-lane vectors."""
+    k = draw(st.sampled_from([3, 5]))
+    kh = draw(st.sampled_from([k, k, 1, 3]))
+    stride = (draw(st.integers(1, 2)), draw(st.integers(1, 2)))
+    padding = (draw(st.integers(0, k // 2 + 1)), draw(st.integers(0, k // 2 + 1)))
+    dilation = (draw(st.integers(1, 2)), draw(st.sampled_from([1, 1, 1, 2])))
+    h = draw(st.integers(max(1, dilation[0] * (kh - 1) + 1 - 2 * padding[0]), 14))
+    w = draw(st.integers(max(1, dilation[1] * (k - 1) + 1 - 2 * padding[1]), 31))
+    return dict(
+        n=draw(st.integers(1, 2)),
+        c=draw(st.sampled_from([8, 16, 24, 3, 13, 35, 72])),
+        kh=kh,
+        kw=k,
+        h=h,
+        w=w,
+        stride=stride,
+        padding=padding,
+        dilation=dilation,
+        per_channel=draw(st.booleans()),
+        wzp=draw(st.booleans()),
+        relu=draw(st.booleans()),
+        channels_last_in=draw(st.booleans()),
+        threads=draw(st.sampled_from([1, 2])),
+        a_zp=draw(st.sampled_from([0, 9, 255])),
+        seed=draw(st.integers(0, 2**32 - 1)),
+    )
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@settings(max_examples=30, deadline=None)
+@given(case=depthwise_block_cases())
+@example(  # MobileNet's stride-2 3x3 with a batch, a channel tail and a saturating zero point
+    case=dict(
+        n=2, c=35, kh=3, kw=3, h=13, w=29, stride=(2, 2), padding=(1, 1), dilation=(1, 1),
+        per_channel=True, wzp=True, relu=True, channels_last_in=True, threads=2, a_zp=255,
+        seed=3,
+    )
+)  # fmt: skip
+@example(  # EfficientNet's 5x5, stride 1, padding 2
+    case=dict(
+        n=1, c=24, kh=5, kw=5, h=9, w=23, stride=(1, 1), padding=(2, 2), dilation=(1, 1),
+        per_channel=True, wzp=False, relu=False, channels_last_in=False, threads=1, a_zp=0,
+        seed=4,
+    )
+)  # fmt: skip
+def test_depthwise_blocks_match_integer_reference(target, case):
+    c = case["c"]
+    rng = np.random.default_rng(case["seed"])
+    x = rng.integers(0, 256, (case["n"], c, case["h"], case["w"]), dtype=np.uint8)
+    w = rng.integers(-128, 128, (c, 1, case["kh"], case["kw"]), dtype=np.int8)
+    w_s = rng.uniform(0.002, 0.02, c) if case["per_channel"] else 0.01
+    w_zp = (rng.integers(-128, 128, c) if case["per_channel"] else -128) if case["wzp"] else 0
+    bias = rng.normal(0, 3, c).astype(F32)
+    packed = PackedConvWeight(
+        w, w_s, w_zp, bias, stride=case["stride"], padding=case["padding"],
+        dilation=case["dilation"], groups=c, target=target,
+    )  # fmt: skip
+    assert packed.depthwise
+    xin = _channels_last(x) if case["channels_last_in"] else x
+    o_s = 0.03 * np.sqrt(case["kh"] * case["kw"])
+    got = conv2d(
+        xin, packed, 0.03, case["a_zp"], o_s, 100, relu=case["relu"], channels_last=True,
+        num_threads=case["threads"],
+    )  # fmt: skip
+    want = reference_conv2d(
+        x, 0.03, case["a_zp"], w, w_s, w_zp, bias, o_s, 100, case["stride"], case["padding"],
+        case["dilation"], c, case["relu"],
+    )  # fmt: skip
+    np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("stride", [1, 2])
+def test_depthwise_large_plane_two_threads(target, stride, monkeypatch):
+    # the parallel driver at any size; 144 channels as MobileNetV2's
+    monkeypatch.setattr(depthwise_module, "PARALLEL_MIN_MACS", 1)
+    rng = np.random.default_rng(stride)
+    x = rng.integers(0, 256, (1, 144, 30, 30), dtype=np.uint8)
+    w = rng.integers(-128, 128, (144, 1, 3, 3), dtype=np.int8)
+    w_s = rng.uniform(0.002, 0.02, 144)
+    bias = rng.normal(0, 3, 144).astype(F32)
+    packed = PackedConvWeight(w, w_s, 0, bias, stride=stride, padding=1, groups=144, target=target)
+    want = reference_conv2d(x, 0.03, 7, w, w_s, 0, bias, 0.1, 3, (stride,) * 2, (1, 1), (1, 1), 144)
+    for threads in (1, 2):
+        got = conv2d(x, packed, 0.03, 7, 0.1, 3, num_threads=threads)
+        np.testing.assert_array_equal(got, want)
+
+
+def test_depthwise_bad_input():
+    packed = PackedConvWeight(np.ones((16, 1, 3, 3), np.int8), 0.1, groups=16, padding=1)
+    assert packed.depthwise
+    with pytest.raises(KernelError, match="8 channels but the weight expects 16"):
+        conv2d(np.zeros((1, 8, 8, 8), np.uint8), packed, 0.1, 0, 0.1, 0)
+    with pytest.raises(KernelError, match="x_zero_point"):
+        conv2d(np.zeros((1, 16, 8, 8), np.uint8), packed, 0.1, 256, 0.1, 0)
+    with pytest.raises(KernelError, match="strides"):
+        conv2d(np.zeros((1, 16, 8, 16), np.uint8)[..., ::2], packed, 0.1, 0, 0.1, 0)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize(
+    ("c", "oc", "k", "stride", "wzp", "channels_last_in", "threads"),
+    [(3, 64, 7, 2, False, False, 1), (3, 32, 3, 2, True, True, 2), (1, 16, 5, 1, True, False, 1),
+     (2, 24, 3, 1, False, True, 2), (6, 32, 3, 2, False, False, 1)],
+)  # fmt: skip
+def test_stem_conv_row_packed(target, c, oc, k, stride, wzp, channels_last_in, threads):
+    # few input channels: kernel rows packed densely as k steps (the stem path), batch 2
+    rng = np.random.default_rng(k * 10 + c)
+    x = rng.integers(0, 256, (2, c, 33, 29), dtype=np.uint8)
+    w = rng.integers(-128, 128, (oc, c, k, k), dtype=np.int8)
+    w_s = rng.uniform(0.002, 0.02, oc)
+    w_zp = rng.integers(-20, 20, oc) if wzp else 0
+    bias = rng.normal(0, 3, oc).astype(F32)
+    packed = PackedConvWeight(w, w_s, w_zp, bias, stride=stride, padding=k // 2, target=target)
+    kstep = 2 if target == "avx2" else 4  # rows padded to the k step must save steps
+    assert packed.row_packed == (c % 4 != 0 and -(-k * c // kstep) * kstep < k * -(-c // 4) * 4)
+    o_s = 0.03 * np.mean(w_s) * 60 * k * np.sqrt(c)
+    xin = _channels_last(x) if channels_last_in else x
+    want = reference_conv2d(
+        x, 0.03, 9, w, w_s, w_zp, bias, o_s, 100, (stride,) * 2, (k // 2,) * 2, (1, 1), 1
+    )
+    for cl_out in (False, True):
+        got = conv2d(xin, packed, 0.03, 9, o_s, 100, num_threads=threads, channels_last=cl_out)
+        np.testing.assert_array_equal(got, want)
 
 
 def _channels_last(x):

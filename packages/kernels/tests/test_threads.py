@@ -48,9 +48,10 @@ def swaps(monkeypatch):
 
 def _big_linear():
     rng = np.random.default_rng(0)
-    w = rng.integers(-127, 128, (256, 512), dtype=np.int8)
+    w = rng.integers(-127, 128, (512, 1024), dtype=np.int8)
     packed = PackedLinearWeight(w, 0.01, 0, None, target="generic")
-    x = rng.integers(0, 256, (64, 512), dtype=np.uint8)  # 64 x 256 x 512: above the serial cut
+    # 64 rows x 512 columns x 256 k steps: above the serial cut (SERIAL_BELOW)
+    x = rng.integers(0, 256, (64, 1024), dtype=np.uint8)
     return x, packed
 
 

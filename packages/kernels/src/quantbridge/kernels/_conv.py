@@ -14,9 +14,11 @@ output pixels, so channels-last output is its natural result; C-contiguous NCHW 
 stored channel-major from registers on ``avx512_vnni`` (one group) and transposed by numpy
 otherwise.
 
-Depthwise convs (one input and one output channel per group) run channels-last loops of their
-own (``_depthwise.py``); other small-group convolutions run through the same GEMM (correct,
-but each group pads its output channels to a full panel, so they are not fast).
+Depthwise convs (one input and one output channel per group) run register-blocked
+channels-last kernels of their own (``_depthwise.py``), reading the input in place; stem convs
+with few input channels keep the channels unpadded and walk whole kernel rows as k steps
+(``PackedConvWeight.row_packed``); other small-group convolutions run through the same GEMM
+(correct, but each group pads its output channels to a full panel, so they are not fast).
 """
 
 from __future__ import annotations
@@ -25,12 +27,14 @@ import numpy as np
 import numpy.typing as npt
 from numba import njit
 
+from quantbridge.kernels import _depthwise as depthwise_module
 from quantbridge.kernels._checks import check_array, check_zero_point
-from quantbridge.kernels._depthwise import MAX_TAPS, depthwise_nhwc, repeat_weights
+from quantbridge.kernels._depthwise import MAX_TAPS, depthwise_parallel, depthwise_serial
+from quantbridge.kernels._dw_simd import LANES
 from quantbridge.kernels._elementwise import _add_params, add_relu
 from quantbridge.kernels._elementwise import add as add_plain
 from quantbridge.kernels._errors import KernelError
-from quantbridge.kernels._gemm_run import NO_ADD, NO_RESIDUAL, row_chunk, run_gemm
+from quantbridge.kernels._gemm_run import NO_ADD, NO_RESIDUAL, SERIAL_BELOW, row_chunk, run_gemm
 from quantbridge.kernels._gemm_simd import drive_vnni_u8t, serial_vnni_u8t
 from quantbridge.kernels._layout import channels_last_data
 from quantbridge.kernels._linear import PackedLinearWeight, _fast_zp
@@ -43,6 +47,7 @@ from quantbridge.kernels._pack import (
 )
 from quantbridge.kernels._qparams import QParams, as_qparams
 from quantbridge.kernels._quantize import f32_scale
+from quantbridge.kernels._targets import resolve_target
 from quantbridge.kernels._threads import apply_num_threads, with_threads
 from quantbridge.kernels._transpose import nchw_into_padded_nhwc, nhwc_into_padded_nhwc
 
@@ -105,6 +110,19 @@ class PackedConvWeight:
         self.in_channels = cg * groups
         self.ocg = oc // groups
         self.cg4 = round_up(cg, 4)
+        # Few input channels (a stem conv: 3 -> 32/64, 3x3 or 7x7): each kernel row's kw*cg
+        # values are contiguous in the NHWC buffer when the buffer does not pad channels, so the
+        # k steps walk whole kernel rows, padded to the k step (7x7x3 on avx2: 7 x 22 = 154
+        # values instead of 7 x 7 x 4 = 196, a dense K without an im2col matrix). The steps
+        # past kw*cg read up to k_step - 1 bytes past a window row (the buffer has a tail)
+        # against zero weights.
+        kstep = layout(resolve_target(target))[1]
+        row_p = round_up(kw * cg, kstep)
+        self.row_packed = (
+            groups == 1 and self.dilation[1] == 1 and cg != self.cg4 and row_p < kw * self.cg4
+        )
+        if self.row_packed:
+            self.cg4 = cg  # channels per pixel in the buffer: unpadded
         scales, per_channel = weight_scales(scale, oc, "weight scale")
         zps = weight_zero_points(zero_point, oc, oc, "weight")
         if bias is not None:
@@ -113,8 +131,12 @@ class PackedConvWeight:
                 raise KernelError(f"bias: expected shape ({oc},), got {bias.shape}")
         self.groups_packed: list[PackedLinearWeight] = []
         for g in range(groups):
-            wg = np.zeros((self.ocg, kh, kw, self.cg4), np.int8)
-            wg[..., :cg] = w4[g * self.ocg : (g + 1) * self.ocg].transpose(0, 2, 3, 1)
+            if self.row_packed:
+                wg = np.zeros((self.ocg, kh, row_p), np.int8)
+                wg[..., : kw * cg] = w4.transpose(0, 2, 3, 1).reshape(oc, kh, kw * cg)
+            else:
+                wg = np.zeros((self.ocg, kh, kw, self.cg4), np.int8)
+                wg[..., :cg] = w4[g * self.ocg : (g + 1) * self.ocg].transpose(0, 2, 3, 1)
             sl = slice(g * self.ocg, (g + 1) * self.ocg)
             p = PackedLinearWeight(
                 wg.reshape(self.ocg, -1),
@@ -131,9 +153,13 @@ class PackedConvWeight:
         # one input and one output channel per group: the channels-last depthwise loops
         self.depthwise = cg == 1 and self.ocg == 1 and groups > 1 and kh * kw <= MAX_TAPS
         if self.depthwise:
+            # [KH*KW, C rounded up to the vector] float32 ``w - w_zp``: vector loads stay inside
+            self._dw_cp = round_up(oc, LANES)
             w_minus_zp = w4[:, 0].astype(np.int32) - zps[:oc, None, None].astype(np.int32)
-            self._dw_weight = np.ascontiguousarray(w_minus_zp.transpose(1, 2, 0), np.float32)
-            self._dw_rows: dict[int, npt.NDArray[np.float32]] = {}
+            self._dw_weight = np.zeros((kh * kw, self._dw_cp), np.float32)
+            self._dw_weight[:, :oc] = w_minus_zp.reshape(oc, kh * kw).T
+            self._dw_wsum = self._dw_weight.sum(axis=0, dtype=np.float32)  # exact: < 2**24
+            self._dw_corr: dict[int, npt.NDArray[np.float32]] = {}
         self._dw_epilogue: dict[tuple[float, float], tuple[npt.NDArray[np.float32], ...]] = {}
         self._koffs: dict[tuple[int, int], npt.NDArray[np.int64]] = {}
         self._rowoffs: dict[tuple[int, ...], npt.NDArray[np.int64]] = {}
@@ -143,7 +169,8 @@ class PackedConvWeight:
         out = []
         _, kstep, _ = layout(self.target)
         ctot = self.groups * self.cg4
-        kg = self.kh * self.kw * self.cg4
+        row_p = round_up(self.kw * self.cg, kstep)
+        kg = self.kh * (row_p if self.row_packed else self.kw * self.cg4)
         nk = round_up(kg, K_ALIGN) // kstep
         dh, dw = self.dilation[0], self.dilation[1]
         for g in range(self.groups):
@@ -151,7 +178,11 @@ class PackedConvWeight:
             if got is None:
                 steps = np.zeros(nk, np.int64)
                 idx = 0
-                for i in range(self.kh):
+                for i in range(self.kh if self.row_packed else 0):  # whole kernel rows
+                    for c in range(0, row_p, kstep):
+                        steps[idx] = i * dh * wp * ctot + c
+                        idx += 1
+                for i in range(0 if self.row_packed else self.kh):
                     for j in range(self.kw):
                         tap = (i * dh * wp + j * dw) * ctot + g * self.cg4
                         for c in range(0, self.cg4, kstep):
@@ -182,15 +213,15 @@ class PackedConvWeight:
     def depthwise_epilogue(
         self, x_scale: float, out_scale: float
     ) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.float32]]:
-        """Per-channel ``(biasq, mult)`` of the GEMM rule, gathered from the groups (cached)."""
+        """Per-channel ``(biasq, mult)`` of the GEMM rule, gathered from the groups and
+        zero-padded to the vector width (cached)."""
         key = (x_scale, out_scale)
         got = self._dw_epilogue.get(key)
         if got is None:
             parts = [p.epilogue(x_scale, out_scale) for p in self.groups_packed]
-            got = (
-                np.array([bq[0] for bq, _ in parts], np.float32),
-                np.array([m[0] for _, m in parts], np.float32),
-            )
+            got = (np.zeros(self._dw_cp, np.float32), np.zeros(self._dw_cp, np.float32))
+            got[0][: self.oc] = [bq[0] for bq, _ in parts]
+            got[1][: self.oc] = [m[0] for _, m in parts]
             if len(self._dw_epilogue) < 64:
                 self._dw_epilogue[key] = got
         return got  # type: ignore[return-value]
@@ -257,16 +288,21 @@ def _conv(
     hp, wp = h + 2 * ph, w + 2 * pw
     if packed.depthwise and fused_add is None:
         dw_out = _depthwise(xa if nhwc is None else None, nhwc, packed, n, c, h, w, oh, ow,
-                            x_scale, out_scale, a_zp, o_zp, relu)  # fmt: skip
+                            x_scale, out_scale, a_zp, o_zp, relu, threads)  # fmt: skip
         dw_nchw: npt.NDArray[np.uint8] = dw_out.transpose(0, 3, 1, 2)
         if not channels_last:
             dw_nchw = np.ascontiguousarray(dw_nchw)
         return dw_nchw if dims == 2 else dw_nchw[:, :, 0, :]
     g, cg, cg4 = packed.groups, packed.cg, packed.cg4
-    if nhwc is not None and ph == pw == 0 and cg == cg4:
+    if nhwc is not None and ph == pw == 0 and cg == cg4 and not packed.row_packed:
         xp = nhwc.reshape(n, h, w, g, cg4)  # already the layout the kernels read: no copy
+        flat = xp.reshape(-1)
     else:
-        xp = np.empty((n, hp, wp, g, cg4), np.uint8)  # every byte is written below
+        size = n * hp * wp * g * cg4
+        buf = np.empty(size + K_ALIGN, np.uint8)  # every byte is written below
+        buf[size:] = 0  # the tail row-packed k steps may read (against zero weights)
+        xp = buf[:size].reshape(n, hp, wp, g, cg4)
+        flat = buf
         if nhwc is not None:
             nhwc_into_padded_nhwc(
                 nhwc.reshape(-1), n, h, w, g, cg, cg4, ph, pw, wp, hp, a_zp, xp.reshape(-1)
@@ -277,7 +313,6 @@ def _conv(
             )
     rowoffs = packed.row_offsets(n, hp, wp, oh, ow)
     m = rowoffs.shape[0]
-    flat = xp.reshape(-1)
     koffs = packed.koffs(wp)
     if packed.groups == 1 and packed.target == "avx512_vnni" and not channels_last:
         res_nchw = _conv_nchw_direct(
@@ -329,9 +364,6 @@ def _conv(
     return res_nchw if dims == 2 else res_nchw[:, :, 0, :]
 
 
-_NO_ROWS = np.zeros((0, 0, 0), np.float32)  # repeated weights are unused when stride W > 1
-
-
 def _depthwise(
     x_nchw: npt.NDArray[np.uint8] | None,
     x_nhwc: npt.NDArray[np.uint8] | None,
@@ -347,36 +379,36 @@ def _depthwise(
     a_zp: int,
     o_zp: int,
     relu: bool,
+    threads: int,
 ) -> npt.NDArray[np.uint8]:
-    """Depthwise conv into a new NHWC array, reading a zero-point-padded NHWC copy (or the
-    channels-last input itself when no padding is needed)."""
-    ph, pw = packed.padding
-    hp, wp = h + 2 * ph, w + 2 * pw
-    if x_nhwc is not None and ph == pw == 0:
-        xp = x_nhwc.reshape(n, h, w, c)
-    else:
-        xp = np.empty((n, hp, wp, c), np.uint8)
-        if x_nhwc is not None:
-            nhwc_into_padded_nhwc(
-                x_nhwc.reshape(-1), n, h, w, 1, c, c, ph, pw, wp, hp, a_zp, xp.reshape(-1)
-            )
-        else:
-            assert x_nchw is not None
-            nchw_into_padded_nhwc(
-                x_nchw.reshape(-1), n, c, h, w, 1, c, c, ph, pw, wp, hp, a_zp, xp.reshape(-1)
-            )
+    """Depthwise conv into a new NHWC array; reads channels-last input in place (NCHW input
+    is transposed once), padding handled by the kernels (no zero-point-padded copy)."""
+    if x_nhwc is None:
+        assert x_nchw is not None
+        x_nhwc = np.empty((n, h, w, c), np.uint8)
+        nchw_into_padded_nhwc(
+            x_nchw.reshape(-1), n, c, h, w, 1, c, c, 0, 0, w, h, a_zp, x_nhwc.reshape(-1)
+        )
     biasq, mult = packed.depthwise_epilogue(x_scale, out_scale)
+    corr = packed._dw_corr.get(a_zp)
+    if corr is None:  # x_zp * sum(w - w_zp) per channel, exact in float32
+        corr = np.float32(a_zp) * packed._dw_wsum
+        if len(packed._dw_corr) < 16:
+            packed._dw_corr[a_zp] = corr
     out = np.empty((n, oh, ow, c), np.uint8)
     sh, sw = packed.stride
     dh, dw = packed.dilation
-    wrep = packed._dw_rows.get(ow) if sw == 1 else _NO_ROWS
-    if wrep is None:
-        wrep = repeat_weights(packed._dw_weight, ow)
-        if len(packed._dw_rows) < 16:
-            packed._dw_rows[ow] = wrep
-    depthwise_nhwc(
-        xp, packed._dw_weight, wrep, biasq, mult, a_zp, o_zp, o_zp if relu else 0,
-        sh, sw, dh, dw, out,
+    ph, pw = packed.padding
+    rows = n * oh
+    macs = rows * ow * c * packed.kh * packed.kw
+    if threads > 1 and macs >= depthwise_module.PARALLEL_MIN_MACS:  # read per call
+        drv, per_task = with_threads(depthwise_parallel, threads), -(-rows // (4 * threads))
+    else:
+        drv, per_task = depthwise_serial, rows
+    drv(
+        x_nhwc.reshape(-1), n, h, w, c, oh, ow, packed.kh, packed.kw, sh, sw, dh, dw, ph, pw,
+        packed._dw_weight, packed._dw_cp, corr, biasq, mult, np.float32(a_zp), o_zp,
+        o_zp if relu else 0, out.reshape(-1), per_task,
     )  # fmt: skip
     return out
 
@@ -420,7 +452,7 @@ def _conv_nchw_direct(
     colcorr = pg.colcorr(a_zp)
     rowsum = _window_sums(xp, 0, packed, oh, ow) if pg.has_weight_zp else pg.rows(n * hw)[1]
     npanels = pg.n_padded // 32
-    if threads == 1 or hw * pg.n_padded * koffs.shape[0] < (1 << 20):
+    if threads == 1 or hw * pg.n_padded * koffs.shape[0] < SERIAL_BELOW:
         drv, mchunk = serial_vnni_u8t, hw
     else:
         drv, mchunk = with_threads(drive_vnni_u8t, threads), row_chunk(hw, npanels, threads)

@@ -1,81 +1,179 @@
-"""Depthwise conv (groups == in == out channels): channels-last loops, channel innermost.
+"""Depthwise conv (groups == in == out channels): channels-last, register-blocked, no padded copy.
 
 Through the GEMM every channel is its own group, padded to a 32-wide panel and 4 input
-channels: ~128x the useful work (a 3x3 depthwise conv over 64x56x56 took 3.6 ms, torch's 95 us).
-Here each output row accumulates ``x * (w - w_zp)`` over the taps, channels innermost so the
-loops vectorize, subtracts ``x_zp * sum(w - w_zp)`` and requantizes with the GEMM's rule
-(``_requant.py``: ``clamp(rint((float32(v) + biasq[c]) * mult[c]) + out_zp, qmin, 255)``).
-``v`` is the integer the GEMM computes (its zero-point corrections expand to the same sum).
+channels: ~128x the useful work. Here the drivers walk output rows of unpadded NHWC input and
+call the IR micro-kernels of ``_dw_simd.py`` (8 channels per vector):
 
-Sums run in float32: every product is an integer of magnitude <= 255 * 255 and there are at most
-256 taps (``MAX_TAPS``, checked by the caller), so every partial sum is an integer below 2**24
-and exact -- float32 FMA lanes are twice as many as int64 ones, which numba would use for
-``int32 * int32``. One numba implementation serves every target.
+- interior pixels (every tap inside the input) of 3x3 / 5x5 kernels with stride 1 or 2 along W
+  and no W dilation: ``dw_block``, several pixels per call, register-blocked along W;
+- every other pixel (the padding border, kernels without a block kind) and channel tails:
+  ``dw_taps`` over the pixel's in-bounds taps only. A tap in the padding would read the input
+  zero point and contribute ``(x_zp - x_zp) * w = 0``, so skipping it gives the same integer:
+  the zero-point-padded input copy the GEMM needs is not made.
+
+Both compute the GEMM's integer ``sum (x - x_zp) * (w - w_zp)`` exactly (float32 lanes, see
+``_dw_simd.py``; at most ``MAX_TAPS`` taps) and requantize with the GEMM's rule, so the bytes
+equal conv2d's through the GEMM. One implementation serves every target (plain LLVM vector IR).
+
+Threads: output rows are split into tasks run by ``prange`` when the conv has at least
+``PARALLEL_MIN_MACS`` multiply-adds; smaller ones run serially (no parallel-region launch).
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
-import numpy.typing as npt
-from numba import njit
+from numba import njit, prange
+
+from quantbridge.kernels._dw_simd import BLOCK_PIXELS, KIND_IDS, LANES, dw_block, dw_taps
 
 # taps per output for which float32 sums stay exact (255 * 255 * 256 < 2**24)
 MAX_TAPS = 256
 
+# Multiply-adds below which one thread runs the conv: these kernels do ~15 multiply-adds per
+# ns on one core here, so 2M is ~130 us of serial work, past the ~80 us from which splitting
+# pays for a ~20 us parallel-region launch (idle machine). ``python -m quantbridge.kernels.bench
+# --crossover`` measures the crossover (kernels README, Threads).
+PARALLEL_MIN_MACS = 1 << 21
 
-def repeat_weights(wt: npt.NDArray[np.float32], ow: int) -> npt.NDArray[np.float32]:
-    """``[KH, KW, OW * C]``: each tap's weights repeated for the pixels of an output row."""
-    return np.ascontiguousarray(np.tile(wt, (1, 1, ow)), np.float32)
 
+def _make_driver(parallel: bool) -> Any:
+    # block kinds and their pixel counts as plain ints: numba folds them as constants
+    kinds = {key: (KIND_IDS[(key[0], key[1], big)], KIND_IDS[(key[0], key[1], 1)], big)
+             for key, big in BLOCK_PIXELS.items()}  # fmt: skip
+    k31, k31s, p31 = kinds[(3, 1)]
+    k32, k32s, p32 = kinds[(3, 2)]
+    k51, k51s, p51 = kinds[(5, 1)]
+    k52, k52s, p52 = kinds[(5, 2)]
+    lanes = LANES
 
-@njit(cache=True, nogil=True)
-def depthwise_nhwc(  # type: ignore[no-untyped-def]  # numba types the arguments
-    xp, wt, wrep, biasq, mult, a_zp, o_zp, qmin, sh, sw, dh, dw, out
-):  # fmt: skip
-    """``out[b, oy, ox, c]`` for zero-point-padded NHWC ``xp`` [N, Hp, Wp, C].
-
-    ``wt`` [KH, KW, C] float32 holds ``w - w_zp`` per channel, ``wrep`` the same repeated for
-    ``OW`` pixels (``repeat_weights``; used when the stride along W is 1: a tap's inputs for a
-    whole output row are then one contiguous run, one long vector loop); ``out`` is
-    [N, OH, OW, C] uint8.
-    """
-    n, oh, ow, c = out.shape
-    kh, kw = wt.shape[0], wt.shape[1]
-    span = ow * c
-    corr = np.zeros(c, np.float32)  # x_zp * sum of each channel's weights
-    for i in range(kh):
-        for j in range(kw):
-            for ch in range(c):
-                corr[ch] += wt[i, j, ch]
-    for ch in range(c):
-        corr[ch] *= np.float32(a_zp)
-    acc = np.empty(span, np.float32)
-    zpf, lo, hi = np.float32(o_zp), np.float32(qmin), np.float32(255.0)
-    rows = xp.reshape(xp.shape[0], xp.shape[1], -1)
-    for b in range(n):
-        for oy in range(oh):
-            for k in range(span):
-                acc[k] = 0
-            for i in range(kh):
-                row = rows[b, oy * sh + i * dh]
-                for j in range(kw):
-                    if sw == 1:
-                        src = row[j * dw * c : j * dw * c + span]
-                        wv = wrep[i, j]
-                        for k in range(span):
-                            acc[k] += np.float32(src[k]) * wv[k]
+    def driver(  # type: ignore[no-untyped-def]  # numba types the arguments
+        x, n, h, w, c, oh, ow, kh, kw, sh, sw, dh, dw, ph, pw,
+        wf, cp, corr, biasq, mult, zpf, ozp, qmin, out, rows_per_task,
+    ):  # fmt: skip
+        """``out`` [N*OH*OW*C] from ``x`` [N*H*W*C] (both flat NHWC uint8)."""
+        spec = 0  # which block kernel serves the interior: 0 none, 1 3x3/s1, 2 3x3/s2, ...
+        if dw == 1:
+            if kw == 3:
+                spec = 1 if sw == 1 else (2 if sw == 2 else 0)
+            elif kw == 5:
+                spec = 3 if sw == 1 else (4 if sw == 2 else 0)
+        c8 = c - c % lanes
+        ntap = kh * kw
+        rowstep = dh * w * c
+        # tap offsets from the window origin, for interior pixels' channel tail
+        full_offs = np.empty(ntap, np.int64)
+        full_idx = np.empty(ntap, np.int64)
+        for i in range(kh):
+            for j in range(kw):
+                full_offs[i * kw + j] = (i * dh * w + j * dw) * c
+                full_idx[i * kw + j] = i * kw + j
+        # interior columns: every tap of pixels lo..hi-1 lies inside the row
+        lo = (pw + sw - 1) // sw
+        right = w - 1 - (kw - 1) * dw + pw
+        hi = min(right // sw + 1, ow) if right >= 0 else 0
+        lo = min(lo, hi)
+        total = n * oh
+        ntask = (total + rows_per_task - 1) // rows_per_task
+        for task in prange(ntask):  # a plain range when parallel=False
+            toffs = np.empty(ntap, np.int64)
+            tidx = np.empty(ntap, np.int64)
+            for r in range(task * rows_per_task, min(total, (task + 1) * rows_per_task)):
+                b = r // oh
+                oy = r - b * oh
+                iy0 = oy * sh - ph
+                obase = r * ow * c
+                img = b * h * w * c
+                rlo, rhi = 0, 0
+                if iy0 >= 0 and iy0 + (kh - 1) * dh < h:
+                    rlo, rhi = lo, hi
+                xrow = img + iy0 * w * c
+                if spec != 0 and rlo < rhi:
+                    ox = rlo
+                    if spec == 1:
+                        while ox + p31 <= rhi:
+                            xb, ob = xrow + (ox - pw) * c, obase + ox * c
+                            for c0 in range(0, c8, lanes):
+                                dw_block(k31, x, xb + c0, rowstep, c, kh, wf, cp, c0, corr,
+                                         biasq, mult, ozp, qmin, out, ob + c0)  # fmt: skip
+                            ox += p31
+                        while ox < rhi:
+                            xb, ob = xrow + (ox - pw) * c, obase + ox * c
+                            for c0 in range(0, c8, lanes):
+                                dw_block(k31s, x, xb + c0, rowstep, c, kh, wf, cp, c0, corr,
+                                         biasq, mult, ozp, qmin, out, ob + c0)  # fmt: skip
+                            ox += 1
+                    elif spec == 2:
+                        while ox + p32 <= rhi:
+                            xb, ob = xrow + (ox * 2 - pw) * c, obase + ox * c
+                            for c0 in range(0, c8, lanes):
+                                dw_block(k32, x, xb + c0, rowstep, c, kh, wf, cp, c0, corr,
+                                         biasq, mult, ozp, qmin, out, ob + c0)  # fmt: skip
+                            ox += p32
+                        while ox < rhi:
+                            xb, ob = xrow + (ox * 2 - pw) * c, obase + ox * c
+                            for c0 in range(0, c8, lanes):
+                                dw_block(k32s, x, xb + c0, rowstep, c, kh, wf, cp, c0, corr,
+                                         biasq, mult, ozp, qmin, out, ob + c0)  # fmt: skip
+                            ox += 1
+                    elif spec == 3:
+                        while ox + p51 <= rhi:
+                            xb, ob = xrow + (ox - pw) * c, obase + ox * c
+                            for c0 in range(0, c8, lanes):
+                                dw_block(k51, x, xb + c0, rowstep, c, kh, wf, cp, c0, corr,
+                                         biasq, mult, ozp, qmin, out, ob + c0)  # fmt: skip
+                            ox += p51
+                        while ox < rhi:
+                            xb, ob = xrow + (ox - pw) * c, obase + ox * c
+                            for c0 in range(0, c8, lanes):
+                                dw_block(k51s, x, xb + c0, rowstep, c, kh, wf, cp, c0, corr,
+                                         biasq, mult, ozp, qmin, out, ob + c0)  # fmt: skip
+                            ox += 1
                     else:
-                        wv = wt[i, j]
-                        for ox in range(ow):
-                            at = (ox * sw + j * dw) * c
-                            src = row[at : at + c]
-                            dst = acc[ox * c : ox * c + c]
-                            for ch in range(c):
-                                dst[ch] += np.float32(src[ch]) * wv[ch]
-            orow = out[b, oy].reshape(-1)
-            for ox in range(ow):
-                got = acc[ox * c : ox * c + c]
-                res = orow[ox * c : ox * c + c]
-                for ch in range(c):
-                    r = np.rint(((got[ch] - corr[ch]) + biasq[ch]) * mult[ch]) + zpf
-                    res[ch] = np.uint8(min(max(r, lo), hi))
+                        while ox + p52 <= rhi:
+                            xb, ob = xrow + (ox * 2 - pw) * c, obase + ox * c
+                            for c0 in range(0, c8, lanes):
+                                dw_block(k52, x, xb + c0, rowstep, c, kh, wf, cp, c0, corr,
+                                         biasq, mult, ozp, qmin, out, ob + c0)  # fmt: skip
+                            ox += p52
+                        while ox < rhi:
+                            xb, ob = xrow + (ox * 2 - pw) * c, obase + ox * c
+                            for c0 in range(0, c8, lanes):
+                                dw_block(k52s, x, xb + c0, rowstep, c, kh, wf, cp, c0, corr,
+                                         biasq, mult, ozp, qmin, out, ob + c0)  # fmt: skip
+                            ox += 1
+                    if c8 < c:  # the channel tail of the interior pixels
+                        for ox in range(rlo, rhi):
+                            dw_taps(x, xrow + (ox * sw - pw) * c + c8, full_offs, full_idx,
+                                    ntap, wf, cp, c8, zpf, biasq, mult, ozp, qmin, out,
+                                    obase + ox * c + c8, c - c8)  # fmt: skip
+                else:
+                    rlo, rhi = 0, 0  # no block kernel: every pixel takes the tap-list path
+                for ox in range(ow):
+                    if rlo <= ox < rhi:
+                        continue
+                    nt = 0  # this pixel's in-bounds taps
+                    for i in range(kh):
+                        iy = iy0 + i * dh
+                        if iy < 0 or iy >= h:
+                            continue
+                        for j in range(kw):
+                            ix = ox * sw - pw + j * dw
+                            if ix < 0 or ix >= w:
+                                continue
+                            toffs[nt] = (iy * w + ix) * c
+                            tidx[nt] = i * kw + j
+                            nt += 1
+                    for c0 in range(0, c, lanes):
+                        dw_taps(x, img + c0, toffs, tidx, nt, wf, cp, c0, zpf, biasq, mult, ozp,
+                                qmin, out, obase + ox * c + c0, min(lanes, c - c0))  # fmt: skip
+
+    name = "depthwise_parallel" if parallel else "depthwise_serial"
+    # a distinct module-level qualname per driver: its own cache index file
+    driver.__name__ = driver.__qualname__ = name
+    return njit(cache=True, parallel=parallel, nogil=True)(driver)
+
+
+depthwise_serial = _make_driver(False)
+depthwise_parallel = _make_driver(True)

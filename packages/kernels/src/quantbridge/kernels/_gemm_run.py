@@ -47,8 +47,13 @@ NO_RESIDUAL = np.zeros(0, np.uint8)
 NO_ADD = np.zeros(0, np.float32)
 
 
-# m * Np * k-steps below which one thread wins (launch ~20 us vs ~5 us of work at M = 1)
-SERIAL_BELOW = 1 << 20
+# m * Np * k-steps below which one thread runs the GEMM. A parallel region costs ~20 us to
+# launch and join on an idle machine; splitting pays (with imbalance) from ~80 us of serial
+# work: ~4M k-step units at this machine's avx2 rate (1 unit = 2 multiply-adds, ~130 GOPS) and
+# at the avx512_vnni rate of the README's machine (1 unit = 4 multiply-adds, ~450 GOPS).
+# 1 << 20 split 14x14 and 7x7 pointwise convs of MobileNet/EfficientNet (~20 us of work each).
+# ``python -m quantbridge.kernels.bench --crossover`` measures the crossover (README, Threads).
+SERIAL_BELOW = 1 << 22
 
 _NR = {t: layout(t)[0] for t in ("avx512_vnni", "avx2", "generic")}
 

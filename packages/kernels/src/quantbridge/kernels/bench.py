@@ -38,6 +38,10 @@ GEMM_SHAPES: tuple[tuple[int, int, int], ...] = (
     (512, 512, 512),
 )
 CONV_SHAPE = (1, 64, 56, 56, 64, 3)  # batch, C, H, W, OC, kernel
+# batch, C, H = W, OC, kernel, stride: MobileNetV2's 144-channel depthwise at 56x56
+DEPTHWISE_SHAPES = ((1, 144, 56, 144, 3, 1), (1, 144, 56, 144, 3, 2), (1, 240, 28, 240, 5, 1))
+# ImageNet stems: ResNet's 7x7 and MobileNet's 3x3, both stride 2 on a 224x224 RGB image
+STEM_SHAPES = ((1, 3, 224, 64, 7, 2), (1, 3, 224, 32, 3, 2))
 
 
 @numba.njit(nogil=True)
@@ -119,16 +123,49 @@ def _torch_linear(torch: Any, a: Any, w: Any, bias: Any, scales: tuple[float, ..
 
 
 def _torch_conv(
-    torch: Any, x: Any, w: Any, bias: Any, scales: tuple[float, ...], channels_last: bool
+    torch: Any,
+    x: Any,
+    w: Any,
+    bias: Any,
+    scales: tuple[float, ...],
+    channels_last: bool,
+    stride: int = 1,
+    padding: int = 1,
+    groups: int = 1,
+    w_scales: Any = None,
 ) -> Any:
+    """torch's x86 quantized conv; ``w_scales`` (an array) makes the weights per-channel."""
     a_s, a_zp, w_s, o_s, o_zp = scales
     qops = torch.ops.quantized
     xq = torch._make_per_tensor_quantized_tensor(torch.from_numpy(x), a_s, int(a_zp))
     if channels_last:
         xq = xq.contiguous(memory_format=torch.channels_last)
-    wq = torch._make_per_tensor_quantized_tensor(torch.from_numpy(w), w_s, 0)
-    packed = qops.conv2d_prepack(wq, torch.from_numpy(bias), [1, 1], [1, 1], [1, 1], 1)
+    if w_scales is not None:  # per-channel weights, zero points 0
+        zeros = torch.zeros(w.shape[0], dtype=torch.int64)
+        wq = torch._make_per_channel_quantized_tensor(
+            torch.from_numpy(w), torch.from_numpy(np.asarray(w_scales, np.float64)), zeros, 0
+        )
+    else:
+        wq = torch._make_per_tensor_quantized_tensor(torch.from_numpy(w), w_s, 0)
+    packed = qops.conv2d_prepack(
+        wq, torch.from_numpy(bias), [stride] * 2, [padding] * 2, [1, 1], groups
+    )
     return lambda: qops.conv2d(xq, packed, o_s, int(o_zp))
+
+
+def _torch_conv_fp32(
+    torch: Any, x: Any, w: Any, stride: int, padding: int, groups: int
+) -> Callable[[], object]:
+    """float32 torch conv on channels-last input (its faster layout for depthwise here)."""
+    xf = torch.from_numpy(x.astype(np.float32)).contiguous(memory_format=torch.channels_last)
+    wf = torch.from_numpy(w.astype(np.float32))
+    conv = torch.nn.functional.conv2d
+
+    def run() -> object:
+        with torch.no_grad():
+            return conv(xf, wf, None, stride, padding, 1, groups)
+
+    return run
 
 
 def run(
@@ -194,7 +231,87 @@ def run(
             rows.append(
                 _row(op, shape, ops, target, threads, ours_conv, base, repeat, min_time, peak)
             )
+    rows += _depthwise_and_stem_rows(torch, rng, scales, threads, repeat, min_time, targets,
+                                     quick, peak, rows)  # fmt: skip
     return rows
+
+
+def _depthwise_and_stem_rows(
+    torch: Any,
+    rng: np.random.Generator,
+    scales: tuple[float, ...],
+    threads: int,
+    repeat: int,
+    min_time: float,
+    targets: list[str],
+    quick: bool,
+    peak: float | None,
+    dense_rows: list[dict[str, Any]],
+) -> list[dict[str, Any]]:
+    """Rows ``depthwise`` (per-channel weights, as the numba backend's default qconfig) and
+    ``depthwise_pt`` (per-tensor weights): channels-last in and out, as in a lowered CNN; extra
+    keys from medians of interleaved single calls: ``median_us``, ``median_ratio`` (torch x86
+    time / ours), ``fp32_gops``/``fp32_ratio`` (torch float32 conv time / ours). ``stem``: NCHW
+    image input; extra key ``percent_of_dense``: GOPS over this target's ``conv2d`` row."""
+    rows: list[dict[str, Any]] = []
+    dense = {r["target"]: r["gops"] for r in dense_rows if r["op"] == "conv2d"}
+    plans = [("depthwise", s, True) for s in DEPTHWISE_SHAPES]  # per-channel weights
+    plans += [("depthwise_pt", s, False) for s in DEPTHWISE_SHAPES[:2]]  # per-tensor weights
+    plans += [("stem", s, False) for s in STEM_SHAPES]
+    if quick:
+        plans = [plans[0], plans[-1]]
+    for op, (bn, c, hw, oc, ks, stride), per_channel in plans:
+        if quick:
+            hw = 12
+        pad = ks // 2
+        groups = 1 if op == "stem" else c
+        x = rng.integers(0, 256, (bn, c, hw, hw), dtype=np.uint8)
+        xin = x
+        if groups > 1:
+            xin = np.ascontiguousarray(x.transpose(0, 2, 3, 1)).transpose(0, 3, 1, 2)
+        w = rng.integers(-128, 128, (oc, c // groups, ks, ks), dtype=np.int8)
+        bias = rng.normal(0, 1, oc).astype(np.float32)
+        w_s = rng.uniform(0.005, 0.015, oc) if per_channel else scales[2]
+        oh = (hw + 2 * pad - ks) // stride + 1
+        ops = 2.0 * bn * oc * oh * oh * (c // groups) * ks * ks
+        shape = f"{bn}x{c}x{hw}x{hw}->{oc},k{ks}s{stride}"
+        base = fp32 = None
+        if torch is not None:
+            base = _torch_conv(torch, x, w, bias, scales, groups > 1, stride, pad, groups,
+                               w_s if per_channel else None)  # fmt: skip
+            fp32 = _torch_conv_fp32(torch, x, w, stride, pad, groups)
+        for target in targets:
+            cp = PackedConvWeight(w, w_s, 0, bias, stride=stride, padding=pad, groups=groups,
+                                  target=target)  # fmt: skip
+
+            def ours(cp: PackedConvWeight = cp, xin: np.ndarray[Any, Any] = xin) -> object:
+                return conv2d(xin, cp, 0.05, 3, 2.0, 5, num_threads=threads, channels_last=True)
+
+            row = _row(op, shape, ops, target, threads, ours, base, repeat, min_time, peak)
+            if op == "stem":
+                if dense.get(target):
+                    row["percent_of_dense"] = round(100.0 * row["gops"] / dense[target], 1)
+            elif fp32 is not None and base is not None:
+                # medians of single calls, the three interleaved (the machine is shared)
+                med = _interleaved_medians((ours, base, fp32), max(repeat, 1) * 20)
+                row["fp32_gops"] = round(ops / med[2] / 1e9, 1)
+                row["fp32_ratio"] = round(med[2] / med[0], 2)
+                row["median_us"] = round(med[0] * 1e6, 1)
+                row["median_ratio"] = round(med[1] / med[0], 2)
+            rows.append(row)
+    return rows
+
+
+def _interleaved_medians(fns: tuple[Callable[[], object], ...], calls: int) -> list[float]:
+    """Median seconds of single calls of each function, the functions called in turn."""
+    times: list[list[float]] = [[] for _ in fns]
+    clock = time.perf_counter
+    for _ in range(calls):
+        for i, fn in enumerate(fns):
+            t0 = clock()
+            fn()
+            times[i].append(clock() - t0)
+    return [float(np.median(t)) for t in times]
 
 
 def _row(
@@ -233,6 +350,71 @@ def _row(
         "ratio": round(gops / base_gops, 2) if base_gops else None,
         "microseconds": round(t_ours * 1e6, 1),
     }
+
+
+def crossover(repeat: int, target: str) -> list[dict[str, Any]]:
+    """1 vs 2 threads for growing work, per kernel family, with the serial thresholds lifted.
+
+    Families: ``conv1x1`` (the GEMM: pointwise conv C -> C over S x S, work = multiply-adds),
+    ``depthwise`` (3x3 stride 1 over C x S x S, work = multiply-adds) and ``add`` (elementwise,
+    the quantize/LUT/pool family's representative, work = elements). Each size times a call at
+    1 and at 2 threads interleaved, ``repeat`` rounds, medians; ``speedup`` = t1 / t2. The
+    thresholds in ``_gemm_run.SERIAL_BELOW``, ``_depthwise.PARALLEL_MIN_MACS`` and
+    ``_quantize.PARALLEL_MIN_WORK`` are where ``speedup`` crosses 1.
+    """
+    from quantbridge.kernels import _depthwise, _gemm_run, _quantize
+    from quantbridge.kernels._elementwise import add
+
+    saved = (_gemm_run.SERIAL_BELOW, _depthwise.PARALLEL_MIN_MACS, _quantize.PARALLEL_MIN_WORK)
+    _gemm_run.SERIAL_BELOW, _depthwise.PARALLEL_MIN_MACS, _quantize.PARALLEL_MIN_WORK = 0, 0, 0
+    rng = np.random.default_rng(0)
+    rows: list[dict[str, Any]] = []
+    try:
+        for family in ("conv1x1", "depthwise", "add"):
+            for c, size in ((32, 7), (64, 7), (64, 14), (96, 14), (96, 28), (144, 28),
+                            (144, 56), (96, 112)):  # fmt: skip
+                x = rng.integers(0, 256, (1, size, size, c), np.uint8).transpose(0, 3, 1, 2)
+                if family == "add":
+                    work = x.size
+
+                    def call_add(threads: int, x: Any = x) -> object:
+                        from quantbridge.kernels._threads import set_num_threads
+
+                        set_num_threads(threads)
+                        return add(x, (0.1, 3), x, (0.1, 3), (0.2, 5))
+
+                    call: Callable[[int], object] = call_add
+
+                else:
+                    groups, k = (c, 3) if family == "depthwise" else (1, 1)
+                    w = rng.integers(-128, 128, (c, c // groups, k, k), dtype=np.int8)
+                    cp = PackedConvWeight(w, 0.01, 0, None, padding=k // 2, groups=groups,
+                                          target=target)  # fmt: skip
+                    work = size * size * c * (c // groups) * k * k
+
+                    def call_conv(threads: int, x: Any = x, cp: PackedConvWeight = cp) -> object:
+                        return conv2d(x, cp, 0.05, 3, 2.0, 5, num_threads=threads,
+                                      channels_last=True)  # fmt: skip
+
+                    call = call_conv
+
+                times: dict[int, list[float]] = {1: [], 2: []}
+                call(1), call(2)
+                for _ in range(repeat):
+                    for threads in (1, 2):
+                        t0 = time.perf_counter()
+                        call(threads)
+                        times[threads].append(time.perf_counter() - t0)
+                t1, t2 = float(np.median(times[1])), float(np.median(times[2]))
+                rows.append({"family": family, "shape": f"{c}x{size}x{size}", "work": work,
+                             "t1_us": round(t1 * 1e6, 1), "t2_us": round(t2 * 1e6, 1),
+                             "speedup": round(t1 / t2, 2)})  # fmt: skip
+    finally:
+        from quantbridge.kernels._threads import set_num_threads
+
+        set_num_threads(None)
+        _gemm_run.SERIAL_BELOW, _depthwise.PARALLEL_MIN_MACS, _quantize.PARALLEL_MIN_WORK = saved
+    return rows
 
 
 _LOAD_PROBE = """
@@ -278,10 +460,18 @@ def _table(rows: list[dict[str, Any]]) -> str:
     )
     lines = [head, "-" * len(head)]
     for r in rows:
+        extra = ""
+        if "fp32_ratio" in r:
+            extra = (
+                f"  medians: {r['median_us']} us, ours/torch {r['median_ratio']}, "
+                f"ours/fp32 {r['fp32_ratio']}"
+            )
+        if "percent_of_dense" in r:
+            extra = f"  {r['percent_of_dense']} % of this target's dense conv2d GOPS"
         lines.append(
             f"{r['op']:9} {r['shape']:22} {r['target']:12} {r['threads']:>3} {r['gops']:>7} "
             f"{r['percent_of_peak']!s:>6} {r['baseline_gops']!s:>7} "
-            f"{r['ratio']!s:>6} {r['microseconds']:>9}"
+            f"{r['ratio']!s:>6} {r['microseconds']:>9}{extra}"
         )
     if rows and rows[0]["peak_gops"]:
         lines.append(
@@ -304,6 +494,12 @@ def main(argv: list[str] | None = None) -> int:
         help="comma-separated targets (generic is slow; add it explicitly)",
     )
     parser.add_argument("--quick", action="store_true", help="tiny shapes (smoke test)")
+    parser.add_argument(
+        "--crossover",
+        action="store_true",
+        help="1 vs 2 threads over growing work per kernel family (thresholds lifted); "
+        "--repeat rounds, the first of --targets",
+    )
     args = parser.parse_args(argv)
     if not 1 <= args.threads <= max_threads():
         parser.error(f"--threads must be in [1, {max_threads()}]")
@@ -311,6 +507,19 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [t for t in targets if t not in available_targets()]
     if unknown:
         parser.error(f"targets {unknown} cannot run here; available: {available_targets()}")
+    if args.crossover:
+        if max_threads() < 2:
+            parser.error("--crossover needs numba's pool to have at least 2 threads")
+        cross = crossover(args.repeat, targets[0])
+        if args.json:
+            print(json.dumps(cross, indent=1))
+            return 0
+        print(f"{'family':10} {'shape':12} {'work':>10} {'1 thread us':>12} {'2 threads us':>13} "
+              f"{'speedup':>8}")  # fmt: skip
+        for r in cross:
+            print(f"{r['family']:10} {r['shape']:12} {r['work']:>10} {r['t1_us']:>12} "
+                  f"{r['t2_us']:>13} {r['speedup']:>8}")  # fmt: skip
+        return 0
     rows = run(args.threads, args.repeat, args.min_time, targets, args.quick)
     if args.json:
         print(json.dumps(rows, indent=1))

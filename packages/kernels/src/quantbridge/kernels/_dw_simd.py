@@ -1,0 +1,303 @@
+"""Depthwise conv micro-kernels in LLVM IR: 8 channels per vector, float32 lanes, exact sums.
+
+Input and output are flat channels-last (NHWC) uint8; a vector holds one pixel's 8 consecutive
+channels. Two kernels, both ending in the one requantizing epilogue (``_emit_requant``):
+
+- ``dw_block(kind, ...)``: ``P`` output pixels of one output row x 8 channels, all taps in
+  bounds (interior pixels). ``kind`` (a compile-time constant, ``BLOCK_KINDS``) fixes the
+  kernel width ``KW``, the stride along W ``SW`` and ``P``; kernel height and the H dilation are
+  runtime values. Register blocking along W: each input vector of a kernel row is loaded and
+  converted once and feeds every (pixel, tap) pair that reads it (for 3x3 stride 1, 8 input
+  vectors feed 18 multiply-adds), with the row's ``KW`` weight vectors held in registers.
+  Accumulates ``sum x * w``; the caller's ``corr = x_zp * sum(w)`` is subtracted once.
+- ``dw_taps(...)``: one pixel x ``nch <= 8`` channels over an explicit tap list (offsets and
+  weight rows): border pixels with their in-bounds taps only (so no zero-point-padded copy of
+  the input is needed), channel tails (masked loads and stores) and kernels without a
+  specialized block. Accumulates ``sum (x - x_zp) * w``.
+
+Why float32 and not int32 lanes: every product is an integer of magnitude <= 255 * 255 and a
+sum has at most 256 taps (``MAX_TAPS``), so every partial sum is an integer below 2**24 and
+float32 represents it exactly: ``llvm.fmuladd`` (one FMA on this CPU, or a multiply and an add
+elsewhere, the same exact value either way) gives 8 multiply-adds per instruction with
+no widening multiply, where AVX2 has no int32 multiply-add (``vpmulld`` is slow and
+``vpmaddwd`` needs taps interleaved in pairs). Both kernels' sums are the integer the GEMM
+computes, ``sum (x - x_zp) * (w - w_zp)``, so the requantization matches conv2d's bit for bit.
+
+Epilogue (the rule of ``_requant.py``), per channel lane:
+``clamp(rint(((v - corr) + biasq) * mult) + out_zp, qmin, 255)``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from quantbridge.kernels._ir import F32T, I8, I32, I64, declare, load_vec, stack_slot, store_vec
+
+LANES = 8  # channels per vector: 8 float32 lanes fill a ymm register
+
+# (kernel width, stride along W, output pixels per block); the 1-pixel kinds finish a row.
+# Pixels per block keep accumulators + one row's weights + inputs within 16 ymm registers.
+BLOCK_PIXELS = {(3, 1): 6, (3, 2): 4, (5, 1): 4, (5, 2): 4}
+BLOCK_KINDS: list[tuple[int, int, int]] = [
+    (kw, sw, p) for (kw, sw), big in BLOCK_PIXELS.items() for p in (big, 1)
+]
+KIND_IDS = {kind: i for i, kind in enumerate(BLOCK_KINDS)}
+
+_VF = ir.VectorType(F32T, LANES)
+_VB = ir.VectorType(I8, LANES)
+_VI = ir.VectorType(I32, LANES)
+_VMASK = ir.VectorType(ir.IntType(1), LANES)
+
+
+def _data(context: Any, builder: ir.IRBuilder, ty: Any, value: ir.Value) -> ir.Value:
+    return context.make_array(ty)(context, builder, value).data
+
+
+def _splat(value: ir.Value, vt: ir.VectorType, builder: ir.IRBuilder) -> ir.Value:
+    v = builder.insert_element(ir.Constant(vt, ir.Undefined), value, ir.Constant(I32, 0))
+    return builder.shuffle_vector(
+        v, ir.Constant(vt, ir.Undefined), ir.Constant(ir.VectorType(I32, LANES), [0] * LANES)
+    )
+
+
+def _fmuladd(builder: ir.IRBuilder) -> ir.Function:
+    fnty = ir.FunctionType(_VF, [_VF, _VF, _VF])
+    return declare(builder.module, fnty, f"llvm.fmuladd.v{LANES}f32")
+
+
+def _load_u8(builder: ir.IRBuilder, ptr: ir.Value, mask: ir.Value | None) -> ir.Value:
+    """8 channels' codes as float32 lanes (masked lanes read as 0, never touch memory)."""
+    if mask is None:
+        raw = load_vec(builder, ptr, _VB)
+    else:
+        fn = declare(
+            builder.module,
+            ir.FunctionType(_VB, [_VB.as_pointer(), I32, _VMASK, _VB]),
+            f"llvm.masked.load.v{LANES}i8.p0v{LANES}i8",
+        )
+        raw = builder.call(
+            fn,
+            [
+                builder.bitcast(ptr, _VB.as_pointer()),
+                ir.Constant(I32, 1),
+                mask,
+                ir.Constant(_VB, [0] * LANES),
+            ],
+        )
+    return builder.uitofp(raw, _VF)
+
+
+def _store_u8(builder: ir.IRBuilder, value: ir.Value, ptr: ir.Value, mask: ir.Value | None) -> None:
+    if mask is None:
+        store_vec(builder, value, ptr)
+        return
+    fn = declare(
+        builder.module,
+        ir.FunctionType(ir.VoidType(), [_VB, _VB.as_pointer(), I32, _VMASK]),
+        f"llvm.masked.store.v{LANES}i8.p0v{LANES}i8",
+    )
+    builder.call(fn, [value, builder.bitcast(ptr, _VB.as_pointer()), ir.Constant(I32, 1), mask])
+
+
+def _emit_requant(
+    builder: ir.IRBuilder,
+    v: ir.Value,
+    corr: ir.Value | None,
+    biasq: ir.Value,
+    mult: ir.Value,
+    ozp: ir.Value,
+    qmin: ir.Value,
+) -> ir.Value:
+    """THE depthwise epilogue: float32 sums of 8 channels -> 8 uint8 codes (``_requant.py``)."""
+    rint = declare(builder.module, ir.FunctionType(_VF, [_VF]), f"llvm.rint.v{LANES}f32")
+    if corr is not None:
+        v = builder.fsub(v, corr)
+    x = builder.fadd(builder.call(rint, [builder.fmul(builder.fadd(v, biasq), mult)]), ozp)
+    top = ir.Constant(_VF, [255.0] * LANES)
+    x = builder.select(builder.fcmp_unordered("<", x, qmin), qmin, x)  # NaN -> qmin
+    x = builder.select(builder.fcmp_ordered(">", x, top), top, x)
+    return builder.trunc(builder.fptosi(x, _VI), _VB)
+
+
+def _epilogue_vectors(
+    builder: ir.IRBuilder,
+    bq_p: ir.Value,
+    mu_p: ir.Value,
+    c0: ir.Value,
+    ozp: ir.Value,
+    qmin: ir.Value,
+) -> tuple[ir.Value, ir.Value, ir.Value, ir.Value]:
+    bq = load_vec(builder, builder.gep(bq_p, [c0]), _VF)
+    mu = load_vec(builder, builder.gep(mu_p, [c0]), _VF)
+    ozp_v = _splat(builder.sitofp(builder.trunc(ozp, I32), F32T), _VF, builder)
+    qmin_v = _splat(builder.sitofp(builder.trunc(qmin, I32), F32T), _VF, builder)
+    return bq, mu, ozp_v, qmin_v
+
+
+def _make_block(kw: int, sw: int, pix: int) -> Any:
+    """IR codegen of one ``pix`` x 8 interior block for kernel width ``kw``, stride ``sw``."""
+    ncols = (pix - 1) * sw + kw  # input vectors per kernel row
+
+    def codegen(context: Any, builder: ir.IRBuilder, sig: Any, args: Any) -> ir.Value:
+        (x, xbase, rowstep, c, kh, w, cp, c0, corr, biasq, mult, ozp, qmin, out, obase) = args
+        aty = sig.args
+        x_p, w_p = _data(context, builder, aty[0], x), _data(context, builder, aty[5], w)
+        co_p, bq_p = _data(context, builder, aty[8], corr), _data(context, builder, aty[9], biasq)
+        mu_p, o_p = _data(context, builder, aty[10], mult), _data(context, builder, aty[13], out)
+        fma = _fmuladd(builder)
+        accs = [stack_slot(builder, ir.Constant(_VF, [0.0] * LANES)) for _ in range(pix)]
+        with cgutils.for_range(builder, kh) as loop:
+            i = loop.index
+            xrow = builder.add(xbase, builder.mul(i, rowstep))
+            wrow = builder.add(builder.mul(builder.mul(i, ir.Constant(I64, kw)), cp), c0)
+            wv = [
+                load_vec(
+                    builder,
+                    builder.gep(w_p, [builder.add(wrow, builder.mul(ir.Constant(I64, j), cp))]),
+                    _VF,
+                )
+                for j in range(kw)
+            ]
+            cur = [builder.load(a) for a in accs]
+            for q in range(ncols):
+                ptr = builder.gep(x_p, [builder.add(xrow, builder.mul(ir.Constant(I64, q), c))])
+                xv = _load_u8(builder, ptr, None)
+                for p in range(pix):
+                    j = q - p * sw
+                    if 0 <= j < kw:
+                        cur[p] = builder.call(fma, [xv, wv[j], cur[p]])
+            for a, v in zip(accs, cur, strict=True):
+                builder.store(v, a)
+        bq, mu, ozp_v, qmin_v = _epilogue_vectors(builder, bq_p, mu_p, c0, ozp, qmin)
+        co = load_vec(builder, builder.gep(co_p, [c0]), _VF)
+        for p in range(pix):
+            q8 = _emit_requant(builder, builder.load(accs[p]), co, bq, mu, ozp_v, qmin_v)
+            optr = builder.gep(o_p, [builder.add(obase, builder.mul(ir.Constant(I64, p), c))])
+            _store_u8(builder, q8, optr, None)
+        return context.get_dummy_value()
+
+    return codegen
+
+
+_BLOCK_CODEGENS = [_make_block(*kind) for kind in BLOCK_KINDS]
+
+
+def _dw_block(
+    typingctx: Any,
+    kind: Any,
+    x: Any,
+    xbase: Any,
+    rowstep: Any,
+    c: Any,
+    kh: Any,
+    w: Any,
+    cp: Any,
+    c0: Any,
+    corr: Any,
+    biasq: Any,
+    mult: Any,
+    ozp: Any,
+    qmin: Any,
+    out: Any,
+    obase: Any,
+) -> Any:
+    """``dw_block(KIND_IDS[(kw, sw, pixels)], x, xbase, rowstep, c, kh, w, cp, c0, corr, biasq,
+    mult, ozp, qmin, out, obase)``.
+
+    Pixel ``p``'s tap ``(i, j)`` reads ``x[xbase + i * rowstep + (p * sw + j) * c + 0..7]``
+    and weights ``w[(i * kw + j) * cp + c0 + 0..7]``; it writes ``out[obase + p * c + 0..7]``.
+    ``corr``, ``biasq``, ``mult`` are read at ``c0``. All int arguments are int64.
+    """
+    if not isinstance(kind, types.IntegerLiteral):
+        return None  # numba retries with the literal type when the value is a constant
+    inner = (x, xbase, rowstep, c, kh, w, cp, c0, corr, biasq, mult, ozp, qmin, out, obase)
+    inner_sig = types.void(*inner)
+    inner_codegen = _BLOCK_CODEGENS[kind.literal_value]
+
+    def codegen(context: Any, builder: ir.IRBuilder, sig: Any, cargs: Any) -> ir.Value:
+        return inner_codegen(context, builder, inner_sig, cargs[1:])
+
+    return types.void(kind, *inner), codegen
+
+
+# typed Any: callers pass the 16 arguments, not numba's typing context
+dw_block: Any = intrinsic(_dw_block)
+
+
+def _emit_taps(
+    context: Any, builder: ir.IRBuilder, sig: Any, args: Any, masked: bool, nch: ir.Value
+) -> None:
+    (x, xbase, toffs, twidx, ntaps, w, cp, c0, zpf, biasq, mult, ozp, qmin, out, obase) = args[:15]
+    aty = sig.args
+    x_p, to_p = _data(context, builder, aty[0], x), _data(context, builder, aty[2], toffs)
+    tw_p, w_p = _data(context, builder, aty[3], twidx), _data(context, builder, aty[5], w)
+    bq_p, mu_p = _data(context, builder, aty[9], biasq), _data(context, builder, aty[10], mult)
+    o_p = _data(context, builder, aty[13], out)
+    mask = None
+    if masked:
+        lane = ir.Constant(ir.VectorType(I64, LANES), list(range(LANES)))
+        mask = builder.icmp_signed("<", lane, _splat(nch, ir.VectorType(I64, LANES), builder))
+    fma = _fmuladd(builder)
+    zpv = _splat(builder.fptrunc(zpf, F32T) if zpf.type != F32T else zpf, _VF, builder)
+    acc = stack_slot(builder, ir.Constant(_VF, [0.0] * LANES))
+    with cgutils.for_range(builder, ntaps) as loop:
+        t = loop.index
+        off = builder.load(builder.gep(to_p, [t]))
+        wi = builder.load(builder.gep(tw_p, [t]))
+        xv = _load_u8(builder, builder.gep(x_p, [builder.add(xbase, off)]), mask)
+        wv = load_vec(builder, builder.gep(w_p, [builder.add(builder.mul(wi, cp), c0)]), _VF)
+        builder.store(builder.call(fma, [builder.fsub(xv, zpv), wv, builder.load(acc)]), acc)
+    bq, mu, ozp_v, qmin_v = _epilogue_vectors(builder, bq_p, mu_p, c0, ozp, qmin)
+    q8 = _emit_requant(builder, builder.load(acc), None, bq, mu, ozp_v, qmin_v)
+    _store_u8(builder, q8, builder.gep(o_p, [obase]), mask)
+
+
+def _dw_taps(
+    typingctx: Any,
+    x: Any,
+    xbase: Any,
+    toffs: Any,
+    twidx: Any,
+    ntaps: Any,
+    w: Any,
+    cp: Any,
+    c0: Any,
+    zpf: Any,
+    biasq: Any,
+    mult: Any,
+    ozp: Any,
+    qmin: Any,
+    out: Any,
+    obase: Any,
+    nch: Any,
+) -> Any:
+    """One output pixel x ``nch`` (1..8) channels over ``ntaps`` listed taps.
+
+    Tap ``t`` reads ``x[xbase + toffs[t] + 0..nch-1]`` and weights ``w[twidx[t] * cp + c0 +
+    0..7]``; the result goes to ``out[obase + 0..nch-1]``. ``zpf`` is the input zero point as a
+    float. Lanes past ``nch`` neither read nor write ``x``/``out``. All ints are int64.
+    """
+    sig = types.void(
+        x, xbase, toffs, twidx, ntaps, w, cp, c0, zpf, biasq, mult, ozp, qmin, out, obase, nch
+    )
+
+    def codegen(context: Any, builder: ir.IRBuilder, sig: Any, args: Any) -> ir.Value:
+        nch = args[15]
+        full = builder.icmp_signed(">=", nch, ir.Constant(I64, LANES))
+        with builder.if_else(full, likely=True) as (then, otherwise):
+            with then:
+                _emit_taps(context, builder, sig, args, False, nch)
+            with otherwise:
+                _emit_taps(context, builder, sig, args, True, nch)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+# typed Any: callers pass the 16 arguments, not numba's typing context
+dw_taps: Any = intrinsic(_dw_taps)
