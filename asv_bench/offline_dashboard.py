@@ -11,8 +11,9 @@ bytes). Any CDN URL it does not know fails the script, so an asv upgrade that ad
 It also makes a logarithmic y axis the default of every benchmark graph (asv's "log scale"
 button starts pressed): one graph holds a backend at 1 ms and a peer or the reference backend
 at 180 ms, which a linear axis squashes to a line at zero. The button still switches to a
-linear axis (the URL then says ``y-axis-scale=linear``). A patch whose asv code is not found
-fails the script, like an unknown CDN URL.
+linear axis (the URL then says ``y-axis-scale=linear``). And a graph draws up to 16 curves by
+default (asv: 8), so every backend and peer row of ``models.Models`` is drawn. A patch whose
+asv code is not found fails the script, like an unknown CDN URL.
 
     python asv_bench/offline_dashboard.py      (run by ``nox -s dashboard`` after asv publish)
 """
@@ -88,6 +89,10 @@ GRAPH_PATCHES: list[tuple[str, str]] = [
         "update_state_url({'y-axis-scale': log_scale ? ['log']: []});",
         "update_state_url({'y-axis-scale': log_scale ? ['log']: ['linear']});",
     ),
+    # asv draws at most 8 curves by default: models.Models has 10 backend columns (fp32,
+    # reference, three numba targets, torch_native, three peers), so its default plot would
+    # drop the last peers. 16 draws every column of the first model.
+    ("var max_curves = 8;", "var max_curves = 16;"),
 ]
 TAG = re.compile(r"<(script|link)\b[^>]*?(?:src|href)=\"(https?://[^\"]+)\"[^>]*>")
 DROP_ATTRS = re.compile(r'\s+(?:integrity|crossorigin|referrerpolicy)="[^"]*"')
@@ -127,21 +132,21 @@ def _extract(spec: str, member: str, vendor: Path) -> str:
     return f"vendor/{rel.as_posix()}"
 
 
-def log_scale_by_default(script: Path) -> None:
-    """Patch asv's graph page script so its y axis starts logarithmic (idempotent)."""
+def patch_graph_display(script: Path) -> None:
+    """Apply GRAPH_PATCHES to asv's graph page script (each once: reruns are no-ops)."""
     text = script.read_text()
-    if "quantbridge: log scale by default" in text:
-        return
     for old, new in GRAPH_PATCHES:
+        if new in text:
+            continue
         if text.count(old) != 1:
             sys.exit(f"offline_dashboard: {script.name}: asv code to patch not found: {old!r}")
         text = text.replace(old, new)
     script.write_text(text)
-    print(f"offline_dashboard: {script.name}: benchmark graphs open with a log y axis")
+    print(f"offline_dashboard: {script.name}: graphs open with a log y axis and up to 16 curves")
 
 
 def main() -> int:
-    log_scale_by_default(HTML / "graphdisplay.js")
+    patch_graph_display(HTML / "graphdisplay.js")
     vendor = HTML / "vendor"
     for page in sorted(HTML.glob("*.html")):
         text = page.read_text()

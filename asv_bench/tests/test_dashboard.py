@@ -147,6 +147,12 @@ def test_per_backend_graphs(chromium: str, site: str) -> None:
     assert graphs, "no graph data published for models.Models.time_forward"
 
 
+def _first_model() -> str:
+    with open(HTML / "index.json") as f:
+        params = json.load(f)["benchmarks"]["models.Models.time_forward"]["params"]
+    return str(params[1][0]).strip("'")
+
+
 def test_graphs_open_with_a_log_axis(chromium: str, site: str) -> None:
     """A 1 ms backend and a 180 ms one stay readable: the y axis starts logarithmic, and an
     explicit linear choice in the URL is kept (offline_dashboard.py patches asv's script)."""
@@ -154,6 +160,11 @@ def test_graphs_open_with_a_log_axis(chromium: str, site: str) -> None:
     dom, errors = _open(chromium, page, "--dump-dom")
     assert errors == []
     assert LOG_SCALE_ON.search(dom), "the log scale button is not pressed by default"
+    # every column is drawn by default (asv alone draws 8 curves): the legend names each
+    first_model = _first_model()
+    for backend in [*BACKENDS, "torch_native", *PEERS]:
+        label = f"backend-{backend}; model-{first_model}"
+        assert label in dom, f"{label} is not drawn on the default graph"
     dom, errors = _open(chromium, f"{page}?y-axis-scale=linear", "--dump-dom")
     assert errors == []
     assert 'id="log-scale"' in dom
