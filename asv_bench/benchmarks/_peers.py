@@ -130,7 +130,7 @@ def ort_quantize_static(
     except Exception as e:  # optional: quantize the exported model as it is
         warnings.warn(f"ORT quant_pre_process skipped: {type(e).__name__}: {e}", stacklevel=2)
 
-    class Reader(q.CalibrationDataReader):  # type: ignore[misc]
+    class Reader(q.CalibrationDataReader):  # type: ignore[misc,name-defined]
         def __init__(self) -> None:
             self.feeds = iter(calib)
 

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import importlib
 import inspect
 import json
@@ -73,7 +74,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "tests"))
 import real_models
 
 MODELS = ("resnet18", "mobilenet_v2", "bert", "lstm")
-Runner = _peers.Runner
+Runner = Callable[[], np.ndarray]  # as in _peers: one call on the bound input
 # A column builds one runner per thread count (ORT sessions and OpenVINO compiled models fix
 # their thread count at creation; torch-based columns ignore it: set_num_threads rules them).
 Column = Callable[[int], Runner]
@@ -184,7 +185,7 @@ def cnn_suite(name: str, calib_batches: int, eval_batches: int) -> Suite:
     feeds = {"input": x.numpy()}  # shares x's memory
     with torch.no_grad():
         reference = [model(h).numpy() for h in held_out]
-        channels_last = copy.deepcopy(model).to(memory_format=torch.channels_last)
+        channels_last = copy.deepcopy(model).to(memory_format=torch.channels_last)  # type: ignore[call-overload]
         x_cl = x.contiguous(memory_format=torch.channels_last)
 
     suite.add("fp32 NCHW", lambda: _torch_column(model, x))
@@ -360,13 +361,12 @@ def bert_suites(batches: Sequence[int], sentences: int, calib_sentences: int) ->
         suite = Suite(f"bert batch {batch}")
         x_ids, x_mask = ids[:batch], mask[:batch]
         feeds = {"input_ids": x_ids.numpy(), "attention_mask": x_mask.numpy()}
-        suite.add("fp32", lambda x_ids=x_ids, x_mask=x_mask: _torch_column(model, x_ids, x_mask))
-        suite.add(
-            "torch.ao dynamic",
-            lambda x_ids=x_ids, x_mask=x_mask: _torch_column(
-                once("ao", torch_ao_dynamic), x_ids, x_mask
-            ),
-        )
+        suite.add("fp32", functools.partial(_torch_column, model, x_ids, x_mask))
+
+        def torch_ao(x_ids: torch.Tensor = x_ids, x_mask: torch.Tensor = x_mask) -> Column:
+            return _torch_column(once("ao", torch_ao_dynamic), x_ids, x_mask)
+
+        suite.add("torch.ao dynamic", torch_ao)
 
         def ort_dynamic(
             batch: int = batch,
