@@ -38,6 +38,7 @@ that fails prints its error in its cell and the run goes on.
 from __future__ import annotations
 
 import argparse
+import atexit
 import copy
 import functools
 import importlib
@@ -46,6 +47,7 @@ import json
 import math
 import os
 import platform
+import shutil
 import statistics
 import sys
 import tempfile
@@ -79,7 +81,9 @@ Runner = Callable[[], np.ndarray]  # as in _peers: one call on the bound input
 # their thread count at creation; torch-based columns ignore it: set_num_threads rules them).
 Column = Callable[[int], Runner]
 
+# exported and quantized ONNX files (a few hundred MB for BERT), removed at exit
 WORK = Path(tempfile.mkdtemp(prefix="qb-bench-peers-"))
+atexit.register(shutil.rmtree, WORK, ignore_errors=True)
 
 
 class NotAvailableError(Exception):
