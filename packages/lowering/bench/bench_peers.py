@@ -618,12 +618,17 @@ def main() -> int:
     results: list[dict[str, Any]] = []
     for name in args.models:
         print(f"\n== {name}", flush=True)
-        if name == "bert":
-            suites = bert_suites(args.bert_batches, args.sentences, args.calib_batches * 4)
-        elif name == "lstm":
-            suites = [lstm_suite(args.calib_batches)]
-        else:
-            suites = [cnn_suite(name, args.calib_batches, eval_batches=4)]
+        try:
+            if name == "bert":
+                suites = bert_suites(args.bert_batches, args.sentences, args.calib_batches * 4)
+            elif name == "lstm":
+                suites = [lstm_suite(args.calib_batches)]
+            else:
+                suites = [cnn_suite(name, args.calib_batches, eval_batches=4)]
+        except Exception as e:  # e.g. transformers missing: the other models still run
+            traceback.print_exc(limit=4, file=sys.stderr)
+            print(f"  {name}: not run: {_error(e)}")
+            continue
         for suite in suites:
             for threads in args.threads:
                 results.append(time_suite(suite, threads, args.rounds))
