@@ -633,7 +633,8 @@ def main() -> int:
             for threads in args.threads:
                 results.append(time_suite(suite, threads, args.rounds))
                 _print_result(results[-1])
-    print("\n" + _markdown(results))
+    if results:
+        print("\n" + _markdown(results))
     load = os.getloadavg()
     print(f"\nload average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f} at the end")
     if args.json:
