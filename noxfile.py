@@ -6,6 +6,7 @@
     nox -s typecheck    mypy --strict, one package at a time
     nox -s build        wheels + sdists; each wheel installed alone in a fresh venv and imported
     nox -s demo         the project's main job
+    nox -s bench_peers  int8 against ONNX Runtime, OpenVINO/NNCF and torch.ao (installs them)
 
 Every install goes through constraints.txt. Virtualenvs are reused, and a session skips pip
 entirely when nothing it installs from (constraints, pyproject files, its requirement list)
@@ -245,6 +246,24 @@ def demo(session: nox.Session) -> None:
     session.run("python", str(ROOT / "examples" / "demo.py"), *session.posargs)
 
 
+# Peer runtimes the benchmarks compare against (pinned in constraints.txt). Only the bench
+# sessions install them; the tests session never does. onnxscript: torch.onnx's exporter.
+PEER_REQUIREMENTS = ("onnx", "onnxscript", "onnxruntime", "openvino", "nncf", "transformers")
+
+
+@nox.session
+def bench_peers(session: nox.Session) -> None:
+    """packages/lowering/bench/bench_peers.py: quantbridge beside ONNX Runtime, OpenVINO, torch.ao.
+
+    Arguments after ``--`` go to the script, e.g. ``nox -s bench_peers -- --models resnet18
+    --threads 1 --rounds 5 --json peers.json``.
+    """
+    _install(session, "torch", *PEER_REQUIREMENTS, *_editable(*PACKAGES))
+    session.run(
+        "python", str(ROOT / "packages" / "lowering" / "bench" / "bench_peers.py"), *session.posargs
+    )
+
+
 # --- benchmarks (asv_bench/, see asv_bench/README.md) ------------------------------------------
 
 ASV_DIR = ROOT / "asv_bench"
@@ -277,18 +296,24 @@ def _asv_machine(session: nox.Session) -> None:
     )  # fmt: skip
 
 
+def _asv_quick_run(session: nox.Session, *options: str) -> None:
+    _asv_machine(session)
+    session.run(
+        "asv", "run", "--config", ASV_CONFIG, "--machine", ASV_MACHINE,
+        "--quick", "--show-stderr", "HEAD^!", *options,
+    )  # fmt: skip
+
+
 @nox.session
 def bench(session: nox.Session) -> None:
     """asv run --quick on HEAD: every benchmark once, results in asv_bench/results/.
 
-    Extra arguments go to asv run, e.g. ``nox -s bench -- --bench models``.
+    Extra arguments go to asv run, e.g. ``nox -s bench -- --bench models``. asv installs the
+    peers (PEER_REQUIREMENTS but transformers) into its own environment (asv.conf.json), so
+    ``models.Models`` has its torch.ao / ONNX Runtime / OpenVINO reference rows.
     """
     _install(session, *ASV_REQUIREMENTS)
-    _asv_machine(session)
-    session.run(
-        "asv", "run", "--config", ASV_CONFIG, "--machine", ASV_MACHINE,
-        "--quick", "--show-stderr", "HEAD^!", *session.posargs,
-    )  # fmt: skip
+    _asv_quick_run(session, *session.posargs)
 
 
 @nox.session
@@ -316,14 +341,25 @@ def dashboard(session: nox.Session) -> None:
     """asv publish into asv_bench/html/, then the headless-Chromium check of the page.
 
     Preview it with ``asv preview --config asv_bench/asv.conf.json`` (serves html/ locally).
-    Chromium and npm come from Debian (apt-get) when they are not installed yet.
+    On a fresh clone (no results for this machine yet) it first runs the quick bench, as
+    ``nox -s bench`` does. Chromium and npm come from Debian (apt-get) when they are not
+    installed yet; the session says so before it installs them.
     """
     _install(session, *ASV_REQUIREMENTS, "pytest")
+    results = ASV_DIR / "results" / ASV_MACHINE
+    if not any(p.name != "machine.json" for p in results.glob("*.json")):
+        session.log(f"no asv results for {ASV_MACHINE} yet: running the quick bench first")
+        _asv_quick_run(session)
     session.run("asv", "publish", "--config", ASV_CONFIG)
     # Debian's chromium (the browser check) and npm (the page's JavaScript libraries, which
     # asv loads from CDNs; offline_dashboard.py serves them from html/vendor/ instead)
     missing = [tool for tool in ("chromium", "npm") if shutil.which(tool) is None]
     if missing:
+        print(
+            f"dashboard: {' and '.join(missing)} not found: installing them with the system "
+            "package manager (apt-get update && apt-get install -y " + " ".join(missing) + ")",
+            flush=True,
+        )
         session.run("apt-get", "update", "-q", external=True)
         session.run("apt-get", "install", "-y", "-q", *missing, external=True)
     session.run("python", str(ASV_DIR / "offline_dashboard.py"))

@@ -8,6 +8,13 @@ npm registry (``npm pack``, cached in ``asv_bench/.asv/vendor/``), copies them i
 integrity attributes: the npm files are the libraries' own builds, not the CDN's re-minified
 bytes). Any CDN URL it does not know fails the script, so an asv upgrade that adds one is seen.
 
+It also makes a logarithmic y axis the default of every benchmark graph (asv's "log scale"
+button starts pressed): one graph holds a backend at 1 ms and a peer or the reference backend
+at 180 ms, which a linear axis squashes to a line at zero. The button still switches to a
+linear axis (the URL then says ``y-axis-scale=linear``). And a graph draws up to 16 curves by
+default (asv: 8), so every backend and peer row of ``models.Models`` is drawn. A patch whose
+asv code is not found fails the script, like an unknown CDN URL.
+
     python asv_bench/offline_dashboard.py      (run by ``nox -s dashboard`` after asv publish)
 """
 
@@ -67,6 +74,26 @@ ASSETS: dict[str, tuple[str, str]] = {
 }
 # Bootstrap's CSS refers to ../fonts/; copied beside it.
 EXTRA_DIRS = {"bootstrap@3.1.1": "package/dist/fonts/"}
+# asv's graphdisplay.js: (code as asv 0.6.6 ships it, replacement). The first makes "log" the
+# y-axis scale of a URL that names none; the second keeps an explicit linear choice in the URL
+# (asv would drop the parameter, which now means log).
+GRAPH_PATCHES: list[tuple[str, str]] = [
+    (
+        "        if (params['y-axis-scale']) {\n",
+        "        if (!params['y-axis-scale']) {\n"
+        "            params['y-axis-scale'] = ['log'];  // quantbridge: log scale by default\n"
+        "        }\n"
+        "        if (params['y-axis-scale']) {\n",
+    ),
+    (
+        "update_state_url({'y-axis-scale': log_scale ? ['log']: []});",
+        "update_state_url({'y-axis-scale': log_scale ? ['log']: ['linear']});",
+    ),
+    # asv draws at most 8 curves by default: models.Models has 10 backend columns (fp32,
+    # reference, three numba targets, torch_native, three peers), so its default plot would
+    # drop the last peers. 16 draws every column of the first model.
+    ("var max_curves = 8;", "var max_curves = 16;"),
+]
 TAG = re.compile(r"<(script|link)\b[^>]*?(?:src|href)=\"(https?://[^\"]+)\"[^>]*>")
 DROP_ATTRS = re.compile(r'\s+(?:integrity|crossorigin|referrerpolicy)="[^"]*"')
 
@@ -105,7 +132,21 @@ def _extract(spec: str, member: str, vendor: Path) -> str:
     return f"vendor/{rel.as_posix()}"
 
 
+def patch_graph_display(script: Path) -> None:
+    """Apply GRAPH_PATCHES to asv's graph page script (each once: reruns are no-ops)."""
+    text = script.read_text()
+    for old, new in GRAPH_PATCHES:
+        if new in text:
+            continue
+        if text.count(old) != 1:
+            sys.exit(f"offline_dashboard: {script.name}: asv code to patch not found: {old!r}")
+        text = text.replace(old, new)
+    script.write_text(text)
+    print(f"offline_dashboard: {script.name}: graphs open with a log y axis and up to 16 curves")
+
+
 def main() -> int:
+    patch_graph_display(HTML / "graphdisplay.js")
     vendor = HTML / "vendor"
     for page in sorted(HTML.glob("*.html")):
         text = page.read_text()

@@ -20,13 +20,15 @@ from quantbridge.lowering import available_backends, get_backend
 from quantbridge.qconfig import QConfigMapping, default_dynamic_qconfig
 
 from ._models import MODELS
+from ._peers import PEERS
 
 # Kernel targets, fixed so the parameter grid is the same on every machine; a target this
 # CPU lacks is skipped in setup (asv shows it as n/a).
 NUMBA_BACKENDS = [f"numba_{t}" for t in kernels.TARGETS]
 # Model-level columns: fp32 eager baseline, the lowering backends (plugins and the ``numba``
-# alias are left out: the alias is one of the numba_* targets).
-MODEL_BACKENDS = ["fp32", "reference", *NUMBA_BACKENDS, "torch_native"]
+# alias are left out: the alias is one of the numba_* targets), then the peers as reference
+# rows (torch.ao x86, ONNX Runtime int8, OpenVINO int8; see _peers.py).
+MODEL_BACKENDS = ["fp32", "reference", *NUMBA_BACKENDS, "torch_native", *PEERS]
 # Op-level columns: fp32 torch op, the reference decomposition (dequantize, fp32 op,
 # quantize, on plain tensors), each numba target.
 OP_BACKENDS = ["fp32", "reference", *NUMBA_BACKENDS]
@@ -46,6 +48,8 @@ def kernel_target(backend: str) -> str:
 
 
 def require_backend(backend: str) -> None:
+    if backend in PEERS:
+        return  # checked when the peer's model is built
     if backend != "fp32" and backend not in available_backends():
         raise NotImplementedError(f"{backend}: not available here")
     if backend.startswith("numba_"):

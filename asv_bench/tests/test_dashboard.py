@@ -15,6 +15,7 @@ import functools
 import http.server
 import json
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -37,6 +38,9 @@ PER_BACKEND = [
     "flow.ColdStart.time_cold_start",
 ]
 BACKENDS = ["fp32", "reference", "numba_avx512_vnni", "numba_avx2", "numba_generic"]
+# Reference rows beside the backends on every models.Models page (asv_bench/benchmarks/_peers.py).
+PEERS = ["torch_ao_x86", "onnxruntime_int8", "openvino_int8"]
+LOG_SCALE_ON = re.compile(r'<a id="log-scale" class="[^"]*\bactive\b')
 CHROMIUM_FLAGS = [
     "--headless",
     "--no-sandbox",
@@ -132,13 +136,39 @@ def test_per_backend_graphs(chromium: str, site: str) -> None:
         params = index["benchmarks"][name]["params"]
         offered = {p.strip("'") for p in params[0]}
         expected = set(BACKENDS) - ({"fp32"} if name.startswith("flow.") else set())
+        if name.startswith("models."):
+            expected |= set(PEERS)
         assert expected <= offered, (name, offered)
     dom, errors = _open(chromium, f"{site}/index.html#models.Models.time_forward", "--dump-dom")
     assert errors == []
-    for backend in [*BACKENDS, "torch_native"]:
+    for backend in [*BACKENDS, "torch_native", *PEERS]:
         assert backend in dom, f"no {backend} series on the models.Models.time_forward page"
     graphs = list((HTML / "graphs").rglob("models.Models.time_forward.json"))
     assert graphs, "no graph data published for models.Models.time_forward"
+
+
+def _first_model() -> str:
+    with open(HTML / "index.json") as f:
+        params = json.load(f)["benchmarks"]["models.Models.time_forward"]["params"]
+    return str(params[1][0]).strip("'")
+
+
+def test_graphs_open_with_a_log_axis(chromium: str, site: str) -> None:
+    """A 1 ms backend and a 180 ms one stay readable: the y axis starts logarithmic, and an
+    explicit linear choice in the URL is kept (offline_dashboard.py patches asv's script)."""
+    page = f"{site}/index.html#models.Models.time_forward"
+    dom, errors = _open(chromium, page, "--dump-dom")
+    assert errors == []
+    assert LOG_SCALE_ON.search(dom), "the log scale button is not pressed by default"
+    # every column is drawn by default (asv alone draws 8 curves): the legend names each
+    first_model = _first_model()
+    for backend in [*BACKENDS, "torch_native", *PEERS]:
+        label = f"backend-{backend}; model-{first_model}"
+        assert label in dom, f"{label} is not drawn on the default graph"
+    dom, errors = _open(chromium, f"{page}?y-axis-scale=linear", "--dump-dom")
+    assert errors == []
+    assert 'id="log-scale"' in dom
+    assert not LOG_SCALE_ON.search(dom), "y-axis-scale=linear still shows a log axis"
 
 
 def test_screenshot(chromium: str, site: str) -> None:

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import importlib
 import json
 import os
 import platform
@@ -42,7 +41,6 @@ import statistics
 import sys
 import time
 import traceback
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -69,6 +67,7 @@ TARGETS: dict[str, tuple[float | None, float | None]] = {
 # The model builders live with the asv suite (importable there); both benches time the same models.
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "asv_bench" / "benchmarks"))
 from _models import MLP, EncoderLayer, ResNetish  # noqa: E402
+from _peers import torch_ao_x86  # noqa: E402  (the torch.ao column bench_peers.py times too)
 
 # torchvision-style networks (torchvision itself does not import under the pinned torch)
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "tests"))
@@ -108,30 +107,9 @@ def _torch_ao_model(
 ) -> nn.Module | str:
     """torch.ao's convert_fx model on the x86 engine, or why there is none."""
     try:
-        importlib.import_module("torch.ao.quantization.backend_config.utils")  # 2.13 quirk
-        ao_fx = importlib.import_module("torch.ao.quantization.quantize_fx")
-        ao_q = importlib.import_module("torch.ao.quantization")
-        ao_x86 = importlib.import_module("torch.ao.quantization.backend_config.x86")
-    except ImportError as e:
+        return torch_ao_x86(model, mode, (example,), [(x,) for x in calib])
+    except NotImplementedError as e:
         return f"torch.ao unavailable ({e})"
-    torch.backends.quantized.engine = "x86"
-    # the oracle's own deprecation notices would drown the table
-    warnings.filterwarnings("ignore", message=".*torch.ao.quantization is deprecated")
-    warnings.filterwarnings("ignore", message=".*reduce_range will be deprecated")
-    warnings.filterwarnings("ignore", message=".*quantized tensor creation functions")
-    default = ao_q.get_default_qconfig_mapping("x86")
-    if mode == "static":
-        mapping = default
-    elif mode == "dynamic":
-        mapping = ao_q.QConfigMapping().set_object_type(nn.Linear, ao_q.default_dynamic_qconfig)
-    else:
-        mapping = ao_q.QConfigMapping().set_object_type(nn.Linear, default.global_qconfig)
-    config = ao_x86.get_x86_backend_config()
-    prepared = ao_fx.prepare_fx(copy.deepcopy(model), mapping, (example,), backend_config=config)
-    with torch.no_grad():
-        for x in calib:
-            prepared(x)
-    return ao_fx.convert_fx(prepared, backend_config=config)  # type: ignore[no-any-return]
 
 
 def _columns(

@@ -1,0 +1,647 @@
+"""quantbridge beside its peers: torch.ao, ONNX Runtime and OpenVINO/NNCF int8, side by side.
+
+Run by ``nox -s bench_peers`` (the only session that installs onnxruntime, openvino, nncf,
+transformers and onnx, pinned in constraints.txt):
+
+    python packages/lowering/bench/bench_peers.py [--models resnet18 mobilenet_v2 bert lstm]
+        [--threads 1 2] [--rounds 20] [--sentences 256] [--json OUT]
+
+Models and columns:
+
+* ``resnet18`` / ``mobilenet_v2`` (batch 1, 3x224x224): torchvision's architectures from
+  ``tests/real_models.py`` with seeded weights and settled BN statistics. fp32 eager (NCHW and
+  channels-last, both timed; the faster is the fp32 figure), torch.ao x86 ``convert_fx``,
+  quantbridge ``get_backend("numba")``, ONNX Runtime ``quantize_static`` (QDQ, per-channel
+  int8 weights, uint8 activations, on ``torch.onnx.export``'s model) and OpenVINO int8
+  (``nncf.quantize`` on ``openvino.convert_model``'s model). Every int8 column is calibrated
+  on the same batches; SQNR (dB) of its logits against fp32 on held-out inputs.
+* ``bert``: transformers ``BertModel`` (6 layers, hidden 384, 12 heads, FFN 1536, random
+  init: nothing is downloaded), random sentences padded to 128 tokens with an attention mask,
+  batch 1 and 16. fp32 eager, torch.ao ``quantize_dynamic``, ONNX Runtime
+  ``quantize_dynamic``, OpenVINO int8 (``nncf.quantize``, ``ModelType.TRANSFORMER``),
+  quantbridge dynamic and static (through ``prepare_fx(..., capture="export")`` when that
+  argument exists). Fidelity on ``--sentences`` random sentences: mean cosine of the
+  mean-pooled embeddings against fp32, the mean overlap of each sentence's 10 nearest
+  neighbours (cosine) with fp32's, and the SQNR of the pooled embeddings.
+* ``lstm``: ``nn.LSTM`` 2 layers, input and hidden 512, sequence 64, batch 8: fp32, torch.ao
+  dynamic LSTM, quantbridge dynamic (the output says whether its LSTM is still float).
+
+Timing: every column runs one forward per round, columns interleaved within each round (load
+from other processes hits all alike), median (and minimum) ms over ``--rounds``. Threads per
+``--threads`` count: ``torch.set_num_threads`` (fp32, torch.ao, and the quantbridge kernels,
+which follow torch's setting), ONNX Runtime ``intra_op_num_threads`` (one session per count;
+spin-waiting off, so an idle session does not steal the core of the next column) and OpenVINO
+``INFERENCE_NUM_THREADS`` (one compiled model per count, latency hint, one stream). A peer
+that fails prints its error in its cell and the run goes on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import copy
+import functools
+import importlib
+import inspect
+import json
+import math
+import os
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from quantbridge.fx_quant import calibrate, prepare_fx
+from quantbridge.lowering import get_backend
+from quantbridge.qconfig import QConfigMapping, default_dynamic_qconfig
+
+# The peers' quantization recipes are shared with the asv suite (importable there).
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "asv_bench" / "benchmarks"))
+import _peers
+
+# torchvision-style networks (torchvision itself does not import under the pinned torch)
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "tests"))
+import real_models
+
+MODELS = ("resnet18", "mobilenet_v2", "bert", "lstm")
+Runner = Callable[[], np.ndarray]  # as in _peers: one call on the bound input
+# A column builds one runner per thread count (ORT sessions and OpenVINO compiled models fix
+# their thread count at creation; torch-based columns ignore it: set_num_threads rules them).
+Column = Callable[[int], Runner]
+
+# exported and quantized ONNX files (a few hundred MB for BERT), removed at exit
+WORK = Path(tempfile.mkdtemp(prefix="qb-bench-peers-"))
+atexit.register(shutil.rmtree, WORK, ignore_errors=True)
+
+
+class NotAvailableError(Exception):
+    """A column that cannot exist here; its message is the whole cell (no traceback)."""
+
+
+def _error(e: BaseException) -> str:
+    lines = str(e).strip().splitlines()
+    first = lines[0][:160] if lines else ""
+    return first if isinstance(e, NotAvailableError) else f"{type(e).__name__}: {first}"
+
+
+def sqnr(reference: np.ndarray, other: np.ndarray) -> float:
+    """Signal-to-quantization-noise ratio of ``other`` against ``reference``, in dB."""
+    noise = float(np.sum((reference.astype(np.float64) - other) ** 2))
+    signal = float(np.sum(reference.astype(np.float64) ** 2))
+    return math.inf if noise == 0 else 10 * math.log10(signal / noise)
+
+
+def _ort_column(path: Path, feeds: dict[str, np.ndarray]) -> Column:
+    return lambda threads: _peers.ort_runner(path, feeds, threads)
+
+
+def _openvino_column(ov_model: Any, feeds: dict[str, np.ndarray]) -> Column:
+    return lambda threads: _peers.openvino_runner(ov_model, feeds, threads)
+
+
+def _torch_column(model: Callable[..., Any], *args: Any) -> Column:
+    return lambda threads: lambda: _peers.to_numpy(model(*args))
+
+
+def _quantbridge(
+    model: nn.Module,
+    mapping: QConfigMapping,
+    example: tuple[Any, ...],
+    calib: list[tuple[Any, ...]],
+    **prepare_args: Any,
+) -> nn.Module:
+    """prepare with the numba backend's config, calibrate, convert + lower by ``numba``."""
+    backend = get_backend("numba")
+    prepared = prepare_fx(
+        copy.deepcopy(model),
+        mapping,
+        example,
+        backend_config=backend.backend_config,
+        **prepare_args,
+    )
+    calibrate(prepared, calib, progress=False)
+    lowered: nn.Module = backend.convert(prepared)
+    return lowered
+
+
+# --- the models -------------------------------------------------------------------------------
+
+
+@dataclass
+class Suite:
+    """Columns of one model at one input size, and what to print about fidelity."""
+
+    name: str
+    columns: dict[str, Column] = field(default_factory=dict)
+    errors: dict[str, str] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    # column -> fidelity figures (SQNR dB, cosine, top-10 overlap)
+    fidelity: dict[str, dict[str, float]] = field(default_factory=dict)
+    # fp32 columns of which only the fastest counts as "fp32"
+    fp32_variants: tuple[str, ...] = ("fp32",)
+
+    def add(self, name: str, build: Callable[[], Column]) -> Column | None:
+        print(f"  building {self.name}: {name}", flush=True)
+        try:
+            column = build()
+        except Exception as e:  # a peer that fails is a result, not the end of the run
+            self.errors[name] = _error(e)
+            if not isinstance(e, NotAvailableError):
+                traceback.print_exc(limit=4, file=sys.stderr)
+            return None
+        self.columns[name] = column
+        return column
+
+
+@contextmanager
+def _threads(n: int) -> Iterator[None]:
+    previous = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _calib_images(n: int, seed: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(1, 3, 224, 224, generator=g) for _ in range(n)]
+
+
+def cnn_suite(name: str, calib_batches: int, eval_batches: int) -> Suite:
+    suite = Suite(name, fp32_variants=("fp32 NCHW", "fp32 channels_last"))
+    model = real_models.build(name, full_size=True).eval()
+    calib = _calib_images(calib_batches, seed=1)
+    held_out = _calib_images(eval_batches, seed=2)
+    x = held_out[0].clone()  # every column reads this input; refilled in place for SQNR
+    feeds = {"input": x.numpy()}  # shares x's memory
+    with torch.no_grad():
+        reference = [model(h).numpy() for h in held_out]
+        channels_last = copy.deepcopy(model).to(memory_format=torch.channels_last)  # type: ignore[call-overload]
+        x_cl = x.contiguous(memory_format=torch.channels_last)
+
+    suite.add("fp32 NCHW", lambda: _torch_column(model, x))
+    suite.add("fp32 channels_last", lambda: _torch_column(channels_last, x_cl))
+
+    def torch_ao() -> Column:
+        ao = _peers.torch_ao_x86(model, "static", (x,), [(c,) for c in calib])
+        return _torch_column(ao, x)
+
+    suite.add("torch.ao x86", torch_ao)
+
+    def numba() -> Column:
+        backend = get_backend("numba")
+        target = getattr(backend, "target", "?")
+        suite.notes.append(f"quantbridge numba: get_backend('numba'), kernel target {target}")
+        lowered = _quantbridge(model, backend.qconfig_mapping(), (x,), [(c,) for c in calib])
+        return _torch_column(lowered, x)
+
+    suite.add("quantbridge numba", numba)
+
+    def ort() -> Column:
+        fp32 = _peers.onnx_export(model, (x,), ["input"], WORK / f"{name}.onnx")
+        calib_feeds = [{"input": c.numpy()} for c in calib]
+        int8 = _peers.ort_quantize_static(fp32, calib_feeds, WORK / f"{name}.qdq.onnx")
+        return _ort_column(int8, feeds)
+
+    suite.add("ORT int8 QDQ", ort)
+
+    def openvino() -> Column:
+        return _openvino_column(_peers.openvino_int8(model, x, [c.numpy() for c in calib]), feeds)
+
+    suite.add("OpenVINO int8", openvino)
+
+    # SQNR of every int8 column on the held-out images (one thread)
+    with torch.no_grad(), _threads(1):
+        for column, make in list(suite.columns.items()):
+            if column in suite.fp32_variants:
+                continue
+            try:
+                outs = []
+                runner = make(1)
+                for h in held_out:
+                    x.copy_(h)
+                    outs.append(runner())
+                suite.fidelity[column] = {
+                    "sqnr_db": sqnr(np.concatenate(reference), np.concatenate(outs))
+                }
+            except Exception as e:
+                suite.errors[column] = _error(e)
+                del suite.columns[column]
+        x.copy_(held_out[0])
+    return suite
+
+
+# BERT ------------------------------------------------------------------------------------------
+
+BERT_SEQ = 128
+
+
+def _sentences(n: int, vocab: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``n`` random "sentences": [CLS] tokens [SEP], 8..128 long, zero-padded to 128."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.zeros(n, BERT_SEQ, dtype=torch.long)
+    mask = torch.zeros(n, BERT_SEQ, dtype=torch.long)
+    lengths = torch.randint(8, BERT_SEQ + 1, (n,), generator=g)
+    for i, length in enumerate(lengths.tolist()):
+        ids[i, 0], ids[i, length - 1] = 101, 102  # [CLS], [SEP] in BERT's vocabulary
+        ids[i, 1 : length - 1] = torch.randint(1000, vocab, (length - 2,), generator=g)
+        mask[i, :length] = 1
+    return ids, mask
+
+
+def _pooled(hidden: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    m = mask[..., None].astype(np.float32)
+    return np.asarray((hidden * m).sum(1) / m.sum(1), dtype=np.float64)
+
+
+def _fidelity(reference: np.ndarray, other: np.ndarray, k: int = 10) -> dict[str, float]:
+    """Mean cosine per sentence, top-k neighbour overlap, SQNR of the pooled embeddings."""
+
+    def unit(e: np.ndarray) -> np.ndarray:
+        return np.asarray(e / np.linalg.norm(e, axis=1, keepdims=True))
+
+    a, b = unit(reference), unit(other)
+    cosine = float(np.mean(np.sum(a * b, axis=1)))
+
+    def neighbours(e: np.ndarray) -> np.ndarray:
+        sim = e @ e.T
+        np.fill_diagonal(sim, -np.inf)
+        return np.argsort(-sim, axis=1)[:, :k]
+
+    na, nb = neighbours(a), neighbours(b)
+    overlap = float(np.mean([len(set(x) & set(y)) / k for x, y in zip(na, nb, strict=True)]))
+    return {"cosine": cosine, "top10_overlap": overlap, "sqnr_db": sqnr(reference, other)}
+
+
+class _Hidden(nn.Module):
+    """``BertModel`` -> last_hidden_state only (for the ONNX export's single output)."""
+
+    def __init__(self, bert: nn.Module) -> None:
+        super().__init__()
+        self.bert = bert
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.bert(
+            input_ids=input_ids, attention_mask=attention_mask
+        ).last_hidden_state
+        return out
+
+
+def _has_export_capture() -> bool:
+    return "capture" in inspect.signature(prepare_fx).parameters
+
+
+def bert_suites(batches: Sequence[int], sentences: int, calib_sentences: int) -> list[Suite]:
+    transformers = importlib.import_module("transformers")
+    config = transformers.BertConfig(
+        num_hidden_layers=6, hidden_size=384, num_attention_heads=12, intermediate_size=1536
+    )
+    torch.manual_seed(0)
+    bert = transformers.BertModel(config).eval()
+    model = _Hidden(bert).eval()
+    ids, mask = _sentences(sentences, config.vocab_size, seed=3)
+    calib_ids, calib_mask = _sentences(calib_sentences, config.vocab_size, seed=4)
+    eval_batch = max(batches)  # fidelity runs each column on this batch size
+    with torch.no_grad():
+        reference = np.concatenate(
+            [
+                _peers.to_numpy(model(ids[i : i + eval_batch], mask[i : i + eval_batch]))
+                for i in range(0, sentences, eval_batch)
+            ]
+        )
+    reference_pooled = _pooled(reference, mask.numpy())
+    calib_pairs = [(calib_ids[i : i + 1], calib_mask[i : i + 1]) for i in range(calib_sentences)]
+
+    # shared across batch sizes: the torch-side quantized models are shape-agnostic
+    shared: dict[str, Any] = {}  # built object, or why building it failed
+
+    def once(key: str, build: Callable[[], Any]) -> Any:
+        """Build once for every batch size; a failure is re-reported, not retried."""
+        if key not in shared:
+            try:
+                shared[key] = build()
+            except Exception as e:
+                shared[key] = e
+        value = shared[key]
+        if isinstance(value, Exception):
+            raise value
+        return value
+
+    def torch_ao_dynamic() -> nn.Module:
+        ao_q = _peers.require("torch.ao.quantization")
+        _peers.quiet_torch_ao()
+        torch.backends.quantized.engine = "x86"
+        quantized: nn.Module = ao_q.quantize_dynamic(
+            copy.deepcopy(model), {nn.Linear}, dtype=torch.qint8
+        )
+        return quantized
+
+    def quantbridge(mode: str) -> nn.Module:
+        if not _has_export_capture():
+            raise NotAvailableError("n/a (needs capture='export')")
+        backend = get_backend("numba")
+        if mode == "dynamic":
+            mapping = QConfigMapping().set_object_type(nn.Linear, default_dynamic_qconfig)
+        else:
+            mapping = backend.qconfig_mapping()
+        example = (calib_ids[:1], calib_mask[:1])
+        return _quantbridge(bert, mapping, example, calib_pairs, capture="export")
+
+    suites = []
+    for batch in batches:
+        suite = Suite(f"bert batch {batch}")
+        x_ids, x_mask = ids[:batch], mask[:batch]
+        feeds = {"input_ids": x_ids.numpy(), "attention_mask": x_mask.numpy()}
+        suite.add("fp32", functools.partial(_torch_column, model, x_ids, x_mask))
+
+        def torch_ao(x_ids: torch.Tensor = x_ids, x_mask: torch.Tensor = x_mask) -> Column:
+            return _torch_column(once("ao", torch_ao_dynamic), x_ids, x_mask)
+
+        suite.add("torch.ao dynamic", torch_ao)
+
+        def ort_dynamic(
+            batch: int = batch,
+            feeds: dict[str, np.ndarray] = feeds,
+            x_ids: torch.Tensor = x_ids,
+            x_mask: torch.Tensor = x_mask,
+        ) -> Column:
+            fp32 = _peers.onnx_export(
+                model, (x_ids, x_mask), ["input_ids", "attention_mask"], WORK / f"bert{batch}.onnx"
+            )
+            return _ort_column(
+                _peers.ort_quantize_dynamic(fp32, WORK / f"bert{batch}.dyn.onnx"), feeds
+            )
+
+        suite.add("ORT dynamic", ort_dynamic)
+
+        def openvino(feeds: dict[str, np.ndarray] = feeds) -> Column:
+            calib = [{"input_ids": i.numpy(), "attention_mask": m.numpy()} for i, m in calib_pairs]
+            example = {"input_ids": calib_ids[:1], "attention_mask": calib_mask[:1]}
+            # one NNCF run; the converted model takes any batch size
+            quantized = once(
+                "ov", lambda: _peers.openvino_int8(model, example, calib, transformer=True)
+            )
+            return _openvino_column(quantized, feeds)
+
+        suite.add("OpenVINO int8", openvino)
+        for mode in ("dynamic", "static"):
+
+            def qb(
+                mode: str = mode, x_ids: torch.Tensor = x_ids, x_mask: torch.Tensor = x_mask
+            ) -> Column:
+                lowered = once(f"qb {mode}", lambda: quantbridge(mode))
+                with torch.no_grad():
+                    lowered(x_ids, x_mask)
+                return _torch_column(lowered, x_ids, x_mask)
+
+            suite.add(f"quantbridge {mode}", qb)
+        suites.append(suite)
+
+    # fidelity on every sentence, each column at batch ``eval_batch``
+    fidelity_suite = next(s for s in suites if s.name == f"bert batch {eval_batch}")
+    with torch.no_grad(), _threads(1):
+        for column, make in list(fidelity_suite.columns.items()):
+            if column == "fp32":
+                continue
+            saved_ids, saved_mask = ids.clone(), mask.clone()
+            try:
+                outs = []
+                runner = make(1)
+                for i in range(0, sentences, eval_batch):
+                    # the runners read their bound inputs (views of ids/mask): refill in place
+                    ids[:eval_batch].copy_(saved_ids[i : i + eval_batch])
+                    mask[:eval_batch].copy_(saved_mask[i : i + eval_batch])
+                    outs.append(runner())
+                pooled = _pooled(np.concatenate(outs), saved_mask.numpy())
+                for suite in suites:
+                    if column in suite.columns:
+                        suite.fidelity[column] = _fidelity(reference_pooled, pooled)
+            except Exception as e:
+                fidelity_suite.errors[column] = f"fidelity failed: {_error(e)}"
+                traceback.print_exc(limit=4, file=sys.stderr)
+            finally:
+                ids.copy_(saved_ids)
+                mask.copy_(saved_mask)
+    for suite in suites:
+        suite.notes.append(
+            f"fidelity: {sentences} random sentences (8-128 tokens, padded to {BERT_SEQ}), "
+            f"run at batch {eval_batch}, pooled over the mask; random-init weights"
+        )
+    return suites
+
+
+# LSTM ------------------------------------------------------------------------------------------
+
+
+class LSTMModel(nn.Module):
+    """Two-layer LSTM, input and hidden 512, returning the output sequence only."""
+
+    def __init__(self, hidden: int = 512, layers: int = 2) -> None:
+        super().__init__()
+        self.lstm = nn.LSTM(hidden, hidden, num_layers=layers)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.lstm(x)[0]
+        return out
+
+
+def lstm_suite(calib_batches: int) -> Suite:
+    suite = Suite("lstm")
+    torch.manual_seed(0)
+    model = LSTMModel().eval()
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(64, 8, 512, generator=g)  # (sequence, batch, features)
+    calib = [(torch.randn(64, 8, 512, generator=g),) for _ in range(calib_batches)]
+    with torch.no_grad():
+        reference = model(x).numpy()
+    suite.add("fp32", lambda: _torch_column(model, x))
+
+    def torch_ao() -> Column:
+        ao_q = _peers.require("torch.ao.quantization")
+        _peers.quiet_torch_ao()
+        torch.backends.quantized.engine = "x86"
+        quantized = ao_q.quantize_dynamic(copy.deepcopy(model), {nn.LSTM}, dtype=torch.qint8)
+        return _torch_column(quantized, x)
+
+    suite.add("torch.ao dynamic", torch_ao)
+
+    def quantbridge() -> Column:
+        mapping = QConfigMapping().set_object_type(nn.LSTM, default_dynamic_qconfig)
+        lowered = _quantbridge(model, mapping, (x,), calib)
+        still_float = [n for n, m in lowered.named_modules() if type(m) is nn.LSTM]
+        if still_float:
+            suite.notes.append(
+                "quantbridge dynamic: the numba backend leaves nn.LSTM in float today "
+                f"({', '.join(still_float)} is torch's float LSTM): this column is fp32"
+            )
+        return _torch_column(lowered, x)
+
+    suite.add("quantbridge dynamic", quantbridge)
+    with torch.no_grad(), _threads(1):
+        for column, make in suite.columns.items():
+            if column != "fp32":
+                suite.fidelity[column] = {"sqnr_db": sqnr(reference, make(1)())}
+    return suite
+
+
+# --- timing and output ------------------------------------------------------------------------
+
+
+def time_suite(suite: Suite, threads: int, rounds: int) -> dict[str, Any]:
+    """Median and minimum ms per column at ``threads``, columns interleaved in every round."""
+    errors = dict(suite.errors)
+    runners: dict[str, Runner] = {}
+    with _threads(threads), torch.no_grad():
+        for name, make in suite.columns.items():
+            try:
+                runner = make(threads)
+                runner()  # first-call costs (compilation, allocation) outside the timing
+                runners[name] = runner
+            except Exception as e:
+                errors[name] = _error(e)
+        samples: dict[str, list[float]] = {k: [] for k in runners}
+        for _ in range(rounds):
+            for name, runner in runners.items():
+                start = time.perf_counter()
+                runner()
+                samples[name].append(time.perf_counter() - start)
+    median = {k: statistics.median(v) * 1e3 for k, v in samples.items()}
+    fastest = {k: min(v) * 1e3 for k, v in samples.items()}
+    fp32 = [k for k in suite.fp32_variants if k in median]
+    fp32_ms = min((median[k] for k in fp32), default=None)
+    return {
+        "model": suite.name,
+        "threads": threads,
+        "rounds": rounds,
+        "load_average_1min": os.getloadavg()[0],
+        "ms": median,
+        "min_ms": fastest,
+        "fp32_ms": fp32_ms,
+        "fp32_layout": min(fp32, key=lambda k: median[k]) if fp32 else None,
+        "errors": errors,
+        "fidelity": suite.fidelity,
+        "notes": suite.notes,
+    }
+
+
+def _print_result(r: dict[str, Any]) -> None:
+    print(
+        f"\n{r['model']}, {r['threads']} thread(s), {r['rounds']} rounds, load average "
+        f"{r['load_average_1min']:.1f}: median ms (min), speed vs fp32, fidelity vs fp32"
+    )
+    names = [*r["ms"], *(k for k in r["errors"] if k not in r["ms"])]
+    width = max(len(k) for k in names)
+    for name in names:
+        if name not in r["ms"]:
+            print(f"  {name:<{width}}  {r['errors'][name]}")
+            continue
+        ms = r["ms"][name]
+        speed = f"{r['fp32_ms'] / ms:5.2f}x" if r["fp32_ms"] else "  n/a"
+        figures = r["fidelity"].get(name, {})
+        fid = "  ".join(
+            f"{k} {v:.4f}" if k != "sqnr_db" else f"SQNR {v:.1f} dB" for k, v in figures.items()
+        )
+        why = f"  ({r['errors'][name]})" if name in r["errors"] else ""
+        print(f"  {name:<{width}} {ms:9.2f} ({r['min_ms'][name]:8.2f}) {speed}  {fid}{why}")
+    if r["fp32_layout"] and r["fp32_layout"] != "fp32":
+        print(f"  (fp32 = the faster fp32 layout: {r['fp32_layout']})")
+    for note in dict.fromkeys(r["notes"]):
+        print(f"  note: {note}")
+
+
+def _markdown(results: list[dict[str, Any]]) -> str:
+    """One table row per model and column: ms per thread count, speed vs fp32, fidelity."""
+    threads = sorted({r["threads"] for r in results})
+    head = " | ".join(f"{t} thread{'s' if t > 1 else ''} ms" for t in threads)
+    lines = [
+        f"| model | column | {head} | fidelity vs fp32 |",
+        "| --- | --- |" + " --- |" * len(threads) + " --- |",
+    ]
+    for model in dict.fromkeys(r["model"] for r in results):
+        rows = {r["threads"]: r for r in results if r["model"] == model}
+        columns = dict.fromkeys(k for r in rows.values() for k in [*r["ms"], *r["errors"]])
+        for column in columns:
+            cells = []
+            for t in threads:
+                r = rows.get(t)
+                if r is None or column not in r["ms"]:
+                    why = r["errors"].get(column, "n/a") if r else "n/a"
+                    cells.append(why.replace("|", "/"))
+                    continue
+                ratio = f" ({r['fp32_ms'] / r['ms'][column]:.2f}x)" if r["fp32_ms"] else ""
+                cells.append(f"{r['ms'][column]:.2f}{ratio}")
+            figures = next((r["fidelity"].get(column) for r in rows.values()), None) or {}
+            fid = ", ".join(
+                f"SQNR {v:.1f} dB" if k == "sqnr_db" else f"{k} {v:.4f}" for k, v in figures.items()
+            )
+            lines.append(f"| {model} | {column} | {' | '.join(cells)} | {fid} |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--models", nargs="*", default=list(MODELS), choices=MODELS)
+    parser.add_argument("--threads", nargs="*", type=int, default=[1, 2])
+    parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--calib-batches", type=int, default=8)
+    parser.add_argument("--bert-batches", nargs="*", type=int, default=[1, 16])
+    parser.add_argument("--sentences", type=int, default=256)
+    parser.add_argument("--json", metavar="OUT", help="also write the results as JSON")
+    args = parser.parse_args()
+    if args.sentences % max(args.bert_batches):
+        parser.error("--sentences must be a multiple of the largest --bert-batches")
+
+    load = os.getloadavg()
+    print(
+        f"torch {torch.__version__}, {platform.processor() or platform.machine()}, "
+        f"{os.cpu_count()} CPUs, load average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f} at start"
+    )
+    for peer in ("onnxruntime", "openvino", "nncf", "transformers", "onnx"):
+        try:
+            print(f"  {peer} {importlib.import_module(peer).__version__}")
+        except Exception as e:
+            print(f"  {peer}: {_error(e)}")
+
+    results: list[dict[str, Any]] = []
+    for name in args.models:
+        print(f"\n== {name}", flush=True)
+        try:
+            if name == "bert":
+                suites = bert_suites(args.bert_batches, args.sentences, args.calib_batches * 4)
+            elif name == "lstm":
+                suites = [lstm_suite(args.calib_batches)]
+            else:
+                suites = [cnn_suite(name, args.calib_batches, eval_batches=4)]
+        except Exception as e:  # e.g. transformers missing: the other models still run
+            traceback.print_exc(limit=4, file=sys.stderr)
+            print(f"  {name}: not run: {_error(e)}")
+            continue
+        for suite in suites:
+            for threads in args.threads:
+                results.append(time_suite(suite, threads, args.rounds))
+                _print_result(results[-1])
+    if results:
+        print("\n" + _markdown(results))
+    load = os.getloadavg()
+    print(f"\nload average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f} at the end")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"command": " ".join(sys.argv), "results": results}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
