@@ -18,6 +18,7 @@ from torch import nn
 from torch.fx import GraphModule
 
 from quantbridge.fx_quant import calibrate, convert_to_reference_fx, prepare_fx
+from quantbridge.kernels import cpu_features
 from quantbridge.lowering import LoweringError, available_backends, get_backend
 from quantbridge.lowering import _torch_native as native
 from quantbridge.qconfig import QConfigMapping, default_dynamic_qconfig
@@ -270,9 +271,17 @@ def test_same_bytes_as_numba_backends(
         pytest.skip("no numba backend registered in quantbridge.lowering")
     torch.manual_seed(11)
     data = _batches(shape, 3, seed=12)
-    # the numba mapping (reduce_range=False) is valid for both; one reference model for all
+    # One reference model for all. With AVX512-VNNI: the numba mapping (full-range activations),
+    # valid for both. Without it torch's engine adds each pair of uint8 x int8 products into a
+    # saturating int16, exact only for 7-bit activations: there, torch_native's own mapping
+    # (reduce_range=True, like torch.ao's x86 qconfigs), which the numba backends run exactly.
     first = get_backend(numba_names[0])
-    reference = _reference(factory(), first.qconfig_mapping(), data, numba_names[0])
+    mapping = (
+        first.qconfig_mapping()
+        if "avx512vnni" in cpu_features()
+        else native.torch_native.qconfig_mapping()
+    )
+    reference = _reference(factory(), mapping, data, numba_names[0])
     ours = native.torch_native.lower(copy.deepcopy(reference))
     for backend_name in numba_names:
         theirs = get_backend(backend_name).lower(copy.deepcopy(reference))
