@@ -355,3 +355,41 @@ def test_sync_observers_on_export_capture(tmp_path: Path) -> None:
     after = prepared.state_dict()
     assert stats  # one rank: the statistics are what this process observed
     assert all(torch.equal(stats[k], after[k]) for k in stats)
+
+
+class _Functional(nn.Module):
+    """Functional ops on the model's own parameters, and a module reused twice."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(3)
+        self.conv_w = nn.Parameter(torch.randn(8, 3, 3, 3) * 0.2)
+        self.fc_w = nn.Parameter(torch.randn(10, 8) * 0.2)
+        self.fc_b = nn.Parameter(torch.randn(10) * 0.1)
+        self.act = nn.Hardswish()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.act(torch.nn.functional.conv2d(x, self.conv_w, padding=1))
+        y = torch.nn.functional.relu(y + y.mean(dim=(2, 3), keepdim=True))
+        y = self.act(y).flatten(1, 3).view(y.shape[0], 8, -1).mean(-1)
+        return torch.nn.functional.linear(y, self.fc_w, self.fc_b)
+
+
+def test_functional_ops_and_reused_modules_match_fx_capture() -> None:
+    x = zoo.example_input(4)
+    results = []
+    for capture in ("fx", "export"):
+        prepared = _calibrated(_Functional().eval(), capture)
+        ops = _quantized_ops(prepared)
+        reference = fq.convert_to_reference_fx(prepared)
+        with torch.no_grad():
+            results.append((ops, reference(x)))
+    (fx_ops, fx_out), (export_ops, export_out) = results
+    # x.flatten() and torch.flatten(x) are one ATen op, lifted to the function, which the
+    # native config lists (its method form it does not): one more op sharing its input's
+    # qparams, the same numbers
+    assert not fx_ops - export_ops
+    assert export_ops - fx_ops == Counter({"torch.flatten": 1})
+    assert fx_ops["act"] == 2  # one Hardswish module, called twice, in both captures
+    assert fx_ops["F.linear"] == 1
+    assert torch.equal(fx_out, export_out)

@@ -70,7 +70,6 @@ class _Equivalent:
     args: Callable[[dict[str, Any]], tuple[tuple[Any, ...], dict[str, Any]]]
     module: tuple[type[nn.Module], ...] = ()
     build: Callable[[dict[str, Any], type[nn.Module]], nn.Module] | None = None
-    weight_arg: str | None = None  # the argument that must be the module's own ``weight``
     data_arg: str = "input"  # the argument the module is called with
     # The op is in place but ``function`` is not (symbolic tracing records ``x += y`` as
     # ``operator.add``): the function form is used only where nothing reads the overwritten
@@ -225,32 +224,31 @@ _ACT = nn.modules.activation
 # ATen op -> its torch-level form. Keys are OpOverloadPackets: every overload maps alike.
 OPERATOR_EQUIVALENTS: dict[Any, _Equivalent] = {
     _aten.linear: _Equivalent(
-        F.linear, _pos("input", "weight", "bias"), (nn.Linear,), _linear_module, "weight"
+        F.linear, _pos("input", "weight", "bias"), (nn.Linear,), _linear_module
     ),
-    _aten.conv1d: _Equivalent(F.conv1d, _conv_args, (nn.Conv1d,), _conv_module, "weight"),
-    _aten.conv2d: _Equivalent(F.conv2d, _conv_args, (nn.Conv2d,), _conv_module, "weight"),
-    _aten.conv3d: _Equivalent(F.conv3d, _conv_args, (nn.Conv3d,), _conv_module, "weight"),
+    _aten.conv1d: _Equivalent(F.conv1d, _conv_args, (nn.Conv1d,), _conv_module),
+    _aten.conv2d: _Equivalent(F.conv2d, _conv_args, (nn.Conv2d,), _conv_module),
+    _aten.conv3d: _Equivalent(F.conv3d, _conv_args, (nn.Conv3d,), _conv_module),
     _aten.conv_transpose1d: _Equivalent(
-        F.conv_transpose1d, _conv_t_args, (nn.ConvTranspose1d,), _conv_module, "weight"
+        F.conv_transpose1d, _conv_t_args, (nn.ConvTranspose1d,), _conv_module
     ),
     _aten.conv_transpose2d: _Equivalent(
-        F.conv_transpose2d, _conv_t_args, (nn.ConvTranspose2d,), _conv_module, "weight"
+        F.conv_transpose2d, _conv_t_args, (nn.ConvTranspose2d,), _conv_module
     ),
     _aten.conv_transpose3d: _Equivalent(
-        F.conv_transpose3d, _conv_t_args, (nn.ConvTranspose3d,), _conv_module, "weight"
+        F.conv_transpose3d, _conv_t_args, (nn.ConvTranspose3d,), _conv_module
     ),
     _aten.batch_norm: _Equivalent(
         F.batch_norm,
         _bn_fn_args,
         (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d),
         _batch_norm_module,
-        "weight",
     ),
     _aten.layer_norm: _Equivalent(
-        F.layer_norm, _layer_norm_args, (nn.LayerNorm,), _layer_norm_module, "weight"
+        F.layer_norm, _layer_norm_args, (nn.LayerNorm,), _layer_norm_module
     ),
     _aten.embedding: _Equivalent(
-        F.embedding, _embedding_args, (nn.Embedding,), _embedding_module, "weight", "indices"
+        F.embedding, _embedding_args, (nn.Embedding,), _embedding_module, data_arg="indices"
     ),
     _aten.relu: _Equivalent(F.relu, _first("self"), (nn.ReLU,), _inplace_module(False)),
     _aten.relu_: _Equivalent(torch.relu_, _first("self"), (nn.ReLU,), _inplace_module(True)),
@@ -507,15 +505,28 @@ def _fetch(gm: nn.Module, target: str) -> Any:
     return owner
 
 
-def _module_weight_ok(node_arg: object, path: str) -> bool:
-    """The op reads the module's own weight (not a slice or another module's)."""
-    return (
-        isinstance(node_arg, Node) and node_arg.op == "get_attr"
-        and str(node_arg.target) == (f"{path}.weight" if path else "weight")
-    )  # fmt: skip
+_MODULE_TENSORS = ("weight", "bias", "running_mean", "running_var")
 
 
-_MODULE_TENSORS = ("weight", "bias", "running_mean", "running_var", "num_batches_tracked")
+def _reads_module_tensors(bound: dict[str, Any], path: str) -> bool:
+    """The op reads the module's own tensors (weight, bias, running statistics): each is
+    absent or the module's attribute itself, never a slice or another module's."""
+    for name in _MODULE_TENSORS:
+        value = bound.get(name)
+        if value is None:
+            continue
+        if not (isinstance(value, Node) and value.op == "get_attr"
+                and str(value.target) == f"{path}.{name}"):  # fmt: skip
+            return False
+    return True
+
+
+def _has(root: nn.Module, target: str) -> bool:
+    try:
+        _fetch(root, target)
+    except AttributeError:
+        return False
+    return True
 
 
 def lift_exported(gm: GraphModule, training: bool) -> LiftedGraph:
@@ -537,22 +548,22 @@ def lift_exported(gm: GraphModule, training: bool) -> LiftedGraph:
 
     def lift_module(node: Node, eq: _Equivalent, bound: dict[str, Any], path: str,
                     kind: type) -> Node | None:  # fmt: skip
-        if eq.weight_arg is not None and not _module_weight_ok(bound[eq.weight_arg], path):
-            return None
+        if not _reads_module_tensors(bound, path):
+            return None  # e.g. a slice of the weight, or another module's bias
         module = lifted_modules.get(path)
         if module is None:
             assert eq.build is not None
             real = {k: _fetch(gm, str(v.target)) if isinstance(v, Node) and v.op == "get_attr"
                     else v for k, v in bound.items()}  # fmt: skip
             module = eq.build(real, kind)
-            for name in _MODULE_TENSORS:  # share the exported module's tensors
-                if hasattr(module, name) and getattr(module, name) is not None:
-                    source = f"{path}.{name}" if path else name
-                    try:
-                        tensor = _fetch(gm, source)
-                    except AttributeError:
-                        continue
-                    _replace_tensor(module, name, tensor)
+            for name, _ in list(module.named_parameters()) + list(module.named_buffers()):
+                source = f"{path}.{name}"
+                if _has(gm, source):  # share the exported module's own tensors
+                    _replace_tensor(module, name, _fetch(gm, source))
+                elif name == "num_batches_tracked":
+                    _replace_tensor(module, name, torch.zeros((), dtype=torch.long))
+            if any(t.is_meta for t in list(module.parameters()) + list(module.buffers())):
+                return None  # a tensor the module needs is not the exported module's
             module.train(training)
             _set_attr(root, path, module)
             lifted_modules[path] = module
@@ -637,12 +648,8 @@ def _replace_tensor(module: nn.Module, name: str, tensor: Any) -> None:
 
 
 def _copy_attr(gm: GraphModule, root: nn.Module, target: str) -> None:
-    try:
-        _fetch(root, target)
-        return
-    except AttributeError:
-        pass
-    _set_attr(root, target, _fetch(gm, target))
+    if not _has(root, target):
+        _set_attr(root, target, _fetch(gm, target))
 
 
 def _auto_dynamic_shapes(example_inputs: tuple[Any, ...]) -> tuple[Any, ...]:
