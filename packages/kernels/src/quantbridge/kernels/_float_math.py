@@ -84,7 +84,7 @@ else:
     f32_from_bits = _f32_from_bits
 
 
-@njit(cache=True, fastmath=FAST, inline="always")
+@njit(cache=True, fastmath=FAST, inline="always", error_model="numpy")
 def exp32(v):  # type: ignore[no-untyped-def]
     """float32 ``e^v`` (see the module docstring); 0 below -87."""
     c = min(max(v, _EXP_LO), _EXP_HI)
@@ -103,7 +103,7 @@ def exp32(v):  # type: ignore[no-untyped-def]
     return _ZERO if v < _EXP_LO else y
 
 
-@njit(cache=True, fastmath=FAST, inline="always")
+@njit(cache=True, fastmath=FAST, inline="always", error_model="numpy")
 def gelu_erf(x):  # type: ignore[no-untyped-def]
     """float32 ``x * Phi(x)`` (erf by Abramowitz & Stegun 7.1.26)."""
     z = abs(x) * _RSQRT2
@@ -114,7 +114,7 @@ def gelu_erf(x):  # type: ignore[no-untyped-def]
     return x * phi
 
 
-@njit(cache=True, fastmath=FAST, inline="always")
+@njit(cache=True, fastmath=FAST, inline="always", error_model="numpy")
 def gelu_tanh(x):  # type: ignore[no-untyped-def]
     """float32 ``0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))`` as ``x / (1 + e^(-2u))``."""
     u = _SQRT_2_OVER_PI * (x + _GELU_CUBIC * x * x * x)
@@ -126,7 +126,7 @@ ACT_NONE, ACT_RELU, ACT_GELU, ACT_GELU_TANH = 0, 1, 2, 3
 ACTIVATIONS = {"none": ACT_NONE, "relu": ACT_RELU, "gelu": ACT_GELU, "gelu_tanh": ACT_GELU_TANH}
 
 
-@njit(cache=True, fastmath=FAST, inline="always")
+@njit(cache=True, fastmath=FAST, inline="always", error_model="numpy")
 def post_tile(c, ldc, r0, r1, j0, j1, act, rowscale, has_rowscale, bias):  # type: ignore[no-untyped-def]
     """Float epilogue on ``c[r0:r1, j0:j1]`` (row stride ``ldc``), in place: with
     ``has_rowscale`` first ``y = fma(y, rowscale[r], bias[j])`` (per-row activation scales);

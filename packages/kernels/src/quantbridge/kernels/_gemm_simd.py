@@ -19,7 +19,7 @@ from typing import Any
 from numba import njit, prange
 
 from quantbridge.kernels._block_kernels import KERNEL_IDS, block_cols, block_kernel, k_step
-from quantbridge.kernels._float_math import post_tile
+from quantbridge.kernels._float_math import FAST, post_tile
 
 # target -> (rows of the big block, rows of the tail block); the 1-row kernel ends every tail
 _ROWS = {"avx512_vnni": (8, 4), "avx2": (6, 3)}
@@ -202,7 +202,12 @@ def _make_post_driver(target: str, parallel: bool) -> Any:
 
     prefix = "post_drive" if parallel else "post_serial"
     driver.__name__ = driver.__qualname__ = f"{prefix}_{_SHORT[target]}_f32"
-    return njit(cache=True, parallel=parallel, nogil=True)(driver)
+    # numpy's error model: a float division by zero gives inf instead of raising, so the
+    # inlined GELU loops carry no exception branch and vectorize; the float kernels' fastmath
+    # flags, so the epilogue computes exactly as kernels.gelu does
+    return njit(cache=True, parallel=parallel, nogil=True, error_model="numpy", fastmath=FAST)(
+        driver
+    )
 
 
 drive_vnni_u8 = _make_driver("avx512_vnni", "u8", True)

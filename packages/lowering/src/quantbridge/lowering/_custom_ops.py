@@ -115,8 +115,11 @@ def linear_dynamic_op(
     w_zero_point: torch.Tensor,
     bias: torch.Tensor | None,
     target: str,
+    activation: str = "none",
+    per_row: bool = False,
 ) -> torch.Tensor:
-    return lowered.linear_dynamic(x, _packed_linear(weight, w_scale, w_zero_point, bias, target))
+    packed = _packed_linear(weight, w_scale, w_zero_point, bias, target)
+    return lowered.linear_dynamic(x, packed, activation, per_row)
 
 
 @linear_dynamic_op.register_fake
