@@ -61,9 +61,9 @@ class BertEncoder(nn.Module):
         return x
 
 
-def encoder_inputs(batch: int, seq: int = 128, hidden: int = 384, seed: int = 0) -> tuple[
-    torch.Tensor, torch.Tensor
-]:
+def encoder_inputs(
+    batch: int, seq: int = 128, hidden: int = 384, seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Embeddings-like input and a padding mask (sequence lengths spread over [seq/4, seq])."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(batch, seq, hidden, generator=g)

@@ -108,13 +108,20 @@ def test_bert_dynamic_float_ops_lowered_and_close(tanh: bool) -> None:
     gelu = "tanh" if tanh else "none"
     assert report.count(f"GELU ({gelu}) fused") == 2, report
     kinds = _kinds(lowered)
-    assert kinds.count(lm.FloatSoftmax) == 2 and kinds.count(lm.FloatLayerNorm) == 4
+    assert kinds.count(lm.FloatSoftmax) == 2
+    assert kinds.count(lm.FloatLayerNorm) == 4
     assert not any(k in (nn.LayerNorm, nn.GELU) for k in kinds)
-    assert "torch.softmax" not in lowered.code and "functional.softmax" not in lowered.code
+    assert "torch.softmax" not in lowered.code
+    assert "functional.softmax" not in lowered.code
     for seed in (5, 6):
         x, mask = _inputs(seed)
         with torch.no_grad():
-            got, unfused, ideal, want = lowered(x, mask), plain(x, mask), model(x, mask), reference(x, mask)
+            got, unfused, ideal, want = (
+                lowered(x, mask),
+                plain(x, mask),
+                model(x, mask),
+                reference(x, mask),
+            )
         # float32 differences (~1e-6) may flip a dynamic quantization code downstream: the two
         # lowerings agree to well within the quantization error, which is as the reference's
         err = float((got - ideal).abs().max())
@@ -137,11 +144,13 @@ def test_per_token_activations_option() -> None:
     reference = _reference(model, QConfigMapping().set_global(default_dynamic_qconfig))
     backend = L.get_backend("numba")
     per_token = backend.with_options(per_token_activations=True)
-    assert per_token.per_token_activations and not backend.per_token_activations
+    assert per_token.per_token_activations
+    assert not backend.per_token_activations
     assert per_token.name == backend.name
     lowered = per_token.lower(reference)
     linears = [m for m in lowered.modules() if isinstance(m, lm.QuantizedDynamicLinear)]
-    assert len(linears) == 12 and all(m.per_row for m in linears)
+    assert len(linears) == 12
+    assert all(m.per_row for m in linears)
     assert "per-token activations" in str(L.lowering_report(lowered))
     per_tensor = backend.lower(reference)
     errors = []
@@ -163,7 +172,9 @@ class _FloatOps(nn.Module):
         self.norm = nn.LayerNorm(24)
         self.softmax = nn.Softmax(dim=-1)
 
-    def forward(self, x: torch.Tensor, r: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def forward(
+        self, x: torch.Tensor, r: torch.Tensor, m: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
         a = self.norm(x + r)
         b = F.layer_norm(x, (24,), None, None, 1e-6)
         c = torch.softmax(x * 0.3 + m, -1)
@@ -184,7 +195,8 @@ def test_standalone_float_ops_against_torch() -> None:
     prepared = prepare_fx(model, QConfigMapping(), (x, r, m))
     lowered = L.get_backend("numba").lower(convert_to_reference_fx(prepared))
     kinds = _kinds(lowered)
-    assert kinds.count(lm.FloatLayerNorm) == 2 and kinds.count(lm.FloatSoftmax) == 3
+    assert kinds.count(lm.FloatLayerNorm) == 2
+    assert kinds.count(lm.FloatSoftmax) == 3
     with torch.no_grad():
         got, want = lowered(x, r, m), model(x, r, m)
     for g, w in zip(got[:2], want[:2], strict=True):
@@ -210,14 +222,17 @@ def test_gelu_fused_into_dynamic_linear_equals_unfused(approximate: str) -> None
     model = _LinearGelu(approximate).eval()
     x = torch.randn(4, 9, 40) * 3
     mapping = QConfigMapping().set_global(default_dynamic_qconfig)
-    prepared = prepare_fx(model, mapping, (x,), backend_config=L.get_backend("numba").backend_config)
+    prepared = prepare_fx(
+        model, mapping, (x,), backend_config=L.get_backend("numba").backend_config
+    )
     reference = convert_to_reference_fx(prepared)
     backend = L.get_backend("numba")
     fused = backend.lower(reference)
     plain = L.lower_to_kernels(copy.deepcopy(reference), backend.target, _without_float_rules())
-    assert [m.activation for m in fused.modules() if isinstance(m, lm.QuantizedDynamicLinear)] == [
-        "gelu" if approximate == "none" else "gelu_tanh"
+    activations = [
+        m.activation for m in fused.modules() if isinstance(m, lm.QuantizedDynamicLinear)
     ]
+    assert activations == ["gelu" if approximate == "none" else "gelu_tanh"]
     with torch.no_grad():
         got, unfused = fused(x), plain(x)
         pre = plain.get_submodule("fc_dynamic")(x)  # the linear's float output, unfused

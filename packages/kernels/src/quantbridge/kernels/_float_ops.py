@@ -56,7 +56,9 @@ def _make_layer_norm(parallel: bool) -> Any:
 
     name = "layer_norm_parallel" if parallel else "layer_norm_serial"
     layer_norm_rows.__name__ = layer_norm_rows.__qualname__ = name
-    return njit(cache=True, parallel=parallel, nogil=True, fastmath=FAST, error_model="numpy")(layer_norm_rows)
+    return njit(cache=True, parallel=parallel, nogil=True, fastmath=FAST, error_model="numpy")(
+        layer_norm_rows
+    )
 
 
 def _make_softmax(parallel: bool) -> Any:
@@ -89,7 +91,9 @@ def _make_softmax(parallel: bool) -> Any:
     softmax_rows.__name__ = softmax_rows.__qualname__ = (
         "softmax_parallel" if parallel else "softmax_serial"
     )
-    return njit(cache=True, parallel=parallel, nogil=True, fastmath=FAST, error_model="numpy")(softmax_rows)
+    return njit(cache=True, parallel=parallel, nogil=True, fastmath=FAST, error_model="numpy")(
+        softmax_rows
+    )
 
 
 def _make_gelu(parallel: bool) -> Any:
@@ -107,7 +111,9 @@ def _make_gelu(parallel: bool) -> Any:
                     out[k] = gelu_tanh(x[k])
 
     gelu_flat.__name__ = gelu_flat.__qualname__ = "gelu_parallel" if parallel else "gelu_serial"
-    return njit(cache=True, parallel=parallel, nogil=True, fastmath=FAST, error_model="numpy")(gelu_flat)
+    return njit(cache=True, parallel=parallel, nogil=True, fastmath=FAST, error_model="numpy")(
+        gelu_flat
+    )
 
 
 _LAYER_NORM = (_make_layer_norm(False), _make_layer_norm(True))

@@ -135,7 +135,7 @@ class _LayerNormParts:
     eps: float
 
 
-def _constant(node: Any) -> torch.Tensor | None | bool:
+def _constant(node: Any) -> torch.Tensor | bool | None:
     """A get_attr tensor's value, None for None, False for anything else."""
     if node is None:
         return None
@@ -160,8 +160,9 @@ def _layer_norm_parts(match: RewriteMatch) -> _LayerNormParts | None:
         shape = _arg(node, 1, "normalized_shape", None)
         if not (isinstance(shape, (list, tuple)) and len(shape) == 1 and isinstance(shape[0], int)):
             return None
-        weight_c, bias_c = _constant(_arg(node, 2, "weight", None)), _constant(
-            _arg(node, 3, "bias", None)
+        weight_c, bias_c = (
+            _constant(_arg(node, 2, "weight", None)),
+            _constant(_arg(node, 3, "bias", None)),
         )
         eps_v = _arg(node, 4, "eps", 1e-5)
         if weight_c is False or bias_c is False or not isinstance(eps_v, (int, float)):
