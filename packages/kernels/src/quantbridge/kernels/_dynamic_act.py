@@ -19,7 +19,10 @@ Per row (per token), row ``i`` of ``x`` while it is in cache:
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
+import numpy.typing as npt
 from numba import njit
 
 from quantbridge.kernels._fma import fma32
@@ -36,8 +39,9 @@ def tensor_range(x, bits):  # type: ignore[no-untyped-def]
     bad = np.int32(0)
     for i in range(x.shape[0]):
         v = x[i]
-        lo = min(lo, v)
-        hi = max(hi, v)
+        # compare-and-select (numba's min/max handle NaN and do not vectorize)
+        lo = v if v < lo else lo
+        hi = v if v > hi else hi
         bad |= np.int32((bits[i] & _EXP_MASK) == _EXP_MASK)
     return lo, hi, bad != 0
 
@@ -69,8 +73,8 @@ def _row_range(x, bits, i):  # type: ignore[no-untyped-def]
     bad = np.int32(0)
     for j in range(x.shape[1]):
         v = x[i, j]
-        lo = min(lo, v)
-        hi = max(hi, v)
+        lo = v if v < lo else lo
+        hi = v if v > hi else hi
         bad |= np.int32((bits[i, j] & _EXP_MASK) == _EXP_MASK)
     return lo, hi, bad
 
@@ -101,7 +105,12 @@ def _quantize_rows(x, bits, out, scales, zps):  # type: ignore[no-untyped-def]
     return False
 
 
-def quantize_rows(x, out, scales, zps):  # type: ignore[no-untyped-def]
+def quantize_rows(
+    x: npt.NDArray[np.float32],
+    out: npt.NDArray[Any],
+    scales: npt.NDArray[np.float32],
+    zps: npt.NDArray[np.int32],
+) -> bool:
     """Per-row rule (module docstring) on float32 [m, k] ``x`` into ``out`` [m, lda] with
     ``scales``/``zps`` [m]; True (and partial output) if ``x`` holds inf or NaN."""
     return bool(_quantize_rows(x, x.view(np.int32), out, scales, zps))

@@ -220,13 +220,14 @@ def softmax(
                 f"{m.shape} (x {xf.shape})"
             )
         m4 = m.reshape((1,) * (4 - m.ndim) + m.shape)
-        for d, (md, xd) in enumerate(zip(m4.shape[:3], shape4[:3], strict=True)):
-            if md not in (1, xd):
+        dims = [int(m4.shape[axis]) for axis in range(3)]
+        for axis in range(3):
+            if dims[axis] not in (1, shape4[axis]):
                 raise KernelError(
                     f"mask: shape {m.shape} does not broadcast to x's {xf.shape} (dimension "
-                    f"{d - 4 + m.ndim} has {md}, x has {xd})"
+                    f"{axis - 4 + m.ndim} has {dims[axis]}, x has {shape4[axis]})"
                 )
-        mb, mh, mq = (int(d) for d in m4.shape[:3])
+        mb, mh, mq = dims
         m2 = np.ascontiguousarray(m4).reshape(-1, n)
     o = _out(out, xf, (xf,))
     fn = _pick(_SOFTMAX, xf.size, num_threads, "softmax")

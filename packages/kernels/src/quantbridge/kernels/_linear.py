@@ -483,7 +483,10 @@ def linear_dynamic(
     x2 = xf.reshape(m, packed.k)
     # quantized rows go straight into the layout the kernels read: int16 for AVX2, rows
     # padded to whole 4-byte loads
-    a = np.empty((m, packed.lda), np.int16 if packed.target == "avx2" else np.uint8)
+    a: npt.NDArray[Any] = np.empty(
+        (m, packed.lda), np.int16 if packed.target == "avx2" else np.uint8
+    )
+    post: tuple[int, npt.NDArray[np.float32], bool, npt.NDArray[np.float32]] | None
     rowoffs, _ = packed.rows(m)
     if per_row:
         scales = np.empty(m, np.float32)
@@ -516,7 +519,7 @@ def linear_dynamic(
     out = run_gemm(packed.target, a.reshape(-1), rowoffs, packed.koffs, packed.packed, packed.n,
                    colcorr, wzp, rowsum, biasq, mult, 0, 0, True, threads,
                    post=post)  # fmt: skip
-    return out.reshape((*lead, packed.n))  # type: ignore[return-value]
+    return out.reshape((*lead, packed.n))
 
 
 _NON_FINITE = "x: contains NaN or infinity; dynamic quantization needs finite input"
