@@ -135,21 +135,24 @@ class _LayerNormParts:
     eps: float
 
 
-def _constant(node: Any) -> torch.Tensor | bool | None:
-    """A get_attr tensor's value, None for None, False for anything else."""
+def _constant(node: Any) -> tuple[bool, torch.Tensor | None]:
+    """``(True, value)`` for None or a get_attr tensor, ``(False, None)`` for anything else."""
     if node is None:
-        return None
+        return True, None
     if isinstance(node, Node) and node.op == "get_attr":
-        value = _gm(node)
+        value: Any = _gm(node)
         for part in str(node.target).split("."):
             value = getattr(value, part)
-        return value if isinstance(value, torch.Tensor) else False
-    return False
+        if isinstance(value, torch.Tensor):
+            return True, value
+    return False, None
 
 
 def _layer_norm_parts(match: RewriteMatch) -> _LayerNormParts | None:
     node = match.anchor
     mod = _module(node)
+    weight: torch.Tensor | None
+    bias: torch.Tensor | None
     if isinstance(mod, nn.LayerNorm):
         if len(node.args) != 1 or node.kwargs or len(mod.normalized_shape) != 1:
             return None
@@ -160,14 +163,12 @@ def _layer_norm_parts(match: RewriteMatch) -> _LayerNormParts | None:
         shape = _arg(node, 1, "normalized_shape", None)
         if not (isinstance(shape, (list, tuple)) and len(shape) == 1 and isinstance(shape[0], int)):
             return None
-        weight_c, bias_c = (
-            _constant(_arg(node, 2, "weight", None)),
-            _constant(_arg(node, 3, "bias", None)),
-        )
+        w_ok, weight = _constant(_arg(node, 2, "weight", None))
+        b_ok, bias = _constant(_arg(node, 3, "bias", None))
         eps_v = _arg(node, 4, "eps", 1e-5)
-        if weight_c is False or bias_c is False or not isinstance(eps_v, (int, float)):
+        if not (w_ok and b_ok) or not isinstance(eps_v, (int, float)):
             return None
-        weight, bias, eps = weight_c or None, bias_c or None, float(eps_v)
+        eps = float(eps_v)
         if weight is not None and weight.shape != (shape[0],):
             return None
         if bias is not None and bias.shape != (shape[0],):
