@@ -240,7 +240,7 @@ def main() -> None:
         for row in out["models"]:
             print(f"| {row['batch']} | {row['variant']} | {row['median_ms']:.1f} | "
                   f"{row['min_ms']:.1f} | {row['vs_fp32']:.2f} | {row['vs_torch_ao']:.2f} | "
-                  f"{row["mean_cos"]:.6f} |")  # fmt: skip
+                  f"{row['mean_cos']:.6f} |")  # fmt: skip
     with open("/proc/loadavg") as f:
         print(f"load average at end: {f.read().split()[:3]}")
     if args.json:
