@@ -72,9 +72,6 @@ def softmax(x: torch.Tensor, scale: float, mask: torch.Tensor | None) -> torch.T
     return torch.from_numpy(K.softmax(numpy_view(x), scale=scale, mask=m))
 
 
-def gelu(x: torch.Tensor, approximate: str) -> torch.Tensor:
-    return torch.from_numpy(K.gelu(numpy_view(x), approximate))
-
 
 def conv(
     x: torch.Tensor, packed: K.PackedConvWeight, in_qp: QParams, out_qp: QParams, relu: bool

@@ -34,7 +34,6 @@ __all__ = [
     "QuantizedConv",
     "QuantizedConvAdd",
     "QuantizedDynamicLinear",
-    "FloatGELU",
     "FloatLayerNorm",
     "FloatSoftmax",
     "QuantizedEmbedding",
@@ -324,25 +323,6 @@ class FloatSoftmax(LoweredModule):
     def _details(self) -> str:
         op = "/" if self.divide else "*"
         return f"x {op} {self.scale:g}" + (" + mask" if self.masked else "")
-
-
-class FloatGELU(LoweredModule):
-    """float32 GELU (``kernels.gelu``; ``approximate`` ``"none"`` or ``"tanh"``)."""
-
-    kernel = "kernels.gelu"
-
-    def __init__(self, approximate: str, target: str) -> None:
-        nn.Module.__init__(self)
-        self.approximate = approximate
-        super().__init__(target, None, None)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if is_tracing(x) or x.dtype != torch.float32 or x.requires_grad:
-            return torch.nn.functional.gelu(x, approximate=self.approximate)
-        return lowered.gelu(x, self.approximate)
-
-    def _details(self) -> str:
-        return f"approximate={self.approximate}"
 
 
 class QuantizedConv(_WeightedBase):
