@@ -72,7 +72,6 @@ def softmax(x: torch.Tensor, scale: float, mask: torch.Tensor | None) -> torch.T
     return torch.from_numpy(K.softmax(numpy_view(x), scale=scale, mask=m))
 
 
-
 def conv(
     x: torch.Tensor, packed: K.PackedConvWeight, in_qp: QParams, out_qp: QParams, relu: bool
 ) -> torch.Tensor:
