@@ -156,3 +156,23 @@ def test_bad_input():
         gelu(x, "fast")
     with pytest.raises(KernelError, match="out"):
         gelu(x, out=np.zeros((2, 5), F32))
+
+
+def test_parallel_rows_agree_with_one_thread():
+    # above PARALLEL_MIN_FLOAT_WORK elements the prange versions run (2 threads)
+    rng = np.random.default_rng(9)
+    x = rng.normal(size=(2048, 640)).astype(F32)
+    r = rng.normal(size=(2048, 640)).astype(F32)
+    w, b = rng.normal(size=640).astype(F32), rng.normal(size=640).astype(F32)
+    one = layer_norm(x, w, b, residual=r, num_threads=1)
+    two = layer_norm(x, w, b, residual=r, num_threads=2)
+    np.testing.assert_allclose(two, one, rtol=0, atol=LN_ATOL)
+    s = x.reshape(4, 4, 128, 640)
+    m = np.where(rng.random((4, 1, 1, 640)) < 0.2, -np.inf, 0).astype(F32)
+    np.testing.assert_allclose(
+        softmax(s, scale=0.5, mask=m, num_threads=2),
+        softmax(s, scale=0.5, mask=m, num_threads=1),
+        rtol=SOFTMAX_RTOL,
+        atol=SOFTMAX_ATOL,
+    )
+    np.testing.assert_array_equal(gelu(x, num_threads=2), gelu(x, num_threads=1))
