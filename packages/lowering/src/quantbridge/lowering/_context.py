@@ -200,14 +200,6 @@ class LoweringContext:
         gone = {n.name for n in replaced}
         rep = self.report
         rep.lowered = [entry for entry in rep.lowered if entry[0] not in gone]
-        # a float op kept around its quantized form (no kernel for that) whose float op a fusion
-        # rule now runs (LayerNorm, softmax): still kept, under the new node's name
-        mod = self.module(new)
-        kernel = getattr(mod, "kernel", "") or "a lowered module"
-        rep.kept = [
-            (new.name, f"{why}; the float op runs on {kernel}") if name in gone else (name, why)
-            for name, why in rep.kept
-        ]
         rep.origins[new.name] = rep.origins.pop(anchor.name, anchor.name)
         out = self.outputs.pop(anchor.name, None)
         weights: dict[str, object] = {}

@@ -1,5 +1,6 @@
 """Fusion rules for what stays float around a transformer's GEMMs (``kind="fusion"``: they run on
-the lowered graph, after every op that could be quantized was):
+the lowered graph, after every op that could be quantized was; ops kept in reference form
+around a missing quantized kernel are left as they are):
 
 - GELU right after a dynamic linear (its only user) goes into the linear's float epilogue;
 - ``LayerNorm(a + b)`` becomes ``kernels.layer_norm`` with the residual add fused, a LayerNorm
@@ -108,6 +109,14 @@ def _linear_gelu(match: RewriteMatch) -> tuple[lm.QuantizedDynamicLinear, str] |
     return None if approximate is None else (lin, approximate)
 
 
+def _refuse_kept(ctx: LoweringContext, m: RuleMatch) -> None:
+    """Ops kept in reference form (dequantize → float op → quantize) stay exactly that: the
+    report names them and the reference model is what they compute."""
+    kept = {name for name, _ in ctx.report.kept}
+    if any(n.name in kept for n in m.nodes):
+        raise NotLowerableError("kept in reference form")
+
+
 def _build_linear_gelu(ctx: LoweringContext, m: RuleMatch) -> Node:
     found = _linear_gelu(RewriteMatch(m.rule._compiled[0], m.nodes, m.anchor, ()))
     if found is None:
@@ -187,6 +196,7 @@ def _layer_norm_parts(match: RewriteMatch) -> _LayerNormParts | None:
 
 
 def _build_layer_norm(ctx: LoweringContext, m: RuleMatch) -> Node:
+    _refuse_kept(ctx, m)
     parts = _layer_norm_parts(RewriteMatch(m.rule._compiled[0], m.nodes, m.anchor, ()))
     if parts is None:
         raise NotLowerableError("not a LayerNorm over the last dimension")
@@ -262,6 +272,7 @@ def _softmax_parts(match: RewriteMatch) -> _SoftmaxParts | None:
 
 
 def _build_softmax(ctx: LoweringContext, m: RuleMatch) -> Node:
+    _refuse_kept(ctx, m)
     parts = _softmax_parts(RewriteMatch(m.rule._compiled[0], m.nodes, m.anchor, ()))
     if parts is None:
         raise NotLowerableError("not a softmax over the last dimension")

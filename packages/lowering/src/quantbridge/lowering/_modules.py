@@ -286,10 +286,12 @@ class FloatLayerNorm(LoweredModule):
     def forward(self, x: torch.Tensor, other: torch.Tensor | None = None) -> torch.Tensor:
         if other is not None and other.shape != x.shape:
             x, other = x + other, None  # broadcasting add: torch does it, the kernel the rest
-        if is_tracing(x) or x.dtype != torch.float32 or x.requires_grad:
+        if x.dtype != torch.float32 or x.requires_grad:
             h = x if other is None else x + other
             n = (h.shape[-1],)
             return torch.nn.functional.layer_norm(h, n, self.weight, self.bias, self.eps)
+        if is_tracing(x) if other is None else is_tracing(x, other):
+            return _as_tensor(ops.layer_norm_op(x, other, self.weight, self.bias, self.eps))
         return lowered.layer_norm(x, other, self._w, self._b, self.eps)
 
     def _details(self) -> str:
@@ -314,10 +316,12 @@ class FloatSoftmax(LoweredModule):
             and mask.shape[-1] == x.shape[-1]
             and all(m in (1, d) for m, d in zip(mask.shape[::-1], x.shape[::-1], strict=False))
         )
-        if is_tracing(x) or x.dtype != torch.float32 or x.dim() > 4 or not ok or x.requires_grad:
+        if x.dtype != torch.float32 or x.dim() > 4 or not ok or x.requires_grad:
             v = x / self.scale if self.divide else x * self.scale
             return torch.softmax(v if mask is None else v + mask, -1)
         scale = 1.0 / self.scale if self.divide else self.scale
+        if is_tracing(x) if mask is None else is_tracing(x, mask):
+            return _as_tensor(ops.softmax_op(x, scale, mask))
         return lowered.softmax(x, scale, mask)
 
     def _details(self) -> str:
