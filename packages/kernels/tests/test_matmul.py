@@ -7,7 +7,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from quantbridge.kernels import KernelError, available_targets, matmul
+from quantbridge.kernels import (
+    KernelError,
+    PackedLinearWeight,
+    available_targets,
+    linear,
+    matmul,
+)
 
 TARGETS = available_targets()
 F32 = np.float32
@@ -63,3 +69,35 @@ def test_matmul_bad_input():
         matmul(a, (0.1, 0), np.zeros((2, 4, 6), np.int8), (0.1, 200), (0.1, 0))
     with pytest.raises(KernelError, match="dtype"):
         matmul(a, (0.1, 0), np.zeros((2, 4, 6), np.int16), (0.1, 0), (0.1, 0))
+
+
+def per_batch_linear(a, a_qp, b, b_qp, out_qp, target):
+    """The former matmul: one packed weight and one ``linear`` call per batch."""
+    outs = []
+    for i in range(a.shape[0]):
+        if b.dtype == np.uint8:
+            w, zp = (b[i].T.astype(np.int16) - 128).astype(np.int8), b_qp[1] - 128
+        else:
+            w, zp = b[i].T, b_qp[1]
+        packed = PackedLinearWeight(np.ascontiguousarray(w), b_qp[0], zp, None, target=target)
+        outs.append(linear(a[i], packed, *a_qp, *out_qp, num_threads=1))
+    return np.stack(outs)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize(("k", "n", "signed"), [(32, 41, False), (128, 32, False), (30, 17, True)])
+def test_batched_attention_shapes_equal_per_batch_linear(target, threads, k, n, signed):
+    # q @ k^T ([B*H, S, D] x [B*H, D, S]) and p @ v ([B*H, S, S] x [B*H, S, D]) shapes, with
+    # batches enough that the parallel driver splits them over threads
+    rng = np.random.default_rng(k * n)
+    a = rng.integers(0, 256, (24, 37, k), dtype=np.uint8)
+    if signed:
+        b, b_qp = rng.integers(-128, 128, (24, k, n), dtype=np.int8), (0.03, -3)
+    else:
+        b, b_qp = rng.integers(0, 256, (24, k, n), dtype=np.uint8), (0.03, 131)
+    o_s = 0.02 * 0.03 * 80 * 80 * np.sqrt(k) / 40
+    got = matmul(a, (0.02, 9), b, b_qp, (o_s, 120), target=target, num_threads=threads)
+    want = reference_matmul(a, 0.02, 9, b, b_qp[0], b_qp[1], o_s, 120)
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(got, per_batch_linear(a, (0.02, 9), b, b_qp, (o_s, 120), target))

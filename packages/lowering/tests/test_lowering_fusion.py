@@ -90,7 +90,7 @@ def test_the_fusion_is_a_rule_of_the_table_dropping_it_changes_no_number():
     backend = L.get_backend("numba")
     reference = zoo.reference_model(case, backend)
     fused = backend.lower(reference)
-    unfused_table = [r for r in L.default_lowering_rules() if r.kind != "fusion"]
+    unfused_table = [r for r in L.default_lowering_rules() if r.name != "conv + add (+relu)"]
     assert len(unfused_table) == len(L.default_lowering_rules()) - 1
     unfused = L.lower_to_kernels(copy.deepcopy(reference), backend.target, rules=unfused_table)
     assert QuantizedConvAdd not in {type(m) for m in unfused.modules()}

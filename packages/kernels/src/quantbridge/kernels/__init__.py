@@ -23,6 +23,7 @@ from quantbridge.kernels._embedding import (
     to_fused_rows,
 )
 from quantbridge.kernels._errors import KernelError, TargetUnavailableError
+from quantbridge.kernels._float_ops import gelu, layer_norm, softmax
 from quantbridge.kernels._linear import PackedLinearWeight, linear, linear_dynamic
 from quantbridge.kernels._lut import LUT_FUNCTIONS, apply_lut, build_lut
 from quantbridge.kernels._matmul import matmul
@@ -73,6 +74,10 @@ __all__ = [
     "matmul",
     "set_num_threads",
     "set_num_threads_source",
+    # float32 ops around the GEMMs (transformers)
+    "gelu",
+    "layer_norm",
+    "softmax",
     # quantize / elementwise / pools / lookup tables / embedding_bag
     "LUT_FUNCTIONS",
     "PackedEmbedding",

@@ -84,3 +84,26 @@ def quantize_u8_fma(x, inv_scale, zero_point, out):  # type: ignore[no-untyped-d
     for i in range(x.shape[0]):
         v = np.rint(fma32(x[i], inv_scale, zp))
         out[i] = min(max(v, np.float32(0.0)), np.float32(255.0))
+
+
+def _make_generic_batched(parallel: bool) -> Any:
+    # ``nb`` independent GEMMs (see ``_gemm_simd._make_batched_driver``), one batch per task
+    def batched(  # type: ignore[no-untyped-def]  # numba types the arguments
+        nb, a, asz, rowoffs, m, koffs, nk, bp, bsz, npanels, c, ldc, colcorr, wzp, rowsum,
+        biasq, mult, ozp, qmin, qmax,
+    ):  # fmt: skip
+        for g in prange(nb):  # a plain range when parallel=False
+            serial_generic(
+                a[g * asz : (g + 1) * asz], rowoffs, m, koffs, nk, bp[g * bsz : (g + 1) * bsz],
+                npanels, c[g * m * ldc : (g + 1) * m * ldc], ldc,
+                colcorr[g * ldc : (g + 1) * ldc], wzp, rowsum[g * m : (g + 1) * m], biasq, mult,
+                ozp, qmin, qmax, max(m, 1), False,
+            )  # fmt: skip
+
+    name = "batched_drive_generic" if parallel else "batched_serial_generic"
+    batched.__name__ = batched.__qualname__ = name
+    return njit(cache=True, parallel=parallel, nogil=True)(batched)
+
+
+batched_drive_generic = _make_generic_batched(True)
+batched_serial_generic = _make_generic_batched(False)

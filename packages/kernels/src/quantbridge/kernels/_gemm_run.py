@@ -7,6 +7,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from quantbridge.kernels._float_math import post_tile
 from quantbridge.kernels._gemm import drive_generic, serial_generic
 from quantbridge.kernels._gemm_simd import (
     drive_avx2_f32,
@@ -15,6 +16,10 @@ from quantbridge.kernels._gemm_simd import (
     drive_vnni_f32,
     drive_vnni_u8,
     drive_vnni_u8add,
+    post_drive_avx2_f32,
+    post_drive_vnni_f32,
+    post_serial_avx2_f32,
+    post_serial_vnni_f32,
     serial_avx2_f32,
     serial_avx2_u8,
     serial_avx2_u8add,
@@ -41,6 +46,11 @@ _SERIAL = {
     ("avx2", "f32"): serial_avx2_f32,
     ("avx512_vnni", "u8add"): serial_vnni_u8add,
     ("avx2", "u8add"): serial_avx2_u8add,
+}
+# f32 output with the fused float epilogue (per-row scales, relu / GELU): (serial, parallel)
+_POST = {
+    "avx512_vnni": (post_serial_vnni_f32, post_drive_vnni_f32),
+    "avx2": (post_serial_avx2_f32, post_drive_avx2_f32),
 }
 # what the drivers get for ``res``/``addp`` when no residual add is fused
 NO_RESIDUAL = np.zeros(0, np.uint8)
@@ -89,13 +99,17 @@ def run_gemm(
     threads: int,
     residual: npt.NDArray[np.uint8] | None = None,
     add_params: npt.NDArray[np.float32] | None = None,
+    post: tuple[int, npt.NDArray[np.float32], bool, npt.NDArray[np.float32]] | None = None,
 ) -> npt.NDArray[np.generic]:
     """C[M, n] for activations addressed by ``rowoffs``/``koffs`` and packed B ``bp``.
 
     ``a`` is flat uint8; every address the kernels form stays inside it (checked by the
     callers' construction of ``rowoffs`` and ``koffs``). With ``residual`` (flat uint8 laid out
     like C, so ``n`` must be the padded width) and ``add_params``, the u8 result goes through
-    the fused add of mode ``u8add`` (``_vnni.py``); IR targets only.
+    the fused add of mode ``u8add`` (``_vnni.py``); IR targets only. With ``post``
+    (``f32_out`` only): ``(activation code, rowscale [M], has_rowscale, bias [Np])`` applied
+    by ``_float_math.post_tile`` to each block right after it is computed (generic: after the
+    GEMM). ``a`` may arrive already widened to int16 for ``avx2``.
     """
     m = rowoffs.shape[0]
     nk = koffs.shape[0]
@@ -106,12 +120,19 @@ def run_gemm(
     out = np.empty((m, np_), np.float32 if f32_out else np.uint8)
     c = out.reshape(-1)
     mchunk = m if threads == 1 else row_chunk(m, npanels, threads)
-    if target == "avx2":
+    if target == "avx2" and a.dtype != np.int16:
         a = a.astype(np.int16)  # the AVX2 kernels read activations as int16 pairs
     args = (a, rowoffs, m, koffs, nk, bp, npanels, c, np_, colcorr, wzp, rowsum, biasq, mult,
             out_zero_point, qmin, 255, mchunk)  # fmt: skip
     if target == "generic":
         (serial_generic if threads == 1 else with_threads(drive_generic, threads))(*args, f32_out)
+        if post is not None:
+            post_tile(c, np_, 0, m, 0, np_, *post)
+    elif post is not None:
+        serial, parallel = _POST[target]
+        driver = serial if threads == 1 else with_threads(parallel, threads)
+        driver(a, rowoffs, m, koffs, nk, bp, npanels, c, np_, colcorr, wzp, rowsum, biasq, mult,
+               mchunk, NO_RESIDUAL, NO_ADD, *post)  # fmt: skip
     else:
         mode = "f32" if f32_out else ("u8" if residual is None else "u8add")
         driver = _SERIAL[(target, mode)]

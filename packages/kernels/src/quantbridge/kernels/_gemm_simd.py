@@ -19,6 +19,7 @@ from typing import Any
 from numba import njit, prange
 
 from quantbridge.kernels._block_kernels import KERNEL_IDS, block_cols, block_kernel, k_step
+from quantbridge.kernels._float_math import FAST, post_tile
 
 # target -> (rows of the big block, rows of the tail block); the 1-row kernel ends every tail
 _ROWS = {"avx512_vnni": (8, 4), "avx2": (6, 3)}
@@ -91,6 +92,124 @@ def _make_driver(target: str, mode: str, parallel: bool) -> Any:
     return njit(cache=True, parallel=parallel, nogil=True)(driver)
 
 
+def _make_batched_driver(target: str, parallel: bool) -> Any:
+    """Mode ``u8`` over ``nb`` independent GEMMs (attention's (batch, head) pairs) in one call.
+
+    Batch ``g`` reads ``a[g*asz:]`` (rows addressed by ``rowoffs``, shared), its own packed B
+    ``bp[g*bsz:]``, column corrections ``colcorr[g*ldc:]`` and row sums ``rowsum[g*m:]``, and
+    writes rows ``g*m ..`` of ``c`` ([nb*m, ldc]). Tiles are (batch, panel, row chunk),
+    batch-major, so ``prange`` spreads whole batches over the threads.
+    """
+    big_rows, mid_rows = _ROWS[target]
+    big = KERNEL_IDS[(target, big_rows, "u8")]
+    mid = KERNEL_IDS[(target, mid_rows, "u8")]
+    one = KERNEL_IDS[(target, 1, "u8")]
+    nr = block_cols(target)
+    panel_step = nr * k_step(target)
+
+    def driver(  # type: ignore[no-untyped-def]  # numba types the arguments
+        nb, a, asz, rowoffs, m, koffs, nk, bp, bsz, npanels, c, ldc, colcorr, wzp, rowsum,
+        biasq, mult, ozp, qmin, qmax, mchunk, res, addp,
+    ):  # fmt: skip
+        nmc = (m + mchunk - 1) // mchunk
+        per = npanels * nmc
+        panel = nk * panel_step
+        for t in prange(nb * per):  # a plain range when parallel=False
+            g = t // per
+            tt = t - g * per
+            p = tt % npanels
+            start = (tt // npanels) * mchunk
+            end = min(m, start + mchunk)
+            ag = a[g * asz : (g + 1) * asz]
+            bg = bp[g * bsz : (g + 1) * bsz]
+            cg = c[g * m * ldc : (g + 1) * m * ldc]
+            ccg = colcorr[g * ldc : (g + 1) * ldc]
+            rsg = rowsum[g * m : (g + 1) * m]
+            boff = p * panel
+            j0 = p * nr
+            i = start
+            while i < end:
+                left = end - i
+                if left > mid_rows:
+                    block_kernel(
+                        big, ag, rowoffs, i, koffs, nk, bg, boff, cg, ldc, min(left, big_rows),
+                        ccg, wzp, rsg, biasq, mult, j0, ozp, qmin, qmax, res, addp,
+                    )  # fmt: skip
+                    i += big_rows
+                elif left > 1:
+                    block_kernel(
+                        mid, ag, rowoffs, i, koffs, nk, bg, boff, cg, ldc, left,
+                        ccg, wzp, rsg, biasq, mult, j0, ozp, qmin, qmax, res, addp,
+                    )  # fmt: skip
+                    i += mid_rows
+                else:
+                    block_kernel(
+                        one, ag, rowoffs, i, koffs, nk, bg, boff, cg, ldc, 1,
+                        ccg, wzp, rsg, biasq, mult, j0, ozp, qmin, qmax, res, addp,
+                    )  # fmt: skip
+                    i += 1
+
+    prefix = "batched_drive" if parallel else "batched_serial"
+    driver.__name__ = driver.__qualname__ = f"{prefix}_{_SHORT[target]}_u8"
+    return njit(cache=True, parallel=parallel, nogil=True)(driver)
+
+
+def _make_post_driver(target: str, parallel: bool) -> Any:
+    """Mode ``f32`` followed, per block while it is in cache, by ``post_tile``: per-row
+    activation scales and bias, then relu / GELU (dynamic linear's fused epilogue)."""
+    big_rows, mid_rows = _ROWS[target]
+    big = KERNEL_IDS[(target, big_rows, "f32")]
+    mid = KERNEL_IDS[(target, mid_rows, "f32")]
+    one = KERNEL_IDS[(target, 1, "f32")]
+    nr = block_cols(target)
+    panel_step = nr * k_step(target)
+
+    def driver(  # type: ignore[no-untyped-def]  # numba types the arguments
+        a, rowoffs, m, koffs, nk, bp, npanels, c, ldc, colcorr, wzp, rowsum, biasq, mult,
+        mchunk, res, addp, act, rowscale, has_rowscale, bias,
+    ):  # fmt: skip
+        nmc = (m + mchunk - 1) // mchunk
+        panel = nk * panel_step
+        for t in prange(npanels * nmc):  # a plain range when parallel=False
+            p = t % npanels
+            start = (t // npanels) * mchunk
+            end = min(m, start + mchunk)
+            boff = p * panel
+            j0 = p * nr
+            i = start
+            while i < end:
+                left = end - i
+                if left > mid_rows:
+                    block_kernel(
+                        big, a, rowoffs, i, koffs, nk, bp, boff, c, ldc, min(left, big_rows),
+                        colcorr, wzp, rowsum, biasq, mult, j0, 0, 0, 255, res, addp,
+                    )  # fmt: skip
+                    done = min(left, big_rows)
+                elif left > 1:
+                    block_kernel(
+                        mid, a, rowoffs, i, koffs, nk, bp, boff, c, ldc, left,
+                        colcorr, wzp, rowsum, biasq, mult, j0, 0, 0, 255, res, addp,
+                    )  # fmt: skip
+                    done = min(left, mid_rows)
+                else:
+                    block_kernel(
+                        one, a, rowoffs, i, koffs, nk, bp, boff, c, ldc, 1,
+                        colcorr, wzp, rowsum, biasq, mult, j0, 0, 0, 255, res, addp,
+                    )  # fmt: skip
+                    done = 1
+                post_tile(c, ldc, i, i + done, j0, j0 + nr, act, rowscale, has_rowscale, bias)
+                i += done
+
+    prefix = "post_drive" if parallel else "post_serial"
+    driver.__name__ = driver.__qualname__ = f"{prefix}_{_SHORT[target]}_f32"
+    # numpy's error model: a float division by zero gives inf instead of raising, so the
+    # inlined GELU loops carry no exception branch and vectorize; the float kernels' fastmath
+    # flags, so the epilogue computes exactly as kernels.gelu does
+    return njit(cache=True, parallel=parallel, nogil=True, error_model="numpy", fastmath=FAST)(
+        driver
+    )
+
+
 drive_vnni_u8 = _make_driver("avx512_vnni", "u8", True)
 serial_vnni_u8 = _make_driver("avx512_vnni", "u8", False)
 drive_vnni_u8t = _make_driver("avx512_vnni", "u8t", True)
@@ -105,3 +224,11 @@ drive_avx2_u8add = _make_driver("avx2", "u8add", True)
 serial_avx2_u8add = _make_driver("avx2", "u8add", False)
 drive_avx2_f32 = _make_driver("avx2", "f32", True)
 serial_avx2_f32 = _make_driver("avx2", "f32", False)
+batched_drive_vnni_u8 = _make_batched_driver("avx512_vnni", True)
+batched_serial_vnni_u8 = _make_batched_driver("avx512_vnni", False)
+batched_drive_avx2_u8 = _make_batched_driver("avx2", True)
+batched_serial_avx2_u8 = _make_batched_driver("avx2", False)
+post_drive_vnni_f32 = _make_post_driver("avx512_vnni", True)
+post_serial_vnni_f32 = _make_post_driver("avx512_vnni", False)
+post_drive_avx2_f32 = _make_post_driver("avx2", True)
+post_serial_avx2_f32 = _make_post_driver("avx2", False)

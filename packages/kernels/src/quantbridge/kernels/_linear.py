@@ -26,7 +26,9 @@ from quantbridge.kernels._checks import (
     check_zero_point,
     f32_problem,
 )
+from quantbridge.kernels._dynamic_act import quantize_rows, quantize_rows_fixed, tensor_range
 from quantbridge.kernels._errors import KernelError
+from quantbridge.kernels._float_math import ACTIVATIONS
 from quantbridge.kernels._gemm import quantize_u8_fma
 from quantbridge.kernels._gemm_run import NO_ADD, NO_RESIDUAL, SERIAL_BELOW, run_gemm, serial_driver
 from quantbridge.kernels._pack import (
@@ -104,8 +106,50 @@ class PackedLinearWeight:
         self._fast: dict[tuple[float, float, int], Any] = {}
         self._entry: dict[bool, Any] = {}
         self._colcorr: dict[int, npt.NDArray[np.int32]] = {}
+        self._colcorr_f: dict[str, npt.NDArray[np.float32]] = {}
         self._requant: dict[tuple[float, float | None, bool], Any] = {}
         self._rows: dict[int, tuple[npt.NDArray[np.int64], npt.NDArray[np.int32]]] = {}
+
+    @property
+    def zero_colcorr(self) -> npt.NDArray[np.int32]:
+        """All-zero column corrections (per-row activation zero points go through the
+        kernels' weight-zero-point term instead, see ``linear_dynamic``)."""
+        got = self._colcorr.get(-1)
+        if got is None:
+            got = np.zeros(self.n_padded, np.int32)
+            self._colcorr[-1] = got
+        return got
+
+    @property
+    def colsum32(self) -> npt.NDArray[np.int32]:
+        """``colsum`` as int32 (|colsum| <= 128 K, which the int32 check bounds)."""
+        got = self._colcorr.get(-2)
+        if got is None:
+            got = self.colsum.astype(np.int32)
+            self._colcorr[-2] = got
+        return got
+
+    @property
+    def bias_padded(self) -> npt.NDArray[np.float32]:
+        """The float32 bias padded to ``n_padded`` (zeros without a bias)."""
+        got = self._colcorr_f.get("bias")
+        if got is None:
+            got = np.zeros(self.n_padded, np.float32)
+            if self.bias is not None:
+                got[: self.n] = self.bias
+            self._colcorr_f["bias"] = got
+        return got
+
+    def epilogue_unit(self) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.float32]]:
+        """``(zeros, w_scale)``: the f32 epilogue giving ``float32(acc * w_scale[j])``."""
+        got = self._colcorr_f.get("unit")
+        if got is None:
+            m = np.zeros(self.n_padded, np.float32)
+            m[: self.n] = self.scales
+            got = np.zeros(self.n_padded, np.float32)
+            self._colcorr_f["unit"] = got
+            self._colcorr_f["unit_mult"] = m
+        return got, self._colcorr_f["unit_mult"]
 
     def rows(self, m: int) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int32]]:
         """``(row offsets, zero row sums)`` for ``m`` rows, cached (read-only arrays)."""
@@ -356,10 +400,10 @@ def linear(
     return out.reshape((*lead, packed.n))  # type: ignore[return-value]
 
 
-def choose_dynamic_qparams(x: npt.NDArray[np.float32]) -> tuple[float, int]:
-    """torch's dynamic activation qparams: uint8 [0, 255], range widened to include 0."""
-    lo = min(float(x.min()), 0.0)
-    hi = max(float(x.max()), 0.0)
+def qparams_from_range(lo: float, hi: float) -> tuple[float, int]:
+    """torch's dynamic activation qparams for the range [lo, hi] (uint8, widened to 0)."""
+    lo = min(lo, 0.0)
+    hi = max(hi, 0.0)
     qmin, qmax = 0, 255
     scale = (hi - lo) / (qmax - qmin)
     if float(np.float32(scale)) == 0.0 or math.isinf(1.0 / float(np.float32(scale))):
@@ -379,6 +423,11 @@ def choose_dynamic_qparams(x: npt.NDArray[np.float32]) -> tuple[float, int]:
     return scale, zp
 
 
+def choose_dynamic_qparams(x: npt.NDArray[np.float32]) -> tuple[float, int]:
+    """torch's dynamic activation qparams: uint8 [0, 255], range widened to include 0."""
+    return qparams_from_range(float(x.min()), float(x.max()))
+
+
 def quantize_activation(
     x: npt.NDArray[np.float32], scale: float, zero_point: int
 ) -> npt.NDArray[np.uint8]:
@@ -389,47 +438,89 @@ def quantize_activation(
     return out
 
 
+_ACTIVATIONS = ("none", "relu", "gelu", "gelu_tanh")
+
+
 def linear_dynamic(
     x: npt.NDArray[np.float32],
     packed: PackedLinearWeight,
     *,
+    per_row: bool = False,
+    activation: str = "none",
     num_threads: int | None = None,
 ) -> npt.NDArray[np.float32]:
-    """Float ``x @ W.T + bias`` with per-call uint8 quantization of ``x`` (torch's rule)."""
+    """Float ``act(x @ W.T + bias)`` with per-call uint8 quantization of ``x``.
+
+    ``per_row=False``: one scale and zero point for all of ``x`` (torch's dynamic rule,
+    bit-identical to torch.ao's dynamic linear); ``True``: one per row of ``x`` (per token;
+    symmetric weights only; the rule is in the module docstring of ``_dynamic_act``).
+    ``activation``: ``"none"``, ``"relu"``, ``"gelu"`` (erf) or ``"gelu_tanh"``, applied in
+    float32 to each output block while it is in cache.
+    """
     if not isinstance(packed, PackedLinearWeight):
         raise KernelError(f"packed: expected a PackedLinearWeight, got {type(packed).__name__}")
+    act = ACTIVATIONS.get(activation) if isinstance(activation, str) else None
+    if act is None:
+        raise KernelError(f"activation: expected one of {_ACTIVATIONS}, got {activation!r}")
+    if type(per_row) is not bool:
+        raise KernelError(f"per_row: expected True or False, got {per_row!r}")
+    if per_row and packed.has_weight_zp:
+        raise KernelError(
+            "per_row=True needs symmetric weights (every weight zero point 0); this weight has "
+            "non-zero zero points: quantize it with a symmetric qscheme or use per_row=False"
+        )
     xf = check_array("x", x, np.float32, None)
     if xf.ndim < 1:
         raise KernelError("x: expected at least 1 dimension [..., K]")
-    if not np.all(np.isfinite(xf)):
-        raise KernelError("x: contains NaN or infinity; dynamic quantization needs finite input")
-    threads = apply_num_threads(num_threads, "linear_dynamic")
-    a_s, a_zp = choose_dynamic_qparams(xf)
-    problem = f32_problem(a_s)
-    if problem is not None:  # only for inputs whose whole range is below ~1e-36
+    if xf.shape[-1] != packed.k:
         raise KernelError(
-            f"x: its dynamic activation scale {a_s!r} (from x's range) {problem}; "
-            "scale the input up before the layer"
+            f"x: last dimension {xf.shape[-1]} does not match the weight's K={packed.k} "
+            f"(x has shape {xf.shape}, weight is [{packed.n}, {packed.k}])"
         )
-    xq = quantize_activation(xf, a_s, a_zp)
-    a, m, lead = _activation_rows(xq, packed, "x")
-    rowoffs, rowsum = _rows_and_sums(a, m, packed)
-    biasq, mult = packed.epilogue(a_s, None)
-    out = run_gemm(
-        packed.target,
-        a,
-        rowoffs,
-        packed.koffs,
-        packed.packed,
-        packed.n,
-        packed.colcorr(a_zp),
-        packed.zero_points,
-        rowsum,
-        biasq,
-        mult,
-        0,
-        0,
-        True,
-        threads,
+    threads = apply_num_threads(num_threads, "linear_dynamic")
+    lead = xf.shape[:-1]
+    m = xf.size // packed.k
+    x2 = xf.reshape(m, packed.k)
+    # quantized rows go straight into the layout the kernels read: int16 for AVX2, rows
+    # padded to whole 4-byte loads
+    a: npt.NDArray[Any] = np.empty(
+        (m, packed.lda), np.int16 if packed.target == "avx2" else np.uint8
     )
-    return out.reshape((*lead, packed.n))  # type: ignore[return-value]
+    post: tuple[int, npt.NDArray[np.float32], bool, npt.NDArray[np.float32]] | None
+    rowoffs, _ = packed.rows(m)
+    if per_row:
+        scales = np.empty(m, np.float32)
+        zps = np.empty(m, np.int32)
+        if quantize_rows(x2, a, scales, zps):
+            raise KernelError(_NON_FINITE)
+        rowsum = zps  # - colsum[j] * zp[i] through the kernels' weight-zero-point term
+        colcorr = packed.zero_colcorr
+        wzp = packed.colsum32
+        biasq, mult = packed.epilogue_unit()
+        post = (act, scales, True, packed.bias_padded)
+    else:
+        lo, hi, bad = tensor_range(xf.reshape(-1), xf.reshape(-1).view(np.int32))
+        if bad:
+            raise KernelError(_NON_FINITE)
+        a_s, a_zp = qparams_from_range(float(lo), float(hi))
+        problem = f32_problem(a_s)
+        if problem is not None:  # only for inputs whose whole range is below ~1e-36
+            raise KernelError(
+                f"x: its dynamic activation scale {a_s!r} (from x's range) {problem}; "
+                "scale the input up before the layer"
+            )
+        inv = np.float32(np.float32(1.0) / np.float32(a_s))
+        rowsum = np.empty(m, np.int32)
+        quantize_rows_fixed(x2, inv, a_zp, a, rowsum, packed.has_weight_zp)
+        colcorr = packed.colcorr(a_zp)
+        wzp = packed.zero_points
+        biasq, mult = packed.epilogue(a_s, None)
+        post = None if act == 0 else (act, _NO_ROWSCALE, False, biasq)
+    out = run_gemm(packed.target, a.reshape(-1), rowoffs, packed.koffs, packed.packed, packed.n,
+                   colcorr, wzp, rowsum, biasq, mult, 0, 0, True, threads,
+                   post=post)  # fmt: skip
+    return out.reshape((*lead, packed.n))
+
+
+_NON_FINITE = "x: contains NaN or infinity; dynamic quantization needs finite input"
+_NO_ROWSCALE = np.zeros(1, np.float32)

@@ -115,8 +115,11 @@ def linear_dynamic_op(
     w_zero_point: torch.Tensor,
     bias: torch.Tensor | None,
     target: str,
+    activation: str = "none",
+    per_row: bool = False,
 ) -> torch.Tensor:
-    return lowered.linear_dynamic(x, _packed_linear(weight, w_scale, w_zero_point, bias, target))
+    packed = _packed_linear(weight, w_scale, w_zero_point, bias, target)
+    return lowered.linear_dynamic(x, packed, activation, per_row)
 
 
 @linear_dynamic_op.register_fake
@@ -367,3 +370,31 @@ def _(
     else:
         bags = offsets.shape[0] - (1 if include_last_offset else 0)
     return weight.new_empty((bags, weight.shape[1]), dtype=torch.float32)
+
+
+@torch.library.custom_op(f"{_NS}::layer_norm", mutates_args=())
+def layer_norm_op(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    eps: float,
+) -> torch.Tensor:
+    w = None if weight is None else lowered.numpy_view(weight)
+    b = None if bias is None else lowered.numpy_view(bias)
+    return lowered.layer_norm(x, residual, w, b, eps)
+
+
+@layer_norm_op.register_fake
+def _(x: torch.Tensor, *args: Any) -> torch.Tensor:
+    return x.new_empty(x.shape)
+
+
+@torch.library.custom_op(f"{_NS}::softmax", mutates_args=())
+def softmax_op(x: torch.Tensor, scale: float, mask: torch.Tensor | None) -> torch.Tensor:
+    return lowered.softmax(x, scale, mask)
+
+
+@softmax_op.register_fake
+def _(x: torch.Tensor, *args: Any) -> torch.Tensor:
+    return x.new_empty(x.shape)

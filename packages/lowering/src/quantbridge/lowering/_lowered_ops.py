@@ -51,10 +51,25 @@ def linear(
     return torch.from_numpy(K.linear(numpy_view(x), packed, *in_qp, *out_qp, relu=relu))
 
 
-def linear_dynamic(x: torch.Tensor, packed: K.PackedLinearWeight) -> torch.Tensor:
+def linear_dynamic(
+    x: torch.Tensor, packed: K.PackedLinearWeight, activation: str = "none", per_row: bool = False
+) -> torch.Tensor:
     if x.dtype != torch.float32:
         x = x.to(torch.float32)
-    return torch.from_numpy(K.linear_dynamic(numpy_view(x), packed))
+    out = K.linear_dynamic(numpy_view(x), packed, per_row=per_row, activation=activation)
+    return torch.from_numpy(out)
+
+
+def layer_norm(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: Any, bias: Any, eps: float
+) -> torch.Tensor:
+    r = None if residual is None else numpy_view(residual.to(torch.float32))
+    return torch.from_numpy(K.layer_norm(numpy_view(x), weight, bias, eps, residual=r))
+
+
+def softmax(x: torch.Tensor, scale: float, mask: torch.Tensor | None) -> torch.Tensor:
+    m = None if mask is None else mask.detach().numpy()  # strided views are fine: it is copied
+    return torch.from_numpy(K.softmax(numpy_view(x), scale=scale, mask=m))
 
 
 def conv(

@@ -34,6 +34,8 @@ __all__ = [
     "QuantizedConv",
     "QuantizedConvAdd",
     "QuantizedDynamicLinear",
+    "FloatLayerNorm",
+    "FloatSoftmax",
     "QuantizedEmbedding",
     "QuantizedEmbeddingBag",
     "QuantizedLinear",
@@ -215,9 +217,25 @@ class QuantizedLinear(_WeightedBase):
 
 
 class QuantizedDynamicLinear(_WeightedBase):
-    """float32 ``[..., K]`` → float32: per-call uint8 quantization of x (``linear_dynamic``)."""
+    """float32 ``[..., K]`` → float32: per-call uint8 quantization of x (``linear_dynamic``).
+
+    ``activation`` (``"none"``, ``"relu"``, ``"gelu"``, ``"gelu_tanh"``) runs in the kernel's
+    float epilogue; ``per_row`` quantizes each row (token) with its own scale.
+    """
 
     kernel = "kernels.linear_dynamic"
+
+    def __init__(
+        self, *args: Any, activation: str = "none", per_row: bool = False, **kwargs: Any
+    ) -> None:
+        self.activation = activation
+        self.per_row = per_row
+        super().__init__(*args, **kwargs)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        state.setdefault("activation", "none")  # pickles made before these options existed
+        state.setdefault("per_row", False)
+        super().__setstate__(state)
 
     def _sync(self) -> None:
         super()._sync()
@@ -228,11 +246,87 @@ class QuantizedDynamicLinear(_WeightedBase):
         if is_tracing(x):
             return _as_tensor(ops.linear_dynamic_op(
                 x, self.weight, self.weight_scale, self.weight_zero_point, self.bias, self.target,
+                self.activation, self.per_row,
             ))  # fmt: skip
-        return lowered.linear_dynamic(x, self._packed)
+        return lowered.linear_dynamic(x, self._packed, self.activation, self.per_row)
 
     def _details(self) -> str:
-        return self._pack_details()
+        extra = "" if self.activation == "none" else f"activation={self.activation}, "
+        rows = "per_row, " if self.per_row else ""
+        return f"{rows}{extra}{self._pack_details()}"
+
+
+class FloatLayerNorm(LoweredModule):
+    """float32 ``LayerNorm(x [+ residual])`` over the last dimension (``kernels.layer_norm``)."""
+
+    kernel = "kernels.layer_norm"
+    weight: torch.Tensor | None
+    bias: torch.Tensor | None
+
+    def __init__(
+        self,
+        weight: torch.Tensor | None,
+        bias: torch.Tensor | None,
+        eps: float,
+        residual: bool,
+        target: str,
+    ) -> None:
+        nn.Module.__init__(self)
+        self.eps, self.residual = float(eps), residual
+        for name, t in (("weight", weight), ("bias", bias)):
+            value = None if t is None else t.detach().to(torch.float32).contiguous()
+            self.register_buffer(name, value)
+        super().__init__(target, None, None)
+
+    def _sync(self) -> None:
+        super()._sync()
+        self._w = None if self.weight is None else lowered.numpy_view(self.weight)
+        self._b = None if self.bias is None else lowered.numpy_view(self.bias)
+
+    def forward(self, x: torch.Tensor, other: torch.Tensor | None = None) -> torch.Tensor:
+        if other is not None and other.shape != x.shape:
+            x, other = x + other, None  # broadcasting add: torch does it, the kernel the rest
+        if x.dtype != torch.float32 or x.requires_grad:
+            h = x if other is None else x + other
+            n = (h.shape[-1],)
+            return torch.nn.functional.layer_norm(h, n, self.weight, self.bias, self.eps)
+        if is_tracing(x) if other is None else is_tracing(x, other):
+            return _as_tensor(ops.layer_norm_op(x, other, self.weight, self.bias, self.eps))
+        return lowered.layer_norm(x, other, self._w, self._b, self.eps)
+
+    def _details(self) -> str:
+        return f"eps={self.eps:g}" + (", residual add fused" if self.residual else "")
+
+
+class FloatSoftmax(LoweredModule):
+    """float32 ``softmax(x * scale + mask)`` over the last dimension (``kernels.softmax``)."""
+
+    kernel = "kernels.softmax"
+
+    def __init__(self, scale: float, divide: bool, masked: bool, target: str) -> None:
+        nn.Module.__init__(self)
+        # a graph's ``x / c`` becomes ``x * float32(1 / c)``: the kernel multiplies
+        self.scale, self.divide, self.masked = float(scale), divide, masked
+        super().__init__(target, None, None)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        ok = mask is None or (
+            mask.dtype == torch.float32
+            and mask.dim() <= 4
+            and mask.shape[-1] == x.shape[-1]
+            and all(m in (1, d) for m, d in zip(mask.shape[::-1], x.shape[::-1], strict=False))
+        )
+        if x.dtype != torch.float32 or x.dim() > 4 or not ok or x.requires_grad:
+            v = x / self.scale if self.divide else x * self.scale
+            return torch.softmax(v if mask is None else v + mask, -1)
+        scale = 1.0 / self.scale if self.divide else self.scale
+        if is_tracing(x) if mask is None else is_tracing(x, mask):
+            return _as_tensor(ops.softmax_op(x, scale, mask))
+        return lowered.softmax(x, scale, mask)
+
+    def _details(self) -> str:
+        op = "/" if self.divide else "*"
+        return f"x {op} {self.scale:g}" + (" + mask" if self.masked else "")
 
 
 class QuantizedConv(_WeightedBase):

@@ -44,6 +44,8 @@ class NumbaBackend(Backend):
     ``reduce_range=False``: activations keep all 8 bits, one more than torch.ao's x86 default.
     """
 
+    _per_token = False
+
     def __init__(self, name: str, target: str | None) -> None:
         self._target = target
         super().__init__(
@@ -93,10 +95,33 @@ class NumbaBackend(Backend):
                 mapping.set_object_type(key, qconfig)
         return mapping
 
+    @property
+    def per_token_activations(self) -> bool:
+        """Whether dynamic linears quantize their input per row (token); see ``with_options``."""
+        return self._per_token
+
+    def with_options(self, *, per_token_activations: bool = False) -> NumbaBackend:
+        """A copy of this backend (same name, BackendConfig, qconfigs and target) with options:
+
+        ``per_token_activations=True``: each dynamic Linear quantizes every row (token) of its
+        input with its own scale and zero point (``kernels.linear_dynamic(per_row=True)``;
+        weights must be symmetric, as torch.ao's dynamic qconfigs make them) instead of one
+        scale per tensor. The copy is not registered; use its ``lower``/``convert``.
+        """
+        if type(per_token_activations) is not bool:
+            raise TypeError(
+                f"with_options: per_token_activations must be True or False, got "
+                f"{per_token_activations!r}"
+            )
+        other = copy.copy(self)
+        other._per_token = per_token_activations
+        return other
+
     def lower(self, reference_model: GraphModule) -> GraphModule:
         """A lowered copy of ``reference_model`` (the reference model is left unchanged)."""
         self._check_lowerable(reference_model)
-        return lower_to_kernels(copy.deepcopy(reference_model), self.target)
+        rules = default_lowering_rules(per_token_activations=self._per_token)
+        return lower_to_kernels(copy.deepcopy(reference_model), self.target, rules=rules)
 
     def supported_ops(self) -> list[SupportedOp]:
         """One row per rule of the lowering table: what it lowers, in which modes, with what."""

@@ -7,6 +7,7 @@ classes in patterns also match their subclasses (``isinstance``; the pass adds t
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 from collections.abc import Sequence
 from typing import Any
@@ -30,6 +31,7 @@ from quantbridge.lowering._context import (
     quantized_input,
     static_qparams,
 )
+from quantbridge.lowering._float_rules import float_op_rules
 from quantbridge.lowering._rules import LoweringRule, RuleMatch
 from quantbridge.patterns import ArgConstraint, MatchAllNode, Nested, Pattern, RewriteMatch
 
@@ -404,28 +406,39 @@ def _build_shape(ctx: LoweringContext, m: RuleMatch) -> Node:
     return ctx.requantize(new, in_qp, m.out_qparams)
 
 
-def _build_dynamic_linear(ctx: LoweringContext, m: RuleMatch) -> Node:
-    node = m.node
-    fused = ctx.module(node)
-    assert fused is not None
-    mod, relu = _fused_relu_parts(fused)
-    if not isinstance(mod, nnqr.Linear):
-        raise NotLowerableError("fused module holds a float (not reference) Linear")
-    dq = node.args[0]
-    assert isinstance(dq, Node)  # the rule's constraint: dequantize(quantize(x))
-    q = dq.args[0]
-    assert isinstance(q, Node)
-    x = q.args[0]
-    assert isinstance(x, Node)
-    w, ws, wz = _int8_weight(mod)
-    new_mod = lm.QuantizedDynamicLinear(w, ws, wz, mod.bias, ctx.target, None, None)
-    new = ctx.add_module(f"{node.target}_dynamic", new_mod, (x,))
-    if not relu:
-        ctx.record(new, f"{new_mod.kernel} ({ctx.target})")
+def _make_build_dynamic_linear(per_row: bool) -> Any:
+    def build(ctx: LoweringContext, m: RuleMatch) -> Node:
+        node = m.node
+        fused = ctx.module(node)
+        assert fused is not None
+        mod, relu = _fused_relu_parts(fused)
+        if not isinstance(mod, nnqr.Linear):
+            raise NotLowerableError("fused module holds a float (not reference) Linear")
+        dq = node.args[0]
+        assert isinstance(dq, Node)  # the rule's constraint: dequantize(quantize(x))
+        q = dq.args[0]
+        assert isinstance(q, Node)
+        x = q.args[0]
+        assert isinstance(x, Node)
+        w, ws, wz = _int8_weight(mod)
+        if per_row and bool((wz != 0).any()):
+            raise NotLowerableError(
+                "per-token activations need symmetric weights (weight zero point 0)"
+            )
+        new_mod = lm.QuantizedDynamicLinear(
+            w, ws, wz, mod.bias, ctx.target, None, None,
+            activation="relu" if relu else "none", per_row=per_row,
+        )  # fmt: skip
+        new = ctx.add_module(f"{node.target}_dynamic", new_mod, (x,))
+        what = f"{new_mod.kernel} ({ctx.target})"
+        what += ", per-token activations" if per_row else ""
+        ctx.record(new, what + (", relu fused" if relu else ""))
         return new
-    # linear_dynamic has no relu epilogue: relu on its float output, as the reference does
-    ctx.record(new, f"{new_mod.kernel} ({ctx.target}) + relu in float")
-    return ctx.create_node("call_function", torch.relu, (new,))
+
+    return build
+
+
+_build_dynamic_linear = _make_build_dynamic_linear(False)
 
 
 def _build_embedding(ctx: LoweringContext, m: RuleMatch) -> Node:
@@ -492,9 +505,16 @@ def _relu_over(binary_ops: tuple[Any, ...]) -> tuple[Pattern, ...]:
     return tuple(pats)
 
 
-def default_lowering_rules() -> tuple[LoweringRule, ...]:
+def default_lowering_rules(*, per_token_activations: bool = False) -> tuple[LoweringRule, ...]:
     """The built-in table in matching order; extend it with ``(*default_lowering_rules(), rule)``
-    (a rule placed before a built-in one takes precedence on the ops they share)."""
+    (a rule placed before a built-in one takes precedence on the ops they share).
+
+    ``per_token_activations``: dynamic linears quantize each row (token) of their input with
+    its own scale and zero point (``kernels.linear_dynamic(per_row=True)``) instead of one per
+    tensor (torch.ao's rule).
+    """
+    if per_token_activations:
+        return _PER_TOKEN_RULES
     return _DEFAULT_RULES
 
 
@@ -665,4 +685,15 @@ _DEFAULT_RULES: tuple[LoweringRule, ...] = (
         description="Conv2d whose only user is an add (+relu): a residual block",
         kernel="kernels.conv2d_add (the add in the conv's epilogue)",
     ),
+    *float_op_rules(),
+)
+_PER_TOKEN_RULES: tuple[LoweringRule, ...] = tuple(
+    dataclasses.replace(
+        rule,
+        build=_make_build_dynamic_linear(True),
+        description="dynamic Linear (+relu), per-token activation scales: float in and out",
+    )
+    if rule.name == "dynamic linear"
+    else rule
+    for rule in _DEFAULT_RULES
 )

@@ -1,0 +1,116 @@
+"""Dynamic activation quantization for ``linear_dynamic``: range and quantize in compiled loops
+that write the layout the GEMM reads (uint8 rows padded to whole 4-byte loads, or int16 for
+AVX2), so nothing is copied or widened afterwards.
+
+Per tensor (torch's rule, bit-identical to the former numpy path): one pass finds
+``min``/``max`` and any non-finite value (from the IEEE exponent bits, so the float
+min/max may use fast-math), the qparams come from ``_linear.qparams_from_range``, a second
+pass quantizes ``q = clamp(rint(fma(x, float32(1/scale), zp)), 0, 255)`` and (when a weight
+zero point needs them) sums each row.
+
+Per row (per token), row ``i`` of ``x`` while it is in cache:
+
+    lo = min(min_k x[i, k], 0)            hi = max(max_k x[i, k], 0)       (float32)
+    scale = float32((float64(hi) - float64(lo)) / 255)
+            (0.1 if that is below the smallest normal float32, e.g. an all-zero row)
+    zp = clamp(rint(-float64(lo) / float64(scale)), 0, 255)
+    q[i, k] = clamp(rint(fma(x[i, k], float32(1) / scale, zp)), 0, 255)   (float32)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+from numba import njit
+
+from quantbridge.kernels._fma import fma32
+
+_EXP_MASK = np.int32(0x7F800000)  # all-ones exponent: inf or NaN
+_TINY = np.float32(1.1754944e-38)
+
+
+@njit(cache=True, nogil=True, fastmath=True)
+def tensor_range(x, bits):  # type: ignore[no-untyped-def]
+    """``(min, max, any non-finite)`` of flat float32 ``x``; ``bits`` is ``x.view(int32)``."""
+    lo = x[0]
+    hi = x[0]
+    bad = np.int32(0)
+    for i in range(x.shape[0]):
+        v = x[i]
+        # compare-and-select (numba's min/max handle NaN and do not vectorize)
+        lo = v if v < lo else lo
+        hi = v if v > hi else hi
+        bad |= np.int32((bits[i] & _EXP_MASK) == _EXP_MASK)
+    return lo, hi, bad != 0
+
+
+@njit(cache=True, nogil=True)
+def quantize_rows_fixed(x, inv, zp, out, rowsum, sums):  # type: ignore[no-untyped-def]
+    """``out[i, :k] = clamp(rint(fma(x[i], inv, zp)))``, ``out[i, k:] = 0``; row sums if asked."""
+    m, k = x.shape
+    lda = out.shape[1]
+    zf = np.float32(zp)
+    lo = np.float32(0.0)
+    top = np.float32(255.0)
+    for i in range(m):
+        for j in range(k):
+            out[i, j] = min(max(np.rint(fma32(x[i, j], inv, zf)), lo), top)
+        for j in range(k, lda):
+            out[i, j] = 0
+        if sums:
+            t = np.int32(0)
+            for j in range(k):
+                t += np.int32(out[i, j])
+            rowsum[i] = t
+
+
+@njit(cache=True, nogil=True, fastmath=True)
+def _row_range(x, bits, i):  # type: ignore[no-untyped-def]
+    lo = np.float32(0.0)
+    hi = np.float32(0.0)
+    bad = np.int32(0)
+    for j in range(x.shape[1]):
+        v = x[i, j]
+        lo = v if v < lo else lo
+        hi = v if v > hi else hi
+        bad |= np.int32((bits[i, j] & _EXP_MASK) == _EXP_MASK)
+    return lo, hi, bad
+
+
+@njit(cache=True, nogil=True)
+def _quantize_rows(x, bits, out, scales, zps):  # type: ignore[no-untyped-def]
+    m, k = x.shape
+    lda = out.shape[1]
+    lo_q = np.float32(0.0)
+    top = np.float32(255.0)
+    for i in range(m):
+        lo, hi, bad = _row_range(x, bits, i)
+        if bad != 0:
+            return True
+        scale = np.float32((np.float64(hi) - np.float64(lo)) / 255.0)
+        if not scale >= _TINY:
+            scale = np.float32(0.1)
+        zp = np.rint(-np.float64(lo) / np.float64(scale))
+        zp = min(max(zp, 0.0), 255.0)
+        inv = np.float32(1.0) / scale
+        zf = np.float32(zp)
+        for j in range(k):
+            out[i, j] = min(max(np.rint(fma32(x[i, j], inv, zf)), lo_q), top)
+        for j in range(k, lda):
+            out[i, j] = 0
+        scales[i] = scale
+        zps[i] = np.int32(zp)
+    return False
+
+
+def quantize_rows(
+    x: npt.NDArray[np.float32],
+    out: npt.NDArray[Any],
+    scales: npt.NDArray[np.float32],
+    zps: npt.NDArray[np.int32],
+) -> bool:
+    """Per-row rule (module docstring) on float32 [m, k] ``x`` into ``out`` [m, lda] with
+    ``scales``/``zps`` [m]; True (and partial output) if ``x`` holds inf or NaN."""
+    return bool(_quantize_rows(x, x.view(np.int32), out, scales, zps))

@@ -1,0 +1,254 @@
+"""float32 kernels for the ops around a transformer's GEMMs: LayerNorm (+ residual), softmax
+(+ scale and additive mask), GELU. Row-wise over the last dimension, vectorized float32 loops
+(``_float_math``), parallel over rows when threads allow and the work is large.
+
+Numerics (float32 throughout; reductions are vectorized, so summation order differs from a
+sequential sum, and from torch's):
+
+- ``layer_norm(x, weight, bias, eps, residual=r)``: ``h = x + r``; ``mean = sum(h) / n``;
+  ``var = sum((h - mean)^2) / n`` (two passes over the row in cache, biased as torch's);
+  ``y = (h - mean) * (1 / sqrt(var + eps)) * weight + bias``.
+- ``softmax(x, scale, mask)``: ``v = x * scale + mask`` (mask broadcast over the leading
+  dimensions, e.g. [B, 1, 1, S] over [B, H, S, S]); ``y = exp32(v - max(v)) / sum(...)``.
+  A row whose values are all ``-inf`` gives NaN, as torch's softmax does.
+- ``gelu(x, approximate)``: ``"none"`` is erf-GELU, ``"tanh"`` the tanh form (see
+  ``_float_math``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+from numba import njit, prange
+
+from quantbridge.kernels._checks import check_array, check_out
+from quantbridge.kernels._errors import KernelError
+from quantbridge.kernels._float_math import FAST, exp32, gelu_erf, gelu_tanh
+from quantbridge.kernels._threads import apply_num_threads, with_threads
+
+F32A = npt.NDArray[np.float32]
+# rows x columns below which one thread runs (a parallel launch costs ~20 us and far more on a
+# busy machine; a BERT-base LayerNorm at batch 16 is 0.8 M elements, ~0.5 ms)
+PARALLEL_MIN_FLOAT_WORK = 1 << 20
+GELU_MODES = {"none": 0, "tanh": 1}
+
+
+def _make_layer_norm(parallel: bool) -> Any:
+    def layer_norm_rows(x, r, has_r, w, b, eps, out):  # type: ignore[no-untyped-def]
+        rows, n = x.shape
+        inv_n = np.float32(1.0) / np.float32(n)
+        for i in prange(rows):  # a plain range when parallel=False
+            s = np.float32(0.0)
+            for k in range(n):
+                h = x[i, k] + r[i, k] if has_r else x[i, k]
+                out[i, k] = h
+                s += h
+            mean = s * inv_n
+            v = np.float32(0.0)
+            for k in range(n):
+                d = out[i, k] - mean
+                v += d * d
+            rstd = np.float32(1.0) / np.sqrt(v * inv_n + eps)
+            for k in range(n):
+                out[i, k] = (out[i, k] - mean) * rstd * w[k] + b[k]
+
+    name = "layer_norm_parallel" if parallel else "layer_norm_serial"
+    layer_norm_rows.__name__ = layer_norm_rows.__qualname__ = name
+    return njit(cache=True, parallel=parallel, nogil=True, fastmath=FAST, error_model="numpy")(
+        layer_norm_rows
+    )
+
+
+def _make_softmax(parallel: bool) -> Any:
+    def softmax_rows(x, scale, mask, has_mask, d1, d2, mb, mh, mq, out):  # type: ignore[no-untyped-def]
+        # x, out: [rows, n] with rows = d0 * d1 * d2; mask: [mb * mh * mq, n], row picked by
+        # broadcasting (a size-1 mask dimension repeats)
+        rows, n = x.shape
+        for i in prange(rows):  # a plain range when parallel=False
+            q = i % d2
+            h = (i // d2) % d1
+            bb = i // (d1 * d2)
+            mrow = ((bb if mb > 1 else 0) * mh + (h if mh > 1 else 0)) * mq + (q if mq > 1 else 0)
+            top = -np.inf
+            for k in range(n):
+                v = x[i, k] * scale
+                if has_mask:
+                    v += mask[mrow, k]
+                out[i, k] = v
+                top = max(top, v)
+            top32 = np.float32(top)
+            s = np.float32(0.0)
+            for k in range(n):
+                e = exp32(out[i, k] - top32)
+                out[i, k] = e
+                s += e
+            inv = np.float32(1.0) / s
+            for k in range(n):
+                out[i, k] = out[i, k] * inv
+
+    softmax_rows.__name__ = softmax_rows.__qualname__ = (
+        "softmax_parallel" if parallel else "softmax_serial"
+    )
+    return njit(cache=True, parallel=parallel, nogil=True, fastmath=FAST, error_model="numpy")(
+        softmax_rows
+    )
+
+
+def _make_gelu(parallel: bool) -> Any:
+    def gelu_flat(x, mode, out):  # type: ignore[no-untyped-def]
+        n = x.shape[0]
+        chunk = 4096
+        for c in prange((n + chunk - 1) // chunk):  # a plain range when parallel=False
+            lo = c * chunk
+            hi = min(n, lo + chunk)
+            if mode == 0:
+                for k in range(lo, hi):
+                    out[k] = gelu_erf(x[k])
+            else:
+                for k in range(lo, hi):
+                    out[k] = gelu_tanh(x[k])
+
+    gelu_flat.__name__ = gelu_flat.__qualname__ = "gelu_parallel" if parallel else "gelu_serial"
+    return njit(cache=True, parallel=parallel, nogil=True, fastmath=FAST, error_model="numpy")(
+        gelu_flat
+    )
+
+
+_LAYER_NORM = (_make_layer_norm(False), _make_layer_norm(True))
+_SOFTMAX = (_make_softmax(False), _make_softmax(True))
+_GELU = (_make_gelu(False), _make_gelu(True))
+
+
+def _pick(pair: tuple[Any, Any], work: int, num_threads: int | None, where: str) -> Any:
+    threads = apply_num_threads(num_threads, where)
+    if threads == 1 or work < PARALLEL_MIN_FLOAT_WORK:
+        return pair[0]
+    return with_threads(pair[1], threads)
+
+
+def _float_input(name: str, x: object) -> F32A:
+    xf = check_array(name, x, np.float32, None)
+    if xf.ndim < 1:
+        raise KernelError(f"{name}: expected at least 1 dimension, got a scalar")
+    return xf
+
+
+def _vector(name: str, v: object, n: int, fill: float) -> F32A:
+    if v is None:
+        return np.full(n, fill, np.float32)
+    vv = check_array(name, v, np.float32, 1)
+    if vv.shape[0] != n:
+        raise KernelError(f"{name}: expected shape ({n},) (the last dimension), got {vv.shape}")
+    return vv
+
+
+def _out(out: object, x: F32A, inputs: tuple[F32A, ...]) -> F32A:
+    """A new output, or the caller's ``out=`` (which may be one of ``inputs`` itself)."""
+    if out is None:
+        return np.empty(x.shape, np.float32)
+    return check_out(out, x.shape, np.float32, *inputs)
+
+
+def layer_norm(
+    x: F32A,
+    weight: F32A | None = None,
+    bias: F32A | None = None,
+    eps: float = 1e-5,
+    *,
+    residual: F32A | None = None,
+    out: F32A | None = None,
+    num_threads: int | None = None,
+) -> F32A:
+    """float32 ``LayerNorm(x + residual)`` over the last dimension (``residual`` optional).
+
+    ``weight``/``bias``: float32 [n] or None (ones / zeros). ``out`` may be ``x`` or
+    ``residual`` (in place).
+    """
+    xf = _float_input("x", x)
+    n = int(xf.shape[-1])
+    if residual is not None:
+        r = check_array("residual", residual, np.float32, None)
+        if r.shape != xf.shape:
+            raise KernelError(
+                f"residual: expected the shape of x {xf.shape}, got {r.shape} (no broadcasting)"
+            )
+    else:
+        r = xf
+    e = float(eps)
+    if not (e >= 0.0 and np.isfinite(e)):
+        raise KernelError(f"eps: expected a finite number >= 0, got {eps!r}")
+    w = _vector("weight", weight, n, 1.0)
+    b = _vector("bias", bias, n, 0.0)
+    o = _out(out, xf, (xf, r))
+    fn = _pick(_LAYER_NORM, xf.size, num_threads, "layer_norm")
+    fn(xf.reshape(-1, n), r.reshape(-1, n), residual is not None, w, b, np.float32(e),
+       o.reshape(-1, n))  # fmt: skip
+    return o
+
+
+def softmax(
+    x: F32A,
+    *,
+    scale: float = 1.0,
+    mask: F32A | None = None,
+    out: F32A | None = None,
+    num_threads: int | None = None,
+) -> F32A:
+    """float32 ``softmax(x * scale + mask)`` over the last dimension.
+
+    ``mask`` (float32) broadcasts against ``x`` with numpy's rules but must have ``x``'s last
+    dimension and at most 4 dimensions in all (e.g. [B, 1, 1, S] over [B, H, S, S]).
+    """
+    xf = _float_input("x", x)
+    if xf.ndim > 4:
+        raise KernelError(f"x: expected at most 4 dimensions, got shape {xf.shape}")
+    sc = float(scale)
+    if not np.isfinite(sc):
+        raise KernelError(f"scale: expected a finite number, got {scale!r}")
+    n = int(xf.shape[-1])
+    shape4 = (1,) * (4 - xf.ndim) + tuple(int(d) for d in xf.shape)
+    if mask is None:
+        m2 = np.zeros((1, n), np.float32)
+        mb = mh = mq = 1
+    else:
+        m = check_array("mask", mask, np.float32, None, contiguous=False)
+        if m.ndim > 4 or m.ndim < 1 or m.shape[-1] != n:
+            raise KernelError(
+                f"mask: expected 1 to 4 dimensions ending in x's last dimension {n}, got shape "
+                f"{m.shape} (x {xf.shape})"
+            )
+        m4 = m.reshape((1,) * (4 - m.ndim) + m.shape)
+        dims = [int(m4.shape[axis]) for axis in range(3)]
+        for axis in range(3):
+            if dims[axis] not in (1, shape4[axis]):
+                raise KernelError(
+                    f"mask: shape {m.shape} does not broadcast to x's {xf.shape} (dimension "
+                    f"{axis - 4 + m.ndim} has {dims[axis]}, x has {shape4[axis]})"
+                )
+        mb, mh, mq = dims
+        m2 = np.ascontiguousarray(m4).reshape(-1, n)
+    o = _out(out, xf, (xf,))
+    fn = _pick(_SOFTMAX, xf.size, num_threads, "softmax")
+    fn(xf.reshape(-1, n), np.float32(sc), m2, mask is not None, shape4[1], shape4[2], mb, mh, mq,
+       o.reshape(-1, n))  # fmt: skip
+    return o
+
+
+def gelu(
+    x: F32A,
+    approximate: str = "none",
+    *,
+    out: F32A | None = None,
+    num_threads: int | None = None,
+) -> F32A:
+    """float32 GELU, ``approximate`` ``"none"`` (erf) or ``"tanh"``, as torch's names."""
+    xf = _float_input("x", x)
+    mode = GELU_MODES.get(approximate) if isinstance(approximate, str) else None
+    if mode is None:
+        raise KernelError(f"approximate: expected 'none' or 'tanh', got {approximate!r}")
+    o = _out(out, xf, (xf,))
+    fn = _pick(_GELU, xf.size, num_threads, "gelu")
+    fn(xf.reshape(-1), mode, o.reshape(-1))
+    return o

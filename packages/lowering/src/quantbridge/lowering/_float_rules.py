@@ -1,0 +1,360 @@
+"""Fusion rules for what stays float around a transformer's GEMMs (``kind="fusion"``: they run on
+the lowered graph, after every op that could be quantized was; ops kept in reference form
+around a missing quantized kernel are left as they are):
+
+- GELU right after a dynamic linear (its only user) goes into the linear's float epilogue;
+- ``LayerNorm(a + b)`` becomes ``kernels.layer_norm`` with the residual add fused, a LayerNorm
+  alone ``kernels.layer_norm``;
+- ``softmax(x * c + mask)`` / ``softmax(x / c + mask)`` (and without the mask or the scale)
+  over the last dimension becomes ``kernels.softmax``.
+
+Patterns name the operators as the float model calls them (modules, ``torch.nn.functional``,
+``torch`` functions, methods), at each positional arity. A match is taken only when every
+intermediate node has no other user and the arguments are what the kernels compute (last
+dimension, float32 dtype, scalar scale); otherwise the next smaller pattern, or torch, runs it.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.fx import Node
+
+from quantbridge.lowering import _modules as lm
+from quantbridge.lowering._context import LoweringContext, NotLowerableError
+from quantbridge.lowering._rules import LoweringRule, RuleMatch
+from quantbridge.patterns import MatchAllNode, Nested, Pattern, RewriteMatch
+
+__all__ = ["float_op_rules"]
+
+_ADD: tuple[Any, ...] = (operator.add, torch.add)
+_SCALE: tuple[Any, ...] = (operator.mul, torch.mul, operator.truediv, torch.div)
+_GELU_FN: tuple[Any, ...] = (F.gelu,)
+_SOFTMAX_FN: tuple[tuple[Any, range], ...] = (
+    (F.softmax, range(1, 4)),
+    (torch.softmax, range(2, 4)),
+    ("softmax", range(2, 4)),
+)
+_LAYER_NORM_FN = (F.layer_norm, range(2, 6))
+
+
+def _with_arity(op: Any, first: Pattern, arities: Sequence[int]) -> list[Pattern]:
+    return [Nested(op, first, *([MatchAllNode] * (n - 1))) for n in arities]
+
+
+def _gm(node: Node) -> torch.fx.GraphModule:
+    gm = node.graph.owning_module
+    assert gm is not None
+    return gm
+
+
+def _module(node: Node) -> nn.Module | None:
+    return _gm(node).get_submodule(str(node.target)) if node.op == "call_module" else None
+
+
+def _fn_in(node: Node, ops: tuple[Any, ...]) -> bool:
+    if node.op not in ("call_function", "call_method"):
+        return False
+    return any(node.target is op or (isinstance(op, str) and node.target == op) for op in ops)
+
+
+def _sole_user(node: Node) -> bool:
+    return len(node.users) == 1
+
+
+def _arg(node: Node, index: int, name: str, default: Any) -> Any:
+    if len(node.args) > index:
+        return node.args[index]
+    return node.kwargs.get(name, default)
+
+
+def _tensor_pair(add: Node) -> tuple[Node, Node] | None:
+    """``(a, b)`` of ``a + b`` on two graph values (no ``alpha``), else None."""
+    if not _fn_in(add, _ADD) or add.kwargs or len(add.args) != 2:
+        return None
+    a, b = add.args
+    if not (isinstance(a, Node) and isinstance(b, Node)):
+        return None
+    return a, b
+
+
+# --- GELU into the dynamic linear's epilogue ----------------------------------------------
+
+
+def _gelu_approximate(node: Node) -> str | None:
+    mod = _module(node)
+    if isinstance(mod, nn.GELU):
+        return str(mod.approximate) if len(node.args) == 1 and not node.kwargs else None
+    if _fn_in(node, _GELU_FN):
+        extra = set(node.kwargs) - {"approximate"}
+        value = _arg(node, 1, "approximate", "none")
+        return value if not extra and value in ("none", "tanh") else None
+    return None
+
+
+def _linear_gelu(match: RewriteMatch) -> tuple[lm.QuantizedDynamicLinear, str] | None:
+    act, lin_node = match.anchor, match.nodes[1]
+    lin = _module(lin_node)
+    if type(lin) is not lm.QuantizedDynamicLinear or lin.activation != "none":
+        return None
+    if not _sole_user(lin_node):
+        return None
+    approximate = _gelu_approximate(act)
+    return None if approximate is None else (lin, approximate)
+
+
+def _refuse_kept(ctx: LoweringContext, m: RuleMatch) -> None:
+    """Ops kept in reference form (dequantize → float op → quantize) stay exactly that: the
+    report names them and the reference model is what they compute."""
+    kept = {name for name, _ in ctx.report.kept}
+    if any(n.name in kept for n in m.nodes):
+        raise NotLowerableError("kept in reference form")
+
+
+def _build_linear_gelu(ctx: LoweringContext, m: RuleMatch) -> Node:
+    found = _linear_gelu(RewriteMatch(m.rule._compiled[0], m.nodes, m.anchor, ()))
+    if found is None:
+        raise NotLowerableError("not a dynamic linear followed by GELU")
+    lin, approximate = found
+    lin_node = m.nodes[1]
+    fused = lm.QuantizedDynamicLinear(
+        lin.weight, lin.weight_scale, lin.weight_zero_point, lin.bias, lin.target, None, None,
+        activation="gelu" if approximate == "none" else "gelu_tanh", per_row=lin.per_row,
+    )  # fmt: skip
+    new = ctx.add_module(f"{lin_node.name}_gelu", fused, lin_node.args, before=m.anchor)
+    ctx.record(new, f"{fused.kernel} ({ctx.target}), GELU ({approximate}) fused")
+    return new
+
+
+# --- LayerNorm (+ residual add) ------------------------------------------------------------
+
+
+@dataclass
+class _LayerNormParts:
+    x: Node
+    residual: Node | None
+    weight: torch.Tensor | None
+    bias: torch.Tensor | None
+    eps: float
+
+
+def _constant(node: Any) -> tuple[bool, torch.Tensor | None]:
+    """``(True, value)`` for None or a get_attr tensor, ``(False, None)`` for anything else."""
+    if node is None:
+        return True, None
+    if isinstance(node, Node) and node.op == "get_attr":
+        value: Any = _gm(node)
+        for part in str(node.target).split("."):
+            value = getattr(value, part)
+        if isinstance(value, torch.Tensor):
+            return True, value
+    return False, None
+
+
+def _layer_norm_parts(match: RewriteMatch) -> _LayerNormParts | None:
+    node = match.anchor
+    mod = _module(node)
+    weight: torch.Tensor | None
+    bias: torch.Tensor | None
+    if isinstance(mod, nn.LayerNorm):
+        if len(node.args) != 1 or node.kwargs or len(mod.normalized_shape) != 1:
+            return None
+        weight, bias, eps = mod.weight, mod.bias, float(mod.eps)
+    elif _fn_in(node, (F.layer_norm,)):
+        if set(node.kwargs) - {"weight", "bias", "eps"}:
+            return None
+        shape = _arg(node, 1, "normalized_shape", None)
+        if not (isinstance(shape, (list, tuple)) and len(shape) == 1 and isinstance(shape[0], int)):
+            return None
+        w_ok, weight = _constant(_arg(node, 2, "weight", None))
+        b_ok, bias = _constant(_arg(node, 3, "bias", None))
+        eps_v = _arg(node, 4, "eps", 1e-5)
+        if not (w_ok and b_ok) or not isinstance(eps_v, (int, float)):
+            return None
+        eps = float(eps_v)
+        if weight is not None and weight.shape != (shape[0],):
+            return None
+        if bias is not None and bias.shape != (shape[0],):
+            return None
+    else:
+        return None
+    first = node.args[0]
+    if not isinstance(first, Node):
+        return None
+    if len(match.nodes) > 1:  # the residual add is part of the match
+        pair = _tensor_pair(first)
+        if pair is None or not _sole_user(first):
+            return None
+        return _LayerNormParts(pair[0], pair[1], weight, bias, eps)
+    return _LayerNormParts(first, None, weight, bias, eps)
+
+
+def _build_layer_norm(ctx: LoweringContext, m: RuleMatch) -> Node:
+    _refuse_kept(ctx, m)
+    parts = _layer_norm_parts(RewriteMatch(m.rule._compiled[0], m.nodes, m.anchor, ()))
+    if parts is None:
+        raise NotLowerableError("not a LayerNorm over the last dimension")
+    mod = lm.FloatLayerNorm(
+        parts.weight, parts.bias, parts.eps, parts.residual is not None, ctx.target
+    )
+    args = (parts.x,) if parts.residual is None else (parts.x, parts.residual)
+    new = ctx.add_module(f"{m.anchor.name}_float", mod, args, before=m.anchor)
+    ctx.record(new, mod.kernel + (" (residual add fused)" if parts.residual is not None else ""))
+    return new
+
+
+# --- softmax (scale, mask) ----------------------------------------------------------------
+
+
+@dataclass
+class _SoftmaxParts:
+    x: Node
+    scale: float
+    divide: bool
+    mask: Node | None
+
+
+def _softmax_dim_ok(node: Node) -> bool:
+    mod = _module(node)
+    if isinstance(mod, nn.Softmax):
+        return mod.dim == -1 and len(node.args) == 1 and not node.kwargs
+    if set(node.kwargs) - {"dim", "dtype", "_stacklevel"}:
+        return False
+    dim = _arg(node, 1, "dim", None)
+    dtype = _arg(node, 2, "dtype", None)
+    return dim == -1 and dtype in (None, torch.float32)
+
+
+def _scale_of(node: Node) -> tuple[Node, float, bool] | None:
+    """``(x, c, divide)`` of ``x * c`` / ``x / c`` with a Python number ``c``."""
+    if not _fn_in(node, _SCALE) or node.kwargs or len(node.args) != 2:
+        return None
+    x, c = node.args
+    if not isinstance(x, Node) or isinstance(c, bool) or not isinstance(c, (int, float)):
+        return None
+    divide = node.target in (operator.truediv, torch.div)
+    if float(c) == 0.0 and divide:
+        return None
+    return x, float(c), divide
+
+
+def _softmax_parts(match: RewriteMatch) -> _SoftmaxParts | None:
+    node = match.anchor
+    if not _softmax_dim_ok(node):
+        return None
+    first = node.args[0]
+    if not isinstance(first, Node):
+        return None
+    inner = match.nodes[1:]
+    if not inner:
+        return _SoftmaxParts(first, 1.0, False, None)
+    if any(not _sole_user(n) for n in inner):
+        return None
+    if len(inner) == 2:  # (x op c) + mask
+        pair = _tensor_pair(first)
+        scaled = _scale_of(inner[1])
+        if pair is None or scaled is None or pair[0] is not inner[1]:
+            return None
+        return _SoftmaxParts(scaled[0], scaled[1], scaled[2], pair[1])
+    pair = _tensor_pair(first)
+    if pair is not None:
+        return _SoftmaxParts(pair[0], 1.0, False, pair[1])
+    scaled = _scale_of(first)
+    if scaled is None:
+        return None
+    return _SoftmaxParts(scaled[0], scaled[1], scaled[2], None)
+
+
+def _build_softmax(ctx: LoweringContext, m: RuleMatch) -> Node:
+    _refuse_kept(ctx, m)
+    parts = _softmax_parts(RewriteMatch(m.rule._compiled[0], m.nodes, m.anchor, ()))
+    if parts is None:
+        raise NotLowerableError("not a softmax over the last dimension")
+    mod = lm.FloatSoftmax(parts.scale, parts.divide, parts.mask is not None, ctx.target)
+    args = (parts.x,) if parts.mask is None else (parts.x, parts.mask)
+    new = ctx.add_module(f"{m.anchor.name}_float", mod, args, before=m.anchor)
+    fused = [w for w, on in (("scale", parts.scale != 1.0), ("mask", parts.mask)) if on]
+    ctx.record(new, mod.kernel + (f" ({' and '.join(fused)} fused)" if fused else ""))
+    return new
+
+
+# --- patterns ----------------------------------------------------------------------------
+
+
+def _softmax_patterns() -> tuple[Pattern, ...]:
+    scaled = [Nested(op, MatchAllNode, MatchAllNode) for op in _SCALE]
+    firsts: list[Pattern] = [
+        *(Nested(add, s, MatchAllNode) for add in _ADD for s in scaled),
+        *(Nested(add, MatchAllNode, MatchAllNode) for add in _ADD),
+        *scaled,
+    ]
+    pats: list[Pattern] = []
+    for first in firsts:
+        pats.append(Nested(nn.Softmax, first))
+        for op, arities in _SOFTMAX_FN:
+            pats.extend(_with_arity(op, first, arities))
+    pats += [nn.Softmax, *(op for op, _ in _SOFTMAX_FN)]
+    return tuple(pats)
+
+
+def _layer_norm_patterns() -> tuple[Pattern, ...]:
+    op, arities = _LAYER_NORM_FN
+    pats: list[Pattern] = []
+    for add in _ADD:
+        pats.append(Nested(nn.LayerNorm, add))
+        pats.extend(_with_arity(op, add, arities))
+    return (*pats, nn.LayerNorm, op)
+
+
+def _linear_gelu_patterns() -> tuple[Pattern, ...]:
+    lin = lm.QuantizedDynamicLinear
+    return (Nested(nn.GELU, lin), Nested(F.gelu, lin), Nested(F.gelu, lin, MatchAllNode))
+
+
+def _filter(parts: Any) -> Any:
+    def check(match: RewriteMatch) -> bool:
+        return parts(match) is not None
+
+    return check
+
+
+def float_op_rules() -> tuple[LoweringRule, ...]:
+    """The fusion rules for float LayerNorm, softmax and GELU (module docstring)."""
+    return (
+        LoweringRule(
+            "dynamic linear + GELU",
+            _linear_gelu_patterns(),
+            _build_linear_gelu,
+            kind="fusion",
+            match_filter=_filter(_linear_gelu),
+            description="GELU after a dynamic Linear: in its float epilogue",
+            kernel="kernels.linear_dynamic(activation='gelu' / 'gelu_tanh')",
+            modes=(),
+        ),
+        LoweringRule(
+            "float layer_norm (+ residual add)",
+            _layer_norm_patterns(),
+            _build_layer_norm,
+            kind="fusion",
+            match_filter=_filter(_layer_norm_parts),
+            description="float LayerNorm over the last dimension, the residual add before it fused",
+            kernel="kernels.layer_norm",
+            modes=(),
+        ),
+        LoweringRule(
+            "float softmax (+ scale, mask)",
+            _softmax_patterns(),
+            _build_softmax,
+            kind="fusion",
+            match_filter=_filter(_softmax_parts),
+            description="float softmax over the last dimension, x * c (or x / c) + mask fused",
+            kernel="kernels.softmax",
+            modes=(),
+        ),
+    )

@@ -1,0 +1,239 @@
+"""The float-op fusion rules (LayerNorm + residual, softmax + scale + mask, GELU in the dynamic
+linear's epilogue) and per-token dynamic activations, on a BERT-shaped encoder written the
+Hugging Face way, against torch and against the lowering without those rules."""
+
+# no ``from __future__ import annotations``: the models are pickled whole, and torch.fx keeps
+# string annotations as text, which pickle refuses
+import copy
+import io
+import math
+import pickle
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.fx import GraphModule
+
+import quantbridge.lowering as L
+from quantbridge.fx_quant import convert_to_reference_fx, prepare_fx
+from quantbridge.lowering import _modules as lm
+from quantbridge.qconfig import QConfigMapping, default_dynamic_qconfig
+
+# documented float32 tolerances (lowering README, "Transformers"; kernels README, "Float ops")
+LN_ATOL = 2e-5
+SOFTMAX_ATOL = 2e-7
+SOFTMAX_RTOL = 2e-6
+GELU_TOL = 4e-7  # times max(1, |x|)
+
+
+class _Layer(nn.Module):
+    """One Hugging Face BertLayer (eager attention), small."""
+
+    def __init__(self, hidden: int = 32, heads: int = 4, inter: int = 64, tanh: bool = False):
+        super().__init__()
+        self.heads, self.d = heads, hidden // heads
+        self.query, self.key, self.value = (nn.Linear(hidden, hidden) for _ in range(3))
+        self.attention_output = nn.Linear(hidden, hidden)
+        self.attention_norm = nn.LayerNorm(hidden, eps=1e-12)
+        self.intermediate = nn.Linear(hidden, inter)
+        self.act = nn.GELU(approximate="tanh" if tanh else "none")
+        self.output = nn.Linear(inter, hidden)
+        self.output_norm = nn.LayerNorm(hidden, eps=1e-12)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        b, s, h = x.shape
+        q = self.query(x).view(b, s, self.heads, self.d).permute(0, 2, 1, 3)
+        k = self.key(x).view(b, s, self.heads, self.d).permute(0, 2, 1, 3)
+        v = self.value(x).view(b, s, self.heads, self.d).permute(0, 2, 1, 3)
+        scores = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(self.d)
+        probs = F.softmax(scores + mask, dim=-1)
+        ctx = torch.matmul(probs, v).permute(0, 2, 1, 3).contiguous().view(b, s, h)
+        x = self.attention_norm(self.attention_output(ctx) + x)
+        out: torch.Tensor = self.output_norm(self.output(self.act(self.intermediate(x))) + x)
+        return out
+
+
+class _Encoder(nn.Module):
+    def __init__(self, tanh: bool = False) -> None:
+        super().__init__()
+        self.layer = nn.ModuleList(_Layer(tanh=tanh) for _ in range(2))
+
+    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        mask = (1.0 - attention_mask[:, None, None, :]) * torch.finfo(torch.float32).min
+        for layer in self.layer:
+            x = layer(x, mask)
+        return x
+
+
+def _inputs(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(3, 16, 32, generator=g)
+    mask = torch.ones(3, 16)
+    mask[1, 11:] = 0
+    mask[2, 5:] = 0
+    return x, mask
+
+
+def _reference(model: nn.Module, mapping: QConfigMapping) -> GraphModule:
+    backend = L.get_backend("numba")
+    example = _inputs(0)
+    prepared = prepare_fx(model, mapping, example, backend_config=backend.backend_config)
+    for seed in range(3):
+        prepared(*_inputs(seed))
+    return convert_to_reference_fx(prepared)
+
+
+def _without_float_rules() -> tuple[L.LoweringRule, ...]:
+    names = {r.name for r in L.default_lowering_rules() if r.kind == "fusion"}
+    names.discard("conv + add (+relu)")
+    return tuple(r for r in L.default_lowering_rules() if r.name not in names)
+
+
+def _kinds(model: GraphModule) -> list[type]:
+    return [type(m) for m in model.modules()]
+
+
+@pytest.mark.parametrize("tanh", [False, True])
+def test_bert_dynamic_float_ops_lowered_and_close(tanh: bool) -> None:
+    torch.manual_seed(0)
+    model = _Encoder(tanh).eval()
+    reference = _reference(model, QConfigMapping().set_global(default_dynamic_qconfig))
+    backend = L.get_backend("numba")
+    lowered = backend.lower(reference)
+    plain = L.lower_to_kernels(copy.deepcopy(reference), backend.target, _without_float_rules())
+    report = str(L.lowering_report(lowered))
+    assert report.count("kernels.softmax (scale and mask fused)") == 2, report
+    assert report.count("kernels.layer_norm (residual add fused)") == 4, report
+    gelu = "tanh" if tanh else "none"
+    assert report.count(f"GELU ({gelu}) fused") == 2, report
+    kinds = _kinds(lowered)
+    assert kinds.count(lm.FloatSoftmax) == 2
+    assert kinds.count(lm.FloatLayerNorm) == 4
+    assert not any(k in (nn.LayerNorm, nn.GELU) for k in kinds)
+    assert "torch.softmax" not in lowered.code
+    assert "functional.softmax" not in lowered.code
+    for seed in (5, 6):
+        x, mask = _inputs(seed)
+        with torch.no_grad():
+            got, unfused, ideal, want = (
+                lowered(x, mask),
+                plain(x, mask),
+                model(x, mask),
+                reference(x, mask),
+            )
+        # float32 differences (~1e-6) may flip a dynamic quantization code downstream: the two
+        # lowerings agree to well within the quantization error, which is as the reference's
+        err = float((got - ideal).abs().max())
+        assert float((got - unfused).abs().max()) < 0.25 * float((want - ideal).abs().max())
+        assert 0 < err <= 1.5 * float((want - ideal).abs().max())
+    again = copy.deepcopy(lowered)
+    buffer = io.BytesIO()
+    pickle.dump(lowered, buffer)
+    buffer.seek(0)
+    loaded = pickle.load(buffer)
+    x, mask = _inputs(7)
+    with torch.no_grad():
+        torch.testing.assert_close(again(x, mask), lowered(x, mask), rtol=0, atol=0)
+        torch.testing.assert_close(loaded(x, mask), lowered(x, mask), rtol=0, atol=0)
+
+
+def test_per_token_activations_option() -> None:
+    torch.manual_seed(1)
+    model = _Encoder().eval()
+    reference = _reference(model, QConfigMapping().set_global(default_dynamic_qconfig))
+    backend = L.get_backend("numba")
+    per_token = backend.with_options(per_token_activations=True)
+    assert per_token.per_token_activations
+    assert not backend.per_token_activations
+    assert per_token.name == backend.name
+    lowered = per_token.lower(reference)
+    linears = [m for m in lowered.modules() if isinstance(m, lm.QuantizedDynamicLinear)]
+    assert len(linears) == 12
+    assert all(m.per_row for m in linears)
+    assert "per-token activations" in str(L.lowering_report(lowered))
+    per_tensor = backend.lower(reference)
+    errors = []
+    for low in (lowered, per_tensor):
+        total = 0.0
+        for seed in (3, 4):
+            x, mask = _inputs(seed)
+            with torch.no_grad():
+                total += float((low(x, mask) - model(x, mask)).abs().mean())
+        errors.append(total)
+    assert errors[0] < errors[1]  # per-token scales follow each token's range
+    with pytest.raises(TypeError, match="per_token_activations"):
+        backend.with_options(per_token_activations="yes")  # type: ignore[arg-type]
+
+
+class _FloatOps(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(24)
+        self.softmax = nn.Softmax(dim=-1)
+
+    def forward(
+        self, x: torch.Tensor, r: torch.Tensor, m: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
+        a = self.norm(x + r)
+        b = F.layer_norm(x, (24,), None, None, 1e-6)
+        c = torch.softmax(x * 0.3 + m, -1)
+        d = self.softmax(x / 2.0)
+        e = x.softmax(-1)
+        f = torch.softmax(x, 0)  # not the last dimension: stays torch's
+        return a, b, c, d, e, f
+
+
+def test_standalone_float_ops_against_torch() -> None:
+    torch.manual_seed(2)
+    model = _FloatOps().eval()
+    nn.init.normal_(model.norm.weight)
+    nn.init.normal_(model.norm.bias)
+    x, r = torch.randn(2, 5, 24), torch.randn(2, 5, 24)
+    m = torch.where(torch.rand(2, 1, 24) < 0.3, float("-inf"), 0.0)
+    m[..., 0] = 0
+    prepared = prepare_fx(model, QConfigMapping(), (x, r, m))
+    lowered = L.get_backend("numba").lower(convert_to_reference_fx(prepared))
+    kinds = _kinds(lowered)
+    assert kinds.count(lm.FloatLayerNorm) == 2
+    assert kinds.count(lm.FloatSoftmax) == 3
+    with torch.no_grad():
+        got, want = lowered(x, r, m), model(x, r, m)
+    for g, w in zip(got[:2], want[:2], strict=True):
+        torch.testing.assert_close(g, w, rtol=0, atol=LN_ATOL * 4)
+    for g, w in zip(got[2:], want[2:], strict=True):
+        torch.testing.assert_close(g, w, rtol=SOFTMAX_RTOL, atol=SOFTMAX_ATOL)
+    assert torch.equal(got[5], want[5])
+
+
+class _LinearGelu(nn.Module):
+    def __init__(self, approximate: str) -> None:
+        super().__init__()
+        self.fc = nn.Linear(40, 70)
+        self.approximate = approximate
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.gelu(self.fc(x), approximate=self.approximate)
+
+
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_gelu_fused_into_dynamic_linear_equals_unfused(approximate: str) -> None:
+    torch.manual_seed(3)
+    model = _LinearGelu(approximate).eval()
+    x = torch.randn(4, 9, 40) * 3
+    mapping = QConfigMapping().set_global(default_dynamic_qconfig)
+    prepared = prepare_fx(
+        model, mapping, (x,), backend_config=L.get_backend("numba").backend_config
+    )
+    reference = convert_to_reference_fx(prepared)
+    backend = L.get_backend("numba")
+    fused = backend.lower(reference)
+    plain = L.lower_to_kernels(copy.deepcopy(reference), backend.target, _without_float_rules())
+    activations = [
+        m.activation for m in fused.modules() if isinstance(m, lm.QuantizedDynamicLinear)
+    ]
+    assert activations == ["gelu" if approximate == "none" else "gelu_tanh"]
+    with torch.no_grad():
+        got, unfused = fused(x), plain(x)
+        pre = plain.get_submodule("fc_dynamic")(x)  # the linear's float output, unfused
+    assert torch.all((got - unfused).abs() <= GELU_TOL * pre.abs().clamp(min=1))
