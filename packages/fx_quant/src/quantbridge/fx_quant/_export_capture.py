@@ -221,6 +221,10 @@ def _method(name: str, *rest: str) -> _Equivalent:
 
 
 _ACT = nn.modules.activation
+# the pooling ops' arguments, in the order of both the functions and the module constructors
+_MAX_POOL = ("kernel_size", "stride", "padding", "dilation", "ceil_mode")
+_AVG_POOL = ("kernel_size", "stride", "padding", "ceil_mode", "count_include_pad",
+             "divisor_override")  # fmt: skip
 # ATen op -> its torch-level form. Keys are OpOverloadPackets: every overload maps alike.
 OPERATOR_EQUIVALENTS: dict[Any, _Equivalent] = {
     _aten.linear: _Equivalent(
@@ -309,33 +313,10 @@ OPERATOR_EQUIVALENTS: dict[Any, _Equivalent] = {
         F.dropout, _pos("input", "p", "train"), (nn.Dropout,), lambda a, cls: nn.Dropout(a["p"])
     ),
     _aten.max_pool2d: _Equivalent(
-        F.max_pool2d,
-        _pos("self", "kernel_size", "stride", "padding", "dilation", "ceil_mode"),
-        (nn.MaxPool2d,),
-        _pool_module(("kernel_size", "stride", "padding", "dilation", "ceil_mode")),
+        F.max_pool2d, _pos("self", *_MAX_POOL), (nn.MaxPool2d,), _pool_module(_MAX_POOL)
     ),
     _aten.avg_pool2d: _Equivalent(
-        F.avg_pool2d,
-        _pos(
-            "self",
-            "kernel_size",
-            "stride",
-            "padding",
-            "ceil_mode",
-            "count_include_pad",
-            "divisor_override",
-        ),
-        (nn.AvgPool2d,),
-        _pool_module(
-            (
-                "kernel_size",
-                "stride",
-                "padding",
-                "ceil_mode",
-                "count_include_pad",
-                "divisor_override",
-            )
-        ),
+        F.avg_pool2d, _pos("self", *_AVG_POOL), (nn.AvgPool2d,), _pool_module(_AVG_POOL)
     ),
     _aten.adaptive_avg_pool2d: _Equivalent(
         F.adaptive_avg_pool2d,
