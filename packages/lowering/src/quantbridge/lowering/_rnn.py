@@ -32,7 +32,7 @@ def rnn_unsupported_reason(mod: nnqr.LSTM | nnqr.GRU) -> str | None:
         return "LSTM with proj_size is not supported"
     for name in mod._weight_names:
         qscheme, dtype, _, _ = mod.weight_qparams(name)
-        if dtype != torch.qint8 and dtype != torch.int8:
+        if dtype != torch.int8:  # dtypes are canonical (qint8 arrives as int8)
             return f"weight {name} is {dtype} (int8 weights only)"
         if qscheme is None:
             return f"weight {name} is not quantized"
