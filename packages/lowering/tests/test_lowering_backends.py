@@ -118,10 +118,14 @@ def test_numba_backend_config_leaves_out_what_kernels_do_not_run() -> None:
     patterns = {str(c.pattern) for c in L.get_backend("numba").backend_config.configs if c.pattern}
     assert any("Linear" in p for p in patterns)
     assert any("Conv2d" in p for p in patterns)
-    assert not any("Conv3d" in p or "LayerNorm" in p or "LSTM" in p for p in patterns)
+    assert not any("Conv3d" in p or "LayerNorm" in p or "LSTMCell" in p for p in patterns)
     for cfg in L.get_backend("numba").backend_config.configs:
         for dc in cfg.dtype_configs:
             assert dc.input_dtype != torch.float16
+        if cfg.pattern in (nn.LSTM, nn.GRU):  # lowered in their dynamic int8 form only
+            assert cfg.dtype_configs
+            assert all(dc.is_dynamic for dc in cfg.dtype_configs), cfg.dtype_configs
+    assert {nn.LSTM, nn.GRU} <= {c.pattern for c in L.get_backend("numba").backend_config.configs}
 
 
 def test_convert_uses_backend_config_and_lowers() -> None:

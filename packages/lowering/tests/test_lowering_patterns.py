@@ -80,6 +80,7 @@ def test_default_table_lists_every_family_in_matching_order() -> None:
         "cat",
         "shape ops",
         "dynamic linear",
+        "dynamic lstm / gru",
         "embedding",
         "conv + add (+relu)",
         "dynamic linear + GELU",

@@ -52,6 +52,7 @@ from quantbridge.fx_quant._export_capture import ExportCaptureError, equivalence
 from quantbridge.fx_quant._fuse import FusionError
 from quantbridge.fx_quant._prepare import ExampleInputsError, StrictPrepareError
 from quantbridge.fx_quant._qconfig_propagation import FusionQConfigError
+from quantbridge.fx_quant._range_check import HUGE_RANGE, RangeFinding, find_dominated_ranges
 from quantbridge.fx_quant._registry import (
     BackendEntry,
     BackendLike,
@@ -66,6 +67,7 @@ from quantbridge.fx_quant._registry import (
     registered_lowerings,
     unregister_lowering,
 )
+from quantbridge.fx_quant._smoothquant import SmoothQuantConfig, SmoothQuantReport, smooth_quant
 from quantbridge.fx_quant._state import NodeDecision, SwappedModule
 from quantbridge.fx_quant._tracer import QuantizationTracer, TraceError
 from quantbridge.fx_quant._transformer_swap import TransformerSwapError
@@ -85,6 +87,12 @@ __all__ = [
     "QuantizationTracer",
     # diagnostics and errors
     "explain",
+    "find_dominated_ranges",
+    "smooth_quant",
+    "SmoothQuantConfig",
+    "SmoothQuantReport",
+    "HUGE_RANGE",
+    "RangeFinding",
     "ExplainReport",
     "NodeDecision",
     "SwappedModule",

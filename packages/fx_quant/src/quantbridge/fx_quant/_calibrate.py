@@ -14,6 +14,7 @@ from torch import nn
 from quantbridge.fx_quant._distributed import sync_observers
 from quantbridge.fx_quant._errors import FxQuantError
 from quantbridge.fx_quant._observer_insertion import watch_observer_inputs
+from quantbridge.fx_quant._range_check import warn_dominated_ranges
 
 __all__ = ["ProgressBar", "calibrate"]
 
@@ -232,4 +233,5 @@ def calibrate(
     if do_sync:
         sync_observers(model, group)
     bar.close(" (observers synced across ranks)" if do_sync else "")
+    warn_dominated_ranges(model, "calibrate")
     return model

@@ -41,6 +41,7 @@ from quantbridge.fx_quant._qconfig_propagation import (
     update_qconfig_for_fusion,
     update_qconfig_for_qat,
 )
+from quantbridge.fx_quant._range_check import warn_dominated_ranges
 from quantbridge.fx_quant._state import (
     DECISIONS_KEY,
     OBSERVED_KEY,
@@ -452,6 +453,7 @@ def convert_reference(
 ) -> GraphModule:
     """convert_to_reference_fx's body (see the module docstring); converts in place."""
     state = observed_state(model, where)
+    warn_dominated_ranges(model, where)  # a sentinel-dominated observer: say so, naming it
     apply_equalization(model)  # no-op unless prepared with _equalization_config
     if convert_custom_config is None:
         convert_custom_config = ConvertCustomConfig()

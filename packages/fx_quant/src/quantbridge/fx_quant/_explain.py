@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from quantbridge.fx_quant._errors import FxQuantError
+from quantbridge.fx_quant._range_check import RANGES_KEY, RangeFinding, find_dominated_ranges
 from quantbridge.fx_quant._state import (
     DECISIONS_KEY,
     OBSERVED_KEY,
@@ -35,6 +36,8 @@ class ExplainReport:
     rows: list[NodeDecision]
     # Attention/transformer modules prepare replaced with traceable equivalents.
     swapped: list[SwappedModule] = field(default_factory=list)
+    # Observers whose range a sentinel (finfo.min, -inf) dominates.
+    dominated_ranges: list[RangeFinding] = field(default_factory=list)
 
     def __iter__(self) -> Iterator[NodeDecision]:
         return iter(self.rows)
@@ -89,6 +92,9 @@ class ExplainReport:
             lines.append("candidate DTypeConfigs:")
             lines += details
         lines += self._swap_lines()
+        if self.dominated_ranges:
+            lines.append("observer ranges dominated by a sentinel value (the scale is useless):")
+            lines += [f"  {f.message()}" for f in self.dominated_ranges]
         return "\n".join(lines)
 
     def _swap_lines(self) -> list[str]:
@@ -116,11 +122,16 @@ def explain(prepared_model: nn.Module) -> ExplainReport:
     state = meta.get(OBSERVED_KEY)
     if isinstance(state, ObservedState):
         return ExplainReport(
-            state.backend_config.name, list(state.decisions), list(state.swapped_modules)
+            state.backend_config.name,
+            list(state.decisions),
+            list(state.swapped_modules),
+            find_dominated_ranges(prepared_model),
         )
     recorded = meta.get(DECISIONS_KEY)
     if isinstance(recorded, RecordedDecisions):
-        return ExplainReport(recorded.backend, list(recorded.rows), list(recorded.swapped))
+        found = meta.get(RANGES_KEY)
+        ranges = list(found.values()) if isinstance(found, dict) else []
+        return ExplainReport(recorded.backend, list(recorded.rows), list(recorded.swapped), ranges)
     raise FxQuantError(
         f"explain needs a model returned by prepare_fx / prepare_qat_fx, or by convert_fx / "
         f"convert_to_reference_fx (lowered or not); got a {type(prepared_model).__name__} "

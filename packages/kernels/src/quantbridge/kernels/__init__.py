@@ -36,6 +36,7 @@ from quantbridge.kernels._quantize import (
     quantize_per_tensor,
     requantize,
 )
+from quantbridge.kernels._recurrent import gru_cell, lstm_cell
 from quantbridge.kernels._targets import (
     ENV_VAR,
     TARGETS,
@@ -71,6 +72,7 @@ __all__ = [
     "get_num_threads",
     "linear",
     "linear_dynamic",
+    "lstm_cell",
     "matmul",
     "set_num_threads",
     "set_num_threads_source",
@@ -91,6 +93,7 @@ __all__ = [
     "dequantize_per_channel",
     "dequantize_per_tensor",
     "embedding_bag",
+    "gru_cell",
     "from_fused_rows",
     "hardtanh",
     "max_pool2d",

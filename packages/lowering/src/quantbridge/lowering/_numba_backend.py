@@ -3,7 +3,13 @@
 from __future__ import annotations
 
 import copy
+import operator
+from collections.abc import Callable
+from typing import Any
 
+import torch
+import torch.nn.functional as F
+from torch import nn
 from torch.fx import GraphModule
 
 from quantbridge import kernels as K
@@ -27,6 +33,16 @@ from quantbridge.qconfig import (
 )
 
 __all__ = ["NumbaBackend", "numba_backend_config"]
+
+# kept float by qconfig_mapping(transformer=True): the residual stream, the norms and the
+# attention-mask arithmetic (elementwise ops on tensors of very different ranges)
+_TRANSFORMER_FLOAT_OPS: tuple[Callable[..., Any] | str, ...] = (
+    operator.add, operator.iadd, torch.add, "add", "add_",
+    operator.sub, operator.isub, torch.sub, torch.rsub, "sub", "sub_",
+    operator.mul, operator.imul, torch.mul, "mul", "mul_",
+    operator.truediv, operator.itruediv, torch.div, "div", "div_",
+    nn.LayerNorm, F.layer_norm, nn.GroupNorm, F.group_norm,
+)  # fmt: skip
 
 
 def numba_backend_config(name: str) -> BackendConfig:
@@ -70,8 +86,21 @@ class NumbaBackend(Backend):
             f"(it runs {K.available_targets()})"
         )
 
-    def qconfig_mapping(self, qat: bool = False) -> QConfigMapping:
-        """x86-style defaults with ``reduce_range=False`` activations (see class docstring)."""
+    def qconfig_mapping(self, qat: bool = False, *, transformer: bool = False) -> QConfigMapping:
+        """x86-style defaults with ``reduce_range=False`` activations (see class docstring).
+
+        ``transformer=True``: the same, with elementwise add / sub / mul / div and the norms
+        kept float (None), so the residual stream, LayerNorm and the attention-mask arithmetic
+        (``(1 - mask) * finfo.min`` added to the scores) are never observed: Linears, the
+        attention matmuls and activations stay int8.
+        """
+        mapping = self._default_mapping(qat)
+        if transformer:
+            for op in _TRANSFORMER_FLOAT_OPS:
+                mapping.set_object_type(op, None)
+        return mapping
+
+    def _default_mapping(self, qat: bool) -> QConfigMapping:
         if qat:
             mapping = get_default_qat_qconfig_mapping("x86")
             qconfig = QConfig(

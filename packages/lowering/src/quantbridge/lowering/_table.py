@@ -32,6 +32,11 @@ from quantbridge.lowering._context import (
     static_qparams,
 )
 from quantbridge.lowering._float_rules import float_op_rules
+from quantbridge.lowering._rnn import (
+    QuantizedDynamicGRU,
+    QuantizedDynamicLSTM,
+    rnn_unsupported_reason,
+)
 from quantbridge.lowering._rules import LoweringRule, RuleMatch
 from quantbridge.patterns import ArgConstraint, MatchAllNode, Nested, Pattern, RewriteMatch
 
@@ -441,6 +446,24 @@ def _make_build_dynamic_linear(per_row: bool) -> Any:
 _build_dynamic_linear = _make_build_dynamic_linear(False)
 
 
+def _build_dynamic_rnn(ctx: LoweringContext, m: RuleMatch) -> Node:
+    node = m.node
+    mod = ctx.module(node)
+    assert isinstance(mod, (nnqr.LSTM, nnqr.GRU))
+    reason = rnn_unsupported_reason(mod)
+    if reason is not None:
+        raise NotLowerableError(reason)
+    dq = node.args[0]
+    assert isinstance(dq, Node)  # the rule's constraint: dequantize(quantize(x))
+    q = dq.args[0]
+    assert isinstance(q, Node)
+    cls = QuantizedDynamicLSTM if isinstance(mod, nnqr.LSTM) else QuantizedDynamicGRU
+    new_mod = cls(mod, ctx.target)
+    new = ctx.add_module(f"{node.target}_dynamic", new_mod, (q.args[0], *node.args[1:]))
+    ctx.record(new, f"{new_mod.kernel} ({ctx.target}) gate GEMMs, recurrence in float")
+    return new
+
+
 def _build_embedding(ctx: LoweringContext, m: RuleMatch) -> Node:
     node = m.node
     mod = ctx.module(node)
@@ -662,6 +685,22 @@ _DEFAULT_RULES: tuple[LoweringRule, ...] = (
         kernel="kernels.linear_dynamic",
         modes=("dynamic",),
         config_ops=_DYNAMIC_CONFIG_OPS,
+    ),
+    LoweringRule(
+        "dynamic lstm / gru",
+        tuple(
+            Nested(rnn, *([MatchAllNode] * n_args))
+            for rnn in (nnqr.LSTM, nnqr.GRU)
+            for n_args in (1, 2)
+        ),
+        _build_dynamic_rnn,
+        kind="float_output",
+        constraints=(ArgConstraint(op=0, position=0, predicate=_is_dynamic_quantized_input),),
+        match_filter=_no_kwargs,
+        description="dynamic LSTM / GRU: int8 gate GEMMs, float recurrence",
+        kernel="kernels.linear_dynamic",
+        modes=("dynamic",),
+        config_ops=(nn.LSTM, nn.GRU),
     ),
     LoweringRule(
         "embedding",

@@ -1,0 +1,153 @@
+"""Float32 LSTM / GRU cell updates: the recurrence around dynamic int8 gate GEMMs.
+
+The gate pre-activations come from two GEMMs (input projection ``gi``, hidden projection
+``gh``, biases included); these kernels apply the nonlinearities and the state update in one
+pass, in torch's gate order (LSTM: i, f, g, o; GRU: r, z, n), in float32, with
+``tanh`` a rational minimax approximation on [-7.9053, 7.9053] (clamped outside; max abs error
+below 4e-7 against float64 tanh, checked in the tests) and ``sigmoid(x) = 0.5 + 0.5 tanh(x / 2)``.
+Polynomials vectorize where libm's ``exp``/``tanh`` calls would not (3-4x faster per step):
+
+* LSTM: ``c' = sigmoid(f) c + sigmoid(i) tanh(g)``, ``h' = sigmoid(o) tanh(c')`` on ``gi + gh``;
+* GRU: ``r = sigmoid(gi_r + gh_r)``, ``z = sigmoid(gi_z + gh_z)``, ``n = tanh(gi_n + r gh_n)``,
+  ``h' = n + z (h - n)``.
+
+One implementation serves every target (the step is small next to its GEMM).
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+import numpy.typing as npt
+
+from quantbridge.kernels._checks import check_array
+from quantbridge.kernels._errors import KernelError
+
+F32 = npt.NDArray[np.float32]
+
+
+_HALF = np.float32(0.5)
+_CLAMP = np.float32(7.90531110763549805)  # beyond it tanh rounds to +-1 in float32
+# odd numerator x * P(x^2), even denominator Q(x^2); highest power first
+_P = tuple(
+    np.float32(v)
+    for v in (
+        -2.76076847742355e-16,
+        2.00018790482477e-13,
+        -8.60467152213735e-11,
+        5.12229709037114e-08,
+        1.48572235717979e-05,
+        6.37261928875436e-04,
+        4.89352455891786e-03,
+    )
+)
+_Q = tuple(
+    np.float32(v)
+    for v in (
+        1.19825839466702e-06,
+        1.18534705686654e-04,
+        2.26843463243900e-03,
+        4.89352518554385e-03,
+    )
+)
+
+
+@numba.njit(cache=True, inline="always")
+def _tanh(x):  # type: ignore[no-untyped-def]
+    x = min(max(x, -_CLAMP), _CLAMP)
+    x2 = x * x
+    p = _P[0]
+    for k in range(1, 7):
+        p = p * x2 + _P[k]
+    q = _Q[0]
+    for k in range(1, 4):
+        q = q * x2 + _Q[k]
+    return x * p / q
+
+
+@numba.njit(cache=True, inline="always")
+def _sigmoid(x):  # type: ignore[no-untyped-def]
+    return _HALF + _HALF * _tanh(_HALF * x)
+
+
+def tanh_f32(x: F32) -> F32:
+    """The cells' float32 tanh, elementwise (exposed so tests can bound its error)."""
+    arr = check_array("x", x, np.float32, None)
+    out = np.empty_like(arr)
+    _tanh_flat(arr.reshape(-1), out.reshape(-1))
+    return out
+
+
+@numba.njit(cache=True)
+def _tanh_flat(x, out):  # type: ignore[no-untyped-def]
+    for i in range(x.shape[0]):
+        out[i] = _tanh(x[i])
+
+
+@numba.njit(cache=True)
+def _lstm_rows(gi, gh, c, h_out, c_out, hidden):  # type: ignore[no-untyped-def]
+    for b in range(gi.shape[0]):
+        for j in range(hidden):
+            i = _sigmoid(gi[b, j] + gh[b, j])
+            f = _sigmoid(gi[b, hidden + j] + gh[b, hidden + j])
+            g = _tanh(gi[b, 2 * hidden + j] + gh[b, 2 * hidden + j])
+            o = _sigmoid(gi[b, 3 * hidden + j] + gh[b, 3 * hidden + j])
+            cn = f * c[b, j] + i * g
+            c_out[b, j] = cn
+            h_out[b, j] = o * _tanh(cn)
+
+
+@numba.njit(cache=True)
+def _gru_rows(gi, gh, h, h_out, hidden):  # type: ignore[no-untyped-def]
+    for b in range(gi.shape[0]):
+        for j in range(hidden):
+            r = _sigmoid(gi[b, j] + gh[b, j])
+            z = _sigmoid(gi[b, hidden + j] + gh[b, hidden + j])
+            n = _tanh(gi[b, 2 * hidden + j] + r * gh[b, 2 * hidden + j])
+            h_out[b, j] = n + z * (h[b, j] - n)
+
+
+def _gates(name: str, value: object, gates: int) -> tuple[F32, int]:
+    arr = check_array(name, value, np.float32, 2, contiguous=False)
+    if arr.shape[1] % gates or arr.shape[1] == 0:
+        raise KernelError(
+            f"{name}: expected shape [B, {gates} * hidden] (gates stacked on the last axis), "
+            f"got {arr.shape}"
+        )
+    if arr.strides[1] != 4:
+        raise KernelError(f"{name}: the gate axis must be contiguous (got strides {arr.strides})")
+    return arr, arr.shape[1] // gates
+
+
+def _state(name: str, value: object, batch: int, hidden: int) -> F32:
+    arr = check_array(name, value, np.float32, 2, contiguous=False)
+    if arr.shape != (batch, hidden):
+        raise KernelError(f"{name}: expected shape ({batch}, {hidden}), got {arr.shape}")
+    return arr
+
+
+def _check_pair(gi: object, gh: object, gates: int) -> tuple[F32, F32, int]:
+    a, hidden = _gates("gi", gi, gates)
+    b, _ = _gates("gh", gh, gates)
+    if a.shape != b.shape:
+        raise KernelError(f"gi and gh must have the same shape, got {a.shape} and {b.shape}")
+    return a, b, hidden
+
+
+def lstm_cell(gi: F32, gh: F32, c: F32) -> tuple[F32, F32]:
+    """``(h', c')`` [B, H] from gate pre-activations ``gi``, ``gh`` [B, 4H] and cell ``c``."""
+    a, b, hidden = _check_pair(gi, gh, 4)
+    cell = _state("c", c, a.shape[0], hidden)
+    h_out = np.empty((a.shape[0], hidden), np.float32)
+    c_out = np.empty((a.shape[0], hidden), np.float32)
+    _lstm_rows(a, b, cell, h_out, c_out, hidden)
+    return h_out, c_out
+
+
+def gru_cell(gi: F32, gh: F32, h: F32) -> F32:
+    """``h'`` [B, H] from gate pre-activations ``gi``, ``gh`` [B, 3H] and hidden state ``h``."""
+    a, b, hidden = _check_pair(gi, gh, 3)
+    state = _state("h", h, a.shape[0], hidden)
+    h_out = np.empty((a.shape[0], hidden), np.float32)
+    _gru_rows(a, b, state, h_out, hidden)
+    return h_out
