@@ -86,7 +86,8 @@ def test_conv_with_lut_equals_conv_then_apply_lut(target, case):
     plain = conv(x, packed, 0.04, 7, out_s, 90, **kw)
     want = qk.apply_lut(plain, table)
     got = conv(x, packed, 0.04, 7, out_s, 90, lut=table, **kw)
-    assert got.shape == plain.shape and got.strides == plain.strides  # the same layout
+    assert got.shape == plain.shape
+    assert got.strides == plain.strides  # the same layout
     np.testing.assert_array_equal(got, want)
 
 
@@ -132,21 +133,24 @@ def test_conv2d_add_with_lut_maps_the_sum(target, kind, oc, relu):
 
 def test_a_clamp_table_narrows_the_range_and_others_stay_tables():
     clamp = np.clip(np.arange(256), 20, 200).astype(np.uint8)
-    assert epilogue_lut(clamp, 0)[:2] == (20, 200) and epilogue_lut(clamp, 0)[2] is NO_LUT
+    assert epilogue_lut(clamp, 0)[:2] == (20, 200)
+    assert epilogue_lut(clamp, 0)[2] is NO_LUT
     assert epilogue_lut(clamp, 50)[:2] == (50, 200)  # relu's floor above the table's
     lo, hi, table = epilogue_lut(clamp, 0, fold=False)
-    assert (lo, hi) == (0, 255) and np.array_equal(table, clamp)
+    assert (lo, hi) == (0, 255)
+    assert np.array_equal(table, clamp)
     other = clamp.copy()
     other[100] = 7
     lo, hi, table = epilogue_lut(other, 0)
-    assert (lo, hi) == (0, 255) and np.array_equal(table, other)
+    assert (lo, hi) == (0, 255)
+    assert np.array_equal(table, other)
     other[100] = 100  # changed in place back to the clamp: keyed by content, not identity
     assert epilogue_lut(other, 0)[2] is NO_LUT
     assert epilogue_lut(None, 9) == (9, 255, NO_LUT)
 
 
 @pytest.mark.parametrize(
-    "bad, match",
+    ("bad", "match"),
     [
         (np.zeros(255, np.uint8), "256 entries"),
         (np.zeros(256, np.int8), "dtype uint8"),

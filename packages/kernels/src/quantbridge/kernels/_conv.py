@@ -324,7 +324,8 @@ def _conv(
             qmin,
             False,
             threads,
-            *(fused_add or (None, None)),
+            residual=None if fused_add is None else fused_add[0],
+            add_params=None if fused_add is None else fused_add[1],
             lut=table,
             qmax=qmax,
         )

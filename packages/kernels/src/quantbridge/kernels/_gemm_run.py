@@ -7,6 +7,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from quantbridge.kernels._epilogue_lut import NO_LUT
 from quantbridge.kernels._gemm import drive_generic, serial_generic
 from quantbridge.kernels._gemm_simd import (
     drive_avx2_f32,
@@ -22,7 +23,6 @@ from quantbridge.kernels._gemm_simd import (
     serial_vnni_u8,
     serial_vnni_u8add,
 )
-from quantbridge.kernels._epilogue_lut import NO_LUT
 from quantbridge.kernels._pack import layout, round_up
 from quantbridge.kernels._threads import with_threads
 
@@ -111,7 +111,9 @@ def run_gemm(
     args = (a, rowoffs, m, koffs, nk, bp, npanels, c, np_, colcorr, wzp, rowsum, biasq, mult,
             out_zero_point, qmin, qmax, mchunk)  # fmt: skip
     if target == "generic":
-        (serial_generic if threads == 1 else with_threads(drive_generic, threads))(*args, f32_out, lut)
+        (serial_generic if threads == 1 else with_threads(drive_generic, threads))(
+            *args, f32_out, lut
+        )
     else:
         mode = "f32" if f32_out else ("u8" if residual is None else "u8add")
         driver = _SERIAL[(target, mode)]
