@@ -48,6 +48,8 @@ ACTIVATIONS: dict[str, Callable[[], Callable[[torch.Tensor], torch.Tensor]]] = {
     "leaky_relu": lambda: nn.LeakyReLU(0.1),
     "elu": lambda: nn.ELU(),
     "mish": lambda: nn.Mish(),
+    # relu(x + 0.5): a table named "add 0.5 + relu" (the fused module's name is sanitized)
+    "add_scalar_relu": lambda: lambda t: torch.relu(t + 0.5),
 }
 
 

@@ -8,6 +8,7 @@ classes in patterns also match their subclasses (``isinstance``; the pass adds t
 from __future__ import annotations
 
 import operator
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -636,7 +637,7 @@ def _build_activation_epilogue(ctx: LoweringContext, m: RuleMatch) -> Node:
     lut, wmod = found
     w_node = m.nodes[1]
     wmod.fuse_activation(lut.table, lut.what, lut.output_qparams)
-    name = f"{w_node.name}_{lut.what}".replace(" ", "_")
+    name = re.sub(r"\W+", "_", f"{w_node.name}_{lut.what}")  # "add 3.0 + relu": identifier
     new = ctx.add_module(name, wmod, w_node.args, dict(w_node.kwargs), before=m.anchor)
     ctx.record(new, f"{wmod.kernel} ({ctx.target}), {lut.what} in the epilogue")
     return new
