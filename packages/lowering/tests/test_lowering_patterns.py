@@ -78,10 +78,12 @@ def test_default_table_lists_every_family_in_matching_order() -> None:
         "avg_pool2d",
         "adaptive_avg_pool2d",
         "cat",
+        "identity in eval",
         "shape ops",
         "dynamic linear",
         "embedding",
         "conv + add (+relu)",
+        "conv / linear + activation",
     ]
     by_name = {r.name: r for r in default_lowering_rules()}
     assert Nested(nn.ReLU, operator.add) in by_name["add / mul + relu"].ops

@@ -38,6 +38,7 @@ def _make_generic(parallel: bool) -> Any:
         qmax,
         mchunk,
         f32_out,
+        lut,
     ):
         nmc = (m + mchunk - 1) // mchunk
         panel = nk * 128
@@ -67,6 +68,8 @@ def _make_generic(parallel: bool) -> Any:
                         x = min(max(x, np.float32(-1.0e9)), np.float32(1.0e9))
                         q = np.int64(x) + ozp
                         q = min(max(q, qmin), qmax)
+                        if lut.shape[0]:  # a fused activation table (uint8[256])
+                            q = np.int64(lut[q])
                         c[i * ldc + j] = q
 
     driver.__name__ = driver.__qualname__ = "drive_generic" if parallel else "serial_generic"

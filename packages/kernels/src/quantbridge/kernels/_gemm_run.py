@@ -7,6 +7,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from quantbridge.kernels._epilogue_lut import NO_LUT
 from quantbridge.kernels._gemm import drive_generic, serial_generic
 from quantbridge.kernels._gemm_simd import (
     drive_avx2_f32,
@@ -89,13 +90,17 @@ def run_gemm(
     threads: int,
     residual: npt.NDArray[np.uint8] | None = None,
     add_params: npt.NDArray[np.float32] | None = None,
+    lut: npt.NDArray[np.uint8] = NO_LUT,
+    qmax: int = 255,
 ) -> npt.NDArray[np.generic]:
     """C[M, n] for activations addressed by ``rowoffs``/``koffs`` and packed B ``bp``.
 
     ``a`` is flat uint8; every address the kernels form stays inside it (checked by the
     callers' construction of ``rowoffs`` and ``koffs``). With ``residual`` (flat uint8 laid out
     like C, so ``n`` must be the padded width) and ``add_params``, the u8 result goes through
-    the fused add of mode ``u8add`` (``_vnni.py``); IR targets only.
+    the fused add of mode ``u8add`` (``_vnni.py``); IR targets only. ``lut`` (uint8[256] or
+    empty, see ``_epilogue_lut``) maps the u8 codes, clamped to ``[qmin, qmax]``, before the
+    store.
     """
     m = rowoffs.shape[0]
     nk = koffs.shape[0]
@@ -109,9 +114,11 @@ def run_gemm(
     if target == "avx2":
         a = a.astype(np.int16)  # the AVX2 kernels read activations as int16 pairs
     args = (a, rowoffs, m, koffs, nk, bp, npanels, c, np_, colcorr, wzp, rowsum, biasq, mult,
-            out_zero_point, qmin, 255, mchunk)  # fmt: skip
+            out_zero_point, qmin, qmax, mchunk)  # fmt: skip
     if target == "generic":
-        (serial_generic if threads == 1 else with_threads(drive_generic, threads))(*args, f32_out)
+        (serial_generic if threads == 1 else with_threads(drive_generic, threads))(
+            *args, f32_out, lut
+        )
     else:
         mode = "f32" if f32_out else ("u8" if residual is None else "u8add")
         driver = _SERIAL[(target, mode)]
@@ -121,5 +128,6 @@ def run_gemm(
             *args,
             NO_RESIDUAL if residual is None else residual,
             NO_ADD if add_params is None else add_params,
+            lut,
         )
     return out if np_ == n else np.ascontiguousarray(out[:, :n])

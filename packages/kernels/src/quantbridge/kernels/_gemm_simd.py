@@ -54,6 +54,7 @@ def _make_driver(target: str, mode: str, parallel: bool) -> Any:
         mchunk,
         res,
         addp,
+        lut,
     ):
         nmc = (m + mchunk - 1) // mchunk
         panel = nk * panel_step
@@ -69,19 +70,19 @@ def _make_driver(target: str, mode: str, parallel: bool) -> Any:
                 if left > mid_rows:
                     block_kernel(
                         big, a, rowoffs, i, koffs, nk, bp, boff, c, ldc, min(left, big_rows),
-                        colcorr, wzp, rowsum, biasq, mult, j0, ozp, qmin, qmax, res, addp,
+                        colcorr, wzp, rowsum, biasq, mult, j0, ozp, qmin, qmax, res, addp, lut,
                     )  # fmt: skip
                     i += big_rows
                 elif left > 1:
                     block_kernel(
                         mid, a, rowoffs, i, koffs, nk, bp, boff, c, ldc, left,
-                        colcorr, wzp, rowsum, biasq, mult, j0, ozp, qmin, qmax, res, addp,
+                        colcorr, wzp, rowsum, biasq, mult, j0, ozp, qmin, qmax, res, addp, lut,
                     )  # fmt: skip
                     i += mid_rows
                 else:
                     block_kernel(
                         one, a, rowoffs, i, koffs, nk, bp, boff, c, ldc, 1,
-                        colcorr, wzp, rowsum, biasq, mult, j0, ozp, qmin, qmax, res, addp,
+                        colcorr, wzp, rowsum, biasq, mult, j0, ozp, qmin, qmax, res, addp, lut,
                     )  # fmt: skip
                     i += 1
 
