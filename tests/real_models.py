@@ -97,6 +97,10 @@ def stochastic_depth(input: Tensor, p: float, mode: str, training: bool = True) 
     return input * noise
 
 
+# torchvision wraps it too: a traced model calls it (training is a constant at trace time)
+torch.fx.wrap("stochastic_depth")
+
+
 class StochasticDepth(nn.Module):
     def __init__(self, p: float, mode: str) -> None:
         super().__init__()
@@ -539,13 +543,16 @@ _FULL_SIZE_BUILDERS: dict[str, Callable[[], nn.Module]] = {
     "resnet18": lambda: ResNet(BasicBlock, [2, 2, 2, 2], width=64, num_classes=1000),
     "resnet50": lambda: ResNet(Bottleneck, [3, 4, 6, 3], width=64, num_classes=1000),
     "mobilenet_v2": lambda: MobileNetV2(width_mult=1.0, num_classes=1000),
+    "mobilenet_v3_small": lambda: MobileNetV3Small(width_mult=1.0, num_classes=1000),
+    "efficientnet_b0": lambda: EfficientNetB0(width_mult=1.0, num_classes=1000),
 }
 
 
 def build(name: str, seed: int = 0, *, full_size: bool = False) -> nn.Module:
     """Model ``name`` in eval mode, with seeded weights and non-trivial batch-norm statistics.
 
-    ``full_size`` builds torchvision's width and 1000 classes (resnet18/50, mobilenet_v2);
+    ``full_size`` builds torchvision's width and 1000 classes (resnet18/50, mobilenet_v2,
+    mobilenet_v3_small, efficientnet_b0);
     the default is the small variant the tests run.
     """
     torch.manual_seed(seed)

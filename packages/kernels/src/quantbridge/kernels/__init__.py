@@ -27,6 +27,7 @@ from quantbridge.kernels._float_ops import gelu, layer_norm, softmax
 from quantbridge.kernels._linear import PackedLinearWeight, linear, linear_dynamic
 from quantbridge.kernels._lut import LUT_FUNCTIONS, apply_lut, build_lut
 from quantbridge.kernels._matmul import matmul
+from quantbridge.kernels._mul_channels import mul_channels
 from quantbridge.kernels._pool import adaptive_avg_pool2d, avg_pool2d, max_pool2d
 from quantbridge.kernels._qparams import QParams
 from quantbridge.kernels._quantize import (
@@ -98,6 +99,7 @@ __all__ = [
     "hardtanh",
     "max_pool2d",
     "mul",
+    "mul_channels",
     "mul_relu",
     "pack_embedding_4bit",
     "pack_embedding_8bit",

@@ -23,7 +23,8 @@ of the block, then with ``addp = [sa, pa, sb, pb, inv, floor, zp]`` and the resi
 at the same place of ``res``: ``t = max(fma(sa, q, pa) + fma(sb, r, pb), floor)``,
 ``clamp(rint(t * inv) + zp, 0, 255)`` -- exactly the ``add``/``add_relu`` kernel on the
 conv's output codes (``floor`` is 0 for add_relu, -inf for add). Other modes ignore ``res``
-and ``addp``.
+and ``addp``. Modes ``u8``/``u8t``/``u8add`` then map each code ``q`` through ``lut[q]`` when
+``lut`` (uint8[256], an activation fused into the epilogue) is not empty, before the store.
 
 All block kernels go through the one module-level intrinsic ``block_kernel`` (numbered by
 ``KERNEL_IDS``), so numba's ``cache=True`` can reload the drivers that call them.
@@ -135,6 +136,28 @@ def _store_transposed(
                         builder.store(byte, builder.gep(c_p, [base]))
 
 
+def _lookup(
+    builder: ir.IRBuilder, has_lut: ir.Value, lut_p: ir.Value, codes: ir.Value, outv: ir.Value
+) -> ir.Value:
+    """``lut[codes]`` lane by lane when a table is fused, else ``outv`` (the codes as i8).
+
+    ``codes`` (i32 lanes) are already clamped to [0, 255], so every load is inside the table.
+    """
+    before = builder.block
+    with builder.if_then(has_lut, likely=False):
+        looked = outv
+        for lane in range(codes.type.count):
+            at = builder.zext(builder.extract_element(codes, ir.Constant(I32, lane)), I64)
+            looked = builder.insert_element(
+                looked, builder.load(builder.gep(lut_p, [at])), ir.Constant(I32, lane)
+            )
+        looked_end = builder.block
+    merged = builder.phi(outv.type)
+    merged.add_incoming(looked, looked_end)
+    merged.add_incoming(outv, before)
+    return merged
+
+
 def _make_kernel(target: str, mr: int, ku: int, mode: str) -> Any:
     """IR codegen for an ``mr x NR`` block, ``ku`` interleaved k accumulators."""
     spec = _TARGETS[target]
@@ -146,7 +169,7 @@ def _make_kernel(target: str, mr: int, ku: int, mode: str) -> Any:
 
     def codegen(context: Any, builder: ir.IRBuilder, sig: Any, args: Any) -> ir.Value:
         (a, rowoffs, r0, koffs, nk, bp, boff, c, ldc, mvalid) = args[:10]
-        (colcorr, wzp, rowsum, biasq, mult, j0, ozp, qmin, qmax, res, addp) = args[10:]
+        (colcorr, wzp, rowsum, biasq, mult, j0, ozp, qmin, qmax, res, addp, lut) = args[10:]
         aty = sig.args
 
         def data(i: int, v: ir.Value) -> ir.Value:
@@ -166,7 +189,10 @@ def _make_kernel(target: str, mr: int, ku: int, mode: str) -> Any:
             data(13, biasq),
             data(14, mult),
         )
-        res_p, ap_p = data(19, res), data(20, addp)
+        res_p, ap_p, lut_p = data(19, res), data(20, addp), data(21, lut)
+        # a fused activation table (uint8[256], checked by the callers) or none (empty)
+        lut_n = context.make_array(aty[21])(context, builder, lut).nitems
+        has_lut = builder.icmp_signed(">", lut_n, ir.Constant(I64, 0))
         mod = builder.module
         dot = spec.declare_dot(mod, vi32, bvt)
         rint = declare(mod, ir.FunctionType(vf32, [vf32]), f"llvm.rint.v{lanes}f32")
@@ -320,7 +346,9 @@ def _make_kernel(target: str, mr: int, ku: int, mode: str) -> Any:
                         x = builder.fadd(builder.call(rint, [builder.fmul(t, inv)]), zpa)
                         x = builder.select(builder.fcmp_unordered("<", x, zero_f), zero_f, x)
                         x = builder.select(builder.fcmp_ordered(">", x, top_f), top_f, x)
-                    outv = builder.trunc(builder.fptosi(x, vi32), ir.VectorType(I8, lanes))
+                    codes = builder.fptosi(x, vi32)
+                    outv = builder.trunc(codes, ir.VectorType(I8, lanes))
+                    outv = _lookup(builder, has_lut, lut_p, codes, outv)
                 else:
                     outv = builder.call(vfma, [fv, mu, bq])
                 if mode == "u8t":
@@ -380,15 +408,16 @@ def _block_kernel(
     qmax: Any,
     res: Any,
     addp: Any,
+    lut: Any,
 ) -> Any:
-    """``block_kernel(KERNEL_IDS[(target, rows, mode)], <that block kernel's 21 arguments>)``.
+    """``block_kernel(KERNEL_IDS[(target, rows, mode)], <that block kernel's 22 arguments>)``.
 
     ``kind`` must be a compile-time constant; the call then is exactly that block kernel.
     """
     if not isinstance(kind, types.IntegerLiteral):
         return None  # numba retries with the literal type when the value is a constant
     args = (a, rowoffs, r0, koffs, nk, bp, boff, c, ldc, mvalid, colcorr, wzp, rowsum)
-    inner_sig = types.void(*args, biasq, mult, j0, ozp, qmin, qmax, res, addp)
+    inner_sig = types.void(*args, biasq, mult, j0, ozp, qmin, qmax, res, addp, lut)
     inner_codegen = _CODEGENS[kind.literal_value]
 
     def codegen(context: Any, builder: ir.IRBuilder, sig: Any, cargs: Any) -> ir.Value:
@@ -397,5 +426,5 @@ def _block_kernel(
     return types.void(kind, *inner_sig.args), codegen
 
 
-# typed Any: callers pass the 22 arguments, not numba's typing context
+# typed Any: callers pass the 23 arguments, not numba's typing context
 block_kernel: Any = intrinsic(_block_kernel)

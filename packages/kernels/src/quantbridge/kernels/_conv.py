@@ -33,11 +33,13 @@ from quantbridge.kernels._depthwise import MAX_TAPS, depthwise_parallel, depthwi
 from quantbridge.kernels._dw_simd import LANES
 from quantbridge.kernels._elementwise import _add_params, add_relu
 from quantbridge.kernels._elementwise import add as add_plain
+from quantbridge.kernels._epilogue_lut import epilogue_lut
 from quantbridge.kernels._errors import KernelError
 from quantbridge.kernels._gemm_run import NO_ADD, NO_RESIDUAL, SERIAL_BELOW, row_chunk, run_gemm
 from quantbridge.kernels._gemm_simd import drive_vnni_u8t, serial_vnni_u8t
 from quantbridge.kernels._layout import channels_last_data
 from quantbridge.kernels._linear import PackedLinearWeight, _fast_zp
+from quantbridge.kernels._lut import apply_lut
 from quantbridge.kernels._pack import (
     K_ALIGN,
     layout,
@@ -252,6 +254,7 @@ def _conv(
     dims: int,
     name: str,
     fused_add: tuple[npt.NDArray[np.uint8], npt.NDArray[np.float32]] | None = None,
+    lut: npt.NDArray[np.uint8] | None = None,
 ) -> npt.NDArray[np.uint8]:
     if not isinstance(packed, PackedConvWeight):
         raise KernelError(f"packed: expected a PackedConvWeight, got {type(packed).__name__}")
@@ -273,6 +276,8 @@ def _conv(
         )
     a_zp = _fast_zp(x_zero_point, "x_zero_point")
     o_zp = _fast_zp(out_zero_point, "out_zero_point")
+    # a fused add's table maps the add's codes: it cannot narrow the conv's clamp range
+    qmin, qmax, table = epilogue_lut(lut, o_zp if relu else 0, fold=fused_add is None)
     if type(x_scale) is not float:  # float scales are range-checked by the epilogues
         x_scale = f32_scale("x_scale", x_scale)
     if type(out_scale) is not float:
@@ -288,7 +293,8 @@ def _conv(
     hp, wp = h + 2 * ph, w + 2 * pw
     if packed.depthwise and fused_add is None:
         dw_out = _depthwise(xa if nhwc is None else None, nhwc, packed, n, c, h, w, oh, ow,
-                            x_scale, out_scale, a_zp, o_zp, relu, threads)  # fmt: skip
+                            x_scale, out_scale, a_zp, o_zp, qmin, qmax, table,
+                            threads)  # fmt: skip
         dw_nchw: npt.NDArray[np.uint8] = dw_out.transpose(0, 3, 1, 2)
         if not channels_last:
             dw_nchw = np.ascontiguousarray(dw_nchw)
@@ -328,7 +334,9 @@ def _conv(
             out_scale,
             a_zp,
             o_zp,
-            relu,
+            qmin,
+            qmax,
+            table,
             threads,
         )
         return res_nchw if dims == 2 else res_nchw[:, :, 0, :]
@@ -349,10 +357,13 @@ def _conv(
             biasq,
             mult,
             o_zp,
-            o_zp if relu else 0,
+            qmin,
             False,
             threads,
-            *(fused_add or (None, None)),
+            residual=None if fused_add is None else fused_add[0],
+            add_params=None if fused_add is None else fused_add[1],
+            lut=table,
+            qmax=qmax,
         )
         if packed.groups == 1:
             out = res.reshape(n, oh, ow, packed.oc)  # type: ignore[assignment]  # no scatter
@@ -378,7 +389,9 @@ def _depthwise(
     out_scale: float,
     a_zp: int,
     o_zp: int,
-    relu: bool,
+    qmin: int,
+    qmax: int,
+    table: npt.NDArray[np.uint8],
     threads: int,
 ) -> npt.NDArray[np.uint8]:
     """Depthwise conv into a new NHWC array; reads channels-last input in place (NCHW input
@@ -408,14 +421,15 @@ def _depthwise(
     drv(
         x_nhwc.reshape(-1), n, h, w, c, oh, ow, packed.kh, packed.kw, sh, sw, dh, dw, ph, pw,
         packed._dw_weight, packed._dw_cp, corr, biasq, mult, np.float32(a_zp), o_zp,
-        o_zp if relu else 0, out.reshape(-1), per_task,
+        qmin, qmax, table, out.reshape(-1), per_task,
     )  # fmt: skip
     return out
 
 
 @njit(cache=True, nogil=True)
 def _serial_u8t_batch(  # type: ignore[no-untyped-def]  # numba types the arguments
-    n, hw, flat, rowoffs, koffs, bp, npanels, res, colcorr, wzp, rowsum, biasq, mult, ozp, qmin
+    n, hw, flat, rowoffs, koffs, bp, npanels, res, colcorr, wzp, rowsum, biasq, mult, ozp, qmin,
+    qmax, lut,
 ):  # fmt: skip
     # the batch loop in compiled code: one Python call per conv instead of one per image, whose
     # dispatch and slicing cost more than the kernels themselves on small images
@@ -425,7 +439,7 @@ def _serial_u8t_batch(  # type: ignore[no-untyped-def]  # numba types the argume
         serial_vnni_u8t(
             flat, rowoffs[b * hw : (b + 1) * hw], hw, koffs, koffs.shape[0], bp, npanels,
             flat_res[b * per : (b + 1) * per], hw, colcorr, wzp, rowsum[b * hw : (b + 1) * hw],
-            biasq, mult, ozp, qmin, 255, hw, NO_RESIDUAL, NO_ADD,
+            biasq, mult, ozp, qmin, qmax, hw, NO_RESIDUAL, NO_ADD, lut,
         )  # fmt: skip
 
 
@@ -442,7 +456,9 @@ def _conv_nchw_direct(
     out_scale: float,
     a_zp: int,
     o_zp: int,
-    relu: bool,
+    qmin: int,
+    qmax: int,
+    table: npt.NDArray[np.uint8],
     threads: int,
 ) -> npt.NDArray[np.uint8]:
     """One image at a time, with kernels that store channel-major: NCHW without a transpose."""
@@ -460,7 +476,7 @@ def _conv_nchw_direct(
     if drv is serial_vnni_u8t:
         _serial_u8t_batch(
             n, hw, flat, rowoffs, koffs, pg.packed, npanels, res, colcorr, pg.zero_points,
-            rowsum, biasq, mult, o_zp, o_zp if relu else 0,
+            rowsum, biasq, mult, o_zp, qmin, qmax, table,
         )  # fmt: skip
     else:
         for b in range(n):
@@ -480,11 +496,12 @@ def _conv_nchw_direct(
                 biasq,
                 mult,
                 o_zp,
-                o_zp if relu else 0,
-                255,
+                qmin,
+                qmax,
                 mchunk,
                 NO_RESIDUAL,
                 NO_ADD,
+                table,
             )
     if pg.n_padded != packed.oc:
         res = np.ascontiguousarray(res[:, : packed.oc])
@@ -517,16 +534,19 @@ def conv2d(
     relu: bool = False,
     num_threads: int | None = None,
     channels_last: bool = False,
+    lut: npt.NDArray[np.uint8] | None = None,
 ) -> npt.NDArray[np.uint8]:
     """Quantized 2-D convolution of uint8 ``x`` [N, C, H, W] (relu fused if asked).
 
     ``x`` is C-contiguous or channels-last. The result is C-contiguous NCHW, or with
     ``channels_last=True`` NHWC data viewed as NCHW (faster: no output transpose, and the
-    next conv reads it without a copy when it needs no padding).
+    next conv reads it without a copy when it needs no padding). ``lut``: a uint8[256] table
+    (``build_lut``) applied to the output codes in the epilogue, after relu: exactly
+    ``apply_lut(conv2d(...), lut)`` without a second pass (a clamp table costs nothing).
     """
     return _conv(
         x, packed, x_scale, x_zero_point, out_scale, out_zero_point, relu, num_threads,
-        channels_last, 2, "conv2d",
+        channels_last, 2, "conv2d", lut=lut,
     )  # fmt: skip
 
 
@@ -541,15 +561,16 @@ def conv1d(
     relu: bool = False,
     num_threads: int | None = None,
     channels_last: bool = False,
+    lut: npt.NDArray[np.uint8] | None = None,
 ) -> npt.NDArray[np.uint8]:
     """Quantized 1-D convolution of uint8 ``x`` [N, C, L] (relu fused if asked).
 
     Layouts as ``conv2d``: C-contiguous or channels-last (NLC data) in; NCL out, or NLC data
-    viewed as NCL with ``channels_last=True``.
+    viewed as NCL with ``channels_last=True``. ``lut`` as ``conv2d``'s.
     """
     return _conv(
         x, packed, x_scale, x_zero_point, out_scale, out_zero_point, relu, num_threads,
-        channels_last, 1, "conv1d",
+        channels_last, 1, "conv1d", lut=lut,
     )  # fmt: skip
 
 
@@ -565,6 +586,7 @@ def conv2d_add(
     relu_conv: bool = False,
     relu: bool = False,
     num_threads: int | None = None,
+    lut: npt.NDArray[np.uint8] | None = None,
 ) -> npt.NDArray[np.uint8]:
     """``add(conv2d(x), other)`` (``add_relu`` with ``relu=True``) in one pass: a residual block.
 
@@ -574,8 +596,11 @@ def conv2d_add(
     GEMM's epilogue while the block is still in registers (no conv output written and read
     back). ``other`` has the conv output's shape, C-contiguous or channels-last; the result is
     channels-last. Fused on ``avx512_vnni``/``avx2`` for groups = 1 and output channels a
-    multiple of the panel width; otherwise the two kernels run one after the other.
+    multiple of the panel width; otherwise the two kernels run one after the other. ``lut``: a
+    uint8[256] table applied to the add's output codes (``apply_lut(conv2d_add(...), lut)``),
+    in the same epilogue when fused.
     """
+    epilogue_lut(lut, 0, fold=False)  # a bad table is refused under this name on every path
     x_scale, x_zero_point = as_qparams("x_qparams", x_qparams)
     conv_scale, conv_zero_point = as_qparams("conv_qparams", conv_qparams)
     other_scale, other_zero_point = as_qparams("other_qparams", other_qparams)
@@ -591,10 +616,11 @@ def conv2d_add(
     ) if not _fusable(packed) else None  # fmt: skip
     if conv is not None:
         add = add_relu if relu else add_plain
-        return add(
+        summed = add(
             conv, (conv_scale, conv_zero_point), other, (other_scale, other_zero_point),
             (out_scale, out_zero_point),
         )  # fmt: skip
+        return summed if lut is None else apply_lut(summed, lut, out=summed)
     xa = check_array("x", x, np.uint8, 4, contiguous=False)
     ob = check_array("other", other, np.uint8, 4, contiguous=False)
     want = (xa.shape[0], packed.oc, *packed.output_size(xa.shape[2], xa.shape[3]))
@@ -615,7 +641,7 @@ def conv2d_add(
     addp = np.array([sa, pa, sb, pb, inv, floor, zp], np.float32)
     return _conv(
         xa, packed, x_scale, x_zero_point, conv_scale, conv_zero_point, relu_conv,
-        num_threads, True, 2, "conv2d_add", (other_nhwc.reshape(-1), addp),
+        num_threads, True, 2, "conv2d_add", (other_nhwc.reshape(-1), addp), lut,
     )  # fmt: skip
 
 

@@ -14,6 +14,9 @@ call the IR micro-kernels of ``_dw_simd.py`` (8 channels per vector):
 Both compute the GEMM's integer ``sum (x - x_zp) * (w - w_zp)`` exactly (float32 lanes, see
 ``_dw_simd.py``; at most ``MAX_TAPS`` taps) and requantize with the GEMM's rule, so the bytes
 equal conv2d's through the GEMM. One implementation serves every target (plain LLVM vector IR).
+The clamp range ``[qmin, qmax]`` comes from the caller (a clamp-table activation narrows it);
+a fused activation table (``lut``) maps each finished output row while it is in L1, with no
+pass at all when there is none.
 
 Threads: output rows are split into tasks run by ``prange`` when the conv has at least
 ``PARALLEL_MIN_MACS`` multiply-adds; smaller ones run serially (no parallel-region launch).
@@ -50,9 +53,14 @@ def _make_driver(parallel: bool) -> Any:
 
     def driver(  # type: ignore[no-untyped-def]  # numba types the arguments
         x, n, h, w, c, oh, ow, kh, kw, sh, sw, dh, dw, ph, pw,
-        wf, cp, corr, biasq, mult, zpf, ozp, qmin, out, rows_per_task,
+        wf, cp, corr, biasq, mult, zpf, ozp, qmin, qmax, lut, out, rows_per_task,
     ):  # fmt: skip
-        """``out`` [N*OH*OW*C] from ``x`` [N*H*W*C] (both flat NHWC uint8)."""
+        """``out`` [N*OH*OW*C] from ``x`` [N*H*W*C] (both flat NHWC uint8).
+
+        Codes are clamped to ``[qmin, qmax]``, then mapped through ``lut`` (uint8[256], a fused
+        activation, ``_epilogue_lut.py``) unless it is empty.
+        """
+        mapped = lut.shape[0] > 0
         spec = 0  # which block kernel serves the interior: 0 none, 1 3x3/s1, 2 3x3/s2, ...
         if dw == 1:
             if kw == 3:
@@ -96,58 +104,58 @@ def _make_driver(parallel: bool) -> Any:
                             xb, ob = xrow + (ox - pw) * c, obase + ox * c
                             for c0 in range(0, c8, lanes):
                                 dw_block(k31, x, xb + c0, rowstep, c, kh, wf, cp, c0, corr,
-                                         biasq, mult, ozp, qmin, out, ob + c0)  # fmt: skip
+                                         biasq, mult, ozp, qmin, qmax, out, ob + c0)  # fmt: skip
                             ox += p31
                         while ox < rhi:
                             xb, ob = xrow + (ox - pw) * c, obase + ox * c
                             for c0 in range(0, c8, lanes):
                                 dw_block(k31s, x, xb + c0, rowstep, c, kh, wf, cp, c0, corr,
-                                         biasq, mult, ozp, qmin, out, ob + c0)  # fmt: skip
+                                         biasq, mult, ozp, qmin, qmax, out, ob + c0)  # fmt: skip
                             ox += 1
                     elif spec == 2:
                         while ox + p32 <= rhi:
                             xb, ob = xrow + (ox * 2 - pw) * c, obase + ox * c
                             for c0 in range(0, c8, lanes):
                                 dw_block(k32, x, xb + c0, rowstep, c, kh, wf, cp, c0, corr,
-                                         biasq, mult, ozp, qmin, out, ob + c0)  # fmt: skip
+                                         biasq, mult, ozp, qmin, qmax, out, ob + c0)  # fmt: skip
                             ox += p32
                         while ox < rhi:
                             xb, ob = xrow + (ox * 2 - pw) * c, obase + ox * c
                             for c0 in range(0, c8, lanes):
                                 dw_block(k32s, x, xb + c0, rowstep, c, kh, wf, cp, c0, corr,
-                                         biasq, mult, ozp, qmin, out, ob + c0)  # fmt: skip
+                                         biasq, mult, ozp, qmin, qmax, out, ob + c0)  # fmt: skip
                             ox += 1
                     elif spec == 3:
                         while ox + p51 <= rhi:
                             xb, ob = xrow + (ox - pw) * c, obase + ox * c
                             for c0 in range(0, c8, lanes):
                                 dw_block(k51, x, xb + c0, rowstep, c, kh, wf, cp, c0, corr,
-                                         biasq, mult, ozp, qmin, out, ob + c0)  # fmt: skip
+                                         biasq, mult, ozp, qmin, qmax, out, ob + c0)  # fmt: skip
                             ox += p51
                         while ox < rhi:
                             xb, ob = xrow + (ox - pw) * c, obase + ox * c
                             for c0 in range(0, c8, lanes):
                                 dw_block(k51s, x, xb + c0, rowstep, c, kh, wf, cp, c0, corr,
-                                         biasq, mult, ozp, qmin, out, ob + c0)  # fmt: skip
+                                         biasq, mult, ozp, qmin, qmax, out, ob + c0)  # fmt: skip
                             ox += 1
                     else:
                         while ox + p52 <= rhi:
                             xb, ob = xrow + (ox * 2 - pw) * c, obase + ox * c
                             for c0 in range(0, c8, lanes):
                                 dw_block(k52, x, xb + c0, rowstep, c, kh, wf, cp, c0, corr,
-                                         biasq, mult, ozp, qmin, out, ob + c0)  # fmt: skip
+                                         biasq, mult, ozp, qmin, qmax, out, ob + c0)  # fmt: skip
                             ox += p52
                         while ox < rhi:
                             xb, ob = xrow + (ox * 2 - pw) * c, obase + ox * c
                             for c0 in range(0, c8, lanes):
                                 dw_block(k52s, x, xb + c0, rowstep, c, kh, wf, cp, c0, corr,
-                                         biasq, mult, ozp, qmin, out, ob + c0)  # fmt: skip
+                                         biasq, mult, ozp, qmin, qmax, out, ob + c0)  # fmt: skip
                             ox += 1
                     if c8 < c:  # the channel tail of the interior pixels
                         for ox in range(rlo, rhi):
                             dw_taps(x, xrow + (ox * sw - pw) * c + c8, full_offs, full_idx,
-                                    ntap, wf, cp, c8, zpf, biasq, mult, ozp, qmin, out,
-                                    obase + ox * c + c8, c - c8)  # fmt: skip
+                                    ntap, wf, cp, c8, zpf, biasq, mult, ozp, qmin, qmax,
+                                    out, obase + ox * c + c8, c - c8)  # fmt: skip
                 else:
                     rlo, rhi = 0, 0  # no block kernel: every pixel takes the tap-list path
                 for ox in range(ow):
@@ -167,7 +175,11 @@ def _make_driver(parallel: bool) -> Any:
                             nt += 1
                     for c0 in range(0, c, lanes):
                         dw_taps(x, img + c0, toffs, tidx, nt, wf, cp, c0, zpf, biasq, mult, ozp,
-                                qmin, out, obase + ox * c + c0, min(lanes, c - c0))  # fmt: skip
+                                qmin, qmax, out, obase + ox * c + c0,
+                                min(lanes, c - c0))  # fmt: skip
+                if mapped:  # the row is in L1: map it through the table before moving on
+                    for k in range(obase, obase + ow * c):
+                        out[k] = lut[out[k]]
 
     name = "depthwise_parallel" if parallel else "depthwise_serial"
     # a distinct module-level qualname per driver: its own cache index file

@@ -24,7 +24,8 @@ no widening multiply, where AVX2 has no int32 multiply-add (``vpmulld`` is slow 
 computes, ``sum (x - x_zp) * (w - w_zp)``, so the requantization matches conv2d's bit for bit.
 
 Epilogue (the rule of ``_requant.py``), per channel lane:
-``clamp(rint(((v - corr) + biasq) * mult) + out_zp, qmin, 255)``.
+``clamp(rint(((v - corr) + biasq) * mult) + out_zp, qmin, qmax)``, upper bound last (a
+clamp-table activation narrows ``[qmin, qmax]``, ``_epilogue_lut.py``).
 """
 
 from __future__ import annotations
@@ -112,15 +113,15 @@ def _emit_requant(
     mult: ir.Value,
     ozp: ir.Value,
     qmin: ir.Value,
+    qmax: ir.Value,
 ) -> ir.Value:
     """THE depthwise epilogue: float32 sums of 8 channels -> 8 uint8 codes (``_requant.py``)."""
     rint = declare(builder.module, ir.FunctionType(_VF, [_VF]), f"llvm.rint.v{LANES}f32")
     if corr is not None:
         v = builder.fsub(v, corr)
     x = builder.fadd(builder.call(rint, [builder.fmul(builder.fadd(v, biasq), mult)]), ozp)
-    top = ir.Constant(_VF, [255.0] * LANES)
     x = builder.select(builder.fcmp_unordered("<", x, qmin), qmin, x)  # NaN -> qmin
-    x = builder.select(builder.fcmp_ordered(">", x, top), top, x)
+    x = builder.select(builder.fcmp_ordered(">", x, qmax), qmax, x)
     return builder.trunc(builder.fptosi(x, _VI), _VB)
 
 
@@ -131,12 +132,14 @@ def _epilogue_vectors(
     c0: ir.Value,
     ozp: ir.Value,
     qmin: ir.Value,
-) -> tuple[ir.Value, ir.Value, ir.Value, ir.Value]:
+    qmax: ir.Value,
+) -> tuple[ir.Value, ir.Value, ir.Value, ir.Value, ir.Value]:
     bq = load_vec(builder, builder.gep(bq_p, [c0]), _VF)
     mu = load_vec(builder, builder.gep(mu_p, [c0]), _VF)
     ozp_v = _splat(builder.sitofp(builder.trunc(ozp, I32), F32T), _VF, builder)
     qmin_v = _splat(builder.sitofp(builder.trunc(qmin, I32), F32T), _VF, builder)
-    return bq, mu, ozp_v, qmin_v
+    qmax_v = _splat(builder.sitofp(builder.trunc(qmax, I32), F32T), _VF, builder)
+    return bq, mu, ozp_v, qmin_v, qmax_v
 
 
 def _make_block(kw: int, sw: int, pix: int) -> Any:
@@ -144,11 +147,11 @@ def _make_block(kw: int, sw: int, pix: int) -> Any:
     ncols = (pix - 1) * sw + kw  # input vectors per kernel row
 
     def codegen(context: Any, builder: ir.IRBuilder, sig: Any, args: Any) -> ir.Value:
-        (x, xbase, rowstep, c, kh, w, cp, c0, corr, biasq, mult, ozp, qmin, out, obase) = args
+        (x, xbase, rowstep, c, kh, w, cp, c0, corr, biasq, mult, ozp, qmin, qmax, out, obase) = args
         aty = sig.args
         x_p, w_p = _data(context, builder, aty[0], x), _data(context, builder, aty[5], w)
         co_p, bq_p = _data(context, builder, aty[8], corr), _data(context, builder, aty[9], biasq)
-        mu_p, o_p = _data(context, builder, aty[10], mult), _data(context, builder, aty[13], out)
+        mu_p, o_p = _data(context, builder, aty[10], mult), _data(context, builder, aty[14], out)
         fma = _fmuladd(builder)
         accs = [stack_slot(builder, ir.Constant(_VF, [0.0] * LANES)) for _ in range(pix)]
         with cgutils.for_range(builder, kh) as loop:
@@ -173,10 +176,10 @@ def _make_block(kw: int, sw: int, pix: int) -> Any:
                         cur[p] = builder.call(fma, [xv, wv[j], cur[p]])
             for a, v in zip(accs, cur, strict=True):
                 builder.store(v, a)
-        bq, mu, ozp_v, qmin_v = _epilogue_vectors(builder, bq_p, mu_p, c0, ozp, qmin)
+        bq, mu, ozp_v, qmin_v, qmax_v = _epilogue_vectors(builder, bq_p, mu_p, c0, ozp, qmin, qmax)
         co = load_vec(builder, builder.gep(co_p, [c0]), _VF)
         for p in range(pix):
-            q8 = _emit_requant(builder, builder.load(accs[p]), co, bq, mu, ozp_v, qmin_v)
+            q8 = _emit_requant(builder, builder.load(accs[p]), co, bq, mu, ozp_v, qmin_v, qmax_v)
             optr = builder.gep(o_p, [builder.add(obase, builder.mul(ir.Constant(I64, p), c))])
             _store_u8(builder, q8, optr, None)
         return context.get_dummy_value()
@@ -203,11 +206,12 @@ def _dw_block(
     mult: Any,
     ozp: Any,
     qmin: Any,
+    qmax: Any,
     out: Any,
     obase: Any,
 ) -> Any:
     """``dw_block(KIND_IDS[(kw, sw, pixels)], x, xbase, rowstep, c, kh, w, cp, c0, corr, biasq,
-    mult, ozp, qmin, out, obase)``.
+    mult, ozp, qmin, qmax, out, obase)``.
 
     Pixel ``p``'s tap ``(i, j)`` reads ``x[xbase + i * rowstep + (p * sw + j) * c + 0..7]``
     and weights ``w[(i * kw + j) * cp + c0 + 0..7]``; it writes ``out[obase + p * c + 0..7]``.
@@ -215,7 +219,7 @@ def _dw_block(
     """
     if not isinstance(kind, types.IntegerLiteral):
         return None  # numba retries with the literal type when the value is a constant
-    inner = (x, xbase, rowstep, c, kh, w, cp, c0, corr, biasq, mult, ozp, qmin, out, obase)
+    inner = (x, xbase, rowstep, c, kh, w, cp, c0, corr, biasq, mult, ozp, qmin, qmax, out, obase)
     inner_sig = types.void(*inner)
     inner_codegen = _BLOCK_CODEGENS[kind.literal_value]
 
@@ -225,19 +229,21 @@ def _dw_block(
     return types.void(kind, *inner), codegen
 
 
-# typed Any: callers pass the 16 arguments, not numba's typing context
+# typed Any: callers pass the 17 arguments, not numba's typing context
 dw_block: Any = intrinsic(_dw_block)
 
 
 def _emit_taps(
     context: Any, builder: ir.IRBuilder, sig: Any, args: Any, masked: bool, nch: ir.Value
 ) -> None:
-    (x, xbase, toffs, twidx, ntaps, w, cp, c0, zpf, biasq, mult, ozp, qmin, out, obase) = args[:15]
+    (x, xbase, toffs, twidx, ntaps, w, cp, c0, zpf, biasq, mult, ozp, qmin, qmax, out, obase) = (
+        args[:16]
+    )
     aty = sig.args
     x_p, to_p = _data(context, builder, aty[0], x), _data(context, builder, aty[2], toffs)
     tw_p, w_p = _data(context, builder, aty[3], twidx), _data(context, builder, aty[5], w)
     bq_p, mu_p = _data(context, builder, aty[9], biasq), _data(context, builder, aty[10], mult)
-    o_p = _data(context, builder, aty[13], out)
+    o_p = _data(context, builder, aty[14], out)
     mask = None
     if masked:
         lane = ir.Constant(ir.VectorType(I64, LANES), list(range(LANES)))
@@ -252,8 +258,8 @@ def _emit_taps(
         xv = _load_u8(builder, builder.gep(x_p, [builder.add(xbase, off)]), mask)
         wv = load_vec(builder, builder.gep(w_p, [builder.add(builder.mul(wi, cp), c0)]), _VF)
         builder.store(builder.call(fma, [builder.fsub(xv, zpv), wv, builder.load(acc)]), acc)
-    bq, mu, ozp_v, qmin_v = _epilogue_vectors(builder, bq_p, mu_p, c0, ozp, qmin)
-    q8 = _emit_requant(builder, builder.load(acc), None, bq, mu, ozp_v, qmin_v)
+    bq, mu, ozp_v, qmin_v, qmax_v = _epilogue_vectors(builder, bq_p, mu_p, c0, ozp, qmin, qmax)
+    q8 = _emit_requant(builder, builder.load(acc), None, bq, mu, ozp_v, qmin_v, qmax_v)
     _store_u8(builder, q8, builder.gep(o_p, [obase]), mask)
 
 
@@ -272,6 +278,7 @@ def _dw_taps(
     mult: Any,
     ozp: Any,
     qmin: Any,
+    qmax: Any,
     out: Any,
     obase: Any,
     nch: Any,
@@ -282,12 +289,11 @@ def _dw_taps(
     0..7]``; the result goes to ``out[obase + 0..nch-1]``. ``zpf`` is the input zero point as a
     float. Lanes past ``nch`` neither read nor write ``x``/``out``. All ints are int64.
     """
-    sig = types.void(
-        x, xbase, toffs, twidx, ntaps, w, cp, c0, zpf, biasq, mult, ozp, qmin, out, obase, nch
-    )
+    head = (x, xbase, toffs, twidx, ntaps, w, cp, c0, zpf, biasq, mult, ozp, qmin, qmax, out)
+    sig = types.void(*head, obase, nch)
 
     def codegen(context: Any, builder: ir.IRBuilder, sig: Any, args: Any) -> ir.Value:
-        nch = args[15]
+        nch = args[16]
         full = builder.icmp_signed(">=", nch, ir.Constant(I64, LANES))
         with builder.if_else(full, likely=True) as (then, otherwise):
             with then:
@@ -299,5 +305,5 @@ def _dw_taps(
     return sig, codegen
 
 
-# typed Any: callers pass the 16 arguments, not numba's typing context
+# typed Any: callers pass the 17 arguments, not numba's typing context
 dw_taps: Any = intrinsic(_dw_taps)

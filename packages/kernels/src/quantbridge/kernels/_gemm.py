@@ -38,6 +38,7 @@ def _make_generic(parallel: bool) -> Any:
         qmax,
         mchunk,
         f32_out,
+        lut,
     ):
         nmc = (m + mchunk - 1) // mchunk
         panel = nk * 128
@@ -67,6 +68,8 @@ def _make_generic(parallel: bool) -> Any:
                         x = min(max(x, np.float32(-1.0e9)), np.float32(1.0e9))
                         q = np.int64(x) + ozp
                         q = min(max(q, qmin), qmax)
+                        if lut.shape[0]:  # a fused activation table (uint8[256])
+                            q = np.int64(lut[q])
                         c[i * ldc + j] = q
 
     driver.__name__ = driver.__qualname__ = "drive_generic" if parallel else "serial_generic"
@@ -90,14 +93,14 @@ def _make_generic_batched(parallel: bool) -> Any:
     # ``nb`` independent GEMMs (see ``_gemm_simd._make_batched_driver``), one batch per task
     def batched(  # type: ignore[no-untyped-def]  # numba types the arguments
         nb, a, asz, rowoffs, m, koffs, nk, bp, bsz, npanels, c, ldc, colcorr, wzp, rowsum,
-        biasq, mult, ozp, qmin, qmax,
+        biasq, mult, ozp, qmin, qmax, lut,
     ):  # fmt: skip
         for g in prange(nb):  # a plain range when parallel=False
             serial_generic(
                 a[g * asz : (g + 1) * asz], rowoffs, m, koffs, nk, bp[g * bsz : (g + 1) * bsz],
                 npanels, c[g * m * ldc : (g + 1) * m * ldc], ldc,
                 colcorr[g * ldc : (g + 1) * ldc], wzp, rowsum[g * m : (g + 1) * m], biasq, mult,
-                ozp, qmin, qmax, max(m, 1), False,
+                ozp, qmin, qmax, max(m, 1), False, lut,
             )  # fmt: skip
 
     name = "batched_drive_generic" if parallel else "batched_serial_generic"

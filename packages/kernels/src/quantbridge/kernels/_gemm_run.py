@@ -7,6 +7,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from quantbridge.kernels._epilogue_lut import NO_LUT
 from quantbridge.kernels._float_math import post_tile
 from quantbridge.kernels._gemm import drive_generic, serial_generic
 from quantbridge.kernels._gemm_simd import (
@@ -100,6 +101,8 @@ def run_gemm(
     residual: npt.NDArray[np.uint8] | None = None,
     add_params: npt.NDArray[np.float32] | None = None,
     post: tuple[int, npt.NDArray[np.float32], bool, npt.NDArray[np.float32]] | None = None,
+    lut: npt.NDArray[np.uint8] = NO_LUT,
+    qmax: int = 255,
 ) -> npt.NDArray[np.generic]:
     """C[M, n] for activations addressed by ``rowoffs``/``koffs`` and packed B ``bp``.
 
@@ -109,7 +112,9 @@ def run_gemm(
     the fused add of mode ``u8add`` (``_vnni.py``); IR targets only. With ``post``
     (``f32_out`` only): ``(activation code, rowscale [M], has_rowscale, bias [Np])`` applied
     by ``_float_math.post_tile`` to each block right after it is computed (generic: after the
-    GEMM). ``a`` may arrive already widened to int16 for ``avx2``.
+    GEMM). ``a`` may arrive already widened to int16 for ``avx2``. ``lut`` (uint8[256] or
+    empty, see ``_epilogue_lut``) maps the u8 codes, clamped to ``[qmin, qmax]``, before the
+    store.
     """
     m = rowoffs.shape[0]
     nk = koffs.shape[0]
@@ -123,16 +128,18 @@ def run_gemm(
     if target == "avx2" and a.dtype != np.int16:
         a = a.astype(np.int16)  # the AVX2 kernels read activations as int16 pairs
     args = (a, rowoffs, m, koffs, nk, bp, npanels, c, np_, colcorr, wzp, rowsum, biasq, mult,
-            out_zero_point, qmin, 255, mchunk)  # fmt: skip
+            out_zero_point, qmin, qmax, mchunk)  # fmt: skip
     if target == "generic":
-        (serial_generic if threads == 1 else with_threads(drive_generic, threads))(*args, f32_out)
+        (serial_generic if threads == 1 else with_threads(drive_generic, threads))(
+            *args, f32_out, lut
+        )
         if post is not None:
             post_tile(c, np_, 0, m, 0, np_, *post)
     elif post is not None:
         serial, parallel = _POST[target]
         driver = serial if threads == 1 else with_threads(parallel, threads)
         driver(a, rowoffs, m, koffs, nk, bp, npanels, c, np_, colcorr, wzp, rowsum, biasq, mult,
-               mchunk, NO_RESIDUAL, NO_ADD, *post)  # fmt: skip
+               mchunk, NO_RESIDUAL, NO_ADD, *post, NO_LUT)  # fmt: skip
     else:
         mode = "f32" if f32_out else ("u8" if residual is None else "u8add")
         driver = _SERIAL[(target, mode)]
@@ -142,5 +149,6 @@ def run_gemm(
             *args,
             NO_RESIDUAL if residual is None else residual,
             NO_ADD if add_params is None else add_params,
+            lut,
         )
     return out if np_ == n else np.ascontiguousarray(out[:, :n])

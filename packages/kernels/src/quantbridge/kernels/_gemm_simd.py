@@ -55,6 +55,7 @@ def _make_driver(target: str, mode: str, parallel: bool) -> Any:
         mchunk,
         res,
         addp,
+        lut,
     ):
         nmc = (m + mchunk - 1) // mchunk
         panel = nk * panel_step
@@ -70,19 +71,19 @@ def _make_driver(target: str, mode: str, parallel: bool) -> Any:
                 if left > mid_rows:
                     block_kernel(
                         big, a, rowoffs, i, koffs, nk, bp, boff, c, ldc, min(left, big_rows),
-                        colcorr, wzp, rowsum, biasq, mult, j0, ozp, qmin, qmax, res, addp,
+                        colcorr, wzp, rowsum, biasq, mult, j0, ozp, qmin, qmax, res, addp, lut,
                     )  # fmt: skip
                     i += big_rows
                 elif left > 1:
                     block_kernel(
                         mid, a, rowoffs, i, koffs, nk, bp, boff, c, ldc, left,
-                        colcorr, wzp, rowsum, biasq, mult, j0, ozp, qmin, qmax, res, addp,
+                        colcorr, wzp, rowsum, biasq, mult, j0, ozp, qmin, qmax, res, addp, lut,
                     )  # fmt: skip
                     i += mid_rows
                 else:
                     block_kernel(
                         one, a, rowoffs, i, koffs, nk, bp, boff, c, ldc, 1,
-                        colcorr, wzp, rowsum, biasq, mult, j0, ozp, qmin, qmax, res, addp,
+                        colcorr, wzp, rowsum, biasq, mult, j0, ozp, qmin, qmax, res, addp, lut,
                     )  # fmt: skip
                     i += 1
 
@@ -109,7 +110,7 @@ def _make_batched_driver(target: str, parallel: bool) -> Any:
 
     def driver(  # type: ignore[no-untyped-def]  # numba types the arguments
         nb, a, asz, rowoffs, m, koffs, nk, bp, bsz, npanels, c, ldc, colcorr, wzp, rowsum,
-        biasq, mult, ozp, qmin, qmax, mchunk, res, addp,
+        biasq, mult, ozp, qmin, qmax, mchunk, res, addp, lut,
     ):  # fmt: skip
         nmc = (m + mchunk - 1) // mchunk
         per = npanels * nmc
@@ -133,19 +134,19 @@ def _make_batched_driver(target: str, parallel: bool) -> Any:
                 if left > mid_rows:
                     block_kernel(
                         big, ag, rowoffs, i, koffs, nk, bg, boff, cg, ldc, min(left, big_rows),
-                        ccg, wzp, rsg, biasq, mult, j0, ozp, qmin, qmax, res, addp,
+                        ccg, wzp, rsg, biasq, mult, j0, ozp, qmin, qmax, res, addp, lut,
                     )  # fmt: skip
                     i += big_rows
                 elif left > 1:
                     block_kernel(
                         mid, ag, rowoffs, i, koffs, nk, bg, boff, cg, ldc, left,
-                        ccg, wzp, rsg, biasq, mult, j0, ozp, qmin, qmax, res, addp,
+                        ccg, wzp, rsg, biasq, mult, j0, ozp, qmin, qmax, res, addp, lut,
                     )  # fmt: skip
                     i += mid_rows
                 else:
                     block_kernel(
                         one, ag, rowoffs, i, koffs, nk, bg, boff, cg, ldc, 1,
-                        ccg, wzp, rsg, biasq, mult, j0, ozp, qmin, qmax, res, addp,
+                        ccg, wzp, rsg, biasq, mult, j0, ozp, qmin, qmax, res, addp, lut,
                     )  # fmt: skip
                     i += 1
 
@@ -166,7 +167,7 @@ def _make_post_driver(target: str, parallel: bool) -> Any:
 
     def driver(  # type: ignore[no-untyped-def]  # numba types the arguments
         a, rowoffs, m, koffs, nk, bp, npanels, c, ldc, colcorr, wzp, rowsum, biasq, mult,
-        mchunk, res, addp, act, rowscale, has_rowscale, bias,
+        mchunk, res, addp, act, rowscale, has_rowscale, bias, lut,
     ):  # fmt: skip
         nmc = (m + mchunk - 1) // mchunk
         panel = nk * panel_step
@@ -182,19 +183,19 @@ def _make_post_driver(target: str, parallel: bool) -> Any:
                 if left > mid_rows:
                     block_kernel(
                         big, a, rowoffs, i, koffs, nk, bp, boff, c, ldc, min(left, big_rows),
-                        colcorr, wzp, rowsum, biasq, mult, j0, 0, 0, 255, res, addp,
+                        colcorr, wzp, rowsum, biasq, mult, j0, 0, 0, 255, res, addp, lut,
                     )  # fmt: skip
                     done = min(left, big_rows)
                 elif left > 1:
                     block_kernel(
                         mid, a, rowoffs, i, koffs, nk, bp, boff, c, ldc, left,
-                        colcorr, wzp, rowsum, biasq, mult, j0, 0, 0, 255, res, addp,
+                        colcorr, wzp, rowsum, biasq, mult, j0, 0, 0, 255, res, addp, lut,
                     )  # fmt: skip
                     done = min(left, mid_rows)
                 else:
                     block_kernel(
                         one, a, rowoffs, i, koffs, nk, bp, boff, c, ldc, 1,
-                        colcorr, wzp, rowsum, biasq, mult, j0, 0, 0, 255, res, addp,
+                        colcorr, wzp, rowsum, biasq, mult, j0, 0, 0, 255, res, addp, lut,
                     )  # fmt: skip
                     done = 1
                 post_tile(c, ldc, i, i + done, j0, j0 + nr, act, rowscale, has_rowscale, bias)

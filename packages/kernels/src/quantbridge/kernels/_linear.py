@@ -27,6 +27,7 @@ from quantbridge.kernels._checks import (
     f32_problem,
 )
 from quantbridge.kernels._dynamic_act import quantize_rows, quantize_rows_fixed, tensor_range
+from quantbridge.kernels._epilogue_lut import epilogue_lut
 from quantbridge.kernels._errors import KernelError
 from quantbridge.kernels._float_math import ACTIVATIONS
 from quantbridge.kernels._gemm import quantize_u8_fma
@@ -292,8 +293,13 @@ def linear(
     *,
     relu: bool = False,
     num_threads: int | None = None,
+    lut: npt.NDArray[np.uint8] | None = None,
 ) -> npt.NDArray[np.uint8]:
-    """Quantized ``x @ W.T + bias`` requantized to uint8 [..., N] (relu fused if asked)."""
+    """Quantized ``x @ W.T + bias`` requantized to uint8 [..., N] (relu fused if asked).
+
+    ``lut``: a uint8[256] table (``build_lut``) applied to the output codes in the epilogue,
+    after relu: exactly ``apply_lut(linear(...), lut)`` without a second pass.
+    """
     if type(packed) is not PackedLinearWeight:
         raise KernelError(f"packed: expected a PackedLinearWeight, got {type(packed).__name__}")
     # uint8 data is always aligned, so contiguity, rank and size are all the fast path checks
@@ -315,6 +321,7 @@ def linear(
     o_zp = out_zero_point
     if not (type(o_zp) is int and 0 <= o_zp <= 255):
         o_zp = check_zero_point("out_zero_point", out_zero_point, 0, 255)
+    qmin, qmax, table = epilogue_lut(lut, o_zp if relu else 0)
     if (num_threads == 1 and type(num_threads) is int) or (
         # small products run on one thread whatever the setting (a parallel launch costs more)
         x.size // packed.k * packed.n_padded * packed.nk < SERIAL_BELOW
@@ -357,11 +364,12 @@ def linear(
             biasq,
             mult,
             o_zp,
-            o_zp if relu else 0,
-            255,
+            qmin,
+            qmax,
             m,
             NO_RESIDUAL,
             NO_ADD,
+            table,
         )
         # the compiled entry point skips numba's per-call type dispatch (~0.4 us); it is
         # looked up by the exact argument types once, through the dispatcher
@@ -391,9 +399,11 @@ def linear(
         biasq,
         mult,
         o_zp,
-        o_zp if relu else 0,
+        qmin,
         False,
         threads,
+        lut=table,
+        qmax=qmax,
     )
     if len(lead) == 1:
         return out  # type: ignore[return-value]

@@ -28,6 +28,7 @@ from quantbridge.kernels._checks import (
 )
 from quantbridge.kernels._errors import KernelError
 from quantbridge.kernels._gemm import batched_drive_generic, batched_serial_generic
+from quantbridge.kernels._epilogue_lut import NO_LUT
 from quantbridge.kernels._gemm_run import NO_ADD, NO_RESIDUAL, SERIAL_BELOW
 from quantbridge.kernels._gemm_simd import (
     batched_drive_avx2_u8,
@@ -187,8 +188,8 @@ def _batched_u8(
     args = (nb, a_flat, m * lda, rowoffs, m, koffs, nk, bp, np_ * kp, npanels, c, np_, colcorr,
             wzp, rowsum, biasq, mults, o_zp, 0, 255)  # fmt: skip
     if target == "generic":
-        driver(*args)
+        driver(*args, NO_LUT)
     else:
-        driver(*args, max(m, 1), NO_RESIDUAL, NO_ADD)
+        driver(*args, max(m, 1), NO_RESIDUAL, NO_ADD, NO_LUT)
     out = c.reshape(nb, m, np_)
     return out if np_ == n else np.ascontiguousarray(out[:, :, :n])

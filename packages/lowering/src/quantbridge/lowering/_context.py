@@ -46,6 +46,8 @@ class LoweringReport:
     target: str
     lowered: list[tuple[str, str]] = field(default_factory=list)
     kept: list[tuple[str, str]] = field(default_factory=list)
+    # reference ops that compute nothing (eval-mode dropout, ...): name -> why they are gone
+    removed: list[tuple[str, str]] = field(default_factory=list)
     # lowered node name -> the reference node whose value it computes (a quantize node, or the
     # float module node for dynamic linear and embeddings); node names survive lowering
     origins: dict[str, str] = field(default_factory=dict)
@@ -53,6 +55,9 @@ class LoweringReport:
     def __str__(self) -> str:
         lines = [f"lowered to quantbridge.kernels (target={self.target}):"]
         lines += [f"  {n:<32} {k}" for n, k in self.lowered] or ["  (nothing)"]
+        if self.removed:
+            lines.append("removed (the codes flow through):")
+            lines += [f"  {n:<32} {why}" for n, why in self.removed]
         lines.append("kept as reference (dequantize -> float op -> quantize):")
         lines += [f"  {n:<32} {why}" for n, why in self.kept] or ["  (nothing)"]
         return "\n".join(lines)
@@ -181,6 +186,10 @@ class LoweringContext:
     def record(self, node: Node, what: str) -> None:
         """List ``node`` as lowered, run by ``what``, in the report."""
         self.report.lowered.append((node.name, what))
+
+    def record_removed(self, node: Node, what: str) -> None:
+        """List reference op ``node`` as removed (its builder returned its input)."""
+        self.report.removed.append((node.name, what))
 
     def record_output(self, node: Node, op: str, qparams: QParams, **extra: str) -> None:
         """``node`` returns the quantized output of reference op ``op`` (first record wins:

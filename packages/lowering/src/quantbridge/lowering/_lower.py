@@ -156,9 +156,16 @@ class _Pass:
         self._cleanup()
 
     def _fuse(self) -> None:
-        """The fusion rules, on the lowered graph: each merges lowered modules into one."""
+        """The fusion rules, on the lowered graph: each merges lowered modules into one. A
+        fused module may match again (conv + add, then its activation): rounds until one
+        fuses nothing (each fusion removes a node, so this ends)."""
+        while self._fuse_round():
+            pass
+
+    def _fuse_round(self) -> bool:
         ctx = self.ctx
         found = self._find("fusion")
+        fused = False
         for node in list(ctx.graph.nodes):
             match = found.get(node)
             if match is None:
@@ -175,6 +182,8 @@ class _Pass:
             ctx.absorb(new, match.nodes)
             for replaced in match.nodes:
                 ctx.graph.erase_node(replaced)
+            fused = True
+        return fused
 
     def _check_built(self, match: RuleMatch, new: object) -> None:
         if not isinstance(new, Node) or new is match.anchor:
@@ -196,7 +205,8 @@ class _Pass:
             ctx.anchor = None
         self._check_built(match, new)
         match.anchor.replace_all_uses_with(new)
-        ctx.report.origins[new.name] = match.anchor.name
+        # first wins: a builder may return an earlier op's node (an identity op its input)
+        ctx.report.origins.setdefault(new.name, match.anchor.name)
         if match.output_qparams is not None:
             ctx.record_output(new, match.node.name, match.output_qparams)
 

@@ -18,6 +18,17 @@ from quantbridge.lowering._errors import LoweringError
 QParams = tuple[float, int]  # (scale, zero point); kernels.QParams is one too
 
 
+def per_channel_operand(x_shape: tuple[int, ...], s_shape: tuple[int, ...]) -> bool:
+    """``s_shape`` is one value per (image, channel) of ``x_shape``: [N or 1, C, 1, ...]."""
+    return (
+        len(x_shape) >= 3
+        and len(s_shape) == len(x_shape)
+        and s_shape[0] in (1, x_shape[0])
+        and s_shape[1] == x_shape[1]
+        and all(d == 1 for d in s_shape[2:])
+    )
+
+
 def numpy_view(t: torch.Tensor) -> Any:
     """C-contiguous numpy view (a copy only when ``t`` is laid out otherwise)."""
     t = t.detach()  # float inputs may come from float ops with parameters (grad mode on)
@@ -46,9 +57,15 @@ def pair(v: Any) -> tuple[int, int]:
 
 
 def linear(
-    x: torch.Tensor, packed: K.PackedLinearWeight, in_qp: QParams, out_qp: QParams, relu: bool
+    x: torch.Tensor,
+    packed: K.PackedLinearWeight,
+    in_qp: QParams,
+    out_qp: QParams,
+    relu: bool,
+    lut: Any = None,
 ) -> torch.Tensor:
-    return torch.from_numpy(K.linear(numpy_view(x), packed, *in_qp, *out_qp, relu=relu))
+    """``lut``: an activation table fused into the epilogue (uint8[256] numpy) or None."""
+    return torch.from_numpy(K.linear(numpy_view(x), packed, *in_qp, *out_qp, relu=relu, lut=lut))
 
 
 def linear_dynamic(
@@ -73,10 +90,15 @@ def softmax(x: torch.Tensor, scale: float, mask: torch.Tensor | None) -> torch.T
 
 
 def conv(
-    x: torch.Tensor, packed: K.PackedConvWeight, in_qp: QParams, out_qp: QParams, relu: bool
+    x: torch.Tensor,
+    packed: K.PackedConvWeight,
+    in_qp: QParams,
+    out_qp: QParams,
+    relu: bool,
+    lut: Any = None,
 ) -> torch.Tensor:
     fn = K.conv2d if packed.dims == 2 else K.conv1d
-    out = fn(dense_view(x), packed, *in_qp, *out_qp, relu=relu, channels_last=True)
+    out = fn(dense_view(x), packed, *in_qp, *out_qp, relu=relu, channels_last=True, lut=lut)
     return torch.from_numpy(out)
 
 
@@ -90,10 +112,11 @@ def conv_add(
     out_qp: QParams,
     relu_conv: bool,
     relu: bool,
+    lut: Any = None,
 ) -> torch.Tensor:
     out = K.conv2d_add(
         dense_view(x), packed, in_qp, conv_qp, dense_view(other), other_qp, out_qp,
-        relu_conv=relu_conv, relu=relu,
+        relu_conv=relu_conv, relu=relu, lut=lut,
     )  # fmt: skip
     return torch.from_numpy(out)
 
@@ -107,7 +130,17 @@ def binary(
     out_qp: QParams,
     target: str,
 ) -> torch.Tensor:
-    """``kind``: add, add_relu, mul or mul_relu; shapes broadcast first."""
+    """``kind``: add, add_relu, mul or mul_relu; shapes broadcast first, except a mul by one
+    value per (image, channel) (squeeze-excite), which ``kernels.mul_channels`` runs without
+    the broadcast (same numbers; the product does not depend on the operand order)."""
+    if kind in ("mul", "mul_relu") and a.shape != b.shape:
+        for x, x_qp, s, s_qp in ((a, a_qp, b, b_qp), (b, b_qp, a, a_qp)):
+            if per_channel_operand(tuple(x.shape), tuple(s.shape)):
+                out = K.mul_channels(
+                    dense_view(x), x_qp, numpy_view(s), s_qp, out_qp, relu=kind == "mul_relu",
+                    target=target,
+                )  # fmt: skip
+                return torch.from_numpy(out)
     if a.shape != b.shape:  # the kernels take equal shapes
         a, b = torch.broadcast_tensors(a, b)  # type: ignore[no-untyped-call]
     fn = getattr(K, kind)

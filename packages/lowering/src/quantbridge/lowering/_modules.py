@@ -24,6 +24,7 @@ from quantbridge import kernels as K
 from quantbridge.lowering import _custom_ops as ops
 from quantbridge.lowering import _lowered_ops as lowered
 from quantbridge.lowering._custom_ops import is_tracing
+from quantbridge.lowering._errors import LoweringError
 from quantbridge.lowering._state_dict import check_state_entry
 
 __all__ = [
@@ -177,6 +178,62 @@ class _WeightedBase(LoweredModule):
         )
         LoweredModule.__init__(self, target, in_qparams, out_qparams)
 
+    # an activation fused into the kernel's epilogue (a lookup table on the output codes):
+    # its name, and the table / output qparams as buffers, set by ``fuse_activation``
+    activation: str | None = None
+    _act_table: Any = None
+    _act_qparams: tuple[float, int] | None = None
+
+    def fuse_activation(
+        self, table: torch.Tensor, what: str, out_qparams: tuple[float, int]
+    ) -> None:
+        """Run ``table`` (uint8[256]: ``quantize(act(dequantize(q)))`` from this module's
+        output qparams to ``out_qparams``) on the output codes inside the kernel; this
+        module then returns the activation's codes. Exactly the two modules it replaces."""
+        if self.activation is not None:
+            raise LoweringError(f"{type(self).__name__} already runs {self.activation!r}")
+        self.register_buffer("activation_table", table.detach().to(torch.uint8).contiguous())
+        self.register_buffer("activation_scale", torch.tensor(out_qparams[0], dtype=torch.float64))
+        self.register_buffer(
+            "activation_zero_point", torch.tensor(out_qparams[1], dtype=torch.int64)
+        )
+        self.activation = what
+        self._sync()
+
+    def _sync_activation(self) -> None:
+        b = dict(self.named_buffers(recurse=False))
+        if "activation_table" in b:
+            self._act_table = lowered.numpy_view(b["activation_table"])
+            self._act_qparams = (
+                float(b["activation_scale"]),
+                int(b["activation_zero_point"]),
+            )
+
+    def _activation_output(self, out: torch.Tensor, traced: bool) -> torch.Tensor:
+        """The fused table on ``out`` when tracing (torch.export sees the lookup-table op);
+        in eager mode the kernel applied it already."""
+        if traced and self.activation is not None:
+            return _as_tensor(ops.lut_op(out, self.activation_table, self.target))
+        return out
+
+    @property
+    def output_qparams(self) -> tuple[float, int]:
+        """(scale, zero point) of the output codes: the fused activation's if any."""
+        if self._act_qparams is not None:
+            return self._act_qparams
+        return (self._out_scale, self._out_zero_point)
+
+    def _activation_details(self) -> str:
+        if self.activation is None:
+            return ""
+        return f", then {self.activation} (lookup table in the epilogue)"
+
+    def _qparams_repr(self) -> str:
+        base = super()._qparams_repr()
+        if self._act_qparams is None:
+            return base
+        return f"{base}, activation_out={_qp(self._act_qparams)}"
+
     def _weight_args(self) -> tuple[Any, Any, Any, Any]:
         ws, wz = lowered.numpy_view(self.weight_scale), lowered.numpy_view(self.weight_zero_point)
         if ws.shape[0] == 1:
@@ -200,20 +257,24 @@ class QuantizedLinear(_WeightedBase):
 
     def _sync(self) -> None:
         super()._sync()
+        self._sync_activation()
         w, ws, wz, bias = self._weight_args()
         self._packed = K.PackedLinearWeight(w, ws, wz, bias, target=self.target)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if is_tracing(x):
-            return _as_tensor(ops.linear_op(
+            return self._activation_output(_as_tensor(ops.linear_op(
                 x, self.weight, self.weight_scale, self.weight_zero_point, self.bias,
                 self._in_scale, self._in_zero_point, self._out_scale, self._out_zero_point,
                 self.relu, self.target,
-            ))  # fmt: skip
-        return lowered.linear(x, self._packed, self.input_qparams, self.output_qparams, self.relu)
+            )), True)  # fmt: skip
+        return lowered.linear(
+            x, self._packed, self.input_qparams, (self._out_scale, self._out_zero_point),
+            self.relu, self._act_table,
+        )  # fmt: skip
 
     def _details(self) -> str:
-        return f"relu={self.relu}, {self._pack_details()}"
+        return f"relu={self.relu}{self._activation_details()}, {self._pack_details()}"
 
 
 class QuantizedDynamicLinear(_WeightedBase):
@@ -354,6 +415,7 @@ class QuantizedConv(_WeightedBase):
 
     def _sync(self) -> None:
         super()._sync()
+        self._sync_activation()
         w, ws, wz, bias = self._weight_args()
         self._packed = K.PackedConvWeight(
             w,
@@ -372,21 +434,30 @@ class QuantizedConv(_WeightedBase):
         """(scale, zero point) of the conv's own output codes (its rounding point)."""
         return (self._out_scale, self._out_zero_point)
 
+    def _conv_op(self, x: torch.Tensor) -> torch.Tensor:
+        """The conv alone as the traced custom op (its own output codes)."""
+        return _as_tensor(ops.conv_op(
+            x, self.weight, self.weight_scale, self.weight_zero_point, self.bias, self.stride,
+            self.padding, self.dilation, self.groups, self._in_scale, self._in_zero_point,
+            self._out_scale, self._out_zero_point, self.relu, self.target,
+        ))  # fmt: skip
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if is_tracing(x):
-            return _as_tensor(ops.conv_op(
-                x, self.weight, self.weight_scale, self.weight_zero_point, self.bias, self.stride,
-                self.padding, self.dilation, self.groups, self._in_scale, self._in_zero_point,
-                self._out_scale, self._out_zero_point, self.relu, self.target,
-            ))  # fmt: skip
-        return lowered.conv(x, self._packed, self.input_qparams, self.conv_qparams, self.relu)
+            return self._activation_output(self._conv_op(x), True)
+        return lowered.conv(
+            x, self._packed, self.input_qparams, self.conv_qparams, self.relu, self._act_table
+        )
 
     def _details(self) -> str:
         dw = ", depthwise" if self.groups > 1 and self.groups == self.weight.shape[0] else ""
         return (
             f"stride={tuple(self.stride)}, padding={tuple(self.padding)}, groups={self.groups}"
-            f"{dw}, relu={self.relu}, {self._pack_details()}"
+            f"{dw}, relu={self.relu}{self._epilogue_details()}, {self._pack_details()}"
         )
+
+    def _epilogue_details(self) -> str:
+        return self._activation_details()
 
 
 class QuantizedConvAdd(QuantizedConv):
@@ -449,30 +520,38 @@ class QuantizedConvAdd(QuantizedConv):
 
     @property
     def output_qparams(self) -> tuple[float, int]:
-        """(scale, zero point) of the add's output codes (what this module returns)."""
+        """(scale, zero point) of the output codes: the add's, or a fused activation's."""
+        if self._act_qparams is not None:
+            return self._act_qparams
+        return self.add_qparams
+
+    @property
+    def add_qparams(self) -> tuple[float, int]:
+        """(scale, zero point) of the add's output codes."""
         return (self._add_scale, self._add_zero_point)
 
     def forward(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         if is_tracing(x, other):
-            conv = super().forward(x)
             kind = "add_relu" if self.add_relu else "add"
-            return _as_tensor(ops.binary_op(
-                conv, self._out_scale, self._out_zero_point, other, self._other_scale,
-                self._other_zero_point, self._add_scale, self._add_zero_point, kind, self.target,
-            ))  # fmt: skip
+            return self._activation_output(_as_tensor(ops.binary_op(
+                self._conv_op(x), self._out_scale, self._out_zero_point, other,
+                self._other_scale, self._other_zero_point, self._add_scale, self._add_zero_point,
+                kind, self.target,
+            )), True)  # fmt: skip
         return lowered.conv_add(
             x, self._packed, self.input_qparams, self.conv_qparams, other, self.other_qparams,
-            self.output_qparams, self.relu, self.add_relu,
+            self.add_qparams, self.relu, self.add_relu, self._act_table,
         )  # fmt: skip
 
     def _qparams_repr(self) -> str:
+        act = "" if self._act_qparams is None else f", activation_out={_qp(self._act_qparams)}"
         return (
             f"in={_qp(self.input_qparams)}, conv={_qp((self._out_scale, self._out_zero_point))}, "
-            f"other={_qp(self.other_qparams)}, out={_qp(self.output_qparams)}"
+            f"other={_qp(self.other_qparams)}, add={_qp(self.add_qparams)}{act}"
         )
 
-    def _details(self) -> str:
-        return f"{super()._details()}, then {'add_relu' if self.add_relu else 'add'}"
+    def _epilogue_details(self) -> str:
+        return f", then {'add_relu' if self.add_relu else 'add'}{self._activation_details()}"
 
 
 class QuantizedBinary(LoweredModule):

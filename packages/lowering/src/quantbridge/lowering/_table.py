@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -57,11 +58,21 @@ _SHAPE_FNS: tuple[Any, ...] = (
     F.pixel_shuffle, F.pixel_unshuffle, torch.pixel_shuffle, torch.pixel_unshuffle,
     "flatten", "reshape", "view", "squeeze", "unsqueeze", "permute", "transpose", "contiguous",
     "detach", "narrow", "repeat", "repeat_interleave", "squeeze_", "unsqueeze_", "detach_",
-    F.dropout,
 )  # fmt: skip
-_SHAPE_MODULES: tuple[type[nn.Module], ...] = (
-    nn.Flatten, nn.Identity, nn.Dropout, nn.PixelShuffle, nn.PixelUnshuffle,
+_SHAPE_MODULES: tuple[type[nn.Module], ...] = (nn.Flatten, nn.PixelShuffle, nn.PixelUnshuffle)
+# identity in eval: removed, the codes flow through (requantized once if the qparams differ)
+_IDENTITY_MODULES: tuple[type[nn.Module], ...] = (
+    nn.Identity, nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout,
+    nn.FeatureAlphaDropout,
 )  # fmt: skip
+# functions of (input, p, training, ...): identity when ``training`` is False
+_DROPOUT_FNS: tuple[Any, ...] = (
+    F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout, F.feature_alpha_dropout,
+    torch.dropout, torch.alpha_dropout, torch.feature_dropout, torch.feature_alpha_dropout,
+)  # fmt: skip
+# torchvision.ops.stochastic_depth(input, p, mode, training=True) (fx-wrapped there, so traced
+# models call it) and functions written like it: found by name and signature
+_STOCHASTIC_DEPTH = "stochastic_depth"
 # elementwise functions of one quantized input: lookup tables
 _LUT_MODULES: tuple[type[nn.Module], ...] = (
     nn.ReLU, nn.ReLU6, nn.Hardtanh, nn.Hardswish, nn.Hardsigmoid, nn.Sigmoid, nn.Tanh,
@@ -171,6 +182,43 @@ def _no_kernel(ctx: LoweringContext, node: Node) -> str:
     if fn is None:
         return f"{node.op} nodes are not lowered"
     return f"no kernel for {getattr(fn, '__name__', fn)}"
+
+
+def _literal_arg(node: Node, position: int, name: str, default: Any) -> Any:
+    if len(node.args) > position:
+        return node.args[position]
+    return node.kwargs.get(name, default)
+
+
+def _eval_identity(node: Node) -> str | None:
+    """What ``node`` is when it returns its input unchanged (eval-mode dropout, stochastic
+    depth, nn.Identity), else None. Training-mode ones and run-time flags are not."""
+    owner = node.graph.owning_module
+    if node.op == "call_module" and owner is not None:
+        mod = owner.get_submodule(str(node.target))
+        if isinstance(mod, _IDENTITY_MODULES) and not (
+            mod.training and type(mod) is not nn.Identity
+        ):
+            return type(mod).__name__
+        return None
+    if node.op != "call_function":
+        return None
+    fn = node.target
+    if any(fn is f for f in _DROPOUT_FNS):
+        # F.dropout*(input, p=0.5, training=True, inplace=False); torch.dropout(input, p, train)
+        name = "train" if fn in (torch.dropout, torch.alpha_dropout, torch.feature_dropout,
+                                 torch.feature_alpha_dropout) else "training"  # fmt: skip
+        training = _literal_arg(node, 2, name, True)
+        return getattr(fn, "__name__", "dropout") if training is False else None
+    if getattr(fn, "__name__", None) == _STOCHASTIC_DEPTH and callable(fn):
+        training = _literal_arg(node, 3, "training", True)
+        p = _literal_arg(node, 1, "p", None)
+        return _STOCHASTIC_DEPTH if training is False or p == 0.0 else None
+    return None
+
+
+def _is_eval_identity(value: Any) -> bool:
+    return isinstance(value, Node) and _eval_identity(value) is not None
 
 
 # --- builders ------------------------------------------------------------------------------
@@ -308,6 +356,33 @@ def _build_lut(ctx: LoweringContext, m: RuleMatch) -> Node:
     f: Any = target
     what = getattr(f, "__name__", str(f))
     return ctx.lookup_table(node, x, lambda t: f(t.clone(), *rest, **kwargs), what, in_qp, out_qp)
+
+
+def _build_identity(ctx: LoweringContext, m: RuleMatch) -> Node:
+    """Eval-mode dropout / stochastic depth / nn.Identity: its input's codes, requantized
+    once if the output qparams differ (no module when they agree)."""
+    chain: list[tuple[Node, str]] = []
+    node: Any = m.node
+    # identities not quantized in between (not in the config) chain on float values
+    while isinstance(node, Node) and _eval_identity(node) is not None:
+        what = _eval_identity(node)
+        assert what is not None
+        first = node.args[0] if node.args else node.kwargs.get("input")
+        for a in [*node.args[1:], *node.kwargs.values()]:
+            if _nodes_in(a):
+                raise NotLowerableError(f"{what} with an argument computed in the graph")
+        chain.append((node, what))
+        if len(node.users) != 1 and node is not m.node:
+            raise NotLowerableError(f"{what}: its float output has other users")
+        node = first
+    qin = ctx.quantized_input(node)
+    if qin is None:
+        raise NotLowerableError("input is not a static uint8 quantized value")
+    x, in_qp = qin
+    out = ctx.requantize(x, in_qp, m.out_qparams)
+    for op, what in chain:
+        ctx.record_removed(op, f"{what} (identity in eval): removed")
+    return out
 
 
 def _build_max_pool2d(ctx: LoweringContext, m: RuleMatch) -> Node:
@@ -577,6 +652,40 @@ def _build_conv_add(ctx: LoweringContext, m: RuleMatch) -> Node:
     return new
 
 
+def _activation_epilogue(match: RewriteMatch) -> tuple[Any, Any] | None:
+    """(lookup-table module, weighted module) when a lowered conv / linear (or conv + add)
+    without an activation feeds only a lowered lookup table reading its output codes."""
+    lut_node, w_node = match.anchor, match.nodes[1]
+    gm = lut_node.graph.owning_module
+    assert gm is not None
+    lut = gm.get_submodule(str(lut_node.target))
+    wmod = gm.get_submodule(str(w_node.target))
+    if type(lut) is not lm.QuantizedLookupTable or len(w_node.users) != 1:
+        return None
+    if not isinstance(wmod, (lm.QuantizedConv, lm.QuantizedLinear)) or type(wmod) not in (
+        lm.QuantizedConv, lm.QuantizedConvAdd, lm.QuantizedLinear,
+    ):  # fmt: skip
+        return None
+    if wmod.activation is not None or wmod.target != lut.target:
+        return None
+    if lut.input_qparams != wmod.output_qparams:
+        return None
+    return lut, wmod
+
+
+def _build_activation_epilogue(ctx: LoweringContext, m: RuleMatch) -> Node:
+    found = _activation_epilogue(RewriteMatch(m.rule._compiled[0], m.nodes, m.anchor, ()))
+    if found is None:
+        raise NotLowerableError("not a conv / linear whose only user is a lookup table")
+    lut, wmod = found
+    w_node = m.nodes[1]
+    wmod.fuse_activation(lut.table, lut.what, lut.output_qparams)
+    name = re.sub(r"\W+", "_", f"{w_node.name}_{lut.what}")  # "add 3.0 + relu": identifier
+    new = ctx.add_module(name, wmod, w_node.args, dict(w_node.kwargs), before=m.anchor)
+    ctx.record(new, f"{wmod.kernel} ({ctx.target}), {lut.what} in the epilogue")
+    return new
+
+
 # float-model operators (before convert) whose quantized form the weighted rule lowers
 _WEIGHTED_CONFIG_OPS: tuple[Any, ...] = (
     nn.Linear, nn.Conv1d, nn.Conv2d, F.linear, F.conv1d, F.conv2d,
@@ -668,10 +777,19 @@ _DEFAULT_RULES: tuple[LoweringRule, ...] = (
         kernel="torch.cat on uint8 (+kernels.requantize)",
     ),
     LoweringRule(
+        "identity in eval",
+        (*_unique(_IDENTITY_MODULES + _DROPOUT_FNS), MatchAllNode),
+        _build_identity,
+        # MatchAllNode: functions known by name (torchvision's stochastic_depth)
+        constraints=(ArgConstraint(op=0, position=0, predicate=_is_eval_identity),),
+        description="dropout variants, stochastic_depth, Identity (eval mode): removed",
+        kernel="none (kernels.requantize if the qparams differ)",
+    ),
+    LoweringRule(
         "shape ops",
         _unique(_SHAPE_MODULES + _SHAPE_FNS),
         _build_shape,
-        description="flatten, reshape, view (as reshape), permute, getitem, dropout, ...",
+        description="flatten, reshape, view (as reshape), permute, getitem, ...",
         kernel="the op on uint8 (+kernels.requantize)",
     ),
     LoweringRule(
@@ -723,6 +841,21 @@ _DEFAULT_RULES: tuple[LoweringRule, ...] = (
         match_filter=lambda match: _residual_conv(match) is not None,
         description="Conv2d whose only user is an add (+relu): a residual block",
         kernel="kernels.conv2d_add (the add in the conv's epilogue)",
+    ),
+    LoweringRule(
+        "conv / linear + activation",
+        (
+            Nested(lm.QuantizedLookupTable, lm.QuantizedConv),
+            Nested(lm.QuantizedLookupTable, lm.QuantizedConvAdd),
+            Nested(lm.QuantizedLookupTable, lm.QuantizedLinear),
+        ),
+        _build_activation_epilogue,
+        kind="fusion",
+        match_filter=lambda match: _activation_epilogue(match) is not None,
+        description="Conv1d / Conv2d (incl. depthwise, conv + add) / Linear whose only user is "
+        "an activation (any lookup-table op: relu6, hardswish, silu, sigmoid, gelu, ...)",
+        kernel="kernels.conv2d / conv1d / conv2d_add / linear with lut= (the table in the "
+        "epilogue; a clamp table narrows the clamp range)",
     ),
     *float_op_rules(),
 )

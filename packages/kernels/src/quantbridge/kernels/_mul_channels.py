@@ -1,0 +1,143 @@
+"""Quantized ``a * b`` where ``b`` holds one value per (image, channel): squeeze-excite.
+
+``a`` is [N, C, *spatial] (C-contiguous or channels-last), ``b`` is [N, C, 1, ...] (or
+[1, C, 1, ...]): the channel attention ``x * sigmoid(fc(pool(x)))``. The broadcast is never
+materialized: each output reads ``b``'s code for its channel. Numerics are exactly
+``kernels.mul`` (``mul_relu``) on the broadcast tensor: ``p = (qa - zp_a) * (qb - zp_b)``
+in int32, ``clamp(rint(float32(p) * m) + out_zp, 0, 255)`` with ``m = sa * sb * (1 / so)``
+in float32 (a product of two values, so the operand order never changes a bit).
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+import numpy.typing as npt
+
+from quantbridge.kernels._checks import check_array, check_zero_point
+from quantbridge.kernels._elementwise import _check_mul_scales, _mul_params, _requant
+from quantbridge.kernels._errors import KernelError
+from quantbridge.kernels._layout import check_dense
+from quantbridge.kernels._qparams import QParams, as_qparams
+from quantbridge.kernels._quantize import choose_kernel, f32_scale
+from quantbridge.kernels._targets import check_target
+
+U8 = npt.NDArray[np.uint8]
+QP = QParams | tuple[float, int]
+
+
+@numba.njit(cache=True)
+def _row(a, out, f, za, m, zp, relu):  # type: ignore[no-untyped-def]
+    # one channel's pixels (NCHW) times one factor f = qb - zp_b
+    for i in range(a.shape[0]):
+        r = _requant(np.float32((np.int32(a[i]) - za) * f) * m, zp)
+        if relu and r < zp:
+            r = np.int32(zp)
+        out[i] = r
+
+
+@numba.njit(cache=True)
+def _pixel(a, out, f, za, m, zp, relu):  # type: ignore[no-untyped-def]
+    # one pixel's channels (NHWC) times each channel's factor
+    for i in range(a.shape[0]):
+        r = _requant(np.float32((np.int32(a[i]) - za) * f[i]) * m, zp)
+        if relu and r < zp:
+            r = np.int32(zp)
+        out[i] = r
+
+
+def _make(parallel: bool):  # type: ignore[no-untyped-def]
+    loop = numba.prange if parallel else range
+
+    def nchw(a, b, out, za, zb, m, zp, relu):  # type: ignore[no-untyped-def]
+        # a, out: [N, C, S]; b: [Nb, C] with Nb in (1, N)
+        n, c = a.shape[0], a.shape[1]
+        for t in loop(n * c):
+            i, j = t // c, t % c
+            f = np.int32(b[min(i, b.shape[0] - 1), j]) - zb
+            _row(a[i, j], out[i, j], f, za, m, zp, relu)
+
+    def nhwc(a, b, out, za, zb, m, zp, relu):  # type: ignore[no-untyped-def]
+        # a, out: [N, S, C]; the factors of image i computed once
+        n, s, c = a.shape
+        f = np.empty((b.shape[0], c), np.int32)
+        for i in range(b.shape[0]):
+            for j in range(c):
+                f[i, j] = np.int32(b[i, j]) - zb
+        for t in loop(n * s):
+            i, p = t // s, t % s
+            _pixel(a[i, p], out[i, p], f[min(i, b.shape[0] - 1)], za, m, zp, relu)
+
+    suffix = "_par" if parallel else ""
+    nchw.__name__ = nchw.__qualname__ = f"_mul_channels_nchw{suffix}"
+    nhwc.__name__ = nhwc.__qualname__ = f"_mul_channels_nhwc{suffix}"
+    jit = numba.njit(cache=True, parallel=parallel, nogil=True)
+    return jit(nchw), jit(nhwc)
+
+
+_nchw, _nhwc = _make(False)
+_nchw_par, _nhwc_par = _make(True)
+
+
+def per_channel_operand(a_shape: tuple[int, ...], b_shape: tuple[int, ...]) -> bool:
+    """Whether ``b_shape`` is one value per (image, channel) of ``a_shape``: [N|1, C, 1, ...]."""
+    return (
+        len(a_shape) >= 3
+        and len(b_shape) == len(a_shape)
+        and b_shape[0] in (1, a_shape[0])
+        and b_shape[1] == a_shape[1]
+        and all(d == 1 for d in b_shape[2:])
+    )
+
+
+def mul_channels(
+    a: U8,
+    a_qparams: QP,
+    b: U8,
+    b_qparams: QP,
+    out_qparams: QP,
+    *,
+    relu: bool = False,
+    target: str | None = None,
+) -> U8:
+    """Quantized ``a * b`` for ``a`` [N, C, *spatial] and ``b`` [N, C, 1, ...] (or [1, C, 1,
+    ...]): ``kernels.mul`` (``mul_relu`` with ``relu=True``) on ``b`` broadcast to ``a``'s
+    shape, bit for bit, without the broadcast. ``a`` is C-contiguous or channels-last; the
+    result has ``a``'s shape and layout."""
+    check_target(target)
+    qa, order = check_dense("a", a, np.uint8)
+    qb = check_array("b", b, np.uint8, contiguous=False)
+    if not per_channel_operand(qa.shape, qb.shape):
+        raise KernelError(
+            f"b: shape {qb.shape} is not one value per (image, channel) of a's shape "
+            f"{qa.shape}; expected ({qa.shape[0] if qa.ndim else 'N'}, C, 1, ...) with a's C "
+            "and rank (use kernels.mul for equal shapes)"
+        )
+    a_scale, a_zero_point = as_qparams("a_qparams", a_qparams)
+    b_scale, b_zero_point = as_qparams("b_qparams", b_qparams)
+    out_scale, out_zero_point = as_qparams("out_qparams", out_qparams)
+    sa = f32_scale("a_qparams.scale", a_scale)
+    sb = f32_scale("b_qparams.scale", b_scale)
+    so = f32_scale("out_qparams.scale", out_scale, inverted=True)
+    _check_mul_scales(sa, sb, so)
+    za = check_zero_point("a_qparams.zero_point", a_zero_point, 0, 255)
+    zb = check_zero_point("b_qparams.zero_point", b_zero_point, 0, 255)
+    zo = check_zero_point("out_qparams.zero_point", out_zero_point, 0, 255)
+    m = _mul_params(sa, sb, so)
+    factors = np.ascontiguousarray(qb.reshape(qb.shape[0], qb.shape[1]))
+    n, c = qa.shape[0], qa.shape[1]
+    last = (0, *range(2, qa.ndim), 1)
+    if order != last:  # C-contiguous, or any other dense order (read as NCHW)
+        src = np.ascontiguousarray(qa)
+        out = np.empty(qa.shape, np.uint8)
+        kernel = choose_kernel(qa.size, "mul_channels", _nchw, _nchw_par)
+        kernel(src.reshape(n, c, -1), factors, out.reshape(n, c, -1), np.int32(za),
+               np.int32(zb), m, np.float32(zo), relu)  # fmt: skip
+        return out
+    nhwc = qa.transpose(last)  # C-contiguous [N, *spatial, C]
+    out_nhwc = np.empty(nhwc.shape, np.uint8)
+    kernel = choose_kernel(qa.size, "mul_channels", _nhwc, _nhwc_par)
+    kernel(nhwc.reshape(n, -1, c), factors, out_nhwc.reshape(n, -1, c), np.int32(za),
+           np.int32(zb), m, np.float32(zo), relu)  # fmt: skip
+    result: U8 = out_nhwc.transpose(np.argsort(last))
+    return result

@@ -1,0 +1,406 @@
+"""CNN epilogue fusion, squeeze-excite and eval-identity ops, against the unfused lowering.
+
+* A lowered conv / linear / conv + add whose only user is a lookup-table activation runs the
+  table in its kernel's epilogue: byte-equal outputs, one module where there were two.
+* ``x * sigmoid(fc(pool(x)))``: the per-channel multiply equals ``kernels.mul`` on the
+  broadcast tensor, and never builds the broadcast.
+* Eval-mode dropout variants, stochastic depth and nn.Identity leave no op behind.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import Counter
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.fx import GraphModule, Interpreter
+
+import quantbridge.lowering as L
+from quantbridge import kernels as K
+from quantbridge.fx_quant import convert_to_reference_fx, prepare_fx
+from quantbridge.lowering._modules import (
+    QuantizedBinary,
+    QuantizedConv,
+    QuantizedConvAdd,
+    QuantizedLinear,
+    QuantizedLookupTable,
+)
+
+NUMBA = [f"numba_{t}" for t in K.available_targets()]
+EPILOGUE_RULE = "conv / linear + activation"
+
+# activations as modules or functions; every one is a lookup table after lowering
+ACTIVATIONS: dict[str, Callable[[], Callable[[torch.Tensor], torch.Tensor]]] = {
+    "relu6": lambda: nn.ReLU6(),
+    "hardtanh": lambda: nn.Hardtanh(-1.0, 2.0),
+    "clamp": lambda: lambda t: torch.clamp(t, -0.5, 1.0),
+    "hardswish": lambda: nn.Hardswish(),
+    "hardsigmoid": lambda: nn.Hardsigmoid(),
+    "silu": lambda: nn.SiLU(),
+    "sigmoid": lambda: nn.Sigmoid(),
+    "gelu": lambda: nn.GELU(),
+    "tanh": lambda: nn.Tanh(),
+    "leaky_relu": lambda: nn.LeakyReLU(0.1),
+    "elu": lambda: nn.ELU(),
+    "mish": lambda: nn.Mish(),
+    # relu(x + 0.5): a table named "add 0.5 + relu" (the fused module's name is sanitized)
+    "add_scalar_relu": lambda: lambda t: torch.relu(t + 0.5),
+}
+
+
+class LayerAct(nn.Module):
+    """``act(layer(x))`` then a 1x1 conv / linear, so the activation's output is quantized."""
+
+    def __init__(self, layer: str, act: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        super().__init__()
+        self.kind = layer
+        self.act = act
+        if layer == "conv2d":
+            self.layer: nn.Module = nn.Conv2d(6, 16, 3, padding=1)
+        elif layer == "depthwise":
+            self.layer = nn.Conv2d(6, 6, 3, stride=2, padding=1, groups=6)
+        elif layer == "grouped":
+            self.layer = nn.Conv2d(6, 12, 3, padding=1, groups=2)
+        elif layer == "conv1d":
+            self.layer = nn.Conv1d(6, 16, 3, padding=1)
+        elif layer == "linear":
+            self.layer = nn.Linear(6, 24)
+        elif layer == "conv_add":
+            self.layer = nn.Conv2d(6, 16, 1)
+            self.skip = nn.Conv2d(6, 16, 1)
+        out_ch = {"depthwise": 6, "grouped": 12, "linear": 24}.get(layer, 16)
+        if layer == "conv1d":
+            self.head: nn.Module = nn.Conv1d(out_ch, 8, 1)
+        elif layer == "linear":
+            self.head = nn.Linear(out_ch, 8)
+        else:
+            self.head = nn.Conv2d(out_ch, 8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kind == "conv1d":
+            x = x.flatten(2)
+        elif self.kind == "linear":
+            x = x.permute(0, 2, 3, 1)
+        y = self.layer(x)
+        if self.kind == "conv_add":
+            y = y + self.skip(x)
+        return self.head(self.act(y))
+
+
+def _inputs(seed: int) -> tuple[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(2, 6, 7, 7, generator=g) * 2,)
+
+
+def _reference(model: nn.Module, backend: L.Backend) -> GraphModule:
+    torch.manual_seed(0)
+    model = model.eval()
+    prepared = prepare_fx(
+        model, backend.qconfig_mapping(), _inputs(0), backend_config=backend.backend_config
+    )
+    with torch.no_grad():
+        for i in range(4):
+            prepared(*_inputs(100 + i))
+    return convert_to_reference_fx(copy.deepcopy(prepared), backend_config=backend.backend_config)
+
+
+def _without(rule_name: str) -> list[L.LoweringRule]:
+    rules = [r for r in L.default_lowering_rules() if r.name != rule_name]
+    assert len(rules) == len(L.default_lowering_rules()) - 1
+    return rules
+
+
+def _modules(gm: GraphModule) -> Counter[type]:
+    return Counter(
+        type(gm.get_submodule(str(n.target))) for n in gm.graph.nodes if n.op == "call_module"
+    )
+
+
+@pytest.mark.parametrize("backend_name", NUMBA)
+@pytest.mark.parametrize(
+    "layer", ["conv2d", "depthwise", "grouped", "conv1d", "linear", "conv_add"]
+)
+@pytest.mark.parametrize("act", sorted(ACTIVATIONS))
+def test_activation_runs_in_the_epilogue_with_the_same_bytes(backend_name, layer, act):
+    backend = L.get_backend(backend_name)
+    torch.manual_seed(1)
+    reference = _reference(LayerAct(layer, ACTIVATIONS[act]()), backend)
+    unfused = L.lower_to_kernels(
+        copy.deepcopy(reference), backend.target, rules=_without(EPILOGUE_RULE)
+    )
+    fused = backend.lower(copy.deepcopy(reference))
+    before, after = _modules(unfused), _modules(fused)
+    # one module where there were two: the table is gone into the conv / linear
+    assert before[QuantizedLookupTable] == 1
+    assert after[QuantizedLookupTable] == 0
+    assert sum(after.values()) == sum(before.values()) - 1
+    owner = [
+        m
+        for m in fused.modules()
+        if isinstance(m, (QuantizedConv, QuantizedLinear)) and m.activation
+    ]
+    assert len(owner) == 1
+    assert isinstance(owner[0], QuantizedConvAdd) == (layer == "conv_add")
+    for seed in range(3):
+        x = _inputs(seed)
+        assert torch.equal(fused(*x), unfused(*x))
+    report = L.lowering_report(fused)
+    assert [w for _, w in report.lowered if "in the epilogue" in w]
+    assert {n for n, _ in report.lowered} <= {n.name for n in fused.graph.nodes}
+
+
+@pytest.mark.parametrize("layer", ["conv2d", "conv_add", "linear"])
+def test_fused_module_state_dict_export_and_repr(layer):
+    backend = L.get_backend("numba")
+    torch.manual_seed(1)
+    fused = backend.lower(_reference(LayerAct(layer, nn.Hardswish()), backend))
+    torch.manual_seed(2)
+    other = backend.lower(_reference(LayerAct(layer, nn.Hardswish()), backend))
+    x = _inputs(5)
+    assert not torch.equal(other(*x), fused(*x))
+    other.load_state_dict(fused.state_dict())
+    assert torch.equal(other(*x), fused(*x))
+    keys = [k for k in fused.state_dict() if k.endswith("activation_table")]
+    assert len(keys) == 1
+    bad = fused.state_dict()
+    bad[keys[0].replace("table", "zero_point")] = torch.tensor(300)
+    with pytest.raises(L.LoweringError, match="activation_zero_point"):
+        copy.deepcopy(fused).load_state_dict(bad)
+    exported = torch.export.export(fused, x)
+    assert torch.equal(exported.module()(*x), fused(*x))
+    (owner,) = [m for m in fused.modules() if getattr(m, "activation", None)]
+    assert "Hardswish (lookup table in the epilogue)" in repr(owner)
+
+
+def test_a_conv_with_other_users_keeps_its_activation_separate():
+    class TwoUsers(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = nn.Conv2d(6, 8, 1)
+            self.act = nn.Hardswish()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = self.conv(x)
+            return self.act(y) + y
+
+    backend = L.get_backend("numba")
+    fused = backend.lower(_reference(TwoUsers(), backend))
+    assert _modules(fused)[QuantizedLookupTable] == 1
+    assert not [m for m in fused.modules() if getattr(m, "activation", None)]
+
+
+def test_the_support_table_lists_the_fusion_rule():
+    rules = {r.name: r for r in L.default_lowering_rules()}
+    assert rules[EPILOGUE_RULE].kind == "fusion"
+    text = L.get_backend("numba").support_table()
+    assert "activation" in text
+    assert "lut=" in text
+
+
+# --- squeeze-excite --------------------------------------------------------------------------
+
+
+class SqueezeExcite(nn.Module):
+    def __init__(self, gate: nn.Module, scale_first: bool) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(6, 16, 3, padding=1)
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.fc1 = nn.Conv2d(16, 4, 1)
+        self.fc2 = nn.Conv2d(4, 16, 1)
+        self.gate = gate
+        self.scale_first = scale_first
+        self.head = nn.Conv2d(16, 8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.conv(x)
+        s = self.gate(self.fc2(F.relu(self.fc1(self.pool(x)))))
+        y = s * x if self.scale_first else x * s
+        return self.head(y)
+
+
+def _mul_calls(gm: GraphModule, *args: torch.Tensor) -> list[tuple[QuantizedBinary, tuple]]:
+    seen: list[tuple[QuantizedBinary, tuple]] = []
+
+    class Recorder(Interpreter):
+        def call_module(self, target, args, kwargs):  # type: ignore[no-untyped-def]
+            mod = self.module.get_submodule(str(target))
+            out = super().call_module(target, args, kwargs)
+            if type(mod) is QuantizedBinary and mod.kind.startswith("mul"):
+                seen.append((mod, (*args, out)))
+            return out
+
+    Recorder(gm).run(*args)
+    return seen
+
+
+@pytest.mark.parametrize("backend_name", NUMBA)
+@pytest.mark.parametrize("gate", ["sigmoid", "hardsigmoid"])
+@pytest.mark.parametrize("scale_first", [True, False])
+def test_squeeze_excite_multiplies_per_channel_without_the_broadcast(
+    backend_name, gate, scale_first, monkeypatch
+):
+    backend = L.get_backend(backend_name)
+    gate_mod = nn.Sigmoid() if gate == "sigmoid" else nn.Hardsigmoid()
+    lowered = backend.lower(_reference(SqueezeExcite(gate_mod, scale_first), backend))
+    x = _inputs(3)
+    calls = _mul_calls(lowered, *x)
+    assert len(calls) == 1
+    mod, (a, b, out) = calls[0]
+    # exactly kernels.mul on the broadcast operands (the old path)
+    a_full, b_full = torch.broadcast_tensors(a, b)
+    want = K.mul(
+        a_full.contiguous().numpy(), mod.input_qparams, b_full.contiguous().numpy(),
+        mod.other_qparams, mod.output_qparams,
+    )  # fmt: skip
+    assert torch.equal(out, torch.from_numpy(np.ascontiguousarray(want)))
+    # and it ran as mul_channels, never broadcasting or calling kernels.mul
+    used: list[tuple[int, ...]] = []
+    real = K.mul_channels
+
+    def spy(*args, **kwargs):  # type: ignore[no-untyped-def]
+        used.append(args[2].shape)
+        return real(*args, **kwargs)
+
+    def refuse(*args, **kwargs):  # type: ignore[no-untyped-def]
+        raise AssertionError("kernels.mul called on a broadcast tensor")
+
+    monkeypatch.setattr(K, "mul_channels", spy)
+    monkeypatch.setattr(K, "mul", refuse)
+    monkeypatch.setattr(torch, "broadcast_tensors", refuse)
+    assert torch.equal(lowered(*x), lowered(*x))
+    assert used
+    assert all(s[2:] == (1, 1) for s in used)
+
+
+# --- identity in eval ------------------------------------------------------------------------
+
+
+def stochastic_depth(
+    input: torch.Tensor, p: float, mode: str, training: bool = True
+) -> torch.Tensor:
+    """torchvision.ops.stochastic_depth's contract: identity when not training."""
+    if not training or p == 0.0:
+        return input
+    keep = torch.empty([input.shape[0]] + [1] * (input.ndim - 1)).bernoulli_(1.0 - p)
+    return input * keep / (1.0 - p)
+
+
+torch.fx.wrap("stochastic_depth")  # as torchvision does: traced models call it
+
+
+class StochasticDepth(nn.Module):
+    def __init__(self, p: float) -> None:
+        super().__init__()
+        self.p = p
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return stochastic_depth(x, self.p, "row", self.training)
+
+
+class Identities(nn.Module):
+    def __init__(self, with_identities: bool) -> None:
+        super().__init__()
+        self.on = with_identities
+        self.conv1 = nn.Conv2d(6, 8, 3, padding=1)
+        self.conv2 = nn.Conv2d(8, 8, 3, padding=1)
+        self.conv3 = nn.Conv2d(8, 8, 1)
+        self.fc = nn.Linear(8, 4)
+        self.drop = nn.Dropout(0.3)
+        self.drop2d = nn.Dropout2d(0.2)
+        self.alpha = nn.AlphaDropout(0.1)
+        self.feature_alpha = nn.FeatureAlphaDropout(0.1)
+        self.ident = nn.Identity()
+        self.sd = StochasticDepth(0.2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.conv1(x)
+        if self.on:
+            y = self.drop2d(self.ident(y))
+            y = F.dropout(y, 0.5, self.training)
+        y = self.conv2(y)
+        if self.on:
+            y = self.sd(self.alpha(self.drop(y)))  # drop: its own observer, same values
+            y = F.dropout2d(F.alpha_dropout(y, 0.1, False), 0.3, training=False)
+        y = self.conv3(y) + y
+        if self.on:
+            y = self.feature_alpha(F.feature_alpha_dropout(y, 0.2, False))
+        return self.fc(torch.flatten(F.adaptive_avg_pool2d(y, 1), 1))
+
+
+@pytest.mark.parametrize("backend_name", NUMBA)
+def test_eval_identities_leave_nothing_behind(backend_name):
+    backend = L.get_backend(backend_name)
+    torch.manual_seed(4)
+    with_ids = Identities(True)
+    without = copy.deepcopy(with_ids)
+    without.on = False
+    ref = _reference(with_ids, backend)
+    ref_plain = _reference(without, backend)
+    found = {getattr(n.target, "__name__", str(n.target)) for n in ref.graph.nodes}
+    assert "stochastic_depth" in found  # the graph really calls it (fx-wrapped)
+    lowered = backend.lower(copy.deepcopy(ref))
+    plain = backend.lower(copy.deepcopy(ref_plain))
+    report = L.lowering_report(lowered)
+    assert report.kept == []
+    removed = " ".join(w for _, w in report.removed)
+    for name in ("Dropout2d", "Identity", "AlphaDropout", "FeatureAlphaDropout", "Dropout ",
+                 "dropout", "stochastic_depth", "alpha_dropout", "feature_alpha_dropout",
+                 "dropout2d"):  # fmt: skip
+        assert name in removed + " ", name
+    # the same graph as the model without them: same modules, no requantize, same bytes
+    assert _modules(lowered) == _modules(plain)
+    calls = [n for n in lowered.graph.nodes if n.op == "call_function"]
+    assert all(n.target is torch.flatten for n in calls)
+    for seed in range(3):
+        x = _inputs(seed)
+        assert torch.equal(lowered(*x), plain(*x))
+
+
+def test_training_mode_dropout_is_not_removed():
+    class TrainDrop(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = nn.Conv2d(6, 8, 1)
+            self.head = nn.Conv2d(8, 4, 1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(F.dropout(self.conv(x), 0.5, True))
+
+    backend = L.get_backend("numba")
+    lowered = backend.lower(_reference(TrainDrop(), backend))
+    report = L.lowering_report(lowered)
+    assert not report.removed
+    assert any(F.dropout is n.target for n in lowered.graph.nodes)
+
+
+def test_differing_qparams_requantize_once():
+    class Drop(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = nn.Conv2d(6, 8, 1)
+            self.drop = nn.Dropout(0.1)
+            self.head = nn.Conv2d(8, 4, 1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(self.drop(self.conv(x)))
+
+    backend = L.get_backend("numba")
+    ref = _reference(Drop(), backend)
+    # give the dropout's own output observer other qparams than the conv's
+    quantizes = [
+        n for n in ref.graph.nodes
+        if n.op == "call_function" and "quantize_per_tensor" in str(n.target)
+        and isinstance(n.args[0], torch.fx.Node) and n.args[0].target == "drop"
+    ]  # fmt: skip
+    assert len(quantizes) == 1
+    scale = getattr(ref, str(quantizes[0].args[1].target))
+    scale.mul_(1.5)
+    lowered = backend.lower(copy.deepcopy(ref))
+    names = [type(m).__name__ for m in lowered.modules()]
+    assert "Dropout" not in names
+    assert names.count("Requantize") == 1
