@@ -26,9 +26,9 @@ from quantbridge.kernels._checks import (
     check_scale,
     check_zero_point,
 )
+from quantbridge.kernels._epilogue_lut import NO_LUT
 from quantbridge.kernels._errors import KernelError
 from quantbridge.kernels._gemm import batched_drive_generic, batched_serial_generic
-from quantbridge.kernels._epilogue_lut import NO_LUT
 from quantbridge.kernels._gemm_run import NO_ADD, NO_RESIDUAL, SERIAL_BELOW
 from quantbridge.kernels._gemm_simd import (
     batched_drive_avx2_u8,
