@@ -302,14 +302,19 @@ def _bert() -> hf.BertModel:
 def test_bert_is_quantized_unmodified_and_lowered(mode: str) -> None:
     model = _bert()
     backend = get_backend("numba")
-    mapping = backend.qconfig_mapping()
+    # static: the transformer mapping keeps the residual stream and the mask arithmetic
+    # (``(1 - mask) * finfo.min``) float; calibrating with it must not warn about a range
+    # dominated by finfo.min (the plain mapping does, which is what that warning is for)
+    mapping = backend.qconfig_mapping(transformer=True)
     if mode == "dynamic":
         from quantbridge.qconfig import default_dynamic_qconfig
 
         mapping = QConfigMapping().set_object_type(nn.Linear, default_dynamic_qconfig)
     calib = [hf.token_batch(model.config, 8, 64, seed=s) for s in range(3)]
     prepared = fq.prepare_fx(model, mapping, calib[0], capture="export")
-    fq.calibrate(prepared, calib, progress=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fq.calibrate(prepared, calib, progress=False)
     quantized = {d.target for d in fq.explain(prepared).rows if d.status == "quantized"}
     linears = {name for name, m in model.named_modules() if isinstance(m, nn.Linear)}
     assert len(linears) == 6 * model.config.num_hidden_layers + 1
@@ -325,7 +330,7 @@ def test_bert_is_quantized_unmodified_and_lowered(mode: str) -> None:
     cos = torch.nn.functional.cosine_similarity(
         hf.pooled(got, mask), hf.pooled(expected, mask)
     ).min()
-    assert cos > (0.98 if mode == "dynamic" else 0.9)
+    assert cos > (0.98 if mode == "dynamic" else 0.99)
     assert lowering_report(lowered).lowered
 
 

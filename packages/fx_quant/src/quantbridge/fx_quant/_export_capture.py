@@ -192,6 +192,13 @@ def _add_args(a: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
     return (a["self"], a["other"]), {}
 
 
+def _rsub_args(a: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """``rsub(x, c)`` is ``c - x``: what ``1.0 - x`` traces to."""
+    if a.get("alpha", 1) != 1:
+        raise _KeepAtenError
+    return (a["other"], a["self"]), {}
+
+
 class _KeepAtenError(Exception):
     """Raised by an args builder when this call has no torch-level equivalent."""
 
@@ -327,6 +334,7 @@ OPERATOR_EQUIVALENTS: dict[Any, _Equivalent] = {
     _aten.add: _Equivalent(operator.add, _add_args),
     _aten.add_: _Equivalent(operator.add, _add_args, in_place=True),
     _aten.sub: _Equivalent(operator.sub, _add_args),
+    _aten.rsub: _Equivalent(operator.sub, _rsub_args),
     _aten.mul: _Equivalent(operator.mul, _pos("self", "other")),
     _aten.mul_: _Equivalent(operator.mul, _pos("self", "other"), in_place=True),
     _aten.div: _Equivalent(operator.truediv, _pos("self", "other")),
