@@ -52,7 +52,12 @@ def test_bench_json_quick():
         assert row["threads"] == 1
         assert row["gops"] > 0
         if row["baseline"] is not None:
-            assert row["ratio"] == pytest.approx(row["gops"] / row["baseline_gops"], rel=0.05)
+            assert row["ratio"] > 0
+            # GOPS are printed to 0.1: recomputing the ratio from them is only meaningful for
+            # baselines well above that (the quick shapes on a loaded machine can show 0.0)
+            if row["baseline_gops"] >= 2:
+                expected = row["gops"] / row["baseline_gops"]
+                assert row["ratio"] == pytest.approx(expected, rel=0.05, abs=0.05)
 
 
 def test_bench_refuses_bad_arguments():
