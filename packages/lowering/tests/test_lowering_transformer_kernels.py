@@ -230,7 +230,7 @@ def test_gelu_fused_into_dynamic_linear_equals_unfused(approximate: str) -> None
     fused = backend.lower(reference)
     plain = L.lower_to_kernels(copy.deepcopy(reference), backend.target, _without_float_rules())
     activations = [
-        m.activation for m in fused.modules() if isinstance(m, lm.QuantizedDynamicLinear)
+        m.epilogue for m in fused.modules() if isinstance(m, lm.QuantizedDynamicLinear)
     ]
     assert activations == ["gelu" if approximate == "none" else "gelu_tanh"]
     with torch.no_grad():

@@ -101,7 +101,7 @@ def _gelu_approximate(node: Node) -> str | None:
 def _linear_gelu(match: RewriteMatch) -> tuple[lm.QuantizedDynamicLinear, str] | None:
     act, lin_node = match.anchor, match.nodes[1]
     lin = _module(lin_node)
-    if type(lin) is not lm.QuantizedDynamicLinear or lin.activation != "none":
+    if type(lin) is not lm.QuantizedDynamicLinear or lin.epilogue != "none":
         return None
     if not _sole_user(lin_node):
         return None

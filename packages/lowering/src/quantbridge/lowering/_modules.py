@@ -289,12 +289,13 @@ class QuantizedDynamicLinear(_WeightedBase):
     def __init__(
         self, *args: Any, activation: str = "none", per_row: bool = False, **kwargs: Any
     ) -> None:
-        self.activation = activation
+        # (not ``activation``: on the static modules that names a fused lookup table)
+        self.epilogue = activation
         self.per_row = per_row
         super().__init__(*args, **kwargs)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        state.setdefault("activation", "none")  # pickles made before these options existed
+        state.setdefault("epilogue", "none")  # pickles made before these options existed
         state.setdefault("per_row", False)
         super().__setstate__(state)
 
@@ -307,12 +308,12 @@ class QuantizedDynamicLinear(_WeightedBase):
         if is_tracing(x):
             return _as_tensor(ops.linear_dynamic_op(
                 x, self.weight, self.weight_scale, self.weight_zero_point, self.bias, self.target,
-                self.activation, self.per_row,
+                self.epilogue, self.per_row,
             ))  # fmt: skip
-        return lowered.linear_dynamic(x, self._packed, self.activation, self.per_row)
+        return lowered.linear_dynamic(x, self._packed, self.epilogue, self.per_row)
 
     def _details(self) -> str:
-        extra = "" if self.activation == "none" else f"activation={self.activation}, "
+        extra = "" if self.epilogue == "none" else f"activation={self.epilogue}, "
         rows = "per_row, " if self.per_row else ""
         return f"{rows}{extra}{self._pack_details()}"
 
