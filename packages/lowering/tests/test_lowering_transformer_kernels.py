@@ -229,9 +229,7 @@ def test_gelu_fused_into_dynamic_linear_equals_unfused(approximate: str) -> None
     backend = L.get_backend("numba")
     fused = backend.lower(reference)
     plain = L.lower_to_kernels(copy.deepcopy(reference), backend.target, _without_float_rules())
-    activations = [
-        m.epilogue for m in fused.modules() if isinstance(m, lm.QuantizedDynamicLinear)
-    ]
+    activations = [m.epilogue for m in fused.modules() if isinstance(m, lm.QuantizedDynamicLinear)]
     assert activations == ["gelu" if approximate == "none" else "gelu_tanh"]
     with torch.no_grad():
         got, unfused = fused(x), plain(x)
