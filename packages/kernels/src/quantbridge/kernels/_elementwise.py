@@ -123,6 +123,28 @@ def _check_mul_scales(sa: float, sb: float, so: float) -> None:
     check_derived("a_scale * b_scale / out_scale", mult)
 
 
+def binary_qparams(
+    a_qparams: QParams | tuple[float, int],
+    b_qparams: QParams | tuple[float, int],
+    out_qparams: QParams | tuple[float, int],
+    is_mul: bool,
+) -> tuple[float, int, float, int, float, int]:
+    """(sa, za, sb, zb, so, zo) of a two-input uint8 op, each checked and named in errors;
+    for a mul also the product scales the kernel forms."""
+    a_scale, a_zero_point = as_qparams("a_qparams", a_qparams)
+    b_scale, b_zero_point = as_qparams("b_qparams", b_qparams)
+    out_scale, out_zero_point = as_qparams("out_qparams", out_qparams)
+    sa = f32_scale("a_qparams.scale", a_scale)
+    sb = f32_scale("b_qparams.scale", b_scale)
+    so = f32_scale("out_qparams.scale", out_scale, inverted=True)
+    if is_mul:
+        _check_mul_scales(sa, sb, so)
+    za = check_zero_point("a_qparams.zero_point", a_zero_point, 0, 255)
+    zb = check_zero_point("b_qparams.zero_point", b_zero_point, 0, 255)
+    zo = check_zero_point("out_qparams.zero_point", out_zero_point, 0, 255)
+    return sa, za, sb, zb, so, zo
+
+
 def _binary(
     kind: str,
     a: object,
@@ -142,17 +164,7 @@ def _binary(
             f"b: shape {qb.shape} differs from a's shape {qa.shape}; quantized {kind} needs "
             "equal shapes (no broadcasting, like torch.ops.quantized.{kind})"
         )
-    a_scale, a_zero_point = as_qparams("a_qparams", a_qparams)
-    b_scale, b_zero_point = as_qparams("b_qparams", b_qparams)
-    out_scale, out_zero_point = as_qparams("out_qparams", out_qparams)
-    sa = f32_scale("a_qparams.scale", a_scale)
-    sb = f32_scale("b_qparams.scale", b_scale)
-    so = f32_scale("out_qparams.scale", out_scale, inverted=True)
-    if kind == "mul":
-        _check_mul_scales(sa, sb, so)
-    za = check_zero_point("a_qparams.zero_point", a_zero_point, 0, 255)
-    zb = check_zero_point("b_qparams.zero_point", b_zero_point, 0, 255)
-    zo = check_zero_point("out_qparams.zero_point", out_zero_point, 0, 255)
+    sa, za, sb, zb, so, zo = binary_qparams(a_qparams, b_qparams, out_qparams, kind == "mul")
     qb = in_order(qb, order)  # b in a's layout (a copy only when the layouts differ)
     if out is None:
         out = empty_in_order(qa, np.uint8)

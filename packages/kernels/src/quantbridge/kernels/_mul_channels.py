@@ -14,12 +14,12 @@ import numba
 import numpy as np
 import numpy.typing as npt
 
-from quantbridge.kernels._checks import check_array, check_zero_point
-from quantbridge.kernels._elementwise import _check_mul_scales, _mul_params, _requant
+from quantbridge.kernels._checks import check_array
+from quantbridge.kernels._elementwise import _mul_params, _requant, binary_qparams
 from quantbridge.kernels._errors import KernelError
 from quantbridge.kernels._layout import check_dense
-from quantbridge.kernels._qparams import QParams, as_qparams
-from quantbridge.kernels._quantize import choose_kernel, f32_scale
+from quantbridge.kernels._qparams import QParams
+from quantbridge.kernels._quantize import choose_kernel
 from quantbridge.kernels._targets import check_target
 
 U8 = npt.NDArray[np.uint8]
@@ -113,16 +113,7 @@ def mul_channels(
             f"{qa.shape}; expected ({qa.shape[0] if qa.ndim else 'N'}, C, 1, ...) with a's C "
             "and rank (use kernels.mul for equal shapes)"
         )
-    a_scale, a_zero_point = as_qparams("a_qparams", a_qparams)
-    b_scale, b_zero_point = as_qparams("b_qparams", b_qparams)
-    out_scale, out_zero_point = as_qparams("out_qparams", out_qparams)
-    sa = f32_scale("a_qparams.scale", a_scale)
-    sb = f32_scale("b_qparams.scale", b_scale)
-    so = f32_scale("out_qparams.scale", out_scale, inverted=True)
-    _check_mul_scales(sa, sb, so)
-    za = check_zero_point("a_qparams.zero_point", a_zero_point, 0, 255)
-    zb = check_zero_point("b_qparams.zero_point", b_zero_point, 0, 255)
-    zo = check_zero_point("out_qparams.zero_point", out_zero_point, 0, 255)
+    sa, za, sb, zb, so, zo = binary_qparams(a_qparams, b_qparams, out_qparams, True)
     m = _mul_params(sa, sb, so)
     factors = np.ascontiguousarray(qb.reshape(qb.shape[0], qb.shape[1]))
     n, c = qa.shape[0], qa.shape[1]
