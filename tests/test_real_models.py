@@ -72,7 +72,8 @@ def _ao_equivalents() -> tuple[Any, Any, Any]:
     """torch.ao's (quantize_fx, qconfig mapping, backend config) equal to the numba backend's.
 
     The numba BackendConfig is the native one restricted to the patterns its kernels run and
-    to non-float16 dtypes; its mapping is x86's with reduce_range=False activations.
+    to non-float16 dtypes; its mapping is x86's with reduce_range=False activations (and the
+    backend's weight range).
     """
     pytest.importorskip("torch.ao.quantization")
     importlib.import_module("torch.ao.quantization.backend_config.utils")  # torch 2.13 quirk
@@ -94,9 +95,16 @@ def _ao_equivalents() -> tuple[Any, Any, Any]:
             cfg.set_dtype_configs(dtypes)
             config.set_backend_pattern_config(cfg)
     assert len(config.configs) == len(ours.configs)
+    # the backend's weights: 8 bits, or 7 ([-63, 63]) on the avx2 target
+    weight = get_backend("numba").qconfig_mapping().global_qconfig.weight()
     qconfig = ao.QConfig(
         activation=ao.HistogramObserver.with_args(reduce_range=False),
-        weight=ao.default_per_channel_weight_observer,
+        weight=ao.PerChannelMinMaxObserver.with_args(
+            dtype=torch.qint8,
+            qscheme=torch.per_channel_symmetric,
+            quant_min=weight.quant_min,
+            quant_max=weight.quant_max,
+        ),
     )
     mapping = ao.get_default_qconfig_mapping("x86").set_global(qconfig)
     # fixed-qparams ops (sigmoid, hardsigmoid, ...) keep their own observers

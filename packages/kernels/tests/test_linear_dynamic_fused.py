@@ -31,7 +31,7 @@ def former_linear_dynamic(x, packed, threads=1):
     a, m, lead = _activation_rows(xq, packed, "x")
     rowoffs, rowsum = _rows_and_sums(a, m, packed)
     biasq, mult = packed.epilogue(a_s, None)
-    out = run_gemm(packed.target, a, rowoffs, packed.koffs, packed.packed, packed.n,
+    out = run_gemm(packed.kernel, a, rowoffs, packed.koffs, packed.packed, packed.n,
                    packed.colcorr(a_zp), packed.zero_points, rowsum, biasq, mult, 0, 0, True,
                    threads)  # fmt: skip
     return out.reshape((*lead, packed.n))

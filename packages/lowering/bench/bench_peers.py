@@ -20,12 +20,15 @@ Models and columns:
   batch 1 and 16. fp32 eager, torch.ao ``quantize_dynamic``, ONNX Runtime
   ``quantize_dynamic``, OpenVINO int8 (``nncf.quantize``, ``ModelType.TRANSFORMER``),
   quantbridge dynamic and static (the model captured unmodified with
-  ``prepare_fx(..., capture="export")``; static with the transformer mapping). Fidelity on
+  ``prepare_fx(..., capture="export")``; dynamic with ``qconfig_mapping(dynamic=True)``,
+  static with ``qconfig_mapping(transformer=True)``: the backend's weights, 7-bit on
+  ``avx2``). Fidelity on
   ``--sentences`` random sentences: mean cosine of the mean-pooled embeddings against fp32,
   the mean overlap of each sentence's 10 nearest neighbours (cosine) with fp32's, and the
   SQNR of the pooled embeddings.
 * ``lstm``: ``nn.LSTM`` 2 layers, input and hidden 512, sequence 64, batch 8: fp32, torch.ao
-  dynamic LSTM, quantbridge dynamic (the output says whether its LSTM is still float).
+  dynamic LSTM, quantbridge dynamic (the LSTM's qconfig from ``qconfig_mapping(dynamic=True)``;
+  the output says whether its LSTM is still float).
 
 Timing: every column runs one forward per round, columns interleaved within each round (load
 from other processes hits all alike), median (and minimum) ms over ``--rounds``. Threads per
@@ -65,7 +68,7 @@ from torch import nn
 
 from quantbridge.fx_quant import calibrate, prepare_fx
 from quantbridge.lowering import get_backend, numba_backend
-from quantbridge.qconfig import QConfigMapping, default_dynamic_qconfig
+from quantbridge.qconfig import QConfigMapping
 
 # The peers' quantization recipes are shared with the asv suite (importable there).
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "asv_bench" / "benchmarks"))
@@ -346,8 +349,8 @@ def bert_suites(batches: Sequence[int], sentences: int, calib_sentences: int) ->
         return quantized
 
     def quantbridge(mode: str) -> nn.Module:
-        if mode == "dynamic":
-            mapping = QConfigMapping().set_object_type(nn.Linear, default_dynamic_qconfig)
+        if mode == "dynamic":  # int8 per-channel Linear weights (7-bit on avx2)
+            mapping = numba_backend.qconfig_mapping(dynamic=True)
         else:  # residual stream, norms and mask arithmetic float: the transformer mapping
             mapping = numba_backend.qconfig_mapping(transformer=True)
         example = (calib_ids[:1], calib_mask[:1])
@@ -472,7 +475,9 @@ def lstm_suite(calib_batches: int) -> Suite:
     suite.add("torch.ao dynamic", torch_ao)
 
     def quantbridge() -> Column:
-        mapping = QConfigMapping().set_object_type(nn.LSTM, default_dynamic_qconfig)
+        mapping = QConfigMapping().set_object_type(
+            nn.LSTM, numba_backend.qconfig_mapping(dynamic=True).object_type_qconfigs[nn.LSTM]
+        )
         lowered = _quantbridge(model, mapping, (x,), calib)
         still_float = [n for n, m in lowered.named_modules() if type(m) is nn.LSTM]
         if still_float:

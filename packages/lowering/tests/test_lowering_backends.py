@@ -30,6 +30,7 @@ from quantbridge.fx_quant import (
 )
 from quantbridge.lowering import _numba_backend
 from quantbridge.lowering._rules import backend_config_from_rules
+from quantbridge.qconfig import FIXED_QPARAMS_OP_TO_OBSERVER
 
 BUILTINS = ["numba", "numba_avx2", "numba_avx512_vnni", "numba_generic", "reference"]
 
@@ -112,6 +113,56 @@ def test_numba_qconfig_mapping_uses_full_range_activations() -> None:
         assert (observer.quant_min, observer.quant_max) == (0, 255)
         weight = qconfig.weight()
         assert weight.dtype == torch.qint8 or weight.dtype == torch.int8
+
+
+@pytest.mark.parametrize("qat", [False, True])
+@pytest.mark.parametrize(
+    ("target", "bits", "weight_range"),
+    [("avx2", None, (-63, 63)), ("avx2", 8, (-128, 127)), ("generic", None, (-128, 127)),
+     ("generic", 7, (-63, 63))],
+)  # fmt: skip
+def test_numba_weight_bits(target: str, bits: int | None, weight_range: tuple[int, int], qat: bool):
+    backend = _numba_backend.NumbaBackend(f"numba_{target}", target)
+    mapping = backend.qconfig_mapping(qat=qat, weight_bits=bits)
+    # the object-type entries too, except fixed-qparams ops (sigmoid...: no weights)
+    qconfigs = [mapping.global_qconfig] + [
+        q for k, q in mapping.object_type_qconfigs.items() if k not in FIXED_QPARAMS_OP_TO_OBSERVER
+    ]
+    assert len(qconfigs) > 5
+    for qconfig in qconfigs:
+        if qconfig is None or qconfig.weight is None:
+            continue
+        assert qconfig is not None
+        weight = qconfig.weight()
+        assert (weight.quant_min, weight.quant_max) == weight_range
+    if K.target_supported(target):  # the lowered weights pick the kernel family from it
+        model = zoo.LinearReLUMLP().eval()
+        x = torch.randn(4, 16)
+        prepared = prepare_fx(model, mapping, (x,), backend_config=backend.backend_config)
+        prepared(x)
+        lowered = backend.convert(prepared)
+        packs = [m._packed for m in lowered.modules() if hasattr(m, "_packed")]
+        assert packs
+        for packed in packs:
+            assert weight_range[0] <= packed.weight.min() <= packed.weight.max() <= weight_range[1]
+            byte = target == "avx2" and weight_range == (-63, 63)
+            assert (packed.kernel == "avx2_byte") == byte
+
+
+def test_numba_dynamic_mapping_and_bad_options() -> None:
+    backend = L.get_backend("numba")
+    mapping = backend.qconfig_mapping(dynamic=True, weight_bits=7)
+    assert mapping.global_qconfig is None
+    for module in (nn.Linear, nn.LSTM, nn.GRU):
+        qconfig = mapping.object_type_qconfigs[module]
+        assert qconfig.activation().is_dynamic
+        assert (qconfig.weight().quant_min, qconfig.weight().quant_max) == (-63, 63)
+    with pytest.raises(ValueError, match="weight_bits must be 7, 8 or None"):
+        backend.qconfig_mapping(weight_bits=4)
+    with pytest.raises(ValueError, match="weight_bits must be 7, 8 or None"):
+        backend.qconfig_mapping(weight_bits=True)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="dynamic=True cannot be combined"):
+        backend.qconfig_mapping(dynamic=True, qat=True)
 
 
 def test_numba_backend_config_leaves_out_what_kernels_do_not_run() -> None:

@@ -404,3 +404,51 @@ def test_differing_qparams_requantize_once():
     names = [type(m).__name__ for m in lowered.modules()]
     assert "Dropout" not in names
     assert names.count("Requantize") == 1
+
+
+def test_float_eval_identities_of_a_dynamic_model_are_removed():
+    class Block(nn.Module):
+        def __init__(self, on: bool) -> None:
+            super().__init__()
+            self.on = on
+            self.fc1 = nn.Linear(16, 32)
+            self.drop = nn.Dropout(0.1)
+            self.fc2 = nn.Linear(32, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = torch.tanh(self.fc1(x))
+            skip = x[:, :8]
+            if self.on:
+                y = F.dropout(self.drop(y), 0.2, False)
+                skip = F.dropout(skip, 0.5, self.training)
+            return self.fc2(y) + skip
+
+    backend = L.get_backend("numba")
+    x = torch.randn(4, 16)
+
+    def lower(model: nn.Module, train_dropout: bool = False) -> GraphModule:
+        prepared = prepare_fx(
+            model,
+            backend.qconfig_mapping(dynamic=True),
+            (x,),
+            backend_config=backend.backend_config,
+        )
+        if train_dropout:
+            prepared.get_submodule("drop").train()
+        return backend.convert(prepared)
+
+    torch.manual_seed(0)
+    with_drops = Block(True).eval()
+    without = copy.deepcopy(with_drops)
+    without.on = False
+    lowered = lower(copy.deepcopy(with_drops))
+    removed = " ".join(w for _, w in L.lowering_report(lowered).removed)
+    assert "Dropout (identity in eval, float)" in removed
+    assert "dropout (identity in eval, float)" in removed
+    assert not [m for m in lowered.modules() if isinstance(m, nn.Dropout)]
+    assert not [n for n in lowered.graph.nodes if n.target is F.dropout]
+    with torch.no_grad():
+        assert torch.equal(lowered(x), lower(copy.deepcopy(without))(x))
+    # a Dropout module in training mode is not an identity: kept
+    trained = lower(copy.deepcopy(with_drops), train_dropout=True)
+    assert [m.training for m in trained.modules() if isinstance(m, nn.Dropout)] == [True]

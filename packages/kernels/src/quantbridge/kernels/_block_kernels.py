@@ -40,7 +40,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from quantbridge.kernels import _avx2, _vnni
+from quantbridge.kernels import _avx2, _avx2_byte, _vnni
 from quantbridge.kernels._ir import (
     F32T,
     I8,
@@ -57,7 +57,11 @@ from quantbridge.kernels._ir import (
 # (2 KB ahead) was fastest of 8-64 at M = 1, 768x768
 PREFETCH_STEPS = 16
 
-_TARGETS: dict[str, ModuleType] = {"avx512_vnni": _vnni, "avx2": _avx2}
+_TARGETS: dict[str, ModuleType] = {
+    "avx512_vnni": _vnni,
+    "avx2": _avx2,
+    "avx2_byte": _avx2_byte,
+}
 
 
 def block_cols(target: str) -> int:
@@ -372,6 +376,7 @@ _BLOCKS = [
     for target, sizes, modes in (
         ("avx512_vnni", ((8, 1), (4, 2), (1, 4)), ("u8", "f32", "u8t", "u8add")),
         ("avx2", ((6, 1), (3, 2), (1, 4)), ("u8", "f32", "u8add")),
+        ("avx2_byte", ((6, 1), (3, 2), (1, 4)), ("u8", "f32", "u8add")),
     )
     for mode in modes
     for mr, ku in sizes

@@ -42,6 +42,7 @@ from quantbridge.kernels._linear import PackedLinearWeight, _fast_zp
 from quantbridge.kernels._lut import apply_lut
 from quantbridge.kernels._pack import (
     K_ALIGN,
+    kernel_family,
     layout,
     round_up,
     weight_scales,
@@ -118,7 +119,8 @@ class PackedConvWeight:
         # values instead of 7 x 7 x 4 = 196, a dense K without an im2col matrix). The steps
         # past kw*cg read up to k_step - 1 bytes past a window row (the buffer has a tail)
         # against zero weights.
-        kstep = layout(resolve_target(target))[1]
+        kernel = kernel_family(resolve_target(target), w4)  # one for every group
+        kstep = layout(kernel)[1]
         row_p = round_up(kw * cg, kstep)
         self.row_packed = (
             groups == 1 and self.dilation[1] == 1 and cg != self.cg4 and row_p < kw * self.cg4
@@ -146,11 +148,13 @@ class PackedConvWeight:
                 zps[sl],
                 None if bias is None else bias[sl],
                 target=target,
+                _kernel=kernel,
             )
             p.k_true = kh * kw * cg
             p.channel_offset = g * self.ocg  # messages name the conv's output channel
             self.groups_packed.append(p)
         self.target = self.groups_packed[0].target
+        self.kernel = kernel
         self.has_weight_zp = any(p.has_weight_zp for p in self.groups_packed)
         # one input and one output channel per group: the channels-last depthwise loops
         self.depthwise = cg == 1 and self.ocg == 1 and groups > 1 and kh * kw <= MAX_TAPS
@@ -169,7 +173,7 @@ class PackedConvWeight:
     def koffs(self, wp: int) -> list[npt.NDArray[np.int64]]:
         """Per-group activation offsets of each k step for padded input width ``wp``."""
         out = []
-        _, kstep, _ = layout(self.target)
+        _, kstep, _ = layout(self.kernel)
         ctot = self.groups * self.cg4
         row_p = round_up(self.kw * self.cg, kstep)
         kg = self.kh * (row_p if self.row_packed else self.kw * self.cg4)
@@ -345,7 +349,7 @@ def _conv(
         rowsum = _window_sums(xp, gi, packed, oh, ow) if pg.has_weight_zp else pg.rows(m)[1]
         biasq, mult = pg.epilogue(x_scale, out_scale)
         res = run_gemm(
-            pg.target,
+            pg.kernel,
             flat,
             rowoffs,
             koffs[gi],

@@ -14,16 +14,24 @@ from quantbridge.kernels._gemm_simd import (
     drive_avx2_f32,
     drive_avx2_u8,
     drive_avx2_u8add,
+    drive_avx2b_f32,
+    drive_avx2b_u8,
+    drive_avx2b_u8add,
     drive_vnni_f32,
     drive_vnni_u8,
     drive_vnni_u8add,
     post_drive_avx2_f32,
+    post_drive_avx2b_f32,
     post_drive_vnni_f32,
     post_serial_avx2_f32,
+    post_serial_avx2b_f32,
     post_serial_vnni_f32,
     serial_avx2_f32,
     serial_avx2_u8,
     serial_avx2_u8add,
+    serial_avx2b_f32,
+    serial_avx2b_u8,
+    serial_avx2b_u8add,
     serial_vnni_f32,
     serial_vnni_u8,
     serial_vnni_u8add,
@@ -38,6 +46,9 @@ _DRIVERS = {
     ("avx2", "f32"): drive_avx2_f32,
     ("avx512_vnni", "u8add"): drive_vnni_u8add,
     ("avx2", "u8add"): drive_avx2_u8add,
+    ("avx2_byte", "u8"): drive_avx2b_u8,
+    ("avx2_byte", "f32"): drive_avx2b_f32,
+    ("avx2_byte", "u8add"): drive_avx2b_u8add,
 }
 # one thread: plain loops, no parallel-region launch (it costs ~20 us per call)
 _SERIAL = {
@@ -47,11 +58,15 @@ _SERIAL = {
     ("avx2", "f32"): serial_avx2_f32,
     ("avx512_vnni", "u8add"): serial_vnni_u8add,
     ("avx2", "u8add"): serial_avx2_u8add,
+    ("avx2_byte", "u8"): serial_avx2b_u8,
+    ("avx2_byte", "f32"): serial_avx2b_f32,
+    ("avx2_byte", "u8add"): serial_avx2b_u8add,
 }
 # f32 output with the fused float epilogue (per-row scales, relu / GELU): (serial, parallel)
 _POST = {
     "avx512_vnni": (post_serial_vnni_f32, post_drive_vnni_f32),
     "avx2": (post_serial_avx2_f32, post_drive_avx2_f32),
+    "avx2_byte": (post_serial_avx2b_f32, post_drive_avx2b_f32),
 }
 # what the drivers get for ``res``/``addp`` when no residual add is fused
 NO_RESIDUAL = np.zeros(0, np.uint8)
@@ -66,7 +81,7 @@ NO_ADD = np.zeros(0, np.float32)
 # ``python -m quantbridge.kernels.bench --crossover`` measures the crossover (README, Threads).
 SERIAL_BELOW = 1 << 22
 
-_NR = {t: layout(t)[0] for t in ("avx512_vnni", "avx2", "generic")}
+_NR = {t: layout(t)[0] for t in ("avx512_vnni", "avx2", "avx2_byte", "generic")}
 
 
 def serial_driver(target: str, mode: str) -> Any:

@@ -22,8 +22,8 @@ from quantbridge.kernels._block_kernels import KERNEL_IDS, block_cols, block_ker
 from quantbridge.kernels._float_math import FAST, post_tile
 
 # target -> (rows of the big block, rows of the tail block); the 1-row kernel ends every tail
-_ROWS = {"avx512_vnni": (8, 4), "avx2": (6, 3)}
-_SHORT = {"avx512_vnni": "vnni", "avx2": "avx2"}
+_ROWS = {"avx512_vnni": (8, 4), "avx2": (6, 3), "avx2_byte": (6, 3)}
+_SHORT = {"avx512_vnni": "vnni", "avx2": "avx2", "avx2_byte": "avx2b"}
 
 
 def _make_driver(target: str, mode: str, parallel: bool) -> Any:
@@ -225,11 +225,21 @@ drive_avx2_u8add = _make_driver("avx2", "u8add", True)
 serial_avx2_u8add = _make_driver("avx2", "u8add", False)
 drive_avx2_f32 = _make_driver("avx2", "f32", True)
 serial_avx2_f32 = _make_driver("avx2", "f32", False)
+drive_avx2b_u8 = _make_driver("avx2_byte", "u8", True)
+serial_avx2b_u8 = _make_driver("avx2_byte", "u8", False)
+drive_avx2b_u8add = _make_driver("avx2_byte", "u8add", True)
+serial_avx2b_u8add = _make_driver("avx2_byte", "u8add", False)
+drive_avx2b_f32 = _make_driver("avx2_byte", "f32", True)
+serial_avx2b_f32 = _make_driver("avx2_byte", "f32", False)
 batched_drive_vnni_u8 = _make_batched_driver("avx512_vnni", True)
 batched_serial_vnni_u8 = _make_batched_driver("avx512_vnni", False)
 batched_drive_avx2_u8 = _make_batched_driver("avx2", True)
 batched_serial_avx2_u8 = _make_batched_driver("avx2", False)
+batched_drive_avx2b_u8 = _make_batched_driver("avx2_byte", True)
+batched_serial_avx2b_u8 = _make_batched_driver("avx2_byte", False)
 post_drive_vnni_f32 = _make_post_driver("avx512_vnni", True)
 post_serial_vnni_f32 = _make_post_driver("avx512_vnni", False)
 post_drive_avx2_f32 = _make_post_driver("avx2", True)
 post_serial_avx2_f32 = _make_post_driver("avx2", False)
+post_drive_avx2b_f32 = _make_post_driver("avx2_byte", True)
+post_serial_avx2b_f32 = _make_post_driver("avx2_byte", False)

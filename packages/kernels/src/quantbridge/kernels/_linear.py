@@ -34,6 +34,7 @@ from quantbridge.kernels._gemm import quantize_u8_fma
 from quantbridge.kernels._gemm_run import NO_ADD, NO_RESIDUAL, SERIAL_BELOW, run_gemm, serial_driver
 from quantbridge.kernels._pack import (
     K_ALIGN,
+    kernel_family,
     layout,
     pack_b,
     round_up,
@@ -65,11 +66,15 @@ class PackedLinearWeight:
         zero_point: int | npt.ArrayLike = 0,
         bias: npt.NDArray[np.float32] | None = None,
         target: str | None = None,
+        *,
+        _kernel: str | None = None,  # conv: one family for all of its groups
     ) -> None:
         w = check_array("weight", weight, np.int8, 2, contiguous=False)
         self.target = resolve_target(target)
+        # the packed layout and micro-kernels (``kernel_family``): on avx2 chosen by the weights
+        self.kernel = kernel_family(self.target, w) if _kernel is None else _kernel
         self.n, self.k = int(w.shape[0]), int(w.shape[1])
-        nr, kstep, _ = layout(self.target)
+        nr, kstep, _ = layout(self.kernel)
         self.n_padded = round_up(self.n, nr)
         self.k_padded = round_up(self.k, K_ALIGN)
         self.scales, self.per_channel = weight_scales(scale, self.n, "weight scale")
@@ -87,7 +92,7 @@ class PackedLinearWeight:
         b_max = int(np.abs(wide).max())
         check_accumulation_fits_int32("weight", self.k, 255, max(b_max, 1))
         self.weight = np.ascontiguousarray(w)
-        self.packed = pack_b(self.weight, self.target)
+        self.packed = pack_b(self.weight, self.kernel)
         colsum = np.zeros(self.n_padded, np.int64)
         colsum[: self.n] = w.astype(np.int64).sum(axis=1)
         self.colsum = colsum
@@ -102,8 +107,9 @@ class PackedLinearWeight:
         self.channel_offset = 0
         self.nk = int(self.koffs.shape[0])
         self.npanels = self.n_padded // nr
-        # the VNNI kernels read uint8 activations directly; AVX2 wants them widened first
-        self.serial_u8 = serial_driver(self.target, "u8") if self.target == "avx512_vnni" else None
+        # the byte kernels read uint8 activations directly; AVX2's int16 ones want them widened
+        byte_kernel = self.kernel in ("avx512_vnni", "avx2_byte")
+        self.serial_u8 = serial_driver(self.kernel, "u8") if byte_kernel else None
         self._fast: dict[tuple[float, float, int], Any] = {}
         self._entry: dict[bool, Any] = {}
         self._colcorr: dict[int, npt.NDArray[np.int32]] = {}
@@ -234,7 +240,8 @@ class PackedLinearWeight:
 
     def __repr__(self) -> str:
         kind = "per-channel" if self.per_channel else "per-tensor"
-        return f"PackedLinearWeight(N={self.n}, K={self.k}, {kind}, target={self.target!r})"
+        byte = ", 7-bit weights" if self.kernel == "avx2_byte" else ""
+        return f"PackedLinearWeight(N={self.n}, K={self.k}, {kind}{byte}, target={self.target!r})"
 
 
 def _activation_rows(
@@ -387,7 +394,7 @@ def linear(
     a, m, lead = _activation_rows(x, packed, "x")
     rowoffs, rowsum = _rows_and_sums(a, m, packed)
     out = run_gemm(
-        packed.target,
+        packed.kernel,
         a,
         rowoffs,
         packed.koffs,
@@ -494,7 +501,7 @@ def linear_dynamic(
     # quantized rows go straight into the layout the kernels read: int16 for AVX2, rows
     # padded to whole 4-byte loads
     a: npt.NDArray[Any] = np.empty(
-        (m, packed.lda), np.int16 if packed.target == "avx2" else np.uint8
+        (m, packed.lda), np.int16 if packed.kernel == "avx2" else np.uint8
     )
     post: tuple[int, npt.NDArray[np.float32], bool, npt.NDArray[np.float32]] | None
     rowoffs, _ = packed.rows(m)
@@ -526,7 +533,7 @@ def linear_dynamic(
         wzp = packed.zero_points
         biasq, mult = packed.epilogue(a_s, None)
         post = None if act == 0 else (act, _NO_ROWSCALE, False, biasq)
-    out = run_gemm(packed.target, a.reshape(-1), rowoffs, packed.koffs, packed.packed, packed.n,
+    out = run_gemm(packed.kernel, a.reshape(-1), rowoffs, packed.koffs, packed.packed, packed.n,
                    colcorr, wzp, rowsum, biasq, mult, 0, 0, True, threads,
                    post=post)  # fmt: skip
     return out.reshape((*lead, packed.n))

@@ -5,6 +5,8 @@ Layouts (``Np``: N rounded up to the panel width, ``Kp``: K rounded up to 4; pad
 * ``avx512_vnni`` and ``generic``: int8 ``[Np/32][Kp/4][32][4]`` — panel p, k-step s, column
   jj, byte u holds ``w[32p + jj, 4s + u]``.
 * ``avx2``: int16 ``[Np/16][Kp/2][16][2]`` — ``w[16p + jj, 2s + u]`` widened to int16.
+* ``avx2_byte`` (the kernels of target ``avx2`` for weights within ``BYTE_WEIGHT_LIMIT``,
+  ``_avx2_byte.py``): int8 ``[Np/16][Kp/4][16][4]``.
 
 Zero-point corrections use ``colsum[j] = sum_k w[j, k]`` (computed here) and, when any weight
 zero point is non-zero, the per-call activation row sums.
@@ -28,11 +30,29 @@ _LAYOUT: dict[str, tuple[int, int, type[np.integer]]] = {
     "avx512_vnni": (32, 4, np.int8),
     "generic": (32, 4, np.int8),
     "avx2": (16, 2, np.int16),
+    "avx2_byte": (16, 4, np.int8),
 }
 
 
+# |weight code| at most this lets AVX2 add two u8 x s8 products in a saturating int16 exactly
+BYTE_WEIGHT_LIMIT = 64
+
+
+def kernel_family(target: str, weight: npt.NDArray[np.int8]) -> str:
+    """The packed layout and micro-kernels for ``weight`` on ``target``.
+
+    On ``avx2``, weights whose every code lies in ``[-64, 64]`` (7-bit weights) run the
+    ``vpmaddubsw`` kernels (``avx2_byte``): exact for them and faster than the int16 kernels,
+    which every other weight uses. Other targets have one family.
+    """
+    if target != "avx2" or weight.size == 0:
+        return target
+    lo, hi = int(weight.min()), int(weight.max())
+    return "avx2_byte" if lo >= -BYTE_WEIGHT_LIMIT and hi <= BYTE_WEIGHT_LIMIT else target
+
+
 def layout(target: str) -> tuple[int, int, type[np.integer]]:
-    """``(panel width, k per step, packed dtype)`` of ``target``."""
+    """``(panel width, k per step, packed dtype)`` of ``target`` (or kernel family)."""
     return _LAYOUT[target]
 
 

@@ -5,6 +5,8 @@ engine is importable, torch's prepacked quantized linear/conv on the same inputs
 in one process with the same thread count; each figure is the fastest single call seen in
 ``--repeat`` interleaved rounds (the machine is shared: the fastest call is the least
 disturbed one). ``ratio`` is ours divided by torch's from the same run.
+Rows ``linear_w7`` and ``conv2d_cl_w7`` (``avx2`` only) repeat the shapes with 7-bit weights,
+which run AVX2's byte kernels (torch gets the same weights).
 ``percent_of_peak`` compares with a vpdpbusd peak that is measured here (register-only
 vpdpbusd loop on every thread), not taken from a datasheet.
 
@@ -183,29 +185,26 @@ def run(
     shapes = (*GEMM_SHAPES[:1], (16, 64, 64)) if quick else GEMM_SHAPES
     for m, k, n in shapes:
         a = rng.integers(0, 256, (m, k), dtype=np.uint8)
-        w = rng.integers(-128, 128, (n, k), dtype=np.int8)
+        w8 = rng.integers(-128, 128, (n, k), dtype=np.int8)
         bias = rng.normal(0, 1, n).astype(np.float32)
-        base = _torch_linear(torch, a, w, bias, scales) if torch is not None else None
-        for target in targets:
-            packed = PackedLinearWeight(w, scales[2], 0, bias, target=target)
+        for op, w in (("linear", w8), ("linear_w7", w8 >> 1)):
+            # 7-bit weights change only avx2's kernels (the byte family): rows there only
+            row_targets = [t for t in targets if op == "linear" or t == "avx2"]
+            if not row_targets:
+                continue
+            base = _torch_linear(torch, a, w, bias, scales) if torch is not None else None
+            for target in row_targets:
+                packed = PackedLinearWeight(w, scales[2], 0, bias, target=target)
 
-            def ours(packed: PackedLinearWeight = packed, a: np.ndarray[Any, Any] = a) -> object:
-                return linear(a, packed, 0.05, 3, 2.0, 5, num_threads=threads)
+                def ours(
+                    packed: PackedLinearWeight = packed, a: np.ndarray[Any, Any] = a
+                ) -> object:
+                    return linear(a, packed, 0.05, 3, 2.0, 5, num_threads=threads)
 
-            rows.append(
-                _row(
-                    "linear",
-                    f"{m}x{k}x{n}",
-                    2.0 * m * k * n,
-                    target,
-                    threads,
-                    ours,
-                    base,
-                    repeat,
-                    min_time,
-                    peak,
-                )
-            )
+                rows.append(
+                    _row(op, f"{m}x{k}x{n}", 2.0 * m * k * n, target, threads, ours, base,
+                         repeat, min_time, peak)
+                )  # fmt: skip
     bn, c, h, wd, oc, ks = (1, 8, 12, 12, 8, 3) if quick else CONV_SHAPE
     x = rng.integers(0, 256, (bn, c, h, wd), dtype=np.uint8)
     wc = rng.integers(-128, 128, (oc, c, ks, ks), dtype=np.int8)
@@ -216,14 +215,16 @@ def run(
     x_cl = np.ascontiguousarray(x.transpose(0, 2, 3, 1)).transpose(0, 3, 1, 2)
     ops = 2.0 * bn * oc * h * wd * c * ks * ks
     shape = f"{bn}x{c}x{h}x{wd}->{oc},k{ks}"
-    for op, xin in (("conv2d", x), ("conv2d_cl", x_cl)):
+    plans = (("conv2d", x, wc), ("conv2d_cl", x_cl, wc), ("conv2d_cl_w7", x_cl, wc >> 1))
+    for op, xin, wk in plans:
+        row_targets = [t for t in targets if not op.endswith("_w7") or t == "avx2"]
+        if not row_targets:
+            continue
         base = (
-            _torch_conv(torch, x, wc, bias, scales, op == "conv2d_cl")
-            if torch is not None
-            else None
+            _torch_conv(torch, x, wk, bias, scales, op != "conv2d") if torch is not None else None
         )
-        for target in targets:
-            cp = PackedConvWeight(wc, scales[2], 0, bias, padding=1, target=target)
+        for target in row_targets:
+            cp = PackedConvWeight(wk, scales[2], 0, bias, padding=1, target=target)
 
             def ours_conv(cp: PackedConvWeight = cp, xin: np.ndarray[Any, Any] = xin) -> object:
                 return conv2d(xin, cp, 0.05, 3, 2.0, 5, num_threads=threads, channels_last=True)

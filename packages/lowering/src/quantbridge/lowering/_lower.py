@@ -36,7 +36,7 @@ from quantbridge.lowering._context import (
 )
 from quantbridge.lowering._errors import LoweringError
 from quantbridge.lowering._rules import LoweringRule, RuleMatch
-from quantbridge.lowering._table import _no_kernel, default_lowering_rules
+from quantbridge.lowering._table import _no_kernel, default_lowering_rules, eval_identity
 from quantbridge.patterns import (
     MatchAllNode,
     Nested,
@@ -261,6 +261,8 @@ class _Pass:
         self._boundaries()
         graph.eliminate_dead_code()
         self._fuse()  # on the final graph: a conv's users are real users now
+        self._drop_float_identities()
+        graph.eliminate_dead_code()
         after = {n.target for n in graph.nodes if n.op == "get_attr"}
         for t in before - after:
             path = str(t)
@@ -269,6 +271,18 @@ class _Pass:
         gm.delete_all_unused_submodules()
         graph.lint()
         gm.recompile()
+
+    def _drop_float_identities(self) -> None:
+        """Eval-mode dropout, stochastic depth and nn.Identity left on float values (a dynamic
+        model's, or between float ops): the value flows through, as the rule does for codes."""
+        for node in list(self.ctx.graph.nodes):
+            what = eval_identity(node)
+            if what is None or not node.args or not isinstance(node.args[0], Node):
+                continue
+            if any(isinstance(a, Node) for a in [*node.args[1:], *node.kwargs.values()]):
+                continue  # a run-time argument: not provably an identity
+            node.replace_all_uses_with(node.args[0])
+            self.ctx.record_removed(node, f"{what} (identity in eval, float): removed")
 
 
 def _check_rules(rules: Iterable[LoweringRule]) -> tuple[LoweringRule, ...]:

@@ -190,7 +190,7 @@ def _literal_arg(node: Node, position: int, name: str, default: Any) -> Any:
     return node.kwargs.get(name, default)
 
 
-def _eval_identity(node: Node) -> str | None:
+def eval_identity(node: Node) -> str | None:
     """What ``node`` is when it returns its input unchanged (eval-mode dropout, stochastic
     depth, nn.Identity), else None. Training-mode ones and run-time flags are not."""
     owner = node.graph.owning_module
@@ -218,7 +218,7 @@ def _eval_identity(node: Node) -> str | None:
 
 
 def _is_eval_identity(value: Any) -> bool:
-    return isinstance(value, Node) and _eval_identity(value) is not None
+    return isinstance(value, Node) and eval_identity(value) is not None
 
 
 # --- builders ------------------------------------------------------------------------------
@@ -364,8 +364,8 @@ def _build_identity(ctx: LoweringContext, m: RuleMatch) -> Node:
     chain: list[tuple[Node, str]] = []
     node: Any = m.node
     # identities not quantized in between (not in the config) chain on float values
-    while isinstance(node, Node) and _eval_identity(node) is not None:
-        what = _eval_identity(node)
+    while isinstance(node, Node) and eval_identity(node) is not None:
+        what = eval_identity(node)
         assert what is not None
         first = node.args[0] if node.args else node.kwargs.get("input")
         for a in [*node.args[1:], *node.kwargs.values()]:
