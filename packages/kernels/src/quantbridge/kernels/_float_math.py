@@ -23,11 +23,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import numpy.typing as npt
 from llvmlite import ir
-from numba import njit, types
+from numba import njit, prange, types
 from numba.core.extending import intrinsic
 
 from quantbridge.kernels._fma import fma32
+from quantbridge.kernels._threads import with_threads
 
 F32 = np.float32
 # fastmath flags for the float kernels: reassociation (vectorized sums), FMA contraction and
@@ -126,23 +128,106 @@ ACT_NONE, ACT_RELU, ACT_GELU, ACT_GELU_TANH = 0, 1, 2, 3
 ACTIVATIONS = {"none": ACT_NONE, "relu": ACT_RELU, "gelu": ACT_GELU, "gelu_tanh": ACT_GELU_TANH}
 
 
+# elements per straight-line chunk of the tile epilogue (one AVX2 vector of float32)
+_CHUNK = 8
+# rows per parallel work item of post_rows
+_ROWS_PER_BLOCK = 16
+
+
 @njit(cache=True, fastmath=FAST, inline="always", error_model="numpy")
 def post_tile(c, ldc, r0, r1, j0, j1, act, rowscale, has_rowscale, bias):  # type: ignore[no-untyped-def]
     """Float epilogue on ``c[r0:r1, j0:j1]`` (row stride ``ldc``), in place: with
     ``has_rowscale`` first ``y = fma(y, rowscale[r], bias[j])`` (per-row activation scales);
-    then the activation ``act`` (``ACTIVATIONS``)."""
+    then the activation ``act`` (``ACTIVATIONS``).
+
+    Each op is its own loop (a branch inside the loop makes LLVM compute every activation
+    for every element), over fixed chunks of 8 columns whose constant trip count LLVM turns
+    into one vector op each, then a scalar tail.
+    """
     for r in range(r0, r1):
         base = r * ldc
         if has_rowscale:
             s = rowscale[r]
-            for j in range(j0, j1):
-                c[base + j] = fma32(c[base + j], s, bias[j])
+            _rowscale(c, base, j0, j1, s, bias)
         if act == 1:
-            for j in range(j0, j1):
-                c[base + j] = max(c[base + j], _ZERO)
+            _relu(c, base, j0, j1)
         elif act == 2:
-            for j in range(j0, j1):
-                c[base + j] = gelu_erf(c[base + j])
+            _gelu_erf_row(c, base, j0, j1)
         elif act == 3:
-            for j in range(j0, j1):
-                c[base + j] = gelu_tanh(c[base + j])
+            _gelu_tanh_row(c, base, j0, j1)
+
+
+@njit(cache=True, fastmath=FAST, inline="always", error_model="numpy")
+def _rowscale(c, base, j0, j1, s, bias):  # type: ignore[no-untyped-def]
+    j = j0
+    while j + _CHUNK <= j1:
+        for u in range(_CHUNK):
+            c[base + j + u] = fma32(c[base + j + u], s, bias[j + u])
+        j += _CHUNK
+    for jj in range(j, j1):
+        c[base + jj] = fma32(c[base + jj], s, bias[jj])
+
+
+@njit(cache=True, fastmath=FAST, inline="always", error_model="numpy")
+def _relu(c, base, j0, j1):  # type: ignore[no-untyped-def]
+    j = j0
+    while j + _CHUNK <= j1:
+        for u in range(_CHUNK):
+            c[base + j + u] = max(c[base + j + u], _ZERO)
+        j += _CHUNK
+    for jj in range(j, j1):
+        c[base + jj] = max(c[base + jj], _ZERO)
+
+
+@njit(cache=True, fastmath=FAST, inline="always", error_model="numpy")
+def _gelu_erf_row(c, base, j0, j1):  # type: ignore[no-untyped-def]
+    j = j0
+    while j + _CHUNK <= j1:
+        for u in range(_CHUNK):
+            c[base + j + u] = gelu_erf(c[base + j + u])
+        j += _CHUNK
+    for jj in range(j, j1):
+        c[base + jj] = gelu_erf(c[base + jj])
+
+
+@njit(cache=True, fastmath=FAST, inline="always", error_model="numpy")
+def _gelu_tanh_row(c, base, j0, j1):  # type: ignore[no-untyped-def]
+    j = j0
+    while j + _CHUNK <= j1:
+        for u in range(_CHUNK):
+            c[base + j + u] = gelu_tanh(c[base + j + u])
+        j += _CHUNK
+    for jj in range(j, j1):
+        c[base + jj] = gelu_tanh(c[base + jj])
+
+
+@njit(cache=True, fastmath=FAST, nogil=True, error_model="numpy")
+def _post_serial(c, ldc, m, act, rowscale, has_rowscale, bias):  # type: ignore[no-untyped-def]
+    post_tile(c, ldc, 0, m, 0, ldc, act, rowscale, has_rowscale, bias)
+
+
+@njit(cache=True, fastmath=FAST, nogil=True, error_model="numpy", parallel=True)
+def _post_parallel(c, ldc, m, act, rowscale, has_rowscale, bias):  # type: ignore[no-untyped-def]
+    blocks = (m + _ROWS_PER_BLOCK - 1) // _ROWS_PER_BLOCK
+    for b in prange(blocks):
+        r0 = b * _ROWS_PER_BLOCK
+        post_tile(c, ldc, r0, min(m, r0 + _ROWS_PER_BLOCK), 0, ldc, act, rowscale,
+                  has_rowscale, bias)  # fmt: skip
+
+
+def post_rows(
+    c: npt.NDArray[np.float32],
+    ldc: int,
+    m: int,
+    act: int,
+    rowscale: npt.NDArray[np.float32],
+    has_rowscale: bool,
+    bias: npt.NDArray[np.float32],
+    threads: int,
+) -> None:
+    """``post_tile`` over all ``m`` rows of ``c`` (flat, row stride ``ldc``), in place; split
+    over ``threads`` by row blocks."""
+    if threads == 1 or m < 2 * _ROWS_PER_BLOCK:
+        _post_serial(c, ldc, m, act, rowscale, has_rowscale, bias)
+    else:
+        with_threads(_post_parallel, threads)(c, ldc, m, act, rowscale, has_rowscale, bias)

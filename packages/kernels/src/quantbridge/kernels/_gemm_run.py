@@ -8,7 +8,7 @@ import numpy as np
 import numpy.typing as npt
 
 from quantbridge.kernels._epilogue_lut import NO_LUT
-from quantbridge.kernels._float_math import post_tile
+from quantbridge.kernels._float_math import post_rows
 from quantbridge.kernels._gemm import drive_generic, serial_generic
 from quantbridge.kernels._gemm_simd import (
     drive_avx2_f32,
@@ -20,12 +20,6 @@ from quantbridge.kernels._gemm_simd import (
     drive_vnni_f32,
     drive_vnni_u8,
     drive_vnni_u8add,
-    post_drive_avx2_f32,
-    post_drive_avx2b_f32,
-    post_drive_vnni_f32,
-    post_serial_avx2_f32,
-    post_serial_avx2b_f32,
-    post_serial_vnni_f32,
     serial_avx2_f32,
     serial_avx2_u8,
     serial_avx2_u8add,
@@ -61,12 +55,6 @@ _SERIAL = {
     ("avx2_byte", "u8"): serial_avx2b_u8,
     ("avx2_byte", "f32"): serial_avx2b_f32,
     ("avx2_byte", "u8add"): serial_avx2b_u8add,
-}
-# f32 output with the fused float epilogue (per-row scales, relu / GELU): (serial, parallel)
-_POST = {
-    "avx512_vnni": (post_serial_vnni_f32, post_drive_vnni_f32),
-    "avx2": (post_serial_avx2_f32, post_drive_avx2_f32),
-    "avx2_byte": (post_serial_avx2b_f32, post_drive_avx2b_f32),
 }
 # what the drivers get for ``res``/``addp`` when no residual add is fused
 NO_RESIDUAL = np.zeros(0, np.uint8)
@@ -126,8 +114,8 @@ def run_gemm(
     like C, so ``n`` must be the padded width) and ``add_params``, the u8 result goes through
     the fused add of mode ``u8add`` (``_vnni.py``); IR targets only. With ``post``
     (``f32_out`` only): ``(activation code, rowscale [M], has_rowscale, bias [Np])`` applied
-    by ``_float_math.post_tile`` to each block right after it is computed (generic: after the
-    GEMM). ``a`` may arrive already widened to int16 for ``avx2``. ``lut`` (uint8[256] or
+    by ``_float_math.post_rows`` to the float output in one pass after the GEMM. ``a`` may
+    arrive already widened to int16 for ``avx2``. ``lut`` (uint8[256] or
     empty, see ``_epilogue_lut``) maps the u8 codes, clamped to ``[qmin, qmax]``, before the
     store.
     """
@@ -148,13 +136,6 @@ def run_gemm(
         (serial_generic if threads == 1 else with_threads(drive_generic, threads))(
             *args, f32_out, lut
         )
-        if post is not None:
-            post_tile(c, np_, 0, m, 0, np_, *post)
-    elif post is not None:
-        serial, parallel = _POST[target]
-        driver = serial if threads == 1 else with_threads(parallel, threads)
-        driver(a, rowoffs, m, koffs, nk, bp, npanels, c, np_, colcorr, wzp, rowsum, biasq, mult,
-               mchunk, NO_RESIDUAL, NO_ADD, *post, NO_LUT)  # fmt: skip
     else:
         mode = "f32" if f32_out else ("u8" if residual is None else "u8add")
         driver = _SERIAL[(target, mode)]
@@ -166,4 +147,8 @@ def run_gemm(
             NO_ADD if add_params is None else add_params,
             lut,
         )
+    if post is not None:
+        # one vectorized pass after the GEMM: applied per block inside the drivers, the
+        # epilogue code made LLVM compile the whole driver ~4x slower
+        post_rows(c, np_, m, *post, threads)
     return out if np_ == n else np.ascontiguousarray(out[:, :n])

@@ -19,7 +19,6 @@ from typing import Any
 from numba import njit, prange
 
 from quantbridge.kernels._block_kernels import KERNEL_IDS, block_cols, block_kernel, k_step
-from quantbridge.kernels._float_math import FAST, post_tile
 
 # target -> (rows of the big block, rows of the tail block); the 1-row kernel ends every tail
 _ROWS = {"avx512_vnni": (8, 4), "avx2": (6, 3), "avx2_byte": (6, 3)}
@@ -155,62 +154,6 @@ def _make_batched_driver(target: str, parallel: bool) -> Any:
     return njit(cache=True, parallel=parallel, nogil=True)(driver)
 
 
-def _make_post_driver(target: str, parallel: bool) -> Any:
-    """Mode ``f32`` followed, per block while it is in cache, by ``post_tile``: per-row
-    activation scales and bias, then relu / GELU (dynamic linear's fused epilogue)."""
-    big_rows, mid_rows = _ROWS[target]
-    big = KERNEL_IDS[(target, big_rows, "f32")]
-    mid = KERNEL_IDS[(target, mid_rows, "f32")]
-    one = KERNEL_IDS[(target, 1, "f32")]
-    nr = block_cols(target)
-    panel_step = nr * k_step(target)
-
-    def driver(  # type: ignore[no-untyped-def]  # numba types the arguments
-        a, rowoffs, m, koffs, nk, bp, npanels, c, ldc, colcorr, wzp, rowsum, biasq, mult,
-        mchunk, res, addp, act, rowscale, has_rowscale, bias, lut,
-    ):  # fmt: skip
-        nmc = (m + mchunk - 1) // mchunk
-        panel = nk * panel_step
-        for t in prange(npanels * nmc):  # a plain range when parallel=False
-            p = t % npanels
-            start = (t // npanels) * mchunk
-            end = min(m, start + mchunk)
-            boff = p * panel
-            j0 = p * nr
-            i = start
-            while i < end:
-                left = end - i
-                if left > mid_rows:
-                    block_kernel(
-                        big, a, rowoffs, i, koffs, nk, bp, boff, c, ldc, min(left, big_rows),
-                        colcorr, wzp, rowsum, biasq, mult, j0, 0, 0, 255, res, addp, lut,
-                    )  # fmt: skip
-                    done = min(left, big_rows)
-                elif left > 1:
-                    block_kernel(
-                        mid, a, rowoffs, i, koffs, nk, bp, boff, c, ldc, left,
-                        colcorr, wzp, rowsum, biasq, mult, j0, 0, 0, 255, res, addp, lut,
-                    )  # fmt: skip
-                    done = min(left, mid_rows)
-                else:
-                    block_kernel(
-                        one, a, rowoffs, i, koffs, nk, bp, boff, c, ldc, 1,
-                        colcorr, wzp, rowsum, biasq, mult, j0, 0, 0, 255, res, addp, lut,
-                    )  # fmt: skip
-                    done = 1
-                post_tile(c, ldc, i, i + done, j0, j0 + nr, act, rowscale, has_rowscale, bias)
-                i += done
-
-    prefix = "post_drive" if parallel else "post_serial"
-    driver.__name__ = driver.__qualname__ = f"{prefix}_{_SHORT[target]}_f32"
-    # numpy's error model: a float division by zero gives inf instead of raising, so the
-    # inlined GELU loops carry no exception branch and vectorize; the float kernels' fastmath
-    # flags, so the epilogue computes exactly as kernels.gelu does
-    return njit(cache=True, parallel=parallel, nogil=True, error_model="numpy", fastmath=FAST)(
-        driver
-    )
-
-
 drive_vnni_u8 = _make_driver("avx512_vnni", "u8", True)
 serial_vnni_u8 = _make_driver("avx512_vnni", "u8", False)
 drive_vnni_u8t = _make_driver("avx512_vnni", "u8t", True)
@@ -237,9 +180,3 @@ batched_drive_avx2_u8 = _make_batched_driver("avx2", True)
 batched_serial_avx2_u8 = _make_batched_driver("avx2", False)
 batched_drive_avx2b_u8 = _make_batched_driver("avx2_byte", True)
 batched_serial_avx2b_u8 = _make_batched_driver("avx2_byte", False)
-post_drive_vnni_f32 = _make_post_driver("avx512_vnni", True)
-post_serial_vnni_f32 = _make_post_driver("avx512_vnni", False)
-post_drive_avx2_f32 = _make_post_driver("avx2", True)
-post_serial_avx2_f32 = _make_post_driver("avx2", False)
-post_drive_avx2b_f32 = _make_post_driver("avx2_byte", True)
-post_serial_avx2b_f32 = _make_post_driver("avx2_byte", False)
