@@ -19,6 +19,8 @@ import numpy as np
 import numpy.typing as npt
 
 from quantbridge.kernels._checks import (
+    F32_MAX,
+    F32_TINY,
     check_accumulation_fits_int32,
     check_array,
     check_derived,
@@ -116,6 +118,7 @@ class PackedLinearWeight:
         self._colcorr_f: dict[str, npt.NDArray[np.float32]] = {}
         self._requant: dict[tuple[float, float | None, bool], Any] = {}
         self._rows: dict[int, tuple[npt.NDArray[np.int64], npt.NDArray[np.int32]]] = {}
+        self._scale_span = (0.0, 0.0)  # (min, max) weight scale, set with the padded scales
 
     @property
     def zero_colcorr(self) -> npt.NDArray[np.int32]:
@@ -213,6 +216,25 @@ class PackedLinearWeight:
             if len(self._requant) < _CACHE_LIMIT:
                 self._requant[key] = got
         return got
+
+    def dynamic_epilogue(
+        self, act_scale: float
+    ) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.float32]]:
+        """``epilogue(act_scale, None)`` without its cache: a dynamic scale changes every call,
+        so the cache would only miss (the same float32 products, the same checks)."""
+        scales = self._colcorr_f.get("scales")
+        if scales is None:
+            scales = np.zeros(self.n_padded, np.float32)
+            scales[: self.n] = self.scales
+            self._colcorr_f["scales"] = scales
+            self._scale_span = (float(self.scales.min()), float(self.scales.max()))
+        with np.errstate(over="ignore", under="ignore"):  # refused just below
+            mult = scales * np.float32(act_scale)
+        low, high = self._scale_span
+        # every product is comfortably normal: skip the element-wise check
+        if not (act_scale * low > 2.0 * F32_TINY and act_scale * high < 0.5 * F32_MAX):
+            self._check_derived(act_scale, mult, mult, None)
+        return self.bias_padded, mult
 
     def _check_derived(
         self,
@@ -531,7 +553,7 @@ def linear_dynamic(
         quantize_rows_fixed(x2, inv, a_zp, a, rowsum, packed.has_weight_zp)
         colcorr = packed.colcorr(a_zp)
         wzp = packed.zero_points
-        biasq, mult = packed.epilogue(a_s, None)
+        biasq, mult = packed.dynamic_epilogue(a_s)
         post = None if act == 0 else (act, _NO_ROWSCALE, False, biasq)
     out = run_gemm(packed.kernel, a.reshape(-1), rowoffs, packed.koffs, packed.packed, packed.n,
                    colcorr, wzp, rowsum, biasq, mult, 0, 0, True, threads,
