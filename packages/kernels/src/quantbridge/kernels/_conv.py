@@ -472,7 +472,7 @@ def _conv_nchw_direct(
     colcorr = pg.colcorr(a_zp)
     rowsum = _window_sums(xp, 0, packed, oh, ow) if pg.has_weight_zp else pg.rows(n * hw)[1]
     npanels = pg.n_padded // 32
-    if threads == 1 or hw * pg.n_padded * koffs.shape[0] < SERIAL_BELOW:
+    if threads == 1 or hw * pg.n_padded * koffs.shape[0] < SERIAL_BELOW[pg.kernel]:
         drv, mchunk = serial_vnni_u8t, hw
     else:
         drv, mchunk = with_threads(drive_vnni_u8t, threads), row_chunk(hw, npanels, threads)

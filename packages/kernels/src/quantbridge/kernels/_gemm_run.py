@@ -61,13 +61,15 @@ NO_RESIDUAL = np.zeros(0, np.uint8)
 NO_ADD = np.zeros(0, np.float32)
 
 
-# m * Np * k-steps below which one thread runs the GEMM. A parallel region costs ~20 us to
-# launch and join on an idle machine; splitting pays (with imbalance) from ~80 us of serial
-# work: ~4M k-step units at this machine's avx2 rate (1 unit = 2 multiply-adds, ~130 GOPS) and
-# at the avx512_vnni rate of the README's machine (1 unit = 4 multiply-adds, ~450 GOPS).
+# m * Np * k-steps below which one thread runs the GEMM, per kernel family. A parallel region
+# costs ~20 us to launch and join on an idle machine; splitting pays (with imbalance) from
+# ~80-120 us of serial work: 4M k-step units at this machine's avx2 int16 rate (1 unit = 2
+# multiply-adds, ~130 GOPS), 2M at its byte-kernel rate (1 unit = 4 multiply-adds, ~170 GOPS)
+# and 4M at the avx512_vnni rate of the README's machine (4 multiply-adds, ~450 GOPS).
 # 1 << 20 split 14x14 and 7x7 pointwise convs of MobileNet/EfficientNet (~20 us of work each).
-# ``python -m quantbridge.kernels.bench --crossover`` measures the crossover (README, Threads).
-SERIAL_BELOW = 1 << 22
+# ``python -m quantbridge.kernels.bench --crossover`` measures the crossover (README, Threads);
+# it lifts these by zeroing the entries (every caller reads this one dict).
+SERIAL_BELOW = {"avx512_vnni": 1 << 22, "avx2": 1 << 22, "avx2_byte": 1 << 21, "generic": 1 << 22}
 
 _NR = {t: layout(t)[0] for t in ("avx512_vnni", "avx2", "avx2_byte", "generic")}
 
@@ -122,7 +124,7 @@ def run_gemm(
     m = rowoffs.shape[0]
     nk = koffs.shape[0]
     np_ = colcorr.shape[0]
-    if threads > 1 and m * np_ * nk < SERIAL_BELOW:
+    if threads > 1 and m * np_ * nk < SERIAL_BELOW[target]:
         threads = 1  # a parallel-region launch costs more than it saves on small products
     npanels = np_ // _NR[target]
     out = np.empty((m, np_), np.float32 if f32_out else np.uint8)

@@ -353,7 +353,7 @@ def linear(
     qmin, qmax, table = epilogue_lut(lut, o_zp if relu else 0)
     if (num_threads == 1 and type(num_threads) is int) or (
         # small products run on one thread whatever the setting (a parallel launch costs more)
-        x.size // packed.k * packed.n_padded * packed.nk < SERIAL_BELOW
+        x.size // packed.k * packed.n_padded * packed.nk < SERIAL_BELOW[packed.kernel]
         and (num_threads is None or (type(num_threads) is int and 1 < num_threads <= max_threads()))
     ):
         threads = 1

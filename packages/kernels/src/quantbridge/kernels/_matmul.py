@@ -163,7 +163,7 @@ def _batched_u8(
     np_, kp = round_up(n, nr), round_up(k, K_ALIGN)
     lda = kp  # rows padded to whole 4-byte loads (zeros meet zero weights)
     npanels, nk = np_ // nr, kp // ks
-    if threads > 1 and nb * m * np_ * nk < SERIAL_BELOW:
+    if threads > 1 and nb * m * np_ * nk < SERIAL_BELOW[target]:
         threads = 1  # a parallel-region launch costs more than it saves on small products
     widen = target == "avx2" or lda != k  # AVX2 reads activations as int16 pairs
     a3c = np.ascontiguousarray(a3)

@@ -366,8 +366,10 @@ def crossover(repeat: int, target: str) -> list[dict[str, Any]]:
     from quantbridge.kernels import _depthwise, _gemm_run, _quantize
     from quantbridge.kernels._elementwise import add
 
-    saved = (_gemm_run.SERIAL_BELOW, _depthwise.PARALLEL_MIN_MACS, _quantize.PARALLEL_MIN_WORK)
-    _gemm_run.SERIAL_BELOW, _depthwise.PARALLEL_MIN_MACS, _quantize.PARALLEL_MIN_WORK = 0, 0, 0
+    saved = (dict(_gemm_run.SERIAL_BELOW), _depthwise.PARALLEL_MIN_MACS,
+             _quantize.PARALLEL_MIN_WORK)  # fmt: skip
+    _gemm_run.SERIAL_BELOW.update(dict.fromkeys(_gemm_run.SERIAL_BELOW, 0))
+    _depthwise.PARALLEL_MIN_MACS, _quantize.PARALLEL_MIN_WORK = 0, 0
     rng = np.random.default_rng(0)
     rows: list[dict[str, Any]] = []
     try:
@@ -414,7 +416,8 @@ def crossover(repeat: int, target: str) -> list[dict[str, Any]]:
         from quantbridge.kernels._threads import set_num_threads
 
         set_num_threads(None)
-        _gemm_run.SERIAL_BELOW, _depthwise.PARALLEL_MIN_MACS, _quantize.PARALLEL_MIN_WORK = saved
+        _gemm_run.SERIAL_BELOW.update(saved[0])
+        _depthwise.PARALLEL_MIN_MACS, _quantize.PARALLEL_MIN_WORK = saved[1], saved[2]
     return rows
 
 

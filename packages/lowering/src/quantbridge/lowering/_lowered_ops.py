@@ -41,8 +41,12 @@ def dense_view(t: torch.Tensor) -> Any:
     For the kernels that take either layout (conv, elementwise): convs return channels-last
     data, so activations stay channels-last from conv to conv without transposes.
     """
-    t = t.detach()
+    if t.requires_grad:
+        t = t.detach()
     if t.is_contiguous():
+        return t.numpy()
+    # channels-last 4-d data: one stride check instead of building a moved view
+    if t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last):
         return t.numpy()
     if t.dim() >= 3 and t.movedim(1, -1).is_contiguous():
         return t.numpy()
