@@ -657,3 +657,37 @@ def test_asymmetric_stride_dilation_every_layout(target, grouping, stride, dilat
         )  # fmt: skip
         want_add = add_kernel(want, (o_s, o_zp), other, (0.05, 120), (0.07, 110))
         np.testing.assert_array_equal(got_add, want_add, err_msg=f"conv2d_add {where}")
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize(("h", "w", "k", "stride"), [(7, 7, 3, 1), (9, 5, 5, 2), (3, 12, 3, 2)])
+def test_depthwise_small_planes_through_the_padded_copy(target, h, w, k, stride):
+    # planes under 10 pixels wide or high are padded once and run on the block kernels only
+    rng = np.random.default_rng(h * 100 + w)
+    c = 20  # two vectors and a channel tail
+    x = rng.integers(0, 256, (2, c, h, w), dtype=np.uint8)
+    wt = rng.integers(-128, 128, (c, 1, k, k), dtype=np.int8)
+    w_s = rng.uniform(0.002, 0.02, c)
+    bias = rng.normal(0, 2, c).astype(np.float32)
+    packed = PackedConvWeight(
+        wt, w_s, 0, bias, stride=stride, padding=k // 2, groups=c, target=target
+    )
+    o_s = float(np.sqrt(k * k)) * 60 * 40 * 0.05 * float(np.mean(w_s)) / 40
+    got = conv2d(x, packed, 0.05, 9, o_s, 100, relu=True)
+    want = reference_conv2d(
+        x,
+        0.05,
+        9,
+        wt,
+        w_s,
+        0,
+        bias,
+        o_s,
+        100,
+        (stride, stride),
+        (k // 2, k // 2),
+        (1, 1),
+        c,
+        relu=True,
+    )
+    np.testing.assert_array_equal(got, want)
