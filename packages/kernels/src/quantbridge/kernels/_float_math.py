@@ -128,91 +128,46 @@ ACT_NONE, ACT_RELU, ACT_GELU, ACT_GELU_TANH = 0, 1, 2, 3
 ACTIVATIONS = {"none": ACT_NONE, "relu": ACT_RELU, "gelu": ACT_GELU, "gelu_tanh": ACT_GELU_TANH}
 
 
+# activation codes of the dynamic linear epilogue (``_gemm_simd`` f32 post drivers)
+ACT_NONE, ACT_RELU, ACT_GELU, ACT_GELU_TANH = 0, 1, 2, 3
+ACTIVATIONS = {"none": ACT_NONE, "relu": ACT_RELU, "gelu": ACT_GELU, "gelu_tanh": ACT_GELU_TANH}
+
+
 # elements per straight-line chunk of the tile epilogue (one AVX2 vector of float32)
 _CHUNK = 8
 # rows per parallel work item of post_rows
 _ROWS_PER_BLOCK = 16
 
 
-@njit(cache=True, fastmath=FAST, inline="always", error_model="numpy")
-def post_tile(c, ldc, r0, r1, j0, j1, act, rowscale, has_rowscale, bias):  # type: ignore[no-untyped-def]
-    """Float epilogue on ``c[r0:r1, j0:j1]`` (row stride ``ldc``), in place: with
-    ``has_rowscale`` first ``y = fma(y, rowscale[r], bias[j])`` (per-row activation scales);
-    then the activation ``act`` (``ACTIVATIONS``).
+def _make_post(parallel: bool) -> Any:
+    def post(x, ldc, m, act, rowscale, has_rowscale, bias, out):  # type: ignore[no-untyped-def]
+        # out is a different array from x: written in place, LLVM's alias check between the
+        # two views of one buffer sends the loops to their scalar fallback (~6x slower)
+        for r in prange(m):  # a plain range when parallel=False
+            base = r * ldc
+            if has_rowscale:
+                s = rowscale[r]
+                for j in range(ldc):
+                    x[base + j] = fma32(x[base + j], s, bias[j])
+            if act == 1:
+                for j in range(ldc):
+                    out[base + j] = max(x[base + j], _ZERO)
+            elif act == 2:
+                for j in range(ldc):
+                    out[base + j] = gelu_erf(x[base + j])
+            elif act == 3:
+                for j in range(ldc):
+                    out[base + j] = gelu_tanh(x[base + j])
+            else:
+                for j in range(ldc):
+                    out[base + j] = x[base + j]
 
-    Each op is its own loop (a branch inside the loop makes LLVM compute every activation
-    for every element), over fixed chunks of 8 columns whose constant trip count LLVM turns
-    into one vector op each, then a scalar tail.
-    """
-    for r in range(r0, r1):
-        base = r * ldc
-        if has_rowscale:
-            s = rowscale[r]
-            _rowscale(c, base, j0, j1, s, bias)
-        if act == 1:
-            _relu(c, base, j0, j1)
-        elif act == 2:
-            _gelu_erf_row(c, base, j0, j1)
-        elif act == 3:
-            _gelu_tanh_row(c, base, j0, j1)
-
-
-@njit(cache=True, fastmath=FAST, inline="always", error_model="numpy")
-def _rowscale(c, base, j0, j1, s, bias):  # type: ignore[no-untyped-def]
-    j = j0
-    while j + _CHUNK <= j1:
-        for u in range(_CHUNK):
-            c[base + j + u] = fma32(c[base + j + u], s, bias[j + u])
-        j += _CHUNK
-    for jj in range(j, j1):
-        c[base + jj] = fma32(c[base + jj], s, bias[jj])
+    post.__name__ = post.__qualname__ = "post_parallel" if parallel else "post_serial"
+    return njit(cache=True, parallel=parallel, nogil=True, fastmath=FAST, error_model="numpy")(post)
 
 
-@njit(cache=True, fastmath=FAST, inline="always", error_model="numpy")
-def _relu(c, base, j0, j1):  # type: ignore[no-untyped-def]
-    j = j0
-    while j + _CHUNK <= j1:
-        for u in range(_CHUNK):
-            c[base + j + u] = max(c[base + j + u], _ZERO)
-        j += _CHUNK
-    for jj in range(j, j1):
-        c[base + jj] = max(c[base + jj], _ZERO)
-
-
-@njit(cache=True, fastmath=FAST, inline="always", error_model="numpy")
-def _gelu_erf_row(c, base, j0, j1):  # type: ignore[no-untyped-def]
-    j = j0
-    while j + _CHUNK <= j1:
-        for u in range(_CHUNK):
-            c[base + j + u] = gelu_erf(c[base + j + u])
-        j += _CHUNK
-    for jj in range(j, j1):
-        c[base + jj] = gelu_erf(c[base + jj])
-
-
-@njit(cache=True, fastmath=FAST, inline="always", error_model="numpy")
-def _gelu_tanh_row(c, base, j0, j1):  # type: ignore[no-untyped-def]
-    j = j0
-    while j + _CHUNK <= j1:
-        for u in range(_CHUNK):
-            c[base + j + u] = gelu_tanh(c[base + j + u])
-        j += _CHUNK
-    for jj in range(j, j1):
-        c[base + jj] = gelu_tanh(c[base + jj])
-
-
-@njit(cache=True, fastmath=FAST, nogil=True, error_model="numpy")
-def _post_serial(c, ldc, m, act, rowscale, has_rowscale, bias):  # type: ignore[no-untyped-def]
-    post_tile(c, ldc, 0, m, 0, ldc, act, rowscale, has_rowscale, bias)
-
-
-@njit(cache=True, fastmath=FAST, nogil=True, error_model="numpy", parallel=True)
-def _post_parallel(c, ldc, m, act, rowscale, has_rowscale, bias):  # type: ignore[no-untyped-def]
-    blocks = (m + _ROWS_PER_BLOCK - 1) // _ROWS_PER_BLOCK
-    for b in prange(blocks):
-        r0 = b * _ROWS_PER_BLOCK
-        post_tile(c, ldc, r0, min(m, r0 + _ROWS_PER_BLOCK), 0, ldc, act, rowscale,
-                  has_rowscale, bias)  # fmt: skip
+_POST = (_make_post(False), _make_post(True))
+_PARALLEL_POST_MIN = 1 << 20
 
 
 def post_rows(
@@ -224,10 +179,14 @@ def post_rows(
     has_rowscale: bool,
     bias: npt.NDArray[np.float32],
     threads: int,
-) -> None:
-    """``post_tile`` over all ``m`` rows of ``c`` (flat, row stride ``ldc``), in place; split
-    over ``threads`` by row blocks."""
-    if threads == 1 or m < 2 * _ROWS_PER_BLOCK:
-        _post_serial(c, ldc, m, act, rowscale, has_rowscale, bias)
+) -> npt.NDArray[np.float32]:
+    """The float epilogue of ``m`` rows of flat ``c`` (row stride ``ldc``) into a new array:
+    with ``has_rowscale`` first ``y = fma(y, rowscale[r], bias[j])`` (per-row activation
+    scales, computed in ``c``), then the activation ``act`` (``ACTIVATIONS``)."""
+    out = np.empty_like(c)
+    # a parallel region costs more than it saves below ~1M elements (~1 ms of GELU)
+    if threads == 1 or m * ldc < _PARALLEL_POST_MIN:
+        _POST[0](c, ldc, m, act, rowscale, has_rowscale, bias, out)
     else:
-        with_threads(_post_parallel, threads)(c, ldc, m, act, rowscale, has_rowscale, bias)
+        with_threads(_POST[1], threads)(c, ldc, m, act, rowscale, has_rowscale, bias, out)
+    return out

@@ -150,7 +150,6 @@ def run_gemm(
             lut,
         )
     if post is not None:
-        # one vectorized pass after the GEMM: applied per block inside the drivers, the
-        # epilogue code made LLVM compile the whole driver ~4x slower
-        post_rows(c, np_, m, *post, threads)
+        # one vectorized pass after the GEMM (per block inside the drivers it ran scalar)
+        out = post_rows(c, np_, m, *post, threads).reshape(m, np_)
     return out if np_ == n else np.ascontiguousarray(out[:, :n])
