@@ -21,7 +21,6 @@ from torch import nn
 
 import quantbridge.lowering as L
 from quantbridge.fx_quant import prepare_fx
-from quantbridge.qconfig import QConfigMapping, per_channel_dynamic_qconfig
 
 
 class _Model(nn.Module):
@@ -45,7 +44,7 @@ def _torch_ao(model: nn.Module) -> nn.Module:
 
 def _quantbridge(model: nn.Module, x: torch.Tensor) -> nn.Module:
     backend = L.get_backend("numba")
-    mapping = QConfigMapping().set_global(per_channel_dynamic_qconfig)
+    mapping = backend.qconfig_mapping(dynamic=True)  # per-channel weights, 7-bit on avx2
     prepared = prepare_fx(model, mapping, (x,), backend_config=backend.backend_config)
     prepared(x)
     return backend.convert(prepared)
