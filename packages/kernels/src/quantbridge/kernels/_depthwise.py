@@ -34,11 +34,10 @@ from quantbridge.kernels._dw_simd import BLOCK_PIXELS, KIND_IDS, LANES, dw_block
 # taps per output for which float32 sums stay exact (255 * 255 * 256 < 2**24)
 MAX_TAPS = 256
 
-# Multiply-adds below which one thread runs the conv: these kernels do ~15 multiply-adds per
-# ns on one core here, so 2M is ~130 us of serial work, past the ~80 us from which splitting
-# pays for a ~20 us parallel-region launch (idle machine). ``python -m quantbridge.kernels.bench
-# --crossover`` measures the crossover (kernels README, Threads).
-PARALLEL_MIN_MACS = 1 << 21
+# Multiply-adds below which one thread runs the conv. ``python -m quantbridge.kernels.bench
+# --crossover`` (kernels README, Threads) on this AMD Zen 3: 2 threads break even at ~170K
+# multiply-adds and gain 1.1-1.4x from ~0.7M.
+PARALLEL_MIN_MACS = 1 << 19
 
 
 def _make_driver(parallel: bool) -> Any:
