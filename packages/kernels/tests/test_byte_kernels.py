@@ -26,7 +26,7 @@ if str(HERE) not in sys.path:  # the references, under --import-mode=importlib
     sys.path.insert(0, str(HERE))
 
 from test_conv import reference_conv2d  # noqa: E402
-from test_linear import reference_dynamic, reference_linear  # noqa: E402
+from test_linear import _case, reference_dynamic, reference_linear  # noqa: E402
 
 F32 = np.float32
 needs_avx2 = pytest.mark.skipif("avx2" not in available_targets(), reason="needs an AVX2 CPU")
@@ -87,14 +87,9 @@ def test_linear_on_byte_kernels_matches_integer_reference(
     m, k, n, per_channel, wzp, relu, threads, seed
 ):
     rng = np.random.default_rng(seed)
-    a = rng.integers(0, 256, (m, k), dtype=np.uint8)
-    w = rng.integers(-64, 65, (n, k), dtype=np.int8)
-    w_s = rng.uniform(0.002, 0.02, n) if per_channel else float(rng.uniform(0.002, 0.02))
-    w_zp = rng.integers(-9, 9, n) if wzp else 0
-    bias = rng.normal(0, 2, n).astype(F32)
-    a_s, a_zp = float(rng.uniform(0.01, 0.1)), int(rng.integers(0, 256))
-    o_s = max(float(np.sqrt(k)) * 60 * 40 * a_s * float(np.mean(w_s)) / 40, 1e-4)
-    o_zp = int(rng.integers(60, 200))
+    a, a_s, a_zp, w, w_s, w_zp, bias, o_s, o_zp = _case(
+        rng, m, k, n, per_channel, wzp, True, w_range=(-64, 65)
+    )
     packed = PackedLinearWeight(w, w_s, w_zp, bias, target="avx2")
     assert packed.kernel == "avx2_byte"
     got = linear(a, packed, a_s, a_zp, o_s, o_zp, relu=relu, num_threads=threads)

@@ -3,11 +3,10 @@
 B is packed int8 ``[Np/16][Kp/4][16][4]``; one step consumes 4 k values:
 ``acc(8 x i32) += vpmaddwd(vpmaddubsw(broadcast(a[k:k+4] as i32), b_panel[step][8 cols][4]),
 ones)``. ``vpmaddubsw`` adds two u8 x s8 products into a saturating int16, so this target is
-exact only when no such pair can pass 32767: every weight in [-64, 64] (then
-``2 * 255 * 64 = 32640``) or every activation code at most 127 (``2 * 127 * 128 = 32512``).
-The callers choose it only then (``_pack.byte_kernel_exact``); otherwise the int16 ``avx2``
-target runs. It reads half the bytes of ``avx2`` per product and needs no widened copy of
-the activations.
+exact only when no such pair can pass 32767: with every weight in [-64, 64] it cannot
+(``2 * 255 * 64 = 32640``). ``_pack.kernel_family`` picks this family for such weights at
+pack time; every other weight runs the int16 ``avx2`` kernels. It reads half the bytes of
+``avx2`` per product and needs no widened copy of the activations.
 """
 
 from __future__ import annotations

@@ -123,20 +123,9 @@ def gelu_tanh(x):  # type: ignore[no-untyped-def]
     return x / (_ONE + exp32(-_TWO * u))
 
 
-# activation codes of the dynamic linear epilogue (``_gemm_simd`` f32 post drivers)
+# activation codes of the dynamic linear epilogue (``post_rows``)
 ACT_NONE, ACT_RELU, ACT_GELU, ACT_GELU_TANH = 0, 1, 2, 3
 ACTIVATIONS = {"none": ACT_NONE, "relu": ACT_RELU, "gelu": ACT_GELU, "gelu_tanh": ACT_GELU_TANH}
-
-
-# activation codes of the dynamic linear epilogue (``_gemm_simd`` f32 post drivers)
-ACT_NONE, ACT_RELU, ACT_GELU, ACT_GELU_TANH = 0, 1, 2, 3
-ACTIVATIONS = {"none": ACT_NONE, "relu": ACT_RELU, "gelu": ACT_GELU, "gelu_tanh": ACT_GELU_TANH}
-
-
-# elements per straight-line chunk of the tile epilogue (one AVX2 vector of float32)
-_CHUNK = 8
-# rows per parallel work item of post_rows
-_ROWS_PER_BLOCK = 16
 
 
 def _make_post(parallel: bool) -> Any:

@@ -118,7 +118,8 @@ class PackedLinearWeight:
         self._colcorr_f: dict[str, npt.NDArray[np.float32]] = {}
         self._requant: dict[tuple[float, float | None, bool], Any] = {}
         self._rows: dict[int, tuple[npt.NDArray[np.int64], npt.NDArray[np.int32]]] = {}
-        self._scale_span = (0.0, 0.0)  # (min, max) weight scale, set with the padded scales
+        # (min, max) weight scale: bounds every dynamic scale product (``dynamic_epilogue``)
+        self._scale_span = (float(self.scales.min()), float(self.scales.max()))
 
     @property
     def zero_colcorr(self) -> npt.NDArray[np.int32]:
@@ -227,7 +228,6 @@ class PackedLinearWeight:
             scales = np.zeros(self.n_padded, np.float32)
             scales[: self.n] = self.scales
             self._colcorr_f["scales"] = scales
-            self._scale_span = (float(self.scales.min()), float(self.scales.max()))
         with np.errstate(over="ignore", under="ignore"):  # refused just below
             mult = scales * np.float32(act_scale)
         low, high = self._scale_span

@@ -36,7 +36,12 @@ from quantbridge.lowering._context import (
 )
 from quantbridge.lowering._errors import LoweringError
 from quantbridge.lowering._rules import LoweringRule, RuleMatch
-from quantbridge.lowering._table import _no_kernel, default_lowering_rules, eval_identity
+from quantbridge.lowering._table import (
+    _no_kernel,
+    _nodes_in,
+    default_lowering_rules,
+    eval_identity,
+)
 from quantbridge.patterns import (
     MatchAllNode,
     Nested,
@@ -279,7 +284,7 @@ class _Pass:
             what = eval_identity(node)
             if what is None or not node.args or not isinstance(node.args[0], Node):
                 continue
-            if any(isinstance(a, Node) for a in [*node.args[1:], *node.kwargs.values()]):
+            if _nodes_in([*node.args[1:], *node.kwargs.values()]):
                 continue  # a run-time argument: not provably an identity
             node.replace_all_uses_with(node.args[0])
             self.ctx.record_removed(node, f"{what} (identity in eval, float): removed")
