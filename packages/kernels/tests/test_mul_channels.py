@@ -68,6 +68,22 @@ def test_equals_mul_on_the_broadcast_and_the_integer_reference(case):
     np.testing.assert_array_equal(got, reference(a, a_qp, b, b_qp, out_qp, case["relu"]))
 
 
+@pytest.mark.parametrize("layout", ["nchw", "channels_last"])
+def test_the_multiplier_rounds_in_float32_not_float64(layout):
+    # (250 - 0) * (3 - 0) * m is exactly 4.5 in float32 but 4.50000004 in float64 with these
+    # scales: a product formed in double rounds to 5 where torch's float32 gives 4
+    a_qp, b_qp, out_qp = (0.03, 0), (0.004, 0), (0.02, 0)
+    a = np.arange(256, dtype=np.uint8).reshape(1, 1, 16, 16).repeat(2, axis=1)
+    b = np.full((1, 2, 1, 1), 3, np.uint8)
+    want = reference(a, a_qp, b, b_qp, out_qp, False)
+    assert want[0, 0, 15, 10] == 4  # a = 250: the tie, rounded to even
+    if layout == "channels_last":
+        a = channels_last(a)
+    got = qk.mul_channels(a, a_qp, b, b_qp, out_qp)
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(got, qk.mul(a, a_qp, np.broadcast_to(b, a.shape), b_qp, out_qp))
+
+
 def test_large_channels_last_input_runs_in_parallel_chunks():
     rng = np.random.default_rng(1)
     a = channels_last(rng.integers(0, 256, (1, 96, 56, 56), dtype=np.uint8))

@@ -44,6 +44,7 @@ from quantbridge.kernels import _avx2, _avx2_byte, _vnni
 from quantbridge.kernels._ir import (
     F32T,
     I8,
+    I16,
     I32,
     I64,
     declare,
@@ -290,6 +291,16 @@ def _make_kernel(target: str, mr: int, ku: int, mode: str) -> Any:
             ]
             zero_f = ir.Constant(vf32, [0.0] * lanes)
             top_f = ir.Constant(vf32, [255.0] * lanes)
+        # AVX2 u8 rows (2 vectors of 8 codes) are packed to bytes with vpackssdw/vpackuswb
+        packed_rows = mode in ("u8", "u8add") and lanes == 8 and nvec == 2
+        row_codes: list[list[ir.Value]] = [[] for _ in range(mr)]
+        if packed_rows:
+            v16i16 = ir.VectorType(I16, 16)
+            pack_dw = declare(mod, ir.FunctionType(v16i16, [vi32, vi32]), "llvm.x86.avx2.packssdw")
+            pack_wb = declare(
+                mod, ir.FunctionType(ir.VectorType(I8, 32), [v16i16, v16i16]),
+                "llvm.x86.avx2.packuswb",
+            )  # fmt: skip
         for v in range(nvec):
             jv = builder.add(j0, ir.Constant(I64, v * lanes))
             wz = load_vec(builder, builder.gep(wz_p, [jv]), vi32)
@@ -335,7 +346,8 @@ def _make_kernel(target: str, mr: int, ku: int, mode: str) -> Any:
                     x = builder.fadd(
                         builder.call(rint, [builder.fmul(builder.fadd(fv, bq), mu)]), ozp_v
                     )
-                    x = builder.select(builder.fcmp_unordered("<", x, qmin_f), qmin_f, x)
+                    # x > qmin ? x : qmin (NaN goes to qmin): one max instruction on x86
+                    x = builder.select(builder.fcmp_ordered(">", x, qmin_f), x, qmin_f)
                     x = builder.select(builder.fcmp_ordered(">", x, qmax_f), qmax_f, x)
                     if mode == "u8add":
                         # x is the conv's output code; add the residual code as the add kernel
@@ -351,6 +363,9 @@ def _make_kernel(target: str, mr: int, ku: int, mode: str) -> Any:
                         x = builder.select(builder.fcmp_unordered("<", x, zero_f), zero_f, x)
                         x = builder.select(builder.fcmp_ordered(">", x, top_f), top_f, x)
                     codes = builder.fptosi(x, vi32)
+                    if packed_rows:  # stored a whole row at a time, below
+                        row_codes[r].append(codes)
+                        continue
                     outv = builder.trunc(codes, ir.VectorType(I8, lanes))
                     outv = _lookup(builder, has_lut, lut_p, codes, outv)
                 else:
@@ -362,6 +377,20 @@ def _make_kernel(target: str, mr: int, ku: int, mode: str) -> Any:
                     store_vec(builder, outv, builder.gep(c_p, [cidx]))
             if mode == "u8t":
                 _store_transposed(builder, row_vals, c_p, j0, v * lanes, ldc, r0, mvalid)
+        for r, (lo, hi) in enumerate(row_codes if packed_rows else []):
+            # the row's 16 codes, all in [0, 255], as 16 bytes: two saturating packs and one
+            # lane fix-up instead of two truncations, and one store instead of two
+            words = builder.call(pack_dw, [lo, hi])  # lo0-3 hi0-3 | lo4-7 hi4-7 (int16)
+            both = builder.call(pack_wb, [words, words])  # per 128-bit lane: 8 bytes, twice
+            v16 = ir.VectorType(I32, 16)
+            order = [0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23]
+            undef = ir.Constant(both.type, ir.Undefined)
+            outv = builder.shuffle_vector(both, undef, ir.Constant(v16, order))
+            codes = builder.shuffle_vector(lo, hi, ir.Constant(v16, list(range(16))))
+            outv = _lookup(builder, has_lut, lut_p, codes, outv)
+            cidx = builder.add(builder.mul(builder.add(r0, ir.Constant(I64, r)), ldc), j0)
+            with builder.if_then(builder.icmp_signed("<", ir.Constant(I64, r), mvalid)):
+                store_vec(builder, outv, builder.gep(c_p, [cidx]))
         return context.get_dummy_value()
 
     return codegen

@@ -23,6 +23,8 @@ with few input channels keep the channels unpadded and walk whole kernel rows as
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import numpy.typing as npt
 from numba import njit
@@ -165,10 +167,10 @@ class PackedConvWeight:
             self._dw_weight = np.zeros((kh * kw, self._dw_cp), np.float32)
             self._dw_weight[:, :oc] = w_minus_zp.reshape(oc, kh * kw).T
             self._dw_wsum = self._dw_weight.sum(axis=0, dtype=np.float32)  # exact: < 2**24
-            self._dw_corr: dict[int, npt.NDArray[np.float32]] = {}
         self._dw_epilogue: dict[tuple[float, float], tuple[npt.NDArray[np.float32], ...]] = {}
         self._koffs: dict[tuple[int, int], npt.NDArray[np.int64]] = {}
         self._rowoffs: dict[tuple[int, ...], npt.NDArray[np.int64]] = {}
+        self._plans: dict[tuple[object, ...], _ConvPlan] = {}  # see _conv
 
     def koffs(self, wp: int) -> list[npt.NDArray[np.int64]]:
         """Per-group activation offsets of each k step for padded input width ``wp``."""
@@ -262,130 +264,146 @@ def _conv(
 ) -> npt.NDArray[np.uint8]:
     if not isinstance(packed, PackedConvWeight):
         raise KernelError(f"packed: expected a PackedConvWeight, got {type(packed).__name__}")
-    if packed.dims != dims:
-        raise KernelError(f"{name}: packed weight is for conv{packed.dims}d, not conv{dims}d")
-    xa = check_array("x", x, np.uint8, dims + 2, contiguous=False)
-    nhwc = None if xa.flags.c_contiguous else channels_last_data(xa)
-    if nhwc is None and not xa.flags.c_contiguous:
-        raise KernelError(
-            f"x: expected a C-contiguous (N, C, ...) array or channels-last data viewed as one, "
-            f"got strides {xa.strides}; pass np.ascontiguousarray(x)"
-        )
-    x4 = xa if dims == 2 else xa[:, :, None, :]
-    n, c, h, w = (int(s) for s in x4.shape)
-    if c != packed.in_channels:
-        raise KernelError(
-            f"{name}: input has {c} channels but the weight expects {packed.in_channels} "
-            f"(C/groups={packed.cg} x groups={packed.groups})"
-        )
-    a_zp = _fast_zp(x_zero_point, "x_zero_point")
-    o_zp = _fast_zp(out_zero_point, "out_zero_point")
-    # a fused add's table maps the add's codes: it cannot narrow the conv's clamp range
-    qmin, qmax, table = epilogue_lut(lut, o_zp if relu else 0, fold=fused_add is None)
-    if type(x_scale) is not float:  # float scales are range-checked by the epilogues
-        x_scale = f32_scale("x_scale", x_scale)
-    if type(out_scale) is not float:
-        out_scale = f32_scale("out_scale", out_scale)
     threads = apply_num_threads(num_threads, name)
-    oh, ow = packed.output_size(h, w)
-    if oh < 1 or ow < 1:
-        raise KernelError(
-            f"{name}: input spatial size {(h, w)[2 - dims :]} is too small for kernel "
-            f"{(packed.kh, packed.kw)[2 - dims :]} with padding/dilation; output would be empty"
-        )
-    ph, pw = packed.padding
-    hp, wp = h + 2 * ph, w + 2 * pw
-    if packed.depthwise and fused_add is None:
-        dw_out = _depthwise(xa if nhwc is None else None, nhwc, packed, n, c, h, w, oh, ow,
-                            x_scale, out_scale, a_zp, o_zp, qmin, qmax, table,
-                            threads)  # fmt: skip
-        dw_nchw: npt.NDArray[np.uint8] = dw_out.transpose(0, 3, 1, 2)
-        if not channels_last:
-            dw_nchw = np.ascontiguousarray(dw_nchw)
-        return dw_nchw if dims == 2 else dw_nchw[:, :, 0, :]
-    g, cg, cg4 = packed.groups, packed.cg, packed.cg4
-    if nhwc is not None and ph == pw == 0 and cg == cg4 and not packed.row_packed:
-        xp = nhwc.reshape(n, h, w, g, cg4)  # already the layout the kernels read: no copy
-        flat = xp.reshape(-1)
+    key = _plan_key(x, x_scale, x_zero_point, out_scale, out_zero_point, relu, channels_last,
+                    dims, fused_add, lut, threads)  # fmt: skip
+    plan = None if key is None else packed._plans.get(key)
+    if plan is None:
+        x, plan = _ConvPlan.build(
+            x, packed, x_scale, x_zero_point, out_scale, out_zero_point, relu, channels_last,
+            dims, name, fused_add, lut, threads,
+        )  # fmt: skip
+        if key is not None and len(packed._plans) < _PLAN_LIMIT:
+            packed._plans[key] = plan
+    out: npt.NDArray[np.uint8] = plan.run(x, fused_add)
+    return out
+
+
+# plans kept per packed weight: one per input shape/layout, qparams and thread count in use
+_PLAN_LIMIT = 32
+
+
+def _plan_key(
+    x: object,
+    x_scale: object,
+    x_zero_point: object,
+    out_scale: object,
+    out_zero_point: object,
+    relu: object,
+    channels_last: object,
+    dims: int,
+    fused_add: tuple[npt.NDArray[np.uint8], npt.NDArray[np.float32]] | None,
+    lut: object,
+    threads: int,
+) -> tuple[object, ...] | None:
+    """What a call's plan depends on, or None when the call cannot reuse one (then it is
+    checked and planned from scratch). A reused plan needs exactly the array layout it was
+    made for (a plain uint8 ndarray with the same shape and strides), the same argument values
+    (zero points also of the same type) and the same table contents. A fused add's operand and
+    parameters are passed to the plan at each call; only whether there is one matters."""
+    if type(x) is not np.ndarray or x.dtype != np.uint8:
+        return None
+    if lut is None:
+        table = None
+    elif type(lut) is np.ndarray:
+        table = (lut.dtype.str, lut.shape, lut.tobytes())
     else:
-        size = n * hp * wp * g * cg4
-        buf = np.empty(size + K_ALIGN, np.uint8)  # every byte is written below
-        buf[size:] = 0  # the tail row-packed k steps may read (against zero weights)
-        xp = buf[:size].reshape(n, hp, wp, g, cg4)
-        flat = buf
-        if nhwc is not None:
-            nhwc_into_padded_nhwc(
-                nhwc.reshape(-1), n, h, w, g, cg, cg4, ph, pw, wp, hp, a_zp, xp.reshape(-1)
+        return None
+    key = (x.shape, x.strides, x_scale, x_zero_point, type(x_zero_point), out_scale,
+           out_zero_point, type(out_zero_point), relu, channels_last, dims, threads, table,
+           fused_add is None)  # fmt: skip
+    try:
+        hash(key)
+    except TypeError:  # e.g. a 0-d array as a scale: valid, but checked on every call
+        return None
+    return key
+
+
+class _ConvPlan:
+    """What a conv call derives from its arguments other than the input codes (the checks,
+    layouts, offsets, epilogue vectors and kernel choice), made once per ``_plan_key``.
+    ``run(x, fused_add)`` takes the checked input array."""
+
+    __slots__ = ("run",)
+
+    def __init__(self, run: Any) -> None:
+        self.run = run
+
+    @staticmethod
+    def build(
+        x: object,
+        packed: PackedConvWeight,
+        x_scale: float,
+        x_zero_point: int,
+        out_scale: float,
+        out_zero_point: int,
+        relu: bool,
+        channels_last: bool,
+        dims: int,
+        name: str,
+        fused_add: tuple[npt.NDArray[np.uint8], npt.NDArray[np.float32]] | None,
+        lut: npt.NDArray[np.uint8] | None,
+        threads: int,
+    ) -> tuple[npt.NDArray[np.uint8], _ConvPlan]:
+        """The checked input array and the plan for this call (every argument checked)."""
+        if packed.dims != dims:
+            raise KernelError(f"{name}: packed weight is for conv{packed.dims}d, not conv{dims}d")
+        xa = check_array("x", x, np.uint8, dims + 2, contiguous=False)
+        cl = not xa.flags.c_contiguous
+        if cl and channels_last_data(xa) is None:
+            raise KernelError(
+                f"x: expected a C-contiguous (N, C, ...) array or channels-last data viewed as "
+                f"one, got strides {xa.strides}; pass np.ascontiguousarray(x)"
             )
-        else:
-            nchw_into_padded_nhwc(
-                x4.reshape(-1), n, c, h, w, g, cg, cg4, ph, pw, wp, hp, a_zp, xp.reshape(-1)
+        x4 = xa if dims == 2 else xa[:, :, None, :]
+        n, c, h, w = (int(s) for s in x4.shape)
+        if c != packed.in_channels:
+            raise KernelError(
+                f"{name}: input has {c} channels but the weight expects {packed.in_channels} "
+                f"(C/groups={packed.cg} x groups={packed.groups})"
             )
-    rowoffs = packed.row_offsets(n, hp, wp, oh, ow)
-    m = rowoffs.shape[0]
-    koffs = packed.koffs(wp)
-    if packed.groups == 1 and packed.target == "avx512_vnni" and not channels_last:
-        res_nchw = _conv_nchw_direct(
-            packed,
-            flat,
-            rowoffs,
-            koffs[0],
-            xp,
-            n,
-            oh,
-            ow,
-            x_scale,
-            out_scale,
-            a_zp,
-            o_zp,
-            qmin,
-            qmax,
-            table,
-            threads,
-        )
-        return res_nchw if dims == 2 else res_nchw[:, :, 0, :]
-    out = np.empty((n, oh, ow, packed.oc), np.uint8)
-    for gi, pg in enumerate(packed.groups_packed):
-        rowsum = _window_sums(xp, gi, packed, oh, ow) if pg.has_weight_zp else pg.rows(m)[1]
-        biasq, mult = pg.epilogue(x_scale, out_scale)
-        res = run_gemm(
-            pg.kernel,
-            flat,
-            rowoffs,
-            koffs[gi],
-            pg.packed,
-            pg.n,
-            pg.colcorr(a_zp),
-            pg.zero_points,
-            rowsum,
-            biasq,
-            mult,
-            o_zp,
-            qmin,
-            False,
-            threads,
-            residual=None if fused_add is None else fused_add[0],
-            add_params=None if fused_add is None else fused_add[1],
-            lut=table,
-            qmax=qmax,
-        )
-        if packed.groups == 1:
-            out = res.reshape(n, oh, ow, packed.oc)  # type: ignore[assignment]  # no scatter
+        a_zp = _fast_zp(x_zero_point, "x_zero_point")
+        o_zp = _fast_zp(out_zero_point, "out_zero_point")
+        # a fused add's table maps the add's codes: it cannot narrow the conv's clamp range
+        qmin, qmax, table = epilogue_lut(lut, o_zp if relu else 0, fold=fused_add is None)
+        if type(x_scale) is not float:  # float scales are range-checked by the epilogues
+            x_scale = f32_scale("x_scale", x_scale)
+        if type(out_scale) is not float:
+            out_scale = f32_scale("out_scale", out_scale)
+        oh, ow = packed.output_size(h, w)
+        if oh < 1 or ow < 1:
+            raise KernelError(
+                f"{name}: input spatial size {(h, w)[2 - dims :]} is too small for kernel "
+                f"{(packed.kh, packed.kw)[2 - dims :]} with padding/dilation; output would be "
+                "empty"
+            )
+        geometry = (n, c, h, w, oh, ow, cl, channels_last)
+        epilogue = (x_scale, out_scale, a_zp, o_zp, qmin, qmax, table, threads)
+        if packed.depthwise and fused_add is None:
+            run4 = _depthwise_plan(packed, *geometry, *epilogue)
         else:
-            out[..., gi * packed.ocg : (gi + 1) * packed.ocg] = res.reshape(n, oh, ow, packed.ocg)
-    res_nchw = out.transpose(0, 3, 1, 2)
-    if not channels_last:
-        res_nchw = np.ascontiguousarray(res_nchw)
-    return res_nchw if dims == 2 else res_nchw[:, :, 0, :]
+            run4 = _gemm_plan(packed, *geometry, *epilogue)
+        if dims == 2:
+            return xa, _ConvPlan(run4)
+
+        def run1(x: npt.NDArray[np.uint8], fused: Any) -> npt.NDArray[np.uint8]:
+            out: npt.NDArray[np.uint8] = run4(x[:, :, None, :], fused)[:, :, 0, :]
+            return out
+
+        return xa, _ConvPlan(run1)
+
+
+def _to_nchw(out: npt.NDArray[np.uint8], channels_last: bool) -> npt.NDArray[np.uint8]:
+    """NHWC result as NCHW: a view of the channels-last data, or a C-contiguous copy."""
+    nchw = out.transpose(0, 3, 1, 2)
+    return nchw if channels_last else np.ascontiguousarray(nchw)
 
 
 # output planes narrower than this (in either dimension) get the padded copy
 _DW_PAD_BELOW = 10
 
 
-def _depthwise(
-    x_nchw: npt.NDArray[np.uint8] | None,
-    x_nhwc: npt.NDArray[np.uint8] | None,
+def _depthwise_plan(
     packed: PackedConvWeight,
     n: int,
     c: int,
@@ -393,6 +411,8 @@ def _depthwise(
     w: int,
     oh: int,
     ow: int,
+    cl: bool,
+    channels_last: bool,
     x_scale: float,
     out_scale: float,
     a_zp: int,
@@ -401,48 +421,134 @@ def _depthwise(
     qmax: int,
     table: npt.NDArray[np.uint8],
     threads: int,
-) -> npt.NDArray[np.uint8]:
+) -> Any:
     """Depthwise conv into a new NHWC array; reads channels-last input in place (NCHW input
     is transposed once), padding handled by the kernels (no zero-point-padded copy)."""
-    if x_nhwc is None:
-        assert x_nchw is not None
-        x_nhwc = np.empty((n, h, w, c), np.uint8)
-        nchw_into_padded_nhwc(
-            x_nchw.reshape(-1), n, c, h, w, 1, c, c, 0, 0, w, h, a_zp, x_nhwc.reshape(-1)
-        )
     sh, sw = packed.stride
     dh, dw = packed.dilation
     ph, pw = packed.padding
-    if (ph or pw) and min(oh, ow) < _DW_PAD_BELOW and packed.kw in (3, 5) and dw == 1:
-        # on small planes the border is a large share of the pixels: a zero-point-padded copy
-        # makes every pixel interior, so only the block kernels run (the per-pixel tap-list
-        # path is several times slower per pixel). 7x7x960: 1.46x faster; from 14x14 on, the
-        # copy costs what it saves (measured, kernels README "Depthwise")
-        hp, wp = h + 2 * ph, w + 2 * pw
-        padded = np.empty((n, hp, wp, c), np.uint8)
-        nhwc_into_padded_nhwc(
-            x_nhwc.reshape(-1), n, h, w, 1, c, c, ph, pw, wp, hp, a_zp, padded.reshape(-1)
-        )
-        x_nhwc, h, w, ph, pw = padded, hp, wp, 0, 0
+    # on small planes the border is a large share of the pixels: a zero-point-padded copy
+    # makes every pixel interior, so only the block kernels run (the per-pixel tap-list path
+    # is several times slower per pixel). 7x7x960: 1.46x faster; from 14x14 on, the copy
+    # costs what it saves (measured, kernels README "Depthwise")
+    pad = bool(ph or pw) and min(oh, ow) < _DW_PAD_BELOW and packed.kw in (3, 5) and dw == 1
+    hp, wp = h + 2 * ph, w + 2 * pw
     biasq, mult = packed.depthwise_epilogue(x_scale, out_scale)
-    corr = packed._dw_corr.get(a_zp)
-    if corr is None:  # x_zp * sum(w - w_zp) per channel, exact in float32
-        corr = np.float32(a_zp) * packed._dw_wsum
-        if len(packed._dw_corr) < 16:
-            packed._dw_corr[a_zp] = corr
-    out = np.empty((n, oh, ow, c), np.uint8)
+    corr = np.float32(a_zp) * packed._dw_wsum  # x_zp * sum(w - w_zp) per channel, exact
     rows = n * oh
-    macs = rows * ow * c * packed.kh * packed.kw
-    if threads > 1 and macs >= depthwise_module.PARALLEL_MIN_MACS:  # read per call
+    if threads > 1 and rows * ow * c * packed.kh * packed.kw >= depthwise_module.PARALLEL_MIN_MACS:
         drv, per_task = with_threads(depthwise_parallel, threads), -(-rows // (4 * threads))
     else:
         drv, per_task = depthwise_serial, rows
-    drv(
-        x_nhwc.reshape(-1), n, h, w, c, oh, ow, packed.kh, packed.kw, sh, sw, dh, dw, ph, pw,
-        packed._dw_weight, packed._dw_cp, corr, biasq, mult, np.float32(a_zp), o_zp,
-        qmin, qmax, table, out.reshape(-1), per_task,
-    )  # fmt: skip
-    return out
+    kh, kw = packed.kh, packed.kw
+    weights, cp = packed._dw_weight, packed._dw_cp
+    xh, xw, xph, xpw = (hp, wp, 0, 0) if pad else (h, w, ph, pw)
+
+    def run(x4: npt.NDArray[np.uint8], _fused: Any) -> npt.NDArray[np.uint8]:
+        if cl:
+            nhwc = x4.transpose(0, 2, 3, 1)
+        else:
+            nhwc = np.empty((n, h, w, c), np.uint8)
+            nchw_into_padded_nhwc(
+                x4.reshape(-1), n, c, h, w, 1, c, c, 0, 0, w, h, a_zp, nhwc.reshape(-1)
+            )
+        if pad:
+            padded = np.empty((n, hp, wp, c), np.uint8)
+            nhwc_into_padded_nhwc(
+                nhwc.reshape(-1), n, h, w, 1, c, c, ph, pw, wp, hp, a_zp, padded.reshape(-1)
+            )
+            nhwc = padded
+        out = np.empty((n, oh, ow, c), np.uint8)
+        drv(
+            nhwc.reshape(-1), n, xh, xw, c, oh, ow, kh, kw, sh, sw, dh, dw, xph, xpw, weights,
+            cp, corr, biasq, mult, np.float32(a_zp), o_zp, qmin, qmax, table, out.reshape(-1),
+            per_task,
+        )  # fmt: skip
+        return _to_nchw(out, channels_last)
+
+    return run
+
+
+def _gemm_plan(
+    packed: PackedConvWeight,
+    n: int,
+    c: int,
+    h: int,
+    w: int,
+    oh: int,
+    ow: int,
+    cl: bool,
+    channels_last: bool,
+    x_scale: float,
+    out_scale: float,
+    a_zp: int,
+    o_zp: int,
+    qmin: int,
+    qmax: int,
+    table: npt.NDArray[np.uint8],
+    threads: int,
+) -> Any:
+    """Implicit-im2col GEMMs, one per group, over the zero-point-padded NHWC buffer (the
+    channels-last input itself when no padding is needed)."""
+    g, cg, cg4, oc, ocg = packed.groups, packed.cg, packed.cg4, packed.oc, packed.ocg
+    ph, pw = packed.padding
+    hp, wp = h + 2 * ph, w + 2 * pw
+    in_place = cl and ph == pw == 0 and cg == cg4 and not packed.row_packed
+    size = n * hp * wp * g * cg4
+    rowoffs = packed.row_offsets(n, hp, wp, oh, ow)
+    m = rowoffs.shape[0]
+    koffs = packed.koffs(wp)
+    direct = g == 1 and packed.target == "avx512_vnni" and not channels_last
+    # per group: its packed weight, k offsets, and the epilogue vectors; the row sums are
+    # data-dependent only with weight zero points (None: computed per call)
+    groups = [
+        (pg, koffs[gi], pg.colcorr(a_zp), None if pg.has_weight_zp else pg.rows(m)[1],
+         *pg.epilogue(x_scale, out_scale))
+        for gi, pg in enumerate(packed.groups_packed)
+    ]  # fmt: skip
+
+    def run(
+        x4: npt.NDArray[np.uint8],
+        fused: tuple[npt.NDArray[np.uint8], npt.NDArray[np.float32]] | None,
+    ) -> npt.NDArray[np.uint8]:
+        if in_place:  # already the layout the kernels read: no copy
+            xp = x4.transpose(0, 2, 3, 1).reshape(n, h, w, g, cg4)
+            flat = xp.reshape(-1)
+        else:
+            buf = np.empty(size + K_ALIGN, np.uint8)  # every byte is written below
+            buf[size:] = 0  # the tail row-packed k steps may read (against zero weights)
+            xp = buf[:size].reshape(n, hp, wp, g, cg4)
+            flat = buf
+            if cl:
+                nhwc_into_padded_nhwc(
+                    x4.transpose(0, 2, 3, 1).reshape(-1), n, h, w, g, cg, cg4, ph, pw, wp, hp,
+                    a_zp, xp.reshape(-1),
+                )  # fmt: skip
+            else:
+                nchw_into_padded_nhwc(
+                    x4.reshape(-1), n, c, h, w, g, cg, cg4, ph, pw, wp, hp, a_zp, xp.reshape(-1)
+                )
+        if direct:
+            return _conv_nchw_direct(packed, flat, rowoffs, koffs[0], xp, n, oh, ow, x_scale,
+                                     out_scale, a_zp, o_zp, qmin, qmax, table, threads)  # fmt: skip
+        out = np.empty((n, oh, ow, oc), np.uint8) if g > 1 else None
+        for gi, (pg, kg, colcorr, rowsum, biasq, mult) in enumerate(groups):
+            res = run_gemm(
+                pg.kernel, flat, rowoffs, kg, pg.packed, pg.n, colcorr, pg.zero_points,
+                _window_sums(xp, gi, packed, oh, ow) if rowsum is None else rowsum,
+                biasq, mult, o_zp, qmin, False, threads,
+                residual=None if fused is None else fused[0],
+                add_params=None if fused is None else fused[1],
+                lut=table, qmax=qmax,
+            )  # fmt: skip
+            if out is None:
+                out = res.reshape(n, oh, ow, oc)  # type: ignore[assignment]  # no scatter
+            else:
+                out[..., gi * ocg : (gi + 1) * ocg] = res.reshape(n, oh, ow, ocg)
+        assert out is not None
+        return _to_nchw(out, channels_last)
+
+    return run
 
 
 @njit(cache=True, nogil=True)

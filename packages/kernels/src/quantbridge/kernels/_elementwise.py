@@ -34,24 +34,19 @@ _CHUNK = 1 << 14
 
 
 @numba.njit(cache=True)
-def _requant(t, zp):  # type: ignore[no-untyped-def]
-    # round half to even, then add the zero point and saturate to uint8 (torch's vector path)
-    r = np.rint(t) + zp
-    if r < 0.0:
-        return 0
-    if r > 255.0:
-        return 255
-    return np.int32(r)
+def _requant(t, zp, lo):  # type: ignore[no-untyped-def]
+    # round half to even, add the zero point, saturate to [lo, 255] (torch's vector path;
+    # lo > 0 is a fused relu). Branch-free, so the loops that call it vectorize.
+    return np.uint8(min(max(np.rint(t) + zp, lo), np.float32(255.0)))
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, error_model="numpy")
 def _add_span(a, b, out, sa, pa, sb, pb, inv, zp, relu, start, stop):  # type: ignore[no-untyped-def]
+    floor = np.float32(0.0) if relu else np.float32(-np.inf)
     zero = np.float32(0.0)
     for i in range(start, stop):
-        c = fma32(sa, np.float32(a[i]), pa) + fma32(sb, np.float32(b[i]), pb)
-        if relu and c < zero:
-            c = zero
-        out[i] = _requant(c * inv, zp)
+        c = max(fma32(sa, np.float32(a[i]), pa) + fma32(sb, np.float32(b[i]), pb), floor)
+        out[i] = _requant(c * inv, zp, zero)
 
 
 @numba.njit(cache=True)
@@ -79,14 +74,13 @@ def _add_par(a, b, out, a_scale, a_zp, b_scale, b_zp, out_scale, out_zp, relu): 
         _add_span(a, b, out, sa, pa, sb, pb, inv, zp, relu, lo, min(lo + _CHUNK, n))
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, error_model="numpy")
 def _mul_span(a, b, out, za, zb, m, zp, relu, start, stop):  # type: ignore[no-untyped-def]
+    # za, zb as float32: |(qa - za) * (qb - zb)| <= 255 * 255, exact in float32 as in int32
+    lo = zp if relu else np.float32(0.0)  # mul_relu: max(q, out_zp)
     for i in range(start, stop):
-        p = (np.int32(a[i]) - za) * (np.int32(b[i]) - zb)
-        r = _requant(np.float32(p) * m, zp)
-        if relu and r < zp:
-            r = np.int32(zp)
-        out[i] = r
+        p = (np.float32(a[i]) - za) * (np.float32(b[i]) - zb)
+        out[i] = _requant(p * m, zp, lo)
 
 
 @numba.njit(cache=True)
@@ -98,14 +92,14 @@ def _mul_params(a_scale, b_scale, out_scale):  # type: ignore[no-untyped-def]
 @numba.njit(cache=True)
 def _mul(a, b, out, a_scale, a_zp, b_scale, b_zp, out_scale, out_zp, relu):  # type: ignore[no-untyped-def]
     m = _mul_params(a_scale, b_scale, out_scale)
-    za, zb = np.int32(a_zp), np.int32(b_zp)
+    za, zb = np.float32(a_zp), np.float32(b_zp)
     _mul_span(a, b, out, za, zb, m, np.float32(out_zp), relu, 0, a.size)
 
 
 @numba.njit(cache=True, parallel=True)
 def _mul_par(a, b, out, a_scale, a_zp, b_scale, b_zp, out_scale, out_zp, relu):  # type: ignore[no-untyped-def]
     m = _mul_params(a_scale, b_scale, out_scale)
-    za, zb = np.int32(a_zp), np.int32(b_zp)
+    za, zb = np.float32(a_zp), np.float32(b_zp)
     zp = np.float32(out_zp)
     n = a.size
     for c in numba.prange((n + _CHUNK - 1) // _CHUNK):

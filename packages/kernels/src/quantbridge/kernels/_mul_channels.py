@@ -26,52 +26,46 @@ U8 = npt.NDArray[np.uint8]
 QP = QParams | tuple[float, int]
 
 
-@numba.njit(cache=True)
-def _row(a, out, f, za, m, zp, relu):  # type: ignore[no-untyped-def]
-    # one channel's pixels (NCHW) times one factor f = qb - zp_b
-    for i in range(a.shape[0]):
-        r = _requant(np.float32((np.int32(a[i]) - za) * f) * m, zp)
-        if relu and r < zp:
-            r = np.int32(zp)
-        out[i] = r
-
-
-@numba.njit(cache=True)
-def _pixel(a, out, f, za, m, zp, relu):  # type: ignore[no-untyped-def]
-    # one pixel's channels (NHWC) times each channel's factor
-    for i in range(a.shape[0]):
-        r = _requant(np.float32((np.int32(a[i]) - za) * f[i]) * m, zp)
-        if relu and r < zp:
-            r = np.int32(zp)
-        out[i] = r
+@numba.njit(cache=True, error_model="numpy")
+def _scaled(a, out, f, za, m, zp, lo):  # type: ignore[no-untyped-def]
+    # out[p, j] = requant((a[p, j] - za) * f[j]) over rows p of [rows, C]; f is float32 and
+    # |product| <= 255 * 255, so the float32 product is the exact int32 one. No branch in
+    # the inner loop: LLVM vectorizes it.
+    for p in range(a.shape[0]):
+        for j in range(a.shape[1]):
+            out[p, j] = _requant(np.float32(np.float32(a[p, j]) - za) * f[j] * m, zp, lo)
 
 
 def _make(parallel: bool):  # type: ignore[no-untyped-def]
     loop = numba.prange if parallel else range
 
-    def nchw(a, b, out, za, zb, m, zp, relu):  # type: ignore[no-untyped-def]
+    def nchw(a, b, out, za, zb, m, zp, lo):  # type: ignore[no-untyped-def]
         # a, out: [N, C, S]; b: [Nb, C] with Nb in (1, N)
         n, c = a.shape[0], a.shape[1]
         for t in loop(n * c):
             i, j = t // c, t % c
-            f = np.int32(b[min(i, b.shape[0] - 1), j]) - zb
-            _row(a[i, j], out[i, j], f, za, m, zp, relu)
+            f = np.full(1, np.float32(np.int32(b[min(i, b.shape[0] - 1), j]) - zb))
+            _scaled(a[i, j].reshape(-1, 1), out[i, j].reshape(-1, 1), f, za, m, zp, lo)
 
-    def nhwc(a, b, out, za, zb, m, zp, relu):  # type: ignore[no-untyped-def]
+    def nhwc(a, b, out, za, zb, m, zp, lo):  # type: ignore[no-untyped-def]
         # a, out: [N, S, C]; the factors of image i computed once
         n, s, c = a.shape
-        f = np.empty((b.shape[0], c), np.int32)
+        f = np.empty((b.shape[0], c), np.float32)
         for i in range(b.shape[0]):
             for j in range(c):
-                f[i, j] = np.int32(b[i, j]) - zb
-        for t in loop(n * s):
-            i, p = t // s, t % s
-            _pixel(a[i, p], out[i, p], f[min(i, b.shape[0] - 1)], za, m, zp, relu)
+                f[i, j] = np.float32(np.int32(b[i, j]) - zb)
+        rows = -(-s // 64)  # pixels per task
+        tasks = -(-s // rows)
+        for t in loop(n * tasks):
+            i, k = t // tasks, t % tasks
+            start, stop = k * rows, min(s, (k + 1) * rows)
+            fi = f[min(i, b.shape[0] - 1)]
+            _scaled(a[i, start:stop], out[i, start:stop], fi, za, m, zp, lo)
 
     suffix = "_par" if parallel else ""
     nchw.__name__ = nchw.__qualname__ = f"_mul_channels_nchw{suffix}"
     nhwc.__name__ = nhwc.__qualname__ = f"_mul_channels_nhwc{suffix}"
-    jit = numba.njit(cache=True, parallel=parallel, nogil=True)
+    jit = numba.njit(cache=True, parallel=parallel, nogil=True, error_model="numpy")
     return jit(nchw), jit(nhwc)
 
 
@@ -114,21 +108,22 @@ def mul_channels(
             "and rank (use kernels.mul for equal shapes)"
         )
     sa, za, sb, zb, so, zo = binary_qparams(a_qparams, b_qparams, out_qparams, True)
-    m = _mul_params(sa, sb, so)
+    m = np.float32(_mul_params(sa, sb, so))  # numba hands a float32 back as a Python float
     factors = np.ascontiguousarray(qb.reshape(qb.shape[0], qb.shape[1]))
     n, c = qa.shape[0], qa.shape[1]
+    lo = np.float32(zo if relu else 0)  # relu clamps at the output zero point
     last = (0, *range(2, qa.ndim), 1)
     if order != last:  # C-contiguous, or any other dense order (read as NCHW)
         src = np.ascontiguousarray(qa)
         out = np.empty(qa.shape, np.uint8)
         kernel = choose_kernel(qa.size, "mul_channels", _nchw, _nchw_par)
-        kernel(src.reshape(n, c, -1), factors, out.reshape(n, c, -1), np.int32(za),
-               np.int32(zb), m, np.float32(zo), relu)  # fmt: skip
+        kernel(src.reshape(n, c, -1), factors, out.reshape(n, c, -1), np.float32(za),
+               np.int32(zb), m, np.float32(zo), lo)  # fmt: skip
         return out
     nhwc = qa.transpose(last)  # C-contiguous [N, *spatial, C]
     out_nhwc = np.empty(nhwc.shape, np.uint8)
     kernel = choose_kernel(qa.size, "mul_channels", _nhwc, _nhwc_par)
-    kernel(nhwc.reshape(n, -1, c), factors, out_nhwc.reshape(n, -1, c), np.int32(za),
-           np.int32(zb), m, np.float32(zo), relu)  # fmt: skip
+    kernel(nhwc.reshape(n, -1, c), factors, out_nhwc.reshape(n, -1, c), np.float32(za),
+           np.int32(zb), m, np.float32(zo), lo)  # fmt: skip
     result: U8 = out_nhwc.transpose(np.argsort(last))
     return result

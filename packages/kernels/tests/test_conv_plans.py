@@ -1,0 +1,167 @@
+"""A packed conv weight reuses its per-call plan: never with stale arguments, layouts or tables.
+
+Each call below uses one PackedConvWeight many times with arguments that differ in one thing
+from the call before (qparams, relu, layout, shape, table contents, thread count), and checks
+every result against the integer reference, so a plan reused across a change would fail.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from quantbridge.kernels import (
+    KernelError,
+    PackedConvWeight,
+    add,
+    available_targets,
+    build_lut,
+    conv1d,
+    conv2d,
+    conv2d_add,
+    set_num_threads,
+)
+
+HERE = Path(__file__).resolve().parent
+if str(HERE) not in sys.path:  # the references, under --import-mode=importlib
+    sys.path.insert(0, str(HERE))
+
+from test_conv import _channels_last, reference_conv2d  # noqa: E402
+
+TARGETS = available_targets()
+
+# (groups, in channels, out channels, kernel, padding): dense 1x1 (in place on channels-last
+# input), dense 3x3 (the padded copy), depthwise 3x3, a grouped conv
+SHAPES = [(1, 16, 32, 1, 0), (1, 8, 16, 3, 1), (24, 24, 24, 3, 1), (2, 4, 6, 3, 1)]
+
+
+def _weight(rng, groups, c, oc, k, target):
+    w = rng.integers(-63, 64, (oc, c // groups, k, k)).astype(np.int8)
+    ws = rng.uniform(0.002, 0.01, oc).astype(np.float32)
+    bias = rng.normal(0, 1, oc).astype(np.float32)
+    return w, ws, bias
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "g{}c{}o{}k{}".format(*s[:4]))
+def test_every_change_of_argument_gets_its_own_plan(target, shape):
+    groups, c, oc, k, pad = shape
+    rng = np.random.default_rng(7)
+    w, ws, bias = _weight(rng, groups, c, oc, k, target)
+    packed = PackedConvWeight(w, ws, 0, bias, padding=pad, groups=groups, target=target)
+    x = rng.integers(0, 256, (2, c, 9, 7), dtype=np.uint8)
+    calls = [
+        dict(x=x, qp=(0.05, 3, 0.2, 100), relu=False, cl=False),
+        dict(x=x, qp=(0.05, 3, 0.2, 100), relu=False, cl=False),  # the same: a reused plan
+        dict(x=x, qp=(0.07, 3, 0.2, 100), relu=False, cl=False),  # input scale
+        dict(x=x, qp=(0.07, 9, 0.2, 100), relu=False, cl=False),  # input zero point
+        dict(x=x, qp=(0.07, 9, 0.3, 100), relu=False, cl=False),  # output scale
+        dict(x=x, qp=(0.07, 9, 0.3, 90), relu=True, cl=False),  # output zero point, relu
+        dict(x=_channels_last(x), qp=(0.07, 9, 0.3, 90), relu=True, cl=False),  # layout in
+        dict(x=_channels_last(x), qp=(0.07, 9, 0.3, 90), relu=True, cl=True),  # layout out
+        dict(x=x[:1], qp=(0.07, 9, 0.3, 90), relu=True, cl=True),  # batch
+        dict(x=x[:, :, :5].copy(), qp=(0.07, 9, 0.3, 90), relu=True, cl=True),  # height
+    ]
+    for i, call in enumerate(calls):
+        s_in, z_in, s_out, z_out = call["qp"]
+        got = conv2d(
+            call["x"], packed, s_in, z_in, s_out, z_out, relu=call["relu"],
+            channels_last=call["cl"],
+        )  # fmt: skip
+        want = reference_conv2d(
+            np.ascontiguousarray(call["x"]), s_in, z_in, w, ws, 0, bias, s_out, z_out,
+            (1, 1), (pad, pad), (1, 1), groups, relu=call["relu"],
+        )  # fmt: skip
+        np.testing.assert_array_equal(got, want, err_msg=f"call {i}: {call['qp']}")
+        if not call["cl"]:
+            assert got.flags.c_contiguous
+    # the same input codes changed in place: the plan holds no data
+    x2 = x.copy()
+    first = conv2d(x2, packed, 0.05, 3, 0.2, 100)
+    x2[...] = 255 - x2
+    np.testing.assert_array_equal(
+        conv2d(x2, packed, 0.05, 3, 0.2, 100),
+        reference_conv2d(x2, 0.05, 3, w, ws, 0, bias, 0.2, 100, (1, 1), (pad, pad), (1, 1), groups),
+    )
+    assert not np.array_equal(first, conv2d(x2, packed, 0.05, 3, 0.2, 100))
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_a_table_changed_in_place_is_applied_as_it_is_now(target):
+    rng = np.random.default_rng(3)
+    w, ws, bias = _weight(rng, 1, 16, 32, 1, target)
+    packed = PackedConvWeight(w, ws, 0, bias, target=target)
+    x = rng.integers(0, 256, (1, 16, 6, 6), dtype=np.uint8)
+    plain = conv2d(x, packed, 0.05, 3, 0.2, 100)
+    table = build_lut(lambda v: np.clip(v, 0.0, 6.0), 0.2, 100, 0.2, 100).copy()  # a clamp
+    np.testing.assert_array_equal(conv2d(x, packed, 0.05, 3, 0.2, 100, lut=table), table[plain])
+    table[:] = np.arange(256, dtype=np.uint8)[::-1]  # now a table that is not a clamp
+    np.testing.assert_array_equal(conv2d(x, packed, 0.05, 3, 0.2, 100, lut=table), table[plain])
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_thread_count_changes_between_calls(threads):
+    rng = np.random.default_rng(5)
+    w, ws, bias = _weight(rng, 1, 32, 64, 3, "generic")
+    packed = PackedConvWeight(w, ws, 0, bias, padding=1)
+    x = rng.integers(0, 256, (1, 32, 40, 40), dtype=np.uint8)
+    want = reference_conv2d(x, 0.05, 3, w, ws, 0, bias, 0.2, 100, (1, 1), (1, 1), (1, 1), 1)
+    try:
+        for n in (threads, 3 - threads, threads):
+            set_num_threads(n)
+            np.testing.assert_array_equal(conv2d(x, packed, 0.05, 3, 0.2, 100), want)
+    finally:
+        set_num_threads(None)
+
+
+def test_bad_arguments_are_refused_after_a_good_call_with_the_same_shape():
+    rng = np.random.default_rng(1)
+    w, ws, bias = _weight(rng, 1, 8, 16, 3, "generic")
+    packed = PackedConvWeight(w, ws, 0, bias, padding=1)
+    x = rng.integers(0, 256, (1, 8, 6, 6), dtype=np.uint8)
+    conv2d(x, packed, 0.05, 3, 0.2, 100)
+    with pytest.raises(KernelError, match="zero_point"):
+        conv2d(x, packed, 0.05, 300, 0.2, 100)
+    with pytest.raises(KernelError, match="x_scale"):
+        conv2d(x, packed, float("nan"), 3, 0.2, 100)
+    with pytest.raises(KernelError, match="dtype"):
+        conv2d(x.astype(np.int8), packed, 0.05, 3, 0.2, 100)
+    with pytest.raises(KernelError, match="conv1d"):
+        conv1d(x[:, :, 0], packed, 0.05, 3, 0.2, 100)
+    strided = np.zeros((1, 8, 6, 12), np.uint8)[..., ::2]  # neither layout
+    with pytest.raises(KernelError, match="strides"):
+        conv2d(strided, packed, 0.05, 3, 0.2, 100)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_conv2d_add_plans_follow_the_add_qparams_and_the_residual(target):
+    rng = np.random.default_rng(11)
+    w, ws, bias = _weight(rng, 1, 16, 32, 1, target)
+    packed = PackedConvWeight(w, ws, 0, bias, target=target)
+    x = _channels_last(rng.integers(0, 256, (1, 16, 5, 5), dtype=np.uint8))
+    cases = [((0.1, 120), (0.3, 128)), ((0.1, 120), (0.3, 128)), ((0.2, 7), (0.4, 0))]
+    for other_qp, out_qp in cases:
+        other = rng.integers(0, 256, (1, 32, 5, 5), dtype=np.uint8)
+        got = conv2d_add(x, packed, (0.05, 3), (0.2, 100), other, other_qp, out_qp)
+        conv = conv2d(x, packed, 0.05, 3, 0.2, 100)
+        np.testing.assert_array_equal(got, add(conv, (0.2, 100), other, other_qp, out_qp))
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_conv2d_and_conv2d_add_with_the_same_table_do_not_share_a_plan(target):
+    # conv2d folds a clamp table into its clamp range; conv2d_add maps the add's codes with it
+    rng = np.random.default_rng(13)
+    w, ws, bias = _weight(rng, 1, 16, 32, 1, target)
+    packed = PackedConvWeight(w, ws, 0, bias, target=target)
+    x = _channels_last(rng.integers(0, 256, (1, 16, 5, 5), dtype=np.uint8))
+    other = rng.integers(0, 256, (1, 32, 5, 5), dtype=np.uint8)
+    table = build_lut(lambda v: np.clip(v, 0.0, 6.0), 0.2, 100, 0.2, 100)
+    conv = conv2d(x, packed, 0.05, 3, 0.2, 100)
+    np.testing.assert_array_equal(
+        conv2d(x, packed, 0.05, 3, 0.2, 100, channels_last=True, lut=table), table[conv]
+    )
+    got = conv2d_add(x, packed, (0.05, 3), (0.2, 100), other, (0.2, 100), (0.2, 100), lut=table)
+    np.testing.assert_array_equal(got, table[add(conv, (0.2, 100), other, (0.2, 100), (0.2, 100))])
