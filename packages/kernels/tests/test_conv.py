@@ -660,9 +660,13 @@ def test_asymmetric_stride_dilation_every_layout(target, grouping, stride, dilat
 
 
 @pytest.mark.parametrize("target", TARGETS)
-@pytest.mark.parametrize(("h", "w", "k", "stride"), [(7, 7, 3, 1), (9, 5, 5, 2), (3, 12, 3, 2)])
+@pytest.mark.parametrize(
+    ("h", "w", "k", "stride"),
+    [(7, 7, 3, 1), (9, 5, 5, 2), (3, 12, 3, 2), (14, 14, 5, 1), (17, 30, 5, 1)],
+)
 def test_depthwise_small_planes_through_the_padded_copy(target, h, w, k, stride):
-    # planes under 10 pixels wide or high are padded once and run on the block kernels only
+    # planes under 10 pixels wide or high (under 64 for 5x5 stride 1) are padded once and run
+    # on the block kernels only
     rng = np.random.default_rng(h * 100 + w)
     c = 20  # two vectors and a channel tail
     x = rng.integers(0, 256, (2, c, h, w), dtype=np.uint8)
