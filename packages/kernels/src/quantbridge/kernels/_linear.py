@@ -228,12 +228,13 @@ class PackedLinearWeight:
             scales = np.zeros(self.n_padded, np.float32)
             scales[: self.n] = self.scales
             self._colcorr_f["scales"] = scales
+        low, high = self._scale_span
+        if act_scale * low > 2.0 * F32_TINY and act_scale * high < 0.5 * F32_MAX:
+            # every product is comfortably normal: no element-wise check, nothing to silence
+            return self.bias_padded, scales * np.float32(act_scale)
         with np.errstate(over="ignore", under="ignore"):  # refused just below
             mult = scales * np.float32(act_scale)
-        low, high = self._scale_span
-        # every product is comfortably normal: skip the element-wise check
-        if not (act_scale * low > 2.0 * F32_TINY and act_scale * high < 0.5 * F32_MAX):
-            self._check_derived(act_scale, mult, mult, None)
+        self._check_derived(act_scale, mult, mult, None)
         return self.bias_padded, mult
 
     def _check_derived(
@@ -444,10 +445,9 @@ def qparams_from_range(lo: float, hi: float) -> tuple[float, int]:
     lo = min(lo, 0.0)
     hi = max(hi, 0.0)
     qmin, qmax = 0, 255
-    scale = (hi - lo) / (qmax - qmin)
-    if float(np.float32(scale)) == 0.0 or math.isinf(1.0 / float(np.float32(scale))):
-        scale = 0.1
-    scale = float(np.float32(scale))
+    scale = float(np.float32((hi - lo) / (qmax - qmin)))
+    if scale == 0.0 or math.isinf(1.0 / scale):
+        scale = _F32_TENTH
     zp_from_min = qmin - lo / scale
     zp_from_max = qmax - hi / scale
     err_min = abs(qmin) - abs(lo / scale)
@@ -458,8 +458,11 @@ def qparams_from_range(lo: float, hi: float) -> tuple[float, int]:
     elif initial > qmax:
         zp = qmax
     else:
-        zp = int(np.rint(initial))
+        zp = round(initial)  # half to even, as np.rint
     return scale, zp
+
+
+_F32_TENTH = float(np.float32(0.1))
 
 
 def choose_dynamic_qparams(x: npt.NDArray[np.float32]) -> tuple[float, int]:
@@ -542,7 +545,7 @@ def linear_dynamic(
         if bad:
             raise KernelError(_NON_FINITE)
         a_s, a_zp = qparams_from_range(float(lo), float(hi))
-        problem = f32_problem(a_s)
+        problem = None if a_s >= F32_TINY else f32_problem(a_s)
         if problem is not None:  # only for inputs whose whole range is below ~1e-36
             raise KernelError(
                 f"x: its dynamic activation scale {a_s!r} (from x's range) {problem}; "
