@@ -159,3 +159,22 @@ def test_conv_add_on_byte_kernels_equals_conv_then_add():
     want = add(conv, (0.9, 120), other, (0.3, 7), (1.1, 60))
     got = conv2d_add(x, packed, (0.05, 3), (0.9, 120), other, (0.3, 7), (1.1, 60))
     np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("w_range", [(-64, 65), (-128, 128)], ids=["byte", "int16"])
+@pytest.mark.parametrize("m", list(range(1, 20)))
+def test_every_row_count_splits_into_exact_blocks(w_range, m):
+    # rows run as blocks of 6, 4, 3 and 1 (4, 5, 7 and 8 remaining rows take the 4-row block):
+    # every count up to three big blocks, u8 and float output, against the int64 reference
+    rng = np.random.default_rng(m)
+    a, a_s, a_zp, w, w_s, w_zp, bias, o_s, o_zp = _case(rng, m, 40, 48, True, False, True, w_range)
+    packed = PackedLinearWeight(w, w_s, w_zp, bias, target="avx2")
+    np.testing.assert_array_equal(
+        linear(a, packed, a_s, a_zp, o_s, o_zp),
+        reference_linear(a, a_s, a_zp, w, w_s, w_zp, bias, o_s, o_zp),
+    )
+    from quantbridge.kernels._linear import choose_dynamic_qparams
+
+    x = rng.normal(0, 1, (m, 40)).astype(np.float32)
+    want = reference_dynamic(x, w, w_s, bias, *choose_dynamic_qparams(x))
+    np.testing.assert_array_equal(linear_dynamic(x, packed), want)

@@ -398,14 +398,15 @@ def _make_kernel(target: str, mr: int, ku: int, mode: str) -> Any:
 
 # (target, rows, k accumulator sets, mode) of every block kernel; its index is its number.
 # Rows per block: 8 fills 16 of the 32 zmm registers for VNNI; AVX2 has 16 ymm registers, so
-# 6 rows (12 accumulators). The 1-row kernels split k over 4 accumulator sets to hide the
-# 4-cycle latency. ``u8t``: conv's NCHW output, channel-major transposed stores (VNNI only).
+# 6 rows (12 accumulators), and 4 rows for 4, 5, 7 or 8 remaining rows. The 1-row kernels
+# split k over 4 accumulator sets to hide the 4-cycle latency. ``u8t``: conv's NCHW output,
+# channel-major transposed stores (VNNI only).
 _BLOCKS = [
     (target, mr, ku, mode)
     for target, sizes, modes in (
         ("avx512_vnni", ((8, 1), (4, 2), (1, 4)), ("u8", "f32", "u8t", "u8add")),
-        ("avx2", ((6, 1), (3, 2), (1, 4)), ("u8", "f32", "u8add")),
-        ("avx2_byte", ((6, 1), (3, 2), (1, 4)), ("u8", "f32", "u8add")),
+        ("avx2", ((6, 1), (4, 1), (3, 2), (1, 4)), ("u8", "f32", "u8add")),
+        ("avx2_byte", ((6, 1), (4, 1), (3, 2), (1, 4)), ("u8", "f32", "u8add")),
     )
     for mode in modes
     for mr, ku in sizes

@@ -20,14 +20,17 @@ from numba import njit, prange
 
 from quantbridge.kernels._block_kernels import KERNEL_IDS, block_cols, block_kernel, k_step
 
-# target -> (rows of the big block, rows of the tail block); the 1-row kernel ends every tail
-_ROWS = {"avx512_vnni": (8, 4), "avx2": (6, 3), "avx2_byte": (6, 3)}
+# target -> rows of its (big, quad, mid) blocks; the 1-row kernel ends every tail. AVX2's
+# 4-row block (0: none) splits 4, 5, 7 and 8 remaining rows without computing a wasted row
+# (an M = 8 GEMM ran 6 + 3 rows)
+_ROWS = {"avx512_vnni": (8, 0, 4), "avx2": (6, 4, 3), "avx2_byte": (6, 4, 3)}
 _SHORT = {"avx512_vnni": "vnni", "avx2": "avx2", "avx2_byte": "avx2b"}
 
 
 def _make_driver(target: str, mode: str, parallel: bool) -> Any:
-    big_rows, mid_rows = _ROWS[target]
+    big_rows, quad_rows, mid_rows = _ROWS[target]
     big = KERNEL_IDS[(target, big_rows, mode)]
+    quad = KERNEL_IDS[(target, quad_rows, mode)] if quad_rows else big
     mid = KERNEL_IDS[(target, mid_rows, mode)]
     one = KERNEL_IDS[(target, 1, mode)]
     nr = block_cols(target)
@@ -67,12 +70,18 @@ def _make_driver(target: str, mode: str, parallel: bool) -> Any:
             i = start
             while i < end:
                 left = end - i
-                if left > mid_rows:
+                if left > mid_rows and (quad_rows == 0 or left > 2 * quad_rows or left == big_rows):
                     block_kernel(
                         big, a, rowoffs, i, koffs, nk, bp, boff, c, ldc, min(left, big_rows),
                         colcorr, wzp, rowsum, biasq, mult, j0, ozp, qmin, qmax, res, addp, lut,
                     )  # fmt: skip
                     i += big_rows
+                elif quad_rows != 0 and left >= quad_rows:
+                    block_kernel(
+                        quad, a, rowoffs, i, koffs, nk, bp, boff, c, ldc, quad_rows,
+                        colcorr, wzp, rowsum, biasq, mult, j0, ozp, qmin, qmax, res, addp, lut,
+                    )  # fmt: skip
+                    i += quad_rows
                 elif left > 1:
                     block_kernel(
                         mid, a, rowoffs, i, koffs, nk, bp, boff, c, ldc, left,
@@ -100,8 +109,9 @@ def _make_batched_driver(target: str, parallel: bool) -> Any:
     writes rows ``g*m ..`` of ``c`` ([nb*m, ldc]). Tiles are (batch, panel, row chunk),
     batch-major, so ``prange`` spreads whole batches over the threads.
     """
-    big_rows, mid_rows = _ROWS[target]
+    big_rows, quad_rows, mid_rows = _ROWS[target]
     big = KERNEL_IDS[(target, big_rows, "u8")]
+    quad = KERNEL_IDS[(target, quad_rows, "u8")] if quad_rows else big
     mid = KERNEL_IDS[(target, mid_rows, "u8")]
     one = KERNEL_IDS[(target, 1, "u8")]
     nr = block_cols(target)
@@ -130,12 +140,18 @@ def _make_batched_driver(target: str, parallel: bool) -> Any:
             i = start
             while i < end:
                 left = end - i
-                if left > mid_rows:
+                if left > mid_rows and (quad_rows == 0 or left > 2 * quad_rows or left == big_rows):
                     block_kernel(
                         big, ag, rowoffs, i, koffs, nk, bg, boff, cg, ldc, min(left, big_rows),
                         ccg, wzp, rsg, biasq, mult, j0, ozp, qmin, qmax, res, addp, lut,
                     )  # fmt: skip
                     i += big_rows
+                elif quad_rows != 0 and left >= quad_rows:
+                    block_kernel(
+                        quad, ag, rowoffs, i, koffs, nk, bg, boff, cg, ldc, quad_rows,
+                        ccg, wzp, rsg, biasq, mult, j0, ozp, qmin, qmax, res, addp, lut,
+                    )  # fmt: skip
+                    i += quad_rows
                 elif left > 1:
                     block_kernel(
                         mid, ag, rowoffs, i, koffs, nk, bg, boff, cg, ldc, left,
