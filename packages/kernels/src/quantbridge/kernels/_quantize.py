@@ -213,18 +213,20 @@ def _quantize_pc_par(x, out, inv, zp, lo, hi, channels):  # type: ignore[no-unty
 
 @numba.njit(cache=True)
 def _dequantize_span(q, out, scale, zp, start, stop):  # type: ignore[no-untyped-def]
+    # q - zp in float32 (exact: |q - zp| <= 255): numba would widen an int32 difference to
+    # int64, whose conversion to float32 has no AVX2 vector instruction (the loop ran scalar)
     for i in range(start, stop):
-        out[i] = scale * np.float32(np.int32(q[i]) - zp)
+        out[i] = scale * (np.float32(q[i]) - zp)
 
 
 @numba.njit(cache=True)
 def _dequantize_flat(q, out, scale, zp):  # type: ignore[no-untyped-def]
-    _dequantize_span(q, out, np.float32(scale), np.int32(zp), 0, q.size)
+    _dequantize_span(q, out, np.float32(scale), np.float32(zp), 0, q.size)
 
 
 @numba.njit(cache=True, parallel=True)
 def _dequantize_flat_par(q, out, scale, zp):  # type: ignore[no-untyped-def]
-    s, z = np.float32(scale), np.int32(zp)
+    s, z = np.float32(scale), np.float32(zp)
     n = q.size
     for c in numba.prange((n + _CHUNK - 1) // _CHUNK):
         _dequantize_span(q, out, s, z, c * _CHUNK, min(c * _CHUNK + _CHUNK, n))
