@@ -7,6 +7,8 @@ every result against the integer reference, so a plan reused across a change wou
 
 from __future__ import annotations
 
+import copy
+import pickle
 import sys
 from pathlib import Path
 
@@ -165,3 +167,13 @@ def test_conv2d_and_conv2d_add_with_the_same_table_do_not_share_a_plan(target):
     )
     got = conv2d_add(x, packed, (0.05, 3), (0.2, 100), other, (0.2, 100), (0.2, 100), lut=table)
     np.testing.assert_array_equal(got, table[add(conv, (0.2, 100), other, (0.2, 100), (0.2, 100))])
+
+
+def test_a_weight_with_plans_pickles_and_copies():
+    rng = np.random.default_rng(17)
+    w, ws, bias = _weight(rng, 1, 8, 16, 3, "generic")
+    packed = PackedConvWeight(w, ws, 0, bias, padding=1)
+    x = rng.integers(0, 256, (1, 8, 6, 6), dtype=np.uint8)
+    want = conv2d(x, packed, 0.05, 3, 0.2, 100)  # makes a plan
+    for other in (pickle.loads(pickle.dumps(packed)), copy.deepcopy(packed)):
+        np.testing.assert_array_equal(conv2d(x, other, 0.05, 3, 0.2, 100), want)

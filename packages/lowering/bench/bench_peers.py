@@ -4,6 +4,7 @@ Run by ``nox -s bench_peers`` (the only session that installs onnxruntime, openv
 transformers and onnx, pinned in constraints.txt):
 
     python packages/lowering/bench/bench_peers.py [--models resnet18 mobilenet_v2 bert lstm]
+        (also resnet50, mobilenet_v3_small, efficientnet_b0 when named)
         [--threads 1 2] [--rounds 20] [--sentences 256] [--json OUT]
 
 Models and columns:
@@ -79,6 +80,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "tests"))
 import real_models
 
 MODELS = ("resnet18", "mobilenet_v2", "bert", "lstm")
+# more torchvision-style networks, run only when named in --models
+OTHER_CNNS = ("resnet50", "mobilenet_v3_small", "efficientnet_b0")
 Runner = Callable[[], np.ndarray]  # as in _peers: one call on the bound input
 # A column builds one runner per thread count (ORT sessions and OpenVINO compiled models fix
 # their thread count at creation; torch-based columns ignore it: set_num_threads rules them).
@@ -591,7 +594,7 @@ def _markdown(results: list[dict[str, Any]]) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--models", nargs="*", default=list(MODELS), choices=MODELS)
+    parser.add_argument("--models", nargs="*", default=list(MODELS), choices=MODELS + OTHER_CNNS)
     parser.add_argument("--threads", nargs="*", type=int, default=[1, 2])
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--calib-batches", type=int, default=8)

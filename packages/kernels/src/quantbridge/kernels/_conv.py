@@ -172,6 +172,12 @@ class PackedConvWeight:
         self._rowoffs: dict[tuple[int, ...], npt.NDArray[np.int64]] = {}
         self._plans: dict[tuple[object, ...], _ConvPlan] = {}  # see _conv
 
+    def __getstate__(self) -> dict[str, Any]:
+        # call plans are closures (not picklable) and cheap to remake: the copy starts without
+        state = self.__dict__.copy()
+        state["_plans"] = {}
+        return state
+
     def koffs(self, wp: int) -> list[npt.NDArray[np.int64]]:
         """Per-group activation offsets of each k step for padded input width ``wp``."""
         out = []
