@@ -37,7 +37,13 @@ from quantbridge.kernels._elementwise import _add_params, add_relu
 from quantbridge.kernels._elementwise import add as add_plain
 from quantbridge.kernels._epilogue_lut import epilogue_lut
 from quantbridge.kernels._errors import KernelError
-from quantbridge.kernels._gemm_run import NO_ADD, NO_RESIDUAL, SERIAL_BELOW, row_chunk, run_gemm
+from quantbridge.kernels._gemm_run import (
+    NO_ADD,
+    NO_RESIDUAL,
+    SERIAL_BELOW,
+    gemm_runner,
+    row_chunk,
+)
 from quantbridge.kernels._gemm_simd import drive_vnni_u8t, serial_vnni_u8t
 from quantbridge.kernels._layout import channels_last_data
 from quantbridge.kernels._linear import PackedLinearWeight, _fast_zp
@@ -388,7 +394,7 @@ class _ConvPlan:
         if packed.depthwise and fused_add is None:
             run4 = _depthwise_plan(packed, *geometry, *epilogue)
         else:
-            run4 = _gemm_plan(packed, *geometry, *epilogue)
+            run4 = _gemm_plan(packed, *geometry, *epilogue, fused_add is not None)
         if dims == 2:
             return xa, _ConvPlan(run4)
 
@@ -497,6 +503,7 @@ def _gemm_plan(
     qmax: int,
     table: npt.NDArray[np.uint8],
     threads: int,
+    fused_add: bool,
 ) -> Any:
     """Implicit-im2col GEMMs, one per group, over the zero-point-padded NHWC buffer (the
     channels-last input itself when no padding is needed)."""
@@ -509,13 +516,15 @@ def _gemm_plan(
     m = rowoffs.shape[0]
     koffs = packed.koffs(wp)
     direct = g == 1 and packed.target == "avx512_vnni" and not channels_last
-    # per group: its packed weight, k offsets, and the epilogue vectors; the row sums are
-    # data-dependent only with weight zero points (None: computed per call)
-    groups = [
-        (pg, koffs[gi], pg.colcorr(a_zp), None if pg.has_weight_zp else pg.rows(m)[1],
-         *pg.epilogue(x_scale, out_scale))
-        for gi, pg in enumerate(packed.groups_packed)
-    ]  # fmt: skip
+    # per group: its GEMM runner and row sums (data-dependent only with weight zero points:
+    # None, computed per call)
+    groups = []
+    for gi, pg in enumerate(packed.groups_packed):
+        biasq, mult = pg.epilogue(x_scale, out_scale)
+        runner = gemm_runner(pg.kernel, rowoffs, koffs[gi], pg.packed, pg.n, pg.colcorr(a_zp),
+                             pg.zero_points, biasq, mult, o_zp, qmin, False, threads,
+                             fused_add, table, qmax)  # fmt: skip
+        groups.append((runner, pg.n, None if pg.has_weight_zp else pg.rows(m)[1]))
 
     def run(
         x4: npt.NDArray[np.uint8],
@@ -542,17 +551,15 @@ def _gemm_plan(
             return _conv_nchw_direct(packed, flat, rowoffs, koffs[0], xp, n, oh, ow, x_scale,
                                      out_scale, a_zp, o_zp, qmin, qmax, table, threads)  # fmt: skip
         out = np.empty((n, oh, ow, oc), np.uint8) if g > 1 else None
-        for gi, (pg, kg, colcorr, rowsum, biasq, mult) in enumerate(groups):
-            res = run_gemm(
-                pg.kernel, flat, rowoffs, kg, pg.packed, pg.n, colcorr, pg.zero_points,
-                _window_sums(xp, gi, packed, oh, ow) if rowsum is None else rowsum,
-                biasq, mult, o_zp, qmin, False, threads,
-                residual=None if fused is None else fused[0],
-                add_params=None if fused is None else fused[1],
-                lut=table, qmax=qmax,
+        for gi, (runner, width, rowsum) in enumerate(groups):
+            res = runner(
+                flat, _window_sums(xp, gi, packed, oh, ow) if rowsum is None else rowsum,
+                None if fused is None else fused[0], None if fused is None else fused[1],
             )  # fmt: skip
+            if res.shape[1] != width:
+                res = np.ascontiguousarray(res[:, :width])
             if out is None:
-                out = res.reshape(n, oh, ow, oc)  # type: ignore[assignment]  # no scatter
+                out = res.reshape(n, oh, ow, oc)  # no scatter
             else:
                 out[..., gi * ocg : (gi + 1) * ocg] = res.reshape(n, oh, ow, ocg)
         assert out is not None

@@ -86,6 +86,70 @@ def row_chunk(m: int, npanels: int, threads: int) -> int:
     return max(8, round_up(-(-m // chunks), 8))
 
 
+def gemm_runner(
+    target: str,
+    rowoffs: npt.NDArray[np.int64],
+    koffs: npt.NDArray[np.int64],
+    bp: npt.NDArray[np.integer],
+    n: int,
+    colcorr: npt.NDArray[np.int32],
+    wzp: npt.NDArray[np.int32],
+    biasq: npt.NDArray[np.float32],
+    mult: npt.NDArray[np.float32],
+    out_zero_point: int,
+    qmin: int,
+    f32_out: bool,
+    threads: int,
+    fused_add: bool = False,
+    lut: npt.NDArray[np.uint8] = NO_LUT,
+    qmax: int = 255,
+) -> Any:
+    """``run(a, rowsum, residual, add_params) -> C`` for everything of ``run_gemm`` but the
+    activations, their row sums and a fused add's operand: the thread and driver choice and
+    the argument tuple, made once (a conv's call plan keeps it)."""
+    m = rowoffs.shape[0]
+    nk = koffs.shape[0]
+    np_ = colcorr.shape[0]
+    if threads > 1 and m * np_ * nk < SERIAL_BELOW[target]:
+        threads = 1  # a parallel-region launch costs more than it saves on small products
+    npanels = np_ // _NR[target]
+    dtype = np.float32 if f32_out else np.uint8
+    mchunk = m if threads == 1 else row_chunk(m, npanels, threads)
+    widen = target == "avx2"  # the AVX2 kernels read activations as int16 pairs
+    if target == "generic":
+        drive = serial_generic if threads == 1 else with_threads(drive_generic, threads)
+    else:
+        mode = "f32" if f32_out else ("u8add" if fused_add else "u8")
+        drive = _SERIAL[(target, mode)]
+        if threads > 1:
+            drive = with_threads(_DRIVERS[(target, mode)], threads)
+
+    def run(
+        a: npt.NDArray[Any],
+        rowsum: npt.NDArray[np.int32],
+        residual: npt.NDArray[np.uint8] | None = None,
+        add_params: npt.NDArray[np.float32] | None = None,
+    ) -> npt.NDArray[np.generic]:
+        out = np.empty((m, np_), dtype)
+        c = out.reshape(-1)
+        if widen and a.dtype != np.int16:
+            a = a.astype(np.int16)
+        head = (a, rowoffs, m, koffs, nk, bp, npanels, c, np_, colcorr, wzp, rowsum, biasq,
+                mult, out_zero_point, qmin, qmax, mchunk)  # fmt: skip
+        if target == "generic":
+            drive(*head, f32_out, lut)
+        else:
+            drive(
+                *head,
+                NO_RESIDUAL if residual is None else residual,
+                NO_ADD if add_params is None else add_params,
+                lut,
+            )
+        return out
+
+    return run
+
+
 def run_gemm(
     target: str,
     a: npt.NDArray[np.uint8],
@@ -120,35 +184,11 @@ def run_gemm(
     empty, see ``_epilogue_lut``) maps the u8 codes, clamped to ``[qmin, qmax]``, before the
     store.
     """
-    m = rowoffs.shape[0]
-    nk = koffs.shape[0]
-    np_ = colcorr.shape[0]
-    if threads > 1 and m * np_ * nk < SERIAL_BELOW[target]:
-        threads = 1  # a parallel-region launch costs more than it saves on small products
-    npanels = np_ // _NR[target]
-    out = np.empty((m, np_), np.float32 if f32_out else np.uint8)
-    c = out.reshape(-1)
-    mchunk = m if threads == 1 else row_chunk(m, npanels, threads)
-    if target == "avx2" and a.dtype != np.int16:
-        a = a.astype(np.int16)  # the AVX2 kernels read activations as int16 pairs
-    args = (a, rowoffs, m, koffs, nk, bp, npanels, c, np_, colcorr, wzp, rowsum, biasq, mult,
-            out_zero_point, qmin, qmax, mchunk)  # fmt: skip
-    if target == "generic":
-        (serial_generic if threads == 1 else with_threads(drive_generic, threads))(
-            *args, f32_out, lut
-        )
-    else:
-        mode = "f32" if f32_out else ("u8" if residual is None else "u8add")
-        driver = _SERIAL[(target, mode)]
-        if threads > 1:
-            driver = with_threads(_DRIVERS[(target, mode)], threads)
-        driver(
-            *args,
-            NO_RESIDUAL if residual is None else residual,
-            NO_ADD if add_params is None else add_params,
-            lut,
-        )
+    run = gemm_runner(target, rowoffs, koffs, bp, n, colcorr, wzp, biasq, mult, out_zero_point,
+                      qmin, f32_out, threads, residual is not None, lut, qmax)  # fmt: skip
+    out = run(a, rowsum, residual, add_params)
+    m, np_ = out.shape
     if post is not None:
         # one vectorized pass after the GEMM (per block inside the drivers it ran scalar)
-        out = post_rows(c, np_, m, *post, threads).reshape(m, np_)
+        out = post_rows(out.reshape(-1), np_, m, *post, threads).reshape(m, np_)
     return out if np_ == n else np.ascontiguousarray(out[:, :n])
