@@ -138,12 +138,17 @@ def test_bad_arguments_are_refused_after_a_good_call_with_the_same_shape():
         conv2d(strided, packed, 0.05, 3, 0.2, 100)
 
 
-@pytest.mark.parametrize("target", TARGETS)
-def test_conv2d_add_plans_follow_the_add_qparams_and_the_residual(target):
-    rng = np.random.default_rng(11)
+def _pointwise_16_to_32(seed, target):
+    """(rng, a 16 -> 32 channel 1x1 conv weight, channels-last 5x5 input codes)."""
+    rng = np.random.default_rng(seed)
     w, ws, bias = _weight(rng, 1, 16, 32, 1, target)
     packed = PackedConvWeight(w, ws, 0, bias, target=target)
-    x = _channels_last(rng.integers(0, 256, (1, 16, 5, 5), dtype=np.uint8))
+    return rng, packed, _channels_last(rng.integers(0, 256, (1, 16, 5, 5), dtype=np.uint8))
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_conv2d_add_plans_follow_the_add_qparams_and_the_residual(target):
+    rng, packed, x = _pointwise_16_to_32(11, target)
     cases = [((0.1, 120), (0.3, 128)), ((0.1, 120), (0.3, 128)), ((0.2, 7), (0.4, 0))]
     for other_qp, out_qp in cases:
         other = rng.integers(0, 256, (1, 32, 5, 5), dtype=np.uint8)
@@ -155,10 +160,7 @@ def test_conv2d_add_plans_follow_the_add_qparams_and_the_residual(target):
 @pytest.mark.parametrize("target", TARGETS)
 def test_conv2d_and_conv2d_add_with_the_same_table_do_not_share_a_plan(target):
     # conv2d folds a clamp table into its clamp range; conv2d_add maps the add's codes with it
-    rng = np.random.default_rng(13)
-    w, ws, bias = _weight(rng, 1, 16, 32, 1, target)
-    packed = PackedConvWeight(w, ws, 0, bias, target=target)
-    x = _channels_last(rng.integers(0, 256, (1, 16, 5, 5), dtype=np.uint8))
+    rng, packed, x = _pointwise_16_to_32(13, target)
     other = rng.integers(0, 256, (1, 32, 5, 5), dtype=np.uint8)
     table = build_lut(lambda v: np.clip(v, 0.0, 6.0), 0.2, 100, 0.2, 100)
     conv = conv2d(x, packed, 0.05, 3, 0.2, 100)

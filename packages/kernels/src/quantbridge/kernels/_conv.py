@@ -23,7 +23,7 @@ with few input channels keep the channels unpadded and walk whole kernel rows as
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -331,6 +331,33 @@ def _plan_key(
     return key
 
 
+class _Geometry(NamedTuple):
+    """A planned call's shapes: input [n, c, h, w], output [oh, ow]; ``cl``: the input is
+    channels-last; ``channels_last``: so is the result."""
+
+    n: int
+    c: int
+    h: int
+    w: int
+    oh: int
+    ow: int
+    cl: bool
+    channels_last: bool
+
+
+class _Epilogue(NamedTuple):
+    """A planned call's checked qparams, clamp range, table and thread count."""
+
+    x_scale: float
+    out_scale: float
+    a_zp: int
+    o_zp: int
+    qmin: int
+    qmax: int
+    table: npt.NDArray[np.uint8]
+    threads: int
+
+
 class _ConvPlan:
     """What a conv call derives from its arguments other than the input codes (the checks,
     layouts, offsets, epilogue vectors and kernel choice), made once per ``_plan_key``.
@@ -389,12 +416,12 @@ class _ConvPlan:
                 f"{(packed.kh, packed.kw)[2 - dims :]} with padding/dilation; output would be "
                 "empty"
             )
-        geometry = (n, c, h, w, oh, ow, cl, channels_last)
-        epilogue = (x_scale, out_scale, a_zp, o_zp, qmin, qmax, table, threads)
+        geo = _Geometry(n, c, h, w, oh, ow, cl, channels_last)
+        epi = _Epilogue(x_scale, out_scale, a_zp, o_zp, qmin, qmax, table, threads)
         if packed.depthwise and fused_add is None:
-            run4 = _depthwise_plan(packed, *geometry, *epilogue)
+            run4 = _depthwise_plan(packed, geo, epi)
         else:
-            run4 = _gemm_plan(packed, *geometry, *epilogue, fused_add is not None)
+            run4 = _gemm_plan(packed, geo, epi, fused_add is not None)
         if dims == 2:
             return xa, _ConvPlan(run4)
 
@@ -417,27 +444,11 @@ _DW_PAD_BELOW = 10
 _DW_PAD_BELOW_5X5_S1 = 64
 
 
-def _depthwise_plan(
-    packed: PackedConvWeight,
-    n: int,
-    c: int,
-    h: int,
-    w: int,
-    oh: int,
-    ow: int,
-    cl: bool,
-    channels_last: bool,
-    x_scale: float,
-    out_scale: float,
-    a_zp: int,
-    o_zp: int,
-    qmin: int,
-    qmax: int,
-    table: npt.NDArray[np.uint8],
-    threads: int,
-) -> Any:
+def _depthwise_plan(packed: PackedConvWeight, geo: _Geometry, epi: _Epilogue) -> Any:
     """Depthwise conv into a new NHWC array; reads channels-last input in place (NCHW input
     is transposed once), padding handled by the kernels (no zero-point-padded copy)."""
+    n, c, h, w, oh, ow, cl, channels_last = geo
+    x_scale, out_scale, a_zp, o_zp, qmin, qmax, table, threads = epi
     sh, sw = packed.stride
     dh, dw = packed.dilation
     ph, pw = packed.padding
@@ -485,28 +496,11 @@ def _depthwise_plan(
     return run
 
 
-def _gemm_plan(
-    packed: PackedConvWeight,
-    n: int,
-    c: int,
-    h: int,
-    w: int,
-    oh: int,
-    ow: int,
-    cl: bool,
-    channels_last: bool,
-    x_scale: float,
-    out_scale: float,
-    a_zp: int,
-    o_zp: int,
-    qmin: int,
-    qmax: int,
-    table: npt.NDArray[np.uint8],
-    threads: int,
-    fused_add: bool,
-) -> Any:
+def _gemm_plan(packed: PackedConvWeight, geo: _Geometry, epi: _Epilogue, fused_add: bool) -> Any:
     """Implicit-im2col GEMMs, one per group, over the zero-point-padded NHWC buffer (the
     channels-last input itself when no padding is needed)."""
+    n, c, h, w, oh, ow, cl, channels_last = geo
+    x_scale, out_scale, a_zp, o_zp, qmin, qmax, table, threads = epi
     g, cg, cg4, oc, ocg = packed.groups, packed.cg, packed.cg4, packed.oc, packed.ocg
     ph, pw = packed.padding
     hp, wp = h + 2 * ph, w + 2 * pw
@@ -517,14 +511,14 @@ def _gemm_plan(
     koffs = packed.koffs(wp)
     direct = g == 1 and packed.target == "avx512_vnni" and not channels_last
     # per group: its GEMM runner and row sums (data-dependent only with weight zero points:
-    # None, computed per call)
+    # None, computed per call); the VNNI NCHW path runs its own drivers
     groups = []
-    for gi, pg in enumerate(packed.groups_packed):
+    for gi, pg in enumerate([] if direct else packed.groups_packed):
         biasq, mult = pg.epilogue(x_scale, out_scale)
         runner = gemm_runner(pg.kernel, rowoffs, koffs[gi], pg.packed, pg.n, pg.colcorr(a_zp),
                              pg.zero_points, biasq, mult, o_zp, qmin, False, threads,
                              fused_add, table, qmax)  # fmt: skip
-        groups.append((runner, pg.n, None if pg.has_weight_zp else pg.rows(m)[1]))
+        groups.append((runner, None if pg.has_weight_zp else pg.rows(m)[1]))
 
     def run(
         x4: npt.NDArray[np.uint8],
@@ -551,13 +545,11 @@ def _gemm_plan(
             return _conv_nchw_direct(packed, flat, rowoffs, koffs[0], xp, n, oh, ow, x_scale,
                                      out_scale, a_zp, o_zp, qmin, qmax, table, threads)  # fmt: skip
         out = np.empty((n, oh, ow, oc), np.uint8) if g > 1 else None
-        for gi, (runner, width, rowsum) in enumerate(groups):
+        for gi, (runner, rowsum) in enumerate(groups):
             res = runner(
                 flat, _window_sums(xp, gi, packed, oh, ow) if rowsum is None else rowsum,
                 None if fused is None else fused[0], None if fused is None else fused[1],
             )  # fmt: skip
-            if res.shape[1] != width:
-                res = np.ascontiguousarray(res[:, :width])
             if out is None:
                 out = res.reshape(n, oh, ow, oc)  # no scatter
             else:

@@ -104,9 +104,10 @@ def gemm_runner(
     lut: npt.NDArray[np.uint8] = NO_LUT,
     qmax: int = 255,
 ) -> Any:
-    """``run(a, rowsum, residual, add_params) -> C`` for everything of ``run_gemm`` but the
-    activations, their row sums and a fused add's operand: the thread and driver choice and
-    the argument tuple, made once (a conv's call plan keeps it)."""
+    """``run(a, rowsum, residual, add_params, post) -> C[M, n]``: ``run_gemm`` with what does
+    not depend on the activations, their row sums, a fused add's operand or the float post
+    pass (the thread and driver choice and the argument tuple) made once; a conv's call plan
+    keeps it."""
     m = rowoffs.shape[0]
     nk = koffs.shape[0]
     np_ = colcorr.shape[0]
@@ -129,6 +130,7 @@ def gemm_runner(
         rowsum: npt.NDArray[np.int32],
         residual: npt.NDArray[np.uint8] | None = None,
         add_params: npt.NDArray[np.float32] | None = None,
+        post: tuple[int, npt.NDArray[np.float32], bool, npt.NDArray[np.float32]] | None = None,
     ) -> npt.NDArray[np.generic]:
         out = np.empty((m, np_), dtype)
         c = out.reshape(-1)
@@ -145,7 +147,10 @@ def gemm_runner(
                 NO_ADD if add_params is None else add_params,
                 lut,
             )
-        return out
+        if post is not None:
+            # one vectorized pass after the GEMM (per block inside the drivers it ran scalar)
+            out = post_rows(c, np_, m, *post, threads).reshape(m, np_)
+        return out if np_ == n else np.ascontiguousarray(out[:, :n])
 
     return run
 
@@ -186,9 +191,5 @@ def run_gemm(
     """
     run = gemm_runner(target, rowoffs, koffs, bp, n, colcorr, wzp, biasq, mult, out_zero_point,
                       qmin, f32_out, threads, residual is not None, lut, qmax)  # fmt: skip
-    out = run(a, rowsum, residual, add_params)
-    m, np_ = out.shape
-    if post is not None:
-        # one vectorized pass after the GEMM (per block inside the drivers it ran scalar)
-        out = post_rows(out.reshape(-1), np_, m, *post, threads).reshape(m, np_)
-    return out if np_ == n else np.ascontiguousarray(out[:, :n])
+    out: npt.NDArray[np.generic] = run(a, rowsum, residual, add_params, post)
+    return out

@@ -223,11 +223,7 @@ class PackedLinearWeight:
     ) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.float32]]:
         """``epilogue(act_scale, None)`` without its cache: a dynamic scale changes every call,
         so the cache would only miss (the same float32 products, the same checks)."""
-        scales = self._colcorr_f.get("scales")
-        if scales is None:
-            scales = np.zeros(self.n_padded, np.float32)
-            scales[: self.n] = self.scales
-            self._colcorr_f["scales"] = scales
+        scales = self.epilogue_unit()[1]  # the weight scales, zero-padded to n_padded
         low, high = self._scale_span
         if act_scale * low > 2.0 * F32_TINY and act_scale * high < 0.5 * F32_MAX:
             # every product is comfortably normal: no element-wise check, nothing to silence

@@ -40,12 +40,13 @@ def _make(parallel: bool):  # type: ignore[no-untyped-def]
     loop = numba.prange if parallel else range
 
     def nchw(a, b, out, za, zb, m, zp, lo):  # type: ignore[no-untyped-def]
-        # a, out: [N, C, S]; b: [Nb, C] with Nb in (1, N)
-        n, c = a.shape[0], a.shape[1]
+        # a, out: [N, C, S]; b: [Nb, C] with Nb in (1, N); a plane is one row of S codes
+        # times its channel's factor repeated S times, so the inner loop runs along S
+        n, c, s = a.shape
         for t in loop(n * c):
             i, j = t // c, t % c
-            f = np.full(1, np.float32(np.int32(b[min(i, b.shape[0] - 1), j]) - zb))
-            _scaled(a[i, j].reshape(-1, 1), out[i, j].reshape(-1, 1), f, za, m, zp, lo)
+            f = np.full(s, np.float32(np.int32(b[min(i, b.shape[0] - 1), j]) - zb))
+            _scaled(a[i, j].reshape(1, s), out[i, j].reshape(1, s), f, za, m, zp, lo)
 
     def nhwc(a, b, out, za, zb, m, zp, lo):  # type: ignore[no-untyped-def]
         # a, out: [N, S, C]; the factors of image i computed once
