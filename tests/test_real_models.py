@@ -95,10 +95,14 @@ def _ao_equivalents() -> tuple[Any, Any, Any]:
             cfg.set_dtype_configs(dtypes)
             config.set_backend_pattern_config(cfg)
     assert len(config.configs) == len(ours.configs)
-    # the backend's weights: 8 bits, or 7 ([-63, 63]) on the avx2 target
-    weight = get_backend("numba").qconfig_mapping().global_qconfig.weight()
+    # the backend's qconfig: on the avx2 target torch.ao's x86 one (7-bit activations,
+    # reduce_range), elsewhere full-range activations; 8-bit weights (7 if asked)
+    ours_qconfig = get_backend("numba").qconfig_mapping().global_qconfig
+    weight = ours_qconfig.weight()
     qconfig = ao.QConfig(
-        activation=ao.HistogramObserver.with_args(reduce_range=False),
+        activation=ao.HistogramObserver.with_args(
+            reduce_range=ours_qconfig.activation().reduce_range
+        ),
         weight=ao.PerChannelMinMaxObserver.with_args(
             dtype=torch.qint8,
             qscheme=torch.per_channel_symmetric,

@@ -46,8 +46,8 @@ def test_bench_json_quick():
     assert proc.returncode == 0, proc.stderr
     rows = json.loads(proc.stdout)
     ops = {"linear", "conv2d", "conv2d_cl", "depthwise", "stem"}
-    if target == "avx2":  # 7-bit weights run avx2's byte kernels
-        ops |= {"linear_w7", "conv2d_cl_w7"}
+    if target == "avx2":  # 7-bit weights, 7-bit codes: the byte kernels with and without check
+        ops |= {"linear_w7", "conv2d_cl_w7", "linear_a7", "conv2d_cl_a7"}
     assert {r["op"] for r in rows} == ops
     for row in rows:
         assert set(row) >= KEYS

@@ -1,5 +1,5 @@
-"""The AVX2 byte kernels (``vpmaddubsw``) run for weights within [-64, 64] and stay exact there,
-up to the saturation boundary; any weight outside sends the whole matrix to the int16 kernels."""
+"""The AVX2 byte kernels (``vpmaddubsw``) run every weight; within [-64, 64] they are exact for
+any activations, up to the saturation boundary. Wider weights are guarded (test_pair_guard.py)."""
 
 from __future__ import annotations
 
@@ -33,24 +33,30 @@ needs_avx2 = pytest.mark.skipif("avx2" not in available_targets(), reason="needs
 
 
 @pytest.mark.parametrize(
-    ("low", "high", "kernel"),
-    [(-64, 64, "avx2_byte"), (-65, 0, "avx2"), (0, 65, "avx2"), (-128, 127, "avx2")],
+    ("low", "high", "limit"),
+    [(-64, 64, 510), (-65, 0, 504), (0, 65, 504), (-128, 127, 256), (-127, 127, 258)],
 )
-def test_family_is_chosen_by_the_weight_range(low, high, kernel):
+def test_avx2_runs_every_weight_on_byte_kernels_guarded_past_7_bits(low, high, limit):
     w = np.zeros((5, 9), np.int8)
     w[0, 0], w[4, 8] = low, high
     packed = PackedLinearWeight(w, 0.01, target="avx2")
-    assert packed.kernel == kernel
-    assert ("7-bit weights" in repr(packed)) == (kernel == "avx2_byte")
-    assert PackedLinearWeight(w, 0.01, target="generic").kernel == "generic"
+    assert packed.kernel == "avx2_byte"
+    assert packed.pair_limit == limit  # min(32767 // high, 32768 // -low), at most 510
+    assert packed.guarded == (limit < 510)
+    assert ("7-bit weights" in repr(packed)) == (not packed.guarded)
+    assert ("guarded" in repr(packed)) == packed.guarded
+    generic = PackedLinearWeight(w, 0.01, target="generic")
+    assert generic.kernel == "generic"
+    assert not generic.guarded
 
 
 def test_a_conv_chooses_one_family_for_all_groups():
     w = np.zeros((4, 2, 3, 3), np.int8)
-    w[0] = 100  # only the first group is outside the byte range
+    w[0] = 100  # only the first group is past 7 bits: only its pairs need the guard
     packed = PackedConvWeight(w, 0.01, groups=2, target="avx2")
-    assert packed.kernel == "avx2"
-    assert {g.kernel for g in packed.groups_packed} == {"avx2"}
+    assert packed.kernel == "avx2_byte"
+    assert {g.kernel for g in packed.groups_packed} == {"avx2_byte"}
+    assert [g.guarded for g in packed.groups_packed] == [True, False]
 
 
 @needs_avx2
@@ -161,7 +167,7 @@ def test_conv_add_on_byte_kernels_equals_conv_then_add():
     np.testing.assert_array_equal(got, want)
 
 
-@pytest.mark.parametrize("w_range", [(-64, 65), (-128, 128)], ids=["byte", "int16"])
+@pytest.mark.parametrize("w_range", [(-64, 65), (-128, 128)], ids=["byte", "guarded"])
 @pytest.mark.parametrize("m", list(range(1, 20)))
 def test_every_row_count_splits_into_exact_blocks(w_range, m):
     # rows run as blocks of 6, 4, 3 and 1 (4, 5, 7 and 8 remaining rows take the 4-row block):

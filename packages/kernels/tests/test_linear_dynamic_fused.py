@@ -19,6 +19,7 @@ from quantbridge.kernels._linear import (
     choose_dynamic_qparams,
     quantize_activation,
 )
+from quantbridge.kernels._pair_guard import split_steps
 
 TARGETS = available_targets()
 F32 = np.float32
@@ -31,7 +32,10 @@ def former_linear_dynamic(x, packed, threads=1):
     a, m, lead = _activation_rows(xq, packed, "x")
     rowoffs, rowsum = _rows_and_sums(a, m, packed)
     biasq, mult = packed.epilogue(a_s, None)
-    out = run_gemm(packed.kernel, a, rowoffs, packed.koffs, packed.packed, packed.n,
+    kernel, bp, koffs = packed.kernel, packed.packed, packed.koffs
+    if packed.guarded:  # 8-bit weights on avx2: the exact int16 kernels, as linear_dynamic
+        kernel, bp, koffs = "avx2", packed.exact_packed(), split_steps(packed.koffs)
+    out = run_gemm(kernel, a, rowoffs, koffs, bp, packed.n,
                    packed.colcorr(a_zp), packed.zero_points, rowsum, biasq, mult, 0, 0, True,
                    threads)  # fmt: skip
     return out.reshape((*lead, packed.n))

@@ -22,6 +22,7 @@ from quantbridge.fx_quant import (
     LoweringRegistryError,
     backend_registry,
     convert_fx,
+    convert_to_reference_fx,
     get_backend_config,
     get_lowering,
     get_native_backend_config,
@@ -102,28 +103,39 @@ def test_backend_rejects_bad_construction_and_input() -> None:
         L.get_backend("numba").lower(nn.Linear(2, 2))  # type: ignore[arg-type]
 
 
-def test_numba_qconfig_mapping_uses_full_range_activations() -> None:
+@pytest.mark.parametrize("target", ["avx2", "avx512_vnni", "generic"])
+def test_numba_qconfig_mapping_activations_are_torch_ao_x86_on_avx2(target: str) -> None:
+    # avx2: torch.ao's x86 defaults (7-bit activations, 8-bit weights); elsewhere 8 and 8
+    backend = _numba_backend.NumbaBackend(f"numba_{target}", target)
     for qat in (False, True):
-        mapping = L.get_backend("numba").qconfig_mapping(qat=qat)
-        qconfig = mapping.global_qconfig
+        qconfig = backend.qconfig_mapping(qat=qat).global_qconfig
         assert qconfig is not None
         act = qconfig.activation()
         observer = act.activation_post_process if qat else act
-        assert observer.reduce_range is False
-        assert (observer.quant_min, observer.quant_max) == (0, 255)
+        assert observer.reduce_range is (target == "avx2")
         weight = qconfig.weight()
         assert weight.dtype == torch.qint8 or weight.dtype == torch.int8
+        assert (weight.quant_min, weight.quant_max) == (-128, 127)
 
 
 @pytest.mark.parametrize("qat", [False, True])
 @pytest.mark.parametrize(
-    ("target", "bits", "weight_range"),
-    [("avx2", None, (-63, 63)), ("avx2", 8, (-128, 127)), ("generic", None, (-128, 127)),
-     ("generic", 7, (-63, 63))],
+    ("target", "bits", "act_bits", "weight_range", "reduce_range"),
+    [("avx2", None, None, (-128, 127), True), ("avx2", 7, None, (-63, 63), False),
+     ("avx2", 8, 8, (-128, 127), False), ("avx2", 7, 7, (-63, 63), True),
+     ("generic", None, None, (-128, 127), False), ("generic", 7, None, (-63, 63), False),
+     ("generic", None, 7, (-128, 127), True)],
 )  # fmt: skip
-def test_numba_weight_bits(target: str, bits: int | None, weight_range: tuple[int, int], qat: bool):
+def test_numba_weight_and_activation_bits(
+    target: str,
+    bits: int | None,
+    act_bits: int | None,
+    weight_range: tuple[int, int],
+    reduce_range: bool,
+    qat: bool,
+) -> None:
     backend = _numba_backend.NumbaBackend(f"numba_{target}", target)
-    mapping = backend.qconfig_mapping(qat=qat, weight_bits=bits)
+    mapping = backend.qconfig_mapping(qat=qat, weight_bits=bits, activation_bits=act_bits)
     # the object-type entries too, except fixed-qparams ops (sigmoid...: no weights)
     qconfigs = [mapping.global_qconfig] + [
         q for k, q in mapping.object_type_qconfigs.items() if k not in FIXED_QPARAMS_OP_TO_OBSERVER
@@ -132,21 +144,29 @@ def test_numba_weight_bits(target: str, bits: int | None, weight_range: tuple[in
     for qconfig in qconfigs:
         if qconfig is None or qconfig.weight is None:
             continue
-        assert qconfig is not None
         weight = qconfig.weight()
         assert (weight.quant_min, weight.quant_max) == weight_range
+        act = qconfig.activation()
+        assert (act.activation_post_process if qat else act).reduce_range is reduce_range
     if K.target_supported(target):  # the lowered weights pick the kernel family from it
         model = zoo.LinearReLUMLP().eval()
         x = torch.randn(4, 16)
         prepared = prepare_fx(model, mapping, (x,), backend_config=backend.backend_config)
         prepared(x)
+        reference = convert_to_reference_fx(copy.deepcopy(prepared))
         lowered = backend.convert(prepared)
         packs = [m._packed for m in lowered.modules() if hasattr(m, "_packed")]
         assert packs
         for packed in packs:
             assert weight_range[0] <= packed.weight.min() <= packed.weight.max() <= weight_range[1]
-            byte = target == "avx2" and weight_range == (-63, 63)
-            assert (packed.kernel == "avx2_byte") == byte
+            assert (packed.kernel == "avx2_byte") == (target == "avx2")
+            assert packed.guarded == (target == "avx2" and weight_range == (-128, 127))
+        # 3x past the calibrated range: codes above 127 on every layer; every target runs the
+        # same integer rule, so the avx2 byte kernels must match the generic ones exactly
+        generic = _numba_backend.NumbaBackend("numba_generic", "generic").lower(reference)
+        with torch.no_grad():
+            big = 3 * torch.randn(64, 16)
+            assert torch.equal(lowered(big), generic(big))
 
 
 def test_numba_dynamic_mapping_and_bad_options() -> None:
@@ -157,12 +177,15 @@ def test_numba_dynamic_mapping_and_bad_options() -> None:
         qconfig = mapping.object_type_qconfigs[module]
         assert qconfig.activation().is_dynamic
         assert (qconfig.weight().quant_min, qconfig.weight().quant_max) == (-63, 63)
-    with pytest.raises(ValueError, match="weight_bits must be 7, 8 or None"):
-        backend.qconfig_mapping(weight_bits=4)
-    with pytest.raises(ValueError, match="weight_bits must be 7, 8 or None"):
-        backend.qconfig_mapping(weight_bits=True)  # type: ignore[arg-type]
+    for name in ("weight_bits", "activation_bits"):
+        with pytest.raises(ValueError, match=f"{name} must be 7, 8 or None"):
+            backend.qconfig_mapping(**{name: 4})
+        with pytest.raises(ValueError, match=f"{name} must be 7, 8 or None"):
+            backend.qconfig_mapping(**{name: True})
     with pytest.raises(ValueError, match="dynamic=True cannot be combined"):
         backend.qconfig_mapping(dynamic=True, qat=True)
+    with pytest.raises(ValueError, match="activation_bits applies to static and QAT"):
+        backend.qconfig_mapping(dynamic=True, activation_bits=7)
 
 
 def test_numba_backend_config_leaves_out_what_kernels_do_not_run() -> None:

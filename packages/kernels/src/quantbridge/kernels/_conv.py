@@ -56,6 +56,7 @@ from quantbridge.kernels._pack import (
     weight_scales,
     weight_zero_points,
 )
+from quantbridge.kernels._pair_guard import window_rows
 from quantbridge.kernels._qparams import QParams, as_qparams
 from quantbridge.kernels._quantize import f32_scale
 from quantbridge.kernels._targets import resolve_target
@@ -513,11 +514,16 @@ def _gemm_plan(packed: PackedConvWeight, geo: _Geometry, epi: _Epilogue, fused_a
     # per group: its GEMM runner and row sums (data-dependent only with weight zero points:
     # None, computed per call); the VNNI NCHW path runs its own drivers
     groups = []
+    # byte kernels on weights past 7 bits: rows whose window holds a pair of codes past the
+    # limit are redone exactly (``_pair_guard``; a channel-padded layout pairs codes in place)
+    to_rows = window_rows((n, hp, wp), (oh, ow), (packed.kh, packed.kw), packed.stride,
+                          packed.dilation)  # fmt: skip
     for gi, pg in enumerate([] if direct else packed.groups_packed):
         biasq, mult = pg.epilogue(x_scale, out_scale)
+        guard = pg.guard(n * hp * wp, g * cg4, not packed.row_packed, to_rows)
         runner = gemm_runner(pg.kernel, rowoffs, koffs[gi], pg.packed, pg.n, pg.colcorr(a_zp),
                              pg.zero_points, biasq, mult, o_zp, qmin, False, threads,
-                             fused_add, table, qmax)  # fmt: skip
+                             fused_add, table, qmax, guard)  # fmt: skip
         groups.append((runner, None if pg.has_weight_zp else pg.rows(m)[1]))
 
     def run(

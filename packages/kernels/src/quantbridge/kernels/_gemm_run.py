@@ -31,6 +31,7 @@ from quantbridge.kernels._gemm_simd import (
     serial_vnni_u8add,
 )
 from quantbridge.kernels._pack import layout, round_up
+from quantbridge.kernels._pair_guard import PairGuard, gather_rows, split_steps, unsafe_rows
 from quantbridge.kernels._threads import with_threads
 
 _DRIVERS = {
@@ -103,11 +104,16 @@ def gemm_runner(
     fused_add: bool = False,
     lut: npt.NDArray[np.uint8] = NO_LUT,
     qmax: int = 255,
+    guard: PairGuard | None = None,
 ) -> Any:
     """``run(a, rowsum, residual, add_params, post) -> C[M, n]``: ``run_gemm`` with what does
     not depend on the activations, their row sums, a fused add's operand or the float post
     pass (the thread and driver choice and the argument tuple) made once; a conv's call plan
-    keeps it."""
+    keeps it. ``guard`` (byte kernels on weights past 7 bits): rows a saturating pair could
+    spoil are recomputed on the int16 kernels (``_pair_guard``)."""
+    if guard is not None and target == "avx2_byte" and not f32_out:
+        return _guarded_runner(rowoffs, koffs, bp, n, colcorr, wzp, biasq, mult, out_zero_point,
+                               qmin, threads, fused_add, lut, qmax, guard)  # fmt: skip
     m = rowoffs.shape[0]
     nk = koffs.shape[0]
     np_ = colcorr.shape[0]
@@ -155,6 +161,60 @@ def gemm_runner(
     return run
 
 
+def _guarded_runner(
+    rowoffs: npt.NDArray[np.int64],
+    koffs: npt.NDArray[np.int64],
+    bp: npt.NDArray[np.integer],
+    n: int,
+    colcorr: npt.NDArray[np.int32],
+    wzp: npt.NDArray[np.int32],
+    biasq: npt.NDArray[np.float32],
+    mult: npt.NDArray[np.float32],
+    out_zero_point: int,
+    qmin: int,
+    threads: int,
+    fused_add: bool,
+    lut: npt.NDArray[np.uint8],
+    qmax: int,
+    guard: PairGuard,
+) -> Any:
+    """``gemm_runner``'s ``run`` for the byte kernels on 8-bit weights: exact for any codes."""
+    m = rowoffs.shape[0]
+    epilogue = (colcorr, wzp, biasq, mult, out_zero_point, qmin, False)
+    tail = (fused_add, lut, qmax)
+    run_byte = gemm_runner("avx2_byte", rowoffs, koffs, bp, n, *epilogue, threads, *tail)
+    exact: list[Any] = []  # the int16 runner over every row, made on first need
+    steps = 2 * koffs.shape[0]
+
+    def run(
+        a: npt.NDArray[Any],
+        rowsum: npt.NDArray[np.int32],
+        residual: npt.NDArray[np.uint8] | None = None,
+        add_params: npt.NDArray[np.float32] | None = None,
+        post: Any = None,
+    ) -> npt.NDArray[np.generic]:
+        rows = unsafe_rows(a, guard, m)
+        if rows is None:
+            return run_byte(a, rowsum, residual, add_params)  # type: ignore[no-any-return]
+        if 4 * rows.shape[0] > m:  # mostly unsafe (e.g. full-range activations): int16 only
+            if not exact:
+                exact.append(gemm_runner("avx2", rowoffs, split_steps(koffs), guard.exact_bp, n,
+                                         *epilogue, threads, *tail))  # fmt: skip
+            return exact[0](a, rowsum, residual, add_params)  # type: ignore[no-any-return]
+        out: npt.NDArray[np.generic] = run_byte(a, rowsum, residual, add_params)
+        dense = gather_rows(a, rowoffs, rows, koffs)
+        width = dense.shape[1]
+        fix = gemm_runner(
+            "avx2", np.arange(rows.shape[0], dtype=np.int64) * width,
+            np.arange(steps, dtype=np.int64) * 2, guard.exact_bp, n, *epilogue, 1, *tail,
+        )  # fmt: skip
+        res = None if residual is None else residual.reshape(m, -1)[rows].reshape(-1)
+        out[rows] = fix(dense.reshape(-1), rowsum[rows], res, add_params)
+        return out
+
+    return run
+
+
 def run_gemm(
     target: str,
     a: npt.NDArray[np.uint8],
@@ -176,6 +236,7 @@ def run_gemm(
     post: tuple[int, npt.NDArray[np.float32], bool, npt.NDArray[np.float32]] | None = None,
     lut: npt.NDArray[np.uint8] = NO_LUT,
     qmax: int = 255,
+    guard: PairGuard | None = None,
 ) -> npt.NDArray[np.generic]:
     """C[M, n] for activations addressed by ``rowoffs``/``koffs`` and packed B ``bp``.
 
@@ -187,9 +248,9 @@ def run_gemm(
     by ``_float_math.post_rows`` to the float output in one pass after the GEMM. ``a`` may
     arrive already widened to int16 for ``avx2``. ``lut`` (uint8[256] or
     empty, see ``_epilogue_lut``) maps the u8 codes, clamped to ``[qmin, qmax]``, before the
-    store.
+    store. ``guard``: see ``gemm_runner``.
     """
     run = gemm_runner(target, rowoffs, koffs, bp, n, colcorr, wzp, biasq, mult, out_zero_point,
-                      qmin, f32_out, threads, residual is not None, lut, qmax)  # fmt: skip
+                      qmin, f32_out, threads, residual is not None, lut, qmax, guard)  # fmt: skip
     out: npt.NDArray[np.generic] = run(a, rowsum, residual, add_params, post)
     return out

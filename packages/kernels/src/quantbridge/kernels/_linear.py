@@ -36,13 +36,16 @@ from quantbridge.kernels._gemm import quantize_u8_fma
 from quantbridge.kernels._gemm_run import NO_ADD, NO_RESIDUAL, SERIAL_BELOW, run_gemm, serial_driver
 from quantbridge.kernels._pack import (
     K_ALIGN,
+    PAIR_SAFE,
     kernel_family,
     layout,
     pack_b,
+    pair_limit,
     round_up,
     weight_scales,
     weight_zero_points,
 )
+from quantbridge.kernels._pair_guard import PairGuard, split_steps
 from quantbridge.kernels._requant import multipliers, scaled_bias
 from quantbridge.kernels._targets import resolve_target
 from quantbridge.kernels._threads import apply_num_threads, max_threads
@@ -109,8 +112,13 @@ class PackedLinearWeight:
         self.channel_offset = 0
         self.nk = int(self.koffs.shape[0])
         self.npanels = self.n_padded // nr
+        # AVX2's byte kernels on weights past 7 bits: rows holding a pair of activation codes
+        # past this limit are recomputed on the int16 kernels (``_pair_guard``)
+        self.pair_limit = pair_limit(w) if self.kernel == "avx2_byte" else PAIR_SAFE
+        self.guarded = self.pair_limit < PAIR_SAFE
+        self._exact: npt.NDArray[np.int16] | None = None
         # the byte kernels read uint8 activations directly; AVX2's int16 ones want them widened
-        byte_kernel = self.kernel in ("avx512_vnni", "avx2_byte")
+        byte_kernel = self.kernel in ("avx512_vnni", "avx2_byte") and not self.guarded
         self.serial_u8 = serial_driver(self.kernel, "u8") if byte_kernel else None
         self._fast: dict[tuple[float, float, int], Any] = {}
         self._entry: dict[bool, Any] = {}
@@ -120,6 +128,20 @@ class PackedLinearWeight:
         self._rows: dict[int, tuple[npt.NDArray[np.int64], npt.NDArray[np.int32]]] = {}
         # (min, max) weight scale: bounds every dynamic scale product (``dynamic_epilogue``)
         self._scale_span = (float(self.scales.min()), float(self.scales.max()))
+
+    def exact_packed(self) -> npt.NDArray[np.int16]:
+        """This weight in the int16 ``avx2`` layout (exact for any activations), packed on
+        first use: the guarded byte kernels' rows past the pair limit, and dynamic linears."""
+        if self._exact is None:
+            self._exact = pack_b(self.weight, "avx2")  # type: ignore[assignment]
+        assert self._exact is not None
+        return self._exact
+
+    def guard(self, npix: int, pixel_bytes: int, aligned: bool, to_rows: Any) -> PairGuard | None:
+        """The ``PairGuard`` of a call on this weight (None when every pair is exact)."""
+        if not self.guarded:
+            return None
+        return PairGuard(self.pair_limit, npix, pixel_bytes, aligned, to_rows, self.exact_packed())
 
     @property
     def zero_colcorr(self) -> npt.NDArray[np.int32]:
@@ -259,7 +281,9 @@ class PackedLinearWeight:
 
     def __repr__(self) -> str:
         kind = "per-channel" if self.per_channel else "per-tensor"
-        byte = ", 7-bit weights" if self.kernel == "avx2_byte" else ""
+        byte = ""
+        if self.kernel == "avx2_byte":
+            byte = ", 8-bit weights, guarded byte kernels" if self.guarded else ", 7-bit weights"
         return f"PackedLinearWeight(N={self.n}, K={self.k}, {kind}{byte}, target={self.target!r})"
 
 
@@ -430,6 +454,7 @@ def linear(
         threads,
         lut=table,
         qmax=qmax,
+        guard=packed.guard(m, packed.lda, True, None),
     )
     if len(lead) == 1:
         return out  # type: ignore[return-value]
@@ -521,9 +546,12 @@ def linear_dynamic(
     x2 = xf.reshape(m, packed.k)
     # quantized rows go straight into the layout the kernels read: int16 for AVX2, rows
     # padded to whole 4-byte loads
-    a: npt.NDArray[Any] = np.empty(
-        (m, packed.lda), np.int16 if packed.kernel == "avx2" else np.uint8
-    )
+    # weights past 7 bits run the int16 kernels: dynamic codes span [0, 255], where the
+    # byte kernels' pairs would saturate on most rows
+    kernel, bp, koffs = packed.kernel, packed.packed, packed.koffs
+    if packed.guarded:
+        kernel, bp, koffs = "avx2", packed.exact_packed(), split_steps(packed.koffs)
+    a: npt.NDArray[Any] = np.empty((m, packed.lda), np.int16 if kernel == "avx2" else np.uint8)
     post: tuple[int, npt.NDArray[np.float32], bool, npt.NDArray[np.float32]] | None
     rowoffs, _ = packed.rows(m)
     if per_row:
@@ -554,7 +582,7 @@ def linear_dynamic(
         wzp = packed.zero_points
         biasq, mult = packed.dynamic_epilogue(a_s)
         post = None if act == 0 else (act, _NO_ROWSCALE, False, biasq)
-    out = run_gemm(packed.kernel, a.reshape(-1), rowoffs, packed.koffs, packed.packed, packed.n,
+    out = run_gemm(kernel, a.reshape(-1), rowoffs, koffs, bp, packed.n,
                    colcorr, wzp, rowsum, biasq, mult, 0, 0, True, threads,
                    post=post)  # fmt: skip
     return out.reshape((*lead, packed.n))

@@ -5,8 +5,8 @@ Layouts (``Np``: N rounded up to the panel width, ``Kp``: K rounded up to 4; pad
 * ``avx512_vnni`` and ``generic``: int8 ``[Np/32][Kp/4][32][4]`` — panel p, k-step s, column
   jj, byte u holds ``w[32p + jj, 4s + u]``.
 * ``avx2``: int16 ``[Np/16][Kp/2][16][2]`` — ``w[16p + jj, 2s + u]`` widened to int16.
-* ``avx2_byte`` (the kernels of target ``avx2`` for weights within ``BYTE_WEIGHT_LIMIT``,
-  ``_avx2_byte.py``): int8 ``[Np/16][Kp/4][16][4]``.
+* ``avx2_byte`` (the kernels of target ``avx2``, ``_avx2_byte.py``): int8
+  ``[Np/16][Kp/4][16][4]``; the int16 ``avx2`` layout serves the rows they cannot do exactly.
 
 Zero-point corrections use ``colsum[j] = sum_k w[j, k]`` (computed here) and, when any weight
 zero point is non-zero, the per-call activation row sums.
@@ -34,21 +34,38 @@ _LAYOUT: dict[str, tuple[int, int, type[np.integer]]] = {
 }
 
 
-# |weight code| at most this lets AVX2 add two u8 x s8 products in a saturating int16 exactly
-BYTE_WEIGHT_LIMIT = 64
+# two uint8 codes add up to at most this: a pair limit this high needs no guard
+PAIR_SAFE = 510
+
+
+def pair_limit(weight: npt.NDArray[np.int8]) -> int:
+    """The largest sum of two activation codes whose products with any two codes of
+    ``weight`` add up exactly in ``vpmaddubsw``'s saturating int16 (``PAIR_SAFE`` or more:
+    every pair of uint8 codes is exact). At least 256 for any int8 weight."""
+    if weight.size == 0:
+        return PAIR_SAFE
+    hi, lo = max(int(weight.max()), 0), min(int(weight.min()), 0)
+    # a0 * w0 + a1 * w1 lies in [lo * (a0 + a1), hi * (a0 + a1)]
+    limit = PAIR_SAFE
+    if hi:
+        limit = min(limit, 32767 // hi)
+    if lo:
+        limit = min(limit, 32768 // -lo)
+    return limit
 
 
 def kernel_family(target: str, weight: npt.NDArray[np.int8]) -> str:
     """The packed layout and micro-kernels for ``weight`` on ``target``.
 
-    On ``avx2``, weights whose every code lies in ``[-64, 64]`` (7-bit weights) run the
-    ``vpmaddubsw`` kernels (``avx2_byte``): exact for them and faster than the int16 kernels,
-    which every other weight uses. Other targets have one family.
+    On ``avx2`` every weight runs the ``vpmaddubsw`` kernels (``avx2_byte``). They are exact
+    for any activations when every weight code lies in ``[-64, 64]`` (7-bit weights); for
+    wider weights a pair of activation codes whose sum passes ``pair_limit`` could saturate,
+    and the callers recompute the rows holding one on the int16 ``avx2`` kernels
+    (``_pair_guard``). Other targets have one family.
     """
     if target != "avx2" or weight.size == 0:
         return target
-    lo, hi = int(weight.min()), int(weight.max())
-    return "avx2_byte" if lo >= -BYTE_WEIGHT_LIMIT and hi <= BYTE_WEIGHT_LIMIT else target
+    return "avx2_byte"
 
 
 def layout(target: str) -> tuple[int, int, type[np.integer]]:

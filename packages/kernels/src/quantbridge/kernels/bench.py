@@ -6,7 +6,10 @@ in one process with the same thread count; each figure is the fastest single cal
 ``--repeat`` interleaved rounds (the machine is shared: the fastest call is the least
 disturbed one). ``ratio`` is ours divided by torch's from the same run.
 Rows ``linear_w7`` and ``conv2d_cl_w7`` (``avx2`` only) repeat the shapes with 7-bit weights,
-which run AVX2's byte kernels (torch gets the same weights).
+which AVX2's byte kernels run without any check; rows ``linear_a7`` and ``conv2d_cl_a7``
+(``avx2`` only) keep 8-bit weights with activation codes in [0, 127], torch.ao's x86
+``reduce_range`` codes, where the byte kernels' pair check finds nothing to redo (torch gets
+the same inputs).
 ``percent_of_peak`` compares with a vpdpbusd peak that is measured here (register-only
 vpdpbusd loop on every thread), not taken from a datasheet.
 
@@ -187,17 +190,18 @@ def run(
         a = rng.integers(0, 256, (m, k), dtype=np.uint8)
         w8 = rng.integers(-128, 128, (n, k), dtype=np.int8)
         bias = rng.normal(0, 1, n).astype(np.float32)
-        for op, w in (("linear", w8), ("linear_w7", w8 >> 1)):
-            # 7-bit weights change only avx2's kernels (the byte family): rows there only
+        for op, w, codes in (("linear", w8, a), ("linear_w7", w8 >> 1, a),
+                             ("linear_a7", w8, a >> 1)):  # fmt: skip
+            # 7-bit weights or codes change only avx2's kernels (the byte family): rows there only
             row_targets = [t for t in targets if op == "linear" or t == "avx2"]
             if not row_targets:
                 continue
-            base = _torch_linear(torch, a, w, bias, scales) if torch is not None else None
+            base = _torch_linear(torch, codes, w, bias, scales) if torch is not None else None
             for target in row_targets:
                 packed = PackedLinearWeight(w, scales[2], 0, bias, target=target)
 
                 def ours(
-                    packed: PackedLinearWeight = packed, a: np.ndarray[Any, Any] = a
+                    packed: PackedLinearWeight = packed, a: np.ndarray[Any, Any] = codes
                 ) -> object:
                     return linear(a, packed, 0.05, 3, 2.0, 5, num_threads=threads)
 
@@ -215,13 +219,17 @@ def run(
     x_cl = np.ascontiguousarray(x.transpose(0, 2, 3, 1)).transpose(0, 3, 1, 2)
     ops = 2.0 * bn * oc * h * wd * c * ks * ks
     shape = f"{bn}x{c}x{h}x{wd}->{oc},k{ks}"
-    plans = (("conv2d", x, wc), ("conv2d_cl", x_cl, wc), ("conv2d_cl_w7", x_cl, wc >> 1))
+    plans = (("conv2d", x, wc), ("conv2d_cl", x_cl, wc), ("conv2d_cl_w7", x_cl, wc >> 1),
+             ("conv2d_cl_a7", x_cl >> 1, wc))  # fmt: skip
     for op, xin, wk in plans:
-        row_targets = [t for t in targets if not op.endswith("_w7") or t == "avx2"]
+        row_targets = [t for t in targets if not op.endswith(("_w7", "_a7")) or t == "avx2"]
         if not row_targets:
             continue
+        x_nchw = np.ascontiguousarray(xin)
         base = (
-            _torch_conv(torch, x, wk, bias, scales, op != "conv2d") if torch is not None else None
+            _torch_conv(torch, x_nchw, wk, bias, scales, op != "conv2d")
+            if torch is not None
+            else None
         )
         for target in row_targets:
             cp = PackedConvWeight(wk, scales[2], 0, bias, padding=1, target=target)

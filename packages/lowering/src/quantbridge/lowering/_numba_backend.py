@@ -70,6 +70,14 @@ def _weight_observer(bits: int, qat: bool) -> Any:
     return PerChannelMinMaxObserver.with_args(**narrow)
 
 
+def _bits(name: str, value: int | None, default: int) -> int:
+    if value is None:
+        return default
+    if isinstance(value, bool) or value not in (7, 8):
+        raise ValueError(f"qconfig_mapping: {name} must be 7, 8 or None, got {value!r}")
+    return int(value)
+
+
 def numba_backend_config(name: str) -> BackendConfig:
     """The BackendConfig named ``name`` allowing exactly what the numba lowering table lowers:
     fx_quant's native entries whose operators the rules cover, in the modes they declare."""
@@ -79,12 +87,14 @@ def numba_backend_config(name: str) -> BackendConfig:
 class NumbaBackend(Backend):
     """Lowers to ``quantbridge.kernels`` compiled for one target (``None``: the best one).
 
-    Activations are uint8 over the full [0, 255] range, weights int8 (per channel by
-    default). The kernels are exact for every int8 x uint8 product: no 16-bit intermediate
-    ever saturates (fbgemm's AVX2 path can), so the default qconfigs use
-    ``reduce_range=False``: activations keep all 8 bits, one more than torch.ao's x86 default.
-    On the ``avx2`` target the default weights use 7 bits instead (``qconfig_mapping``'s
-    ``weight_bits``), which lets the kernels use the faster 16-bit-pair multiply exactly.
+    Activations are uint8, weights int8 (per channel by default); every kernel is exact
+    for any codes. The default qconfigs on the ``avx2`` target are torch.ao's x86 defaults:
+    activations calibrated over 7 bits (``reduce_range=True``) and 8-bit weights, which the
+    AVX2 kernels multiply with the fast 16-bit-pair instruction (rows where two codes could
+    overflow it are recomputed exactly, and with these activations there are few or none).
+    On targets with VNNI, activations keep all 8 bits (``reduce_range=False``): one more than
+    torch.ao's x86 default. ``qconfig_mapping``'s ``weight_bits`` and ``activation_bits``
+    choose otherwise.
     """
 
     _per_token = False
@@ -120,8 +130,9 @@ class NumbaBackend(Backend):
         transformer: bool = False,
         dynamic: bool = False,
         weight_bits: int | None = None,
+        activation_bits: int | None = None,
     ) -> QConfigMapping:
-        """x86-style defaults with ``reduce_range=False`` activations (see class docstring).
+        """x86-style defaults for this backend's target (see the class docstring).
 
         ``transformer=True``: the same, with elementwise add / sub / mul / div and the norms
         kept float (None), so the residual stream, LayerNorm and the attention-mask arithmetic
@@ -133,21 +144,33 @@ class NumbaBackend(Backend):
         other op stays float.
 
         ``weight_bits``: 8 (codes in [-128, 127]) or 7 (codes in [-63, 63], per-channel
-        symmetric). None picks 7 on the ``avx2`` target and 8 elsewhere: CPUs without VNNI
-        multiply with ``vpmaddubsw``, which adds two products in 16 bits and is exact only
-        when no such pair can overflow. With 7-bit weights it never can, so the AVX2 kernels
-        run ~1.2-1.7x faster than with 8-bit weights (those run on exact but slower 16-bit
-        kernels). The price is precision: 3-4 dB of output SQNR on ResNet-18 and MobileNetV2,
-        6.5 dB on ResNet-50, whose 53 convs add up the weight error (below torch.ao's x86
-        defaults there); pass ``weight_bits=8`` when that matters more than speed.
+        symmetric). ``activation_bits`` (static and QAT): 8 (``reduce_range=False``) or 7
+        (``reduce_range=True``: scale and zero point from [0, 127], as torch.ao's x86
+        defaults; codes past 127 still occur for values past the calibrated range). None
+        picks, on the ``avx2`` target, 8-bit weights with 7-bit activations (dynamic: 7-bit
+        weights, the activations' codes span all 8 bits) and elsewhere 8 and 8.
+
+        Why: CPUs without VNNI multiply with ``vpmaddubsw``, which adds two uint8 x int8
+        products in 16 bits. It is exact for every pair with 7-bit weights, and for a pair of
+        codes adding up to at most 256 with 8-bit weights; the kernels find the rows holding a
+        pair past that and redo them with exact 16-bit multiplies. 7-bit activations make such
+        rows rare (none in ResNet-18/50 and MobileNetV2), so 8-bit weights run at full speed.
+        8-bit activations with 8-bit weights are exact too but run ~1.2-1.7x slower there.
+        7-bit weights cost 3-4 dB of output SQNR on ResNet-18 and MobileNetV2 and 6.5 dB on
+        ResNet-50 against 8-bit ones.
         """
-        bits = self._weight_bits(weight_bits)
         if dynamic:
             if qat or transformer:
                 raise ValueError(
                     "qconfig_mapping: dynamic=True cannot be combined with qat or transformer "
                     "(dynamic quantization has no calibration or training step)"
                 )
+            if activation_bits is not None:
+                raise ValueError(
+                    "qconfig_mapping: activation_bits applies to static and QAT mappings; "
+                    "dynamic activations are quantized per call over their whole range"
+                )
+            bits = _bits("weight_bits", weight_bits, 7 if self.target == "avx2" else 8)
             dyn = QConfig(
                 activation=default_dynamic_quant_observer,
                 weight=_weight_observer(bits, qat=False),
@@ -156,22 +179,17 @@ class NumbaBackend(Backend):
             for module in (nn.Linear, nn.LSTM, nn.GRU):
                 mapping.set_object_type(module, dyn)
             return mapping
-        mapping = self._default_mapping(qat, bits)
+        bits = _bits("weight_bits", weight_bits, 8)
+        narrow = self.target == "avx2" and bits == 8
+        act_bits = _bits("activation_bits", activation_bits, 7 if narrow else 8)
+        mapping = self._default_mapping(qat, bits, act_bits)
         if transformer:
             for op in _TRANSFORMER_FLOAT_OPS:
                 mapping.set_object_type(op, None)
         return mapping
 
-    def _weight_bits(self, weight_bits: int | None) -> int:
-        if weight_bits is None:
-            return 7 if self.target == "avx2" else 8
-        if isinstance(weight_bits, bool) or weight_bits not in (7, 8):
-            raise ValueError(
-                f"qconfig_mapping: weight_bits must be 7, 8 or None, got {weight_bits!r}"
-            )
-        return int(weight_bits)
-
-    def _default_mapping(self, qat: bool, bits: int) -> QConfigMapping:
+    def _default_mapping(self, qat: bool, bits: int, act_bits: int) -> QConfigMapping:
+        reduce_range = act_bits == 7
         if qat:
             mapping = get_default_qat_qconfig_mapping("x86")
             qconfig = QConfig(
@@ -179,14 +197,14 @@ class NumbaBackend(Backend):
                     observer=MovingAverageMinMaxObserver,
                     quant_min=0,
                     quant_max=255,
-                    reduce_range=False,
+                    reduce_range=reduce_range,
                 ),
                 weight=_weight_observer(bits, qat=True),
             )
         else:
             mapping = get_default_qconfig_mapping("x86")
             qconfig = QConfig(
-                activation=HistogramObserver.with_args(reduce_range=False),
+                activation=HistogramObserver.with_args(reduce_range=reduce_range),
                 weight=_weight_observer(bits, qat=False),
             )
         mapping.set_global(qconfig)

@@ -1,0 +1,156 @@
+"""Exact AVX2 byte GEMMs on 8-bit weights: find and redo the rows a saturating pair spoils.
+
+The byte kernels (``_avx2_byte.py``) read four activation codes per k step and add the
+products of codes (k, k+1) and (k+2, k+3) in a saturating int16. For weights whose codes
+pass [-64, 64] such a pair can leave the int16 range, but only when its two codes add up to
+more than the weight's ``pair_limit`` (at least 256): two codes below 128 never can. With
+torch.ao's x86 activations (``reduce_range``: calibrated codes in [0, 127]) a code of 128 or
+more is an outlier, and a pair past the limit is rarer still.
+
+``unsafe_rows`` scans the activation buffer 64 bytes at a time (an OR of eight words shows
+whether any code reaches 128), then the few blocks that do, and flags each pixel (a run of
+``pixel_bytes``: a conv's input pixel, a linear's row) holding a pair past the limit; it maps
+pixels to GEMM rows (a conv row reads every pixel of its window). ``_gemm_run.gemm_runner``
+then runs the byte kernels and recomputes those rows on the int16 ``avx2`` kernels, exact for
+every code, with the same epilogue; when codes of 128 or more are everywhere, or more than a
+quarter of the rows are flagged, it runs the int16 kernels alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import numpy as np
+import numpy.typing as npt
+from numba import njit
+
+_HIGH = np.uint64(0x8080808080808080)  # bit 7 of each byte: a code of 128 or more
+
+
+class PairGuard(NamedTuple):
+    """What the guard of one GEMM call needs.
+
+    ``limit``: the weight's ``pair_limit``; ``npix`` pixels of ``pixel_bytes`` codes each
+    start the activation buffer; ``aligned``: the kernels pair codes at even buffer offsets
+    (every k step starts at a multiple of 4), so only a flagged code's neighbour (offset
+    ``i ^ 1``) can be its partner; otherwise any code of 128 or more flags its pixel.
+    ``to_rows``: pixel flags ``uint8[npix]`` -> row flags ``bool[M]`` (None: rows are
+    pixels). ``exact_bp``: the same weight in the int16 ``avx2`` layout.
+    """
+
+    limit: int
+    npix: int
+    pixel_bytes: int
+    aligned: bool
+    to_rows: Callable[[npt.NDArray[np.uint8]], npt.NDArray[np.bool_]] | None
+    exact_bp: npt.NDArray[np.int16]
+
+
+@njit(cache=True, nogil=True)
+def _flag_pixels(words, buf, nbytes, pixel_bytes, aligned, limit, flags):  # type: ignore[no-untyped-def]  # numba types the arguments
+    # pass 1, vectorized: the 64-byte blocks holding a code of 128 or more (only those can
+    # hold a pair past the limit); the tail past the last whole block counts as one
+    blocks = nbytes // 64
+    hot = np.empty(blocks + 1, np.int64)
+    nhot = 0
+    for b in range(blocks):
+        acc = np.uint64(0)
+        for u in range(8):
+            acc |= words[8 * b + u]
+        if acc & _HIGH:
+            hot[nhot] = b
+            nhot += 1
+    if nbytes > 64 * blocks:
+        hot[nhot] = blocks
+        nhot += 1
+    if nhot > blocks // 4 + 1:
+        return -1  # codes of 128 and more everywhere (full-range activations)
+    # pass 2: the pairs of the hot blocks, one flag per pixel
+    found = 0
+    skip = 0  # bytes before this offset belong to flagged pixels
+    for h in range(nhot):
+        lo = 64 * hot[h]
+        for i in range(max(lo, skip), min(lo + 64, nbytes)):
+            v = np.int32(buf[i])
+            if v < 128 or i < skip:
+                continue
+            j = i ^ 1
+            partner = np.int32(buf[j]) if j < nbytes else np.int32(0)
+            if aligned and v + partner <= limit:
+                continue
+            p = i // pixel_bytes
+            flags[p] = 1
+            found += 1
+            skip = (p + 1) * pixel_bytes  # the rest of this pixel cannot matter
+    return found
+
+
+def unsafe_rows(a: npt.NDArray[Any], guard: PairGuard, m: int) -> npt.NDArray[np.int64] | None:
+    """Indices of the ``m`` GEMM rows whose activations hold a pair past the limit (None:
+    none). All rows (``arange(m)``) when codes of 128 or more fill over a quarter of the
+    buffer's 64-byte blocks: then the int16 kernels run alone."""
+    nbytes = guard.npix * guard.pixel_bytes
+    buf = a[:nbytes]
+    words = buf[: nbytes // 64 * 64].view(np.uint64)
+    flags = np.zeros(guard.npix, np.uint8)
+    found = _flag_pixels(words, buf, nbytes, guard.pixel_bytes, guard.aligned, guard.limit, flags)
+    if found == 0:
+        return None
+    if found < 0:
+        return np.arange(m, dtype=np.int64)
+    rows = flags.view(np.bool_) if guard.to_rows is None else guard.to_rows(flags)
+    return np.flatnonzero(rows)
+
+
+def window_rows(
+    pixels: tuple[int, int, int],
+    out: tuple[int, int],
+    kernel: tuple[int, int],
+    stride: tuple[int, ...],
+    dilation: tuple[int, ...],
+) -> Callable[[npt.NDArray[np.uint8]], npt.NDArray[np.bool_]]:
+    """``to_rows`` of a conv: output pixel (b, y, x) reads input pixels (b, y * sh + i * dh,
+    x * sw + j * dw) of the (padded) buffer of ``pixels`` = (n, hp, wp)."""
+    n, hp, wp = pixels
+    oh, ow = out
+
+    def to_rows(flags: npt.NDArray[np.uint8]) -> npt.NDArray[np.bool_]:
+        f = flags.view(np.bool_).reshape(n, hp, wp)
+        rows = np.zeros((n, oh, ow), np.bool_)
+        for i in range(kernel[0]):
+            for j in range(kernel[1]):
+                r0, c0 = i * dilation[0], j * dilation[1]
+                rows |= f[:, r0 : r0 + (oh - 1) * stride[0] + 1 : stride[0],
+                          c0 : c0 + (ow - 1) * stride[1] + 1 : stride[1]]  # fmt: skip
+        return rows.reshape(-1)
+
+    return to_rows
+
+
+def split_steps(koffs: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
+    """The int16 kernels' k steps (2 codes each) over the byte kernels' (4 codes each)."""
+    return np.stack([koffs, koffs + 2], axis=1).reshape(-1)
+
+
+@njit(cache=True, nogil=True)
+def _gather_rows(flat, rowoffs, rows, koffs, out):  # type: ignore[no-untyped-def]  # numba types the arguments
+    # the k steps of each chosen row, side by side: a dense [rows, 4 * steps] matrix
+    for r in range(rows.shape[0]):
+        base = rowoffs[rows[r]]
+        for s in range(koffs.shape[0]):
+            o = base + koffs[s]
+            for u in range(4):
+                out[r, 4 * s + u] = flat[o + u]
+
+
+def gather_rows(
+    flat: npt.NDArray[np.uint8],
+    rowoffs: npt.NDArray[np.int64],
+    rows: npt.NDArray[np.int64],
+    koffs: npt.NDArray[np.int64],
+) -> npt.NDArray[np.uint8]:
+    """The activations of GEMM rows ``rows`` as a dense uint8 [len(rows), 4 * k steps]."""
+    out = np.empty((rows.shape[0], 4 * koffs.shape[0]), np.uint8)
+    _gather_rows(flat, rowoffs, rows, koffs, out)
+    return out
