@@ -22,8 +22,8 @@ Models and columns:
   ``quantize_dynamic``, OpenVINO int8 (``nncf.quantize``, ``ModelType.TRANSFORMER``),
   quantbridge dynamic and static (the model captured unmodified with
   ``prepare_fx(..., capture="export")``; dynamic with ``qconfig_mapping(dynamic=True)``,
-  static with ``qconfig_mapping(transformer=True)``: the backend's weights, 7-bit on
-  ``avx2``). Fidelity on
+  static with ``qconfig_mapping(transformer=True)``: the backend's default bits, on ``avx2``
+  8-bit weights and 7-bit activations). Fidelity on
   ``--sentences`` random sentences: mean cosine of the mean-pooled embeddings against fp32,
   the mean overlap of each sentence's 10 nearest neighbours (cosine) with fp32's, and the
   SQNR of the pooled embeddings.

@@ -45,7 +45,7 @@ from quantbridge.kernels._pack import (
     weight_scales,
     weight_zero_points,
 )
-from quantbridge.kernels._pair_guard import PairGuard, split_steps
+from quantbridge.kernels._pair_guard import PairGuard, split_steps, unsafe_rows
 from quantbridge.kernels._requant import multipliers, scaled_bias
 from quantbridge.kernels._targets import resolve_target
 from quantbridge.kernels._threads import apply_num_threads, max_threads
@@ -118,7 +118,7 @@ class PackedLinearWeight:
         self.guarded = self.pair_limit < PAIR_SAFE
         self._exact: npt.NDArray[np.int16] | None = None
         # the byte kernels read uint8 activations directly; AVX2's int16 ones want them widened
-        byte_kernel = self.kernel in ("avx512_vnni", "avx2_byte") and not self.guarded
+        byte_kernel = self.kernel in ("avx512_vnni", "avx2_byte")
         self.serial_u8 = serial_driver(self.kernel, "u8") if byte_kernel else None
         self._fast: dict[tuple[float, float, int], Any] = {}
         self._entry: dict[bool, Any] = {}
@@ -315,6 +315,13 @@ def _rows_and_sums(
     return offs, sums
 
 
+def _any_unsafe_row(x: npt.NDArray[np.uint8], packed: PackedLinearWeight) -> bool:
+    m = x.shape[0]
+    guard = packed.guard(m, packed.lda, True, None)
+    assert guard is not None
+    return unsafe_rows(x.reshape(-1), guard, m) is not None
+
+
 def _fast_zp(value: object, name: str) -> int:
     if type(value) is int and 0 <= value <= 255:
         return value
@@ -381,7 +388,14 @@ def linear(
     else:
         threads = apply_num_threads(num_threads, "linear")
     fast = packed.serial_u8
-    if fast is not None and threads == 1 and x.ndim == 2 and x.shape[1] == packed.k == packed.lda:
+    if (
+        fast is not None
+        and threads == 1
+        and x.ndim == 2
+        and x.shape[1] == packed.k == packed.lda
+        # guarded weights: only when no row holds a pair past the limit
+        and not (packed.guarded and _any_unsafe_row(x, packed))
+    ):
         key = (x_scale, out_scale, a_zp)
         floats = type(x_scale) is float and type(out_scale) is float
         params = packed._fast.get(key) if floats else None
