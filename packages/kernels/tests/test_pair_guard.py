@@ -50,6 +50,10 @@ def _wide_weight(rng, shape):
     return w
 
 
+def _no_twin():
+    raise AssertionError("the scan alone needs no int16 packing")
+
+
 def _without_guard(monkeypatch):
     monkeypatch.setattr(PackedLinearWeight, "guard", lambda self, *args: None)
 
@@ -62,7 +66,7 @@ def test_unsafe_rows_flags_only_pairs_past_the_limit():
     a[3, 7] = 255  # a large code with a zero partner
     a[4, 6:8] = (129, 130)
     a[5, :] = 127  # every pair 254
-    guard = PairGuard(258, 6, 8, True, None, np.zeros(1, np.int16))
+    guard = PairGuard(258, 6, 8, True, None, _no_twin)
     np.testing.assert_array_equal(unsafe_rows(a.reshape(-1), guard, 6), [1, 4])
     # unaligned layouts (a stem conv's row-packed windows) flag every code of 128 or more
     loose = guard._replace(aligned=False)
@@ -75,13 +79,13 @@ def test_unsafe_rows_scans_whole_blocks_and_the_tail():
     for offset in (10, 70, 130, 290, 298):
         a = np.zeros(300, np.uint8)
         a[offset : offset + 2] = 200
-        guard = PairGuard(256, 3, 100, True, None, np.zeros(1, np.int16))
+        guard = PairGuard(256, 3, 100, True, None, _no_twin)
         np.testing.assert_array_equal(unsafe_rows(a, guard, 3), [offset // 100])
 
 
 def test_codes_above_127_everywhere_send_every_row_to_the_int16_kernels():
     a = np.full(64 * 40, 200, np.uint8)
-    guard = PairGuard(256, 40, 64, True, None, np.zeros(1, np.int16))
+    guard = PairGuard(256, 40, 64, True, None, _no_twin)
     np.testing.assert_array_equal(unsafe_rows(a, guard, 40), np.arange(40))
 
 
@@ -182,3 +186,15 @@ def test_without_the_guard_these_codes_saturate(monkeypatch):
     assert (got != want).any()
     packed = PackedConvWeight(wc, 0.003, 0, None, padding=1, target="avx2")
     assert (conv2d(x, packed, 0.02, 5, 0.8, 90) != want_c).any()
+
+
+@needs_avx2
+def test_the_int16_packing_is_made_only_when_a_row_needs_it():
+    rng = np.random.default_rng(4)
+    w = _wide_weight(rng, (24, 8, 3, 3))
+    packed = PackedConvWeight(w, 0.003, 0, None, padding=1, target="avx2")
+    clean = _codes(rng, (1, 8, 9, 9), 0.0)
+    conv2d(clean, packed, 0.02, 5, 0.8, 90)
+    assert packed.groups_packed[0]._exact is None  # 7-bit codes: nothing to redo
+    conv2d(_codes(rng, (1, 8, 9, 9), 0.05), packed, 0.02, 5, 0.8, 90)
+    assert packed.groups_packed[0]._exact is not None

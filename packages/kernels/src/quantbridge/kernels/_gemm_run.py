@@ -198,15 +198,15 @@ def _guarded_runner(
             return run_byte(a, rowsum, residual, add_params)  # type: ignore[no-any-return]
         if 4 * rows.shape[0] > m:  # mostly unsafe (e.g. full-range activations): int16 only
             if not exact:
-                exact.append(gemm_runner("avx2", rowoffs, split_steps(koffs), guard.exact_bp, n,
-                                         *epilogue, threads, *tail))  # fmt: skip
+                exact.append(gemm_runner("avx2", rowoffs, split_steps(koffs), guard.exact_bp(),
+                                         n, *epilogue, threads, *tail))  # fmt: skip
             return exact[0](a, rowsum, residual, add_params)  # type: ignore[no-any-return]
         out: npt.NDArray[np.generic] = run_byte(a, rowsum, residual, add_params)
         dense = gather_rows(a, rowoffs, rows, koffs)
         width = dense.shape[1]
         fix = gemm_runner(
             "avx2", np.arange(rows.shape[0], dtype=np.int64) * width,
-            np.arange(steps, dtype=np.int64) * 2, guard.exact_bp, n, *epilogue, 1, *tail,
+            np.arange(steps, dtype=np.int64) * 2, guard.exact_bp(), n, *epilogue, 1, *tail,
         )  # fmt: skip
         res = None if residual is None else residual.reshape(m, -1)[rows].reshape(-1)
         out[rows] = fix(dense.reshape(-1), rowsum[rows], res, add_params)

@@ -141,7 +141,7 @@ class PackedLinearWeight:
         """The ``PairGuard`` of a call on this weight (None when every pair is exact)."""
         if not self.guarded:
             return None
-        return PairGuard(self.pair_limit, npix, pixel_bytes, aligned, to_rows, self.exact_packed())
+        return PairGuard(self.pair_limit, npix, pixel_bytes, aligned, to_rows, self.exact_packed)
 
     @property
     def zero_colcorr(self) -> npt.NDArray[np.int32]:
