@@ -117,6 +117,7 @@ class PackedLinearWeight:
         self.pair_limit = pair_limit(w) if self.kernel == "avx2_byte" else PAIR_SAFE
         self.guarded = self.pair_limit < PAIR_SAFE
         self._exact: npt.NDArray[np.int16] | None = None
+        self._exact_koffs = self.koffs  # the int16 kernels' k steps, set with ``_exact``
         # the byte kernels read uint8 activations directly; AVX2's int16 ones want them widened
         byte_kernel = self.kernel in ("avx512_vnni", "avx2_byte")
         self.serial_u8 = serial_driver(self.kernel, "u8") if byte_kernel else None
@@ -133,6 +134,7 @@ class PackedLinearWeight:
         """This weight in the int16 ``avx2`` layout (exact for any activations), packed on
         first use: the guarded byte kernels' rows past the pair limit, and dynamic linears."""
         if self._exact is None:
+            self._exact_koffs = split_steps(self.koffs)
             self._exact = pack_b(self.weight, "avx2")  # type: ignore[assignment]
         assert self._exact is not None
         return self._exact
@@ -564,7 +566,7 @@ def linear_dynamic(
     # byte kernels' pairs would saturate on most rows
     kernel, bp, koffs = packed.kernel, packed.packed, packed.koffs
     if packed.guarded:
-        kernel, bp, koffs = "avx2", packed.exact_packed(), split_steps(packed.koffs)
+        kernel, bp, koffs = "avx2", packed.exact_packed(), packed._exact_koffs
     a: npt.NDArray[Any] = np.empty((m, packed.lda), np.int16 if kernel == "avx2" else np.uint8)
     post: tuple[int, npt.NDArray[np.float32], bool, npt.NDArray[np.float32]] | None
     rowoffs, _ = packed.rows(m)
