@@ -154,7 +154,7 @@ class NumbaBackend(Backend):
         products in 16 bits. It is exact for every pair with 7-bit weights, and for a pair of
         codes adding up to at most 256 with 8-bit weights; the kernels find the rows holding a
         pair past that and redo them with exact 16-bit multiplies. 7-bit activations make such
-        rows rare (on ResNet-18/50, ~60 rows of the stem conv per image, nothing elsewhere).
+        rows rare (on ResNet-18/50, ~60 rows of the stem conv per image, almost none elsewhere).
         The default keeps torch.ao's SQNR on the CNNs measured and runs 4-17 % slower than
         ``weight_bits=7`` (the check's cost), which is more precise on MobileNets and less on
         ResNets (3.6 dB below torch.ao on ResNet-50). 8-bit activations with 8-bit weights
