@@ -112,8 +112,14 @@ def gemm_runner(
     keeps it. ``guard`` (byte kernels on weights past 7 bits): rows a saturating pair could
     spoil are recomputed on the int16 kernels (``_pair_guard``)."""
     if guard is not None and target == "avx2_byte" and not f32_out:
-        return _guarded_runner(rowoffs, koffs, bp, n, colcorr, wzp, biasq, mult, out_zero_point,
-                               qmin, threads, fused_add, lut, qmax, guard)  # fmt: skip
+
+        def same_epilogue(family: str, rows: Any, steps: Any, packed: Any, nthreads: int) -> Any:
+            return gemm_runner(
+                family, rows, steps, packed, n, colcorr, wzp, biasq, mult, out_zero_point,
+                qmin, False, nthreads, fused_add, lut, qmax,
+            )  # fmt: skip
+
+        return _guarded_runner(rowoffs, koffs, bp, threads, guard, same_epilogue)
     m = rowoffs.shape[0]
     nk = koffs.shape[0]
     np_ = colcorr.shape[0]
@@ -165,24 +171,15 @@ def _guarded_runner(
     rowoffs: npt.NDArray[np.int64],
     koffs: npt.NDArray[np.int64],
     bp: npt.NDArray[np.integer],
-    n: int,
-    colcorr: npt.NDArray[np.int32],
-    wzp: npt.NDArray[np.int32],
-    biasq: npt.NDArray[np.float32],
-    mult: npt.NDArray[np.float32],
-    out_zero_point: int,
-    qmin: int,
     threads: int,
-    fused_add: bool,
-    lut: npt.NDArray[np.uint8],
-    qmax: int,
     guard: PairGuard,
+    runner: Any,
 ) -> Any:
-    """``gemm_runner``'s ``run`` for the byte kernels on 8-bit weights: exact for any codes."""
+    """``gemm_runner``'s ``run`` for the byte kernels on 8-bit weights: exact for any codes.
+    ``runner(family, rowoffs, koffs, packed B, threads)`` makes a runner with this call's
+    epilogue, for the byte kernels and for the int16 ones that redo the unsafe rows."""
     m = rowoffs.shape[0]
-    epilogue = (colcorr, wzp, biasq, mult, out_zero_point, qmin, False)
-    tail = (fused_add, lut, qmax)
-    run_byte = gemm_runner("avx2_byte", rowoffs, koffs, bp, n, *epilogue, threads, *tail)
+    run_byte = runner("avx2_byte", rowoffs, koffs, bp, threads)
     exact: list[Any] = []  # the int16 runner over every row, made on first need
     steps = 2 * koffs.shape[0]
 
@@ -198,15 +195,15 @@ def _guarded_runner(
             return run_byte(a, rowsum, residual, add_params)  # type: ignore[no-any-return]
         if 4 * rows.shape[0] > m:  # mostly unsafe (e.g. full-range activations): int16 only
             if not exact:
-                exact.append(gemm_runner("avx2", rowoffs, split_steps(koffs), guard.exact_bp(),
-                                         n, *epilogue, threads, *tail))  # fmt: skip
+                exact.append(
+                    runner("avx2", rowoffs, split_steps(koffs), guard.pack_exact(), threads)
+                )
             return exact[0](a, rowsum, residual, add_params)  # type: ignore[no-any-return]
         out: npt.NDArray[np.generic] = run_byte(a, rowsum, residual, add_params)
         dense = gather_rows(a, rowoffs, rows, koffs)
-        width = dense.shape[1]
-        fix = gemm_runner(
-            "avx2", np.arange(rows.shape[0], dtype=np.int64) * width,
-            np.arange(steps, dtype=np.int64) * 2, guard.exact_bp(), n, *epilogue, 1, *tail,
+        fix = runner(
+            "avx2", np.arange(rows.shape[0], dtype=np.int64) * dense.shape[1],
+            np.arange(steps, dtype=np.int64) * 2, guard.pack_exact(), 1,
         )  # fmt: skip
         res = None if residual is None else residual.reshape(m, -1)[rows].reshape(-1)
         out[rows] = fix(dense.reshape(-1), rowsum[rows], res, add_params)

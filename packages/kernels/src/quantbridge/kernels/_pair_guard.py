@@ -36,8 +36,8 @@ class PairGuard(NamedTuple):
     (every k step starts at a multiple of 4), so only a flagged code's neighbour (offset
     ``i ^ 1``) can be its partner; otherwise any code of 128 or more flags its pixel.
     ``to_rows``: pixel flags ``uint8[npix]`` -> row flags ``bool[M]`` (None: rows are
-    pixels). ``exact_bp()``: the same weight in the int16 ``avx2`` layout (packed when a call
-    first needs it: most weights never do).
+    pixels). ``pack_exact()``: the same weight in the int16 ``avx2`` layout (packed when a
+    call first needs it: most weights never do).
     """
 
     limit: int
@@ -45,7 +45,7 @@ class PairGuard(NamedTuple):
     pixel_bytes: int
     aligned: bool
     to_rows: Callable[[npt.NDArray[np.uint8]], npt.NDArray[np.bool_]] | None
-    exact_bp: Callable[[], npt.NDArray[np.int16]]
+    pack_exact: Callable[[], npt.NDArray[np.int16]]
 
 
 @njit(cache=True, nogil=True)
