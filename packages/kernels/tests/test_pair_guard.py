@@ -150,6 +150,20 @@ def test_guarded_conv_matches_integer_reference(c, oc, k, stride, pad, groups, d
 
 
 @needs_avx2
+def test_an_unsafe_pair_only_in_pixels_a_strided_conv_skips_redoes_nothing():
+    # stride 2 over width 2 reads pixel 0 only; the unsafe pair sits in pixel 1 (this once
+    # made a GEMM of zero rows, which divided by zero)
+    x = np.full((1, 2, 1, 2), 100, np.uint8)
+    x[0, :, 0, 1] = 200
+    w = np.array([127, -128], np.int8).reshape(1, 2, 1, 1)
+    packed = PackedConvWeight(w, 0.01, 0, None, stride=(1, 2), target="avx2")
+    assert packed.kernel == "avx2_byte"
+    got = conv2d(x, packed, 0.03, 9, 0.01, 100, num_threads=1)
+    want = reference_conv2d(x, 0.03, 9, w, 0.01, 0, None, 0.01, 100, (1, 2), (0, 0), (1, 1), 1)
+    np.testing.assert_array_equal(got, want)
+
+
+@needs_avx2
 @pytest.mark.parametrize("density", DENSITIES)
 def test_guarded_conv_add_with_a_table_matches_conv_then_add(density):
     rng = np.random.default_rng(int(density * 1000))

@@ -178,11 +178,13 @@ class PackedConvWeight:
         self._koffs: dict[tuple[int, int], npt.NDArray[np.int64]] = {}
         self._rowoffs: dict[tuple[int, ...], npt.NDArray[np.int64]] = {}
         self._plans: dict[tuple[object, ...], _ConvPlan] = {}  # see _conv
+        self._add_args: dict[tuple[object, ...], _AddArgs] = {}  # see conv2d_add
 
     def __getstate__(self) -> dict[str, Any]:
         # call plans are closures (not picklable) and cheap to remake: the copy starts without
         state = self.__dict__.copy()
         state["_plans"] = {}
+        state["_add_args"] = {}
         return state
 
     def koffs(self, wp: int) -> list[npt.NDArray[np.int64]]:
@@ -525,35 +527,40 @@ def _gemm_plan(packed: PackedConvWeight, geo: _Geometry, epi: _Epilogue, fused_a
                              pg.zero_points, biasq, mult, o_zp, qmin, False, threads,
                              fused_add, table, qmax, guard)  # fmt: skip
         groups.append((runner, None if pg.has_weight_zp else pg.rows(m)[1]))
+    # the window sums of weight zero points come from the NHWC view, made only for them
+    window_sums = any(rowsum is None for _, rowsum in groups)
 
     def run(
         x4: npt.NDArray[np.uint8],
         fused: tuple[npt.NDArray[np.uint8], npt.NDArray[np.float32]] | None,
     ) -> npt.NDArray[np.uint8]:
         if in_place:  # already the layout the kernels read: no copy
-            xp = x4.transpose(0, 2, 3, 1).reshape(n, h, w, g, cg4)
-            flat = xp.reshape(-1)
+            flat = x4.ravel(order="K")  # the NHWC bytes in memory order (a view)
+            xp = flat.reshape(n, h, w, g, cg4) if window_sums or direct else None
         else:
             buf = np.empty(size + K_ALIGN, np.uint8)  # every byte is written below
             buf[size:] = 0  # the tail row-packed k steps may read (against zero weights)
-            xp = buf[:size].reshape(n, hp, wp, g, cg4)
+            body = buf[:size]
+            xp = body.reshape(n, hp, wp, g, cg4)
             flat = buf
             if cl:
                 nhwc_into_padded_nhwc(
-                    x4.transpose(0, 2, 3, 1).reshape(-1), n, h, w, g, cg, cg4, ph, pw, wp, hp,
-                    a_zp, xp.reshape(-1),
-                )  # fmt: skip
+                    x4.ravel(order="K"), n, h, w, g, cg, cg4, ph, pw, wp, hp, a_zp, body
+                )
             else:
                 nchw_into_padded_nhwc(
-                    x4.reshape(-1), n, c, h, w, g, cg, cg4, ph, pw, wp, hp, a_zp, xp.reshape(-1)
+                    x4.reshape(-1), n, c, h, w, g, cg, cg4, ph, pw, wp, hp, a_zp, body
                 )
         if direct:
             return _conv_nchw_direct(packed, flat, rowoffs, koffs[0], xp, n, oh, ow, x_scale,
                                      out_scale, a_zp, o_zp, qmin, qmax, table, threads)  # fmt: skip
         out = np.empty((n, oh, ow, oc), np.uint8) if g > 1 else None
         for gi, (runner, rowsum) in enumerate(groups):
+            if rowsum is None:
+                assert xp is not None
+                rowsum = _window_sums(xp, gi, packed, oh, ow)
             res = runner(
-                flat, _window_sums(xp, gi, packed, oh, ow) if rowsum is None else rowsum,
+                flat, rowsum,
                 None if fused is None else fused[0], None if fused is None else fused[1],
             )  # fmt: skip
             if out is None:
@@ -740,6 +747,77 @@ def conv2d_add(
     uint8[256] table applied to the add's output codes (``apply_lut(conv2d_add(...), lut)``),
     in the same epilogue when fused.
     """
+    key = _add_key(x, other, x_qparams, conv_qparams, other_qparams, out_qparams, relu)
+    known = None if key is None else getattr(packed, "_add_args", {}).get(key)
+    if known is None:
+        known = _checked_add_args(x, packed, x_qparams, conv_qparams, other, other_qparams,
+                                  out_qparams, relu, relu_conv, num_threads, lut)  # fmt: skip
+        if isinstance(known, np.ndarray):  # not fusable: ran unfused
+            return known
+        if key is not None and len(packed._add_args) < _PLAN_LIMIT:
+            packed._add_args[key] = known
+    elif lut is not None:
+        epilogue_lut(lut, 0, fold=False)  # a bad table is refused under this name
+    x_scale, x_zero_point, conv_scale, conv_zero_point, addp, other_cl = known
+    assert isinstance(other, np.ndarray)
+    # channels-last codes in memory order (a view), or NCHW codes transposed once
+    other_nhwc = other.ravel(order="K") if other_cl else other.transpose(0, 2, 3, 1).ravel()
+    return _conv(
+        x, packed, x_scale, x_zero_point, conv_scale, conv_zero_point, relu_conv,
+        num_threads, True, 2, "conv2d_add", (other_nhwc, addp), lut,
+    )  # fmt: skip
+
+
+class _AddArgs(NamedTuple):
+    """A fused ``conv2d_add`` call's checked arguments (cached per ``_add_key``)."""
+
+    x_scale: float
+    x_zero_point: int
+    conv_scale: float
+    conv_zero_point: int
+    addp: npt.NDArray[np.float32]
+    other_cl: bool
+
+
+def _add_key(
+    x: object,
+    other: object,
+    x_qparams: object,
+    conv_qparams: object,
+    other_qparams: object,
+    out_qparams: object,
+    relu: object,
+) -> tuple[object, ...] | None:
+    """What a fused add's checked arguments depend on (None: check them on every call): the
+    qparams (with the zero points' types, as ``_plan_key``), the relu flag and both arrays'
+    shapes and strides; the conv's own arguments are checked by its plan."""
+    if type(x) is not np.ndarray or type(other) is not np.ndarray or other.dtype != np.uint8:
+        return None
+    qps = (x_qparams, conv_qparams, other_qparams, out_qparams)
+    key = (*qps, *(type(q[1]) if isinstance(q, tuple) and len(q) == 2 else None for q in qps),
+           relu, x.shape, other.shape, other.strides)  # fmt: skip
+    try:
+        hash(key)
+    except TypeError:  # e.g. 0-d arrays as qparams: valid, but checked on every call
+        return None
+    return key
+
+
+def _checked_add_args(
+    x: npt.NDArray[np.uint8],
+    packed: PackedConvWeight,
+    x_qparams: QParams | tuple[float, int],
+    conv_qparams: QParams | tuple[float, int],
+    other: npt.NDArray[np.uint8],
+    other_qparams: QParams | tuple[float, int],
+    out_qparams: QParams | tuple[float, int],
+    relu: bool,
+    relu_conv: bool,
+    num_threads: int | None,
+    lut: npt.NDArray[np.uint8] | None,
+) -> _AddArgs | npt.NDArray[np.uint8]:
+    """Every argument checked: the fused call's arguments, or (a layout the fused epilogue
+    does not take) the result of the conv and the add run one after the other."""
     epilogue_lut(lut, 0, fold=False)  # a bad table is refused under this name on every path
     x_scale, x_zero_point = as_qparams("x_qparams", x_qparams)
     conv_scale, conv_zero_point = as_qparams("conv_qparams", conv_qparams)
@@ -750,11 +828,11 @@ def conv2d_add(
     f32_scale("conv_qparams.scale", conv_scale)
     f32_scale("other_qparams.scale", other_scale)
     f32_scale("out_qparams.scale", out_scale, inverted=True)
-    conv = conv2d(
-        x, packed, x_scale, x_zero_point, conv_scale, conv_zero_point,
-        relu=relu_conv, num_threads=num_threads, channels_last=True,
-    ) if not _fusable(packed) else None  # fmt: skip
-    if conv is not None:
+    if not _fusable(packed):
+        conv = conv2d(
+            x, packed, x_scale, x_zero_point, conv_scale, conv_zero_point,
+            relu=relu_conv, num_threads=num_threads, channels_last=True,
+        )  # fmt: skip
         add = add_relu if relu else add_plain
         summed = add(
             conv, (conv_scale, conv_zero_point), other, (other_scale, other_zero_point),
@@ -766,9 +844,6 @@ def conv2d_add(
     want = (xa.shape[0], packed.oc, *packed.output_size(xa.shape[2], xa.shape[3]))
     if ob.shape != want:
         raise KernelError(f"other: expected the conv output's shape {want}, got {ob.shape}")
-    other_nhwc = channels_last_data(ob)
-    if other_nhwc is None:
-        other_nhwc = np.ascontiguousarray(ob.transpose(0, 2, 3, 1))
     sa, pa, sb, pb, inv, zp = _add_params(
         f32_scale("conv_qparams.scale", conv_scale),
         check_zero_point("conv_qparams.zero_point", conv_zero_point, 0, 255),
@@ -779,10 +854,8 @@ def conv2d_add(
     )
     floor = np.float32(0.0) if relu else np.float32(-np.inf)
     addp = np.array([sa, pa, sb, pb, inv, floor, zp], np.float32)
-    return _conv(
-        xa, packed, x_scale, x_zero_point, conv_scale, conv_zero_point, relu_conv,
-        num_threads, True, 2, "conv2d_add", (other_nhwc.reshape(-1), addp), lut,
-    )  # fmt: skip
+    other_cl = channels_last_data(ob) is not None
+    return _AddArgs(x_scale, x_zero_point, conv_scale, conv_zero_point, addp, other_cl)
 
 
 def _fusable(packed: PackedConvWeight) -> bool:
