@@ -24,7 +24,12 @@ from quantbridge.lowering._backend import (
 )
 from quantbridge.lowering._context import LoweringContext, NotLowerableError
 from quantbridge.lowering._errors import LoweringError
-from quantbridge.lowering._lower import LoweringReport, lower_to_kernels, lowering_report
+from quantbridge.lowering._lower import (
+    LoweringReport,
+    lower_to_kernels,
+    lowering_report,
+    use_array_forward,
+)
 from quantbridge.lowering._modules import LoweredModule
 from quantbridge.lowering._numba_backend import NumbaBackend, numba_backend_config
 from quantbridge.lowering._reference import ReferenceBackend, reference_backend
@@ -104,4 +109,5 @@ __all__ = [
     "reference_backend",
     "register_backend",
     "unregister_backend",
+    "use_array_forward",
 ]

@@ -3,6 +3,11 @@
 The lowered modules call these in eager mode; the torch.library custom ops (``_custom_ops``,
 what torch.export and torch.compile capture) call them as their real implementation. Codes
 may arrive C-contiguous or channels-last; convs return channels-last codes.
+
+The ops that a lowered model chains (convs, linears, elementwise, pools, quantize) also come
+as ``*_arrays`` functions on numpy arrays; the tensor op is that function between
+``dense_view`` (or ``numpy_view``) and ``torch.from_numpy``, so a model can pass arrays from
+op to op (``_array_forward``) and get the same numbers.
 """
 
 from __future__ import annotations
@@ -41,16 +46,34 @@ def dense_view(t: torch.Tensor) -> Any:
     For the kernels that take either layout (conv, elementwise): convs return channels-last
     data, so activations stay channels-last from conv to conv without transposes.
     """
-    if t.requires_grad:
-        t = t.detach()
-    if t.is_contiguous():
-        return t.numpy()
-    # channels-last 4-d data: one stride check instead of building a moved view
-    if t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last):
-        return t.numpy()
-    if t.dim() >= 3 and t.movedim(1, -1).is_contiguous():
-        return t.numpy()
-    return t.contiguous().numpy()
+    return dense_array((t.detach() if t.requires_grad else t).numpy())
+
+
+def as_array(value: Any, how: str) -> Any:
+    """A tensor's or an array's codes as a lowered module's array form takes them (its
+    ``array_input``): ``"dense"`` (``dense_view``), ``"c"`` (C-contiguous) or ``"float"``
+    (float32, dense)."""
+    if isinstance(value, np.ndarray):
+        if how == "c":
+            return np.ascontiguousarray(value)
+        if how == "float" and value.dtype != np.float32:
+            value = value.astype(np.float32)
+        return dense_array(value)
+    if how == "c":
+        return numpy_view(value)
+    if how == "float" and value.dtype != torch.float32:
+        value = value.to(torch.float32)
+    return dense_view(value)
+
+
+def dense_array(a: Any) -> Any:
+    """``a`` itself when C-contiguous or channels-last (channels in the last memory axis),
+    else a C-contiguous copy: ``dense_view`` for arrays."""
+    if a.flags.c_contiguous:
+        return a
+    if a.ndim >= 3 and a.transpose((0, *range(2, a.ndim), 1)).flags.c_contiguous:
+        return a
+    return np.ascontiguousarray(a)
 
 
 def pair(v: Any) -> tuple[int, int]:
@@ -69,7 +92,14 @@ def linear(
     lut: Any = None,
 ) -> torch.Tensor:
     """``lut``: an activation table fused into the epilogue (uint8[256] numpy) or None."""
-    return torch.from_numpy(K.linear(numpy_view(x), packed, *in_qp, *out_qp, relu=relu, lut=lut))
+    return torch.from_numpy(linear_arrays(numpy_view(x), packed, in_qp, out_qp, relu, lut))
+
+
+def linear_arrays(
+    a: Any, packed: K.PackedLinearWeight, in_qp: QParams, out_qp: QParams, relu: bool, lut: Any
+) -> Any:
+    """``linear`` on a C-contiguous array."""
+    return K.linear(a, packed, *in_qp, *out_qp, relu=relu, lut=lut)
 
 
 def linear_dynamic(
@@ -101,9 +131,15 @@ def conv(
     relu: bool,
     lut: Any = None,
 ) -> torch.Tensor:
+    return torch.from_numpy(conv_arrays(dense_view(x), packed, in_qp, out_qp, relu, lut))
+
+
+def conv_arrays(
+    a: Any, packed: K.PackedConvWeight, in_qp: QParams, out_qp: QParams, relu: bool, lut: Any
+) -> Any:
+    """``conv`` on a dense array (``dense_array``): channels-last codes out."""
     fn = K.conv2d if packed.dims == 2 else K.conv1d
-    out = fn(dense_view(x), packed, *in_qp, *out_qp, relu=relu, channels_last=True, lut=lut)
-    return torch.from_numpy(out)
+    return fn(a, packed, *in_qp, *out_qp, relu=relu, channels_last=True, lut=lut)
 
 
 def conv_add(
@@ -118,11 +154,29 @@ def conv_add(
     relu: bool,
     lut: Any = None,
 ) -> torch.Tensor:
-    out = K.conv2d_add(
-        dense_view(x), packed, in_qp, conv_qp, dense_view(other), other_qp, out_qp,
-        relu_conv=relu_conv, relu=relu, lut=lut,
+    return torch.from_numpy(conv_add_arrays(
+        dense_view(x), packed, in_qp, conv_qp, dense_view(other), other_qp, out_qp, relu_conv,
+        relu, lut,
+    ))  # fmt: skip
+
+
+def conv_add_arrays(
+    a: Any,
+    packed: K.PackedConvWeight,
+    in_qp: QParams,
+    conv_qp: QParams,
+    other: Any,
+    other_qp: QParams,
+    out_qp: QParams,
+    relu_conv: bool,
+    relu: bool,
+    lut: Any,
+) -> Any:
+    """``conv_add`` on dense arrays."""
+    return K.conv2d_add(
+        a, packed, in_qp, conv_qp, other, other_qp, out_qp, relu_conv=relu_conv, relu=relu,
+        lut=lut,
     )  # fmt: skip
-    return torch.from_numpy(out)
 
 
 def binary(
@@ -137,19 +191,25 @@ def binary(
     """``kind``: add, add_relu, mul or mul_relu; shapes broadcast first, except a mul by one
     value per (image, channel) (squeeze-excite), which ``kernels.mul_channels`` runs without
     the broadcast (same numbers; the product does not depend on the operand order)."""
+    return torch.from_numpy(
+        binary_arrays(kind, dense_view(a), a_qp, dense_view(b), b_qp, out_qp, target)
+    )
+
+
+def binary_arrays(
+    kind: str, a: Any, a_qp: QParams, b: Any, b_qp: QParams, out_qp: QParams, target: str
+) -> Any:
+    """``binary`` on dense arrays."""
     if kind in ("mul", "mul_relu") and a.shape != b.shape:
         for x, x_qp, s, s_qp in ((a, a_qp, b, b_qp), (b, b_qp, a, a_qp)):
-            if per_channel_operand(tuple(x.shape), tuple(s.shape)):
-                out = K.mul_channels(
-                    dense_view(x), x_qp, numpy_view(s), s_qp, out_qp, relu=kind == "mul_relu",
+            if per_channel_operand(x.shape, s.shape):
+                return K.mul_channels(
+                    x, x_qp, np.ascontiguousarray(s), s_qp, out_qp, relu=kind == "mul_relu",
                     target=target,
                 )  # fmt: skip
-                return torch.from_numpy(out)
     if a.shape != b.shape:  # the kernels take equal shapes
-        a, b = torch.broadcast_tensors(a, b)  # type: ignore[no-untyped-call]
-    fn = getattr(K, kind)
-    out = fn(dense_view(a), a_qp, dense_view(b), b_qp, out_qp, target=target)
-    return torch.from_numpy(out)
+        a, b = (dense_array(v) for v in np.broadcast_arrays(a, b))
+    return getattr(K, kind)(a, a_qp, b, b_qp, out_qp, target=target)
 
 
 def matmul(
@@ -172,11 +232,19 @@ def matmul(
 
 
 def lookup_table(x: torch.Tensor, table: Any, target: str) -> torch.Tensor:
-    return torch.from_numpy(K.apply_lut(dense_view(x), table, target=target))
+    return torch.from_numpy(lookup_table_arrays(dense_view(x), table, target))
+
+
+def lookup_table_arrays(a: Any, table: Any, target: str) -> Any:
+    return K.apply_lut(a, table, target=target)
 
 
 def requantize(x: torch.Tensor, in_qp: QParams, out_qp: QParams, target: str) -> torch.Tensor:
-    return torch.from_numpy(K.requantize(dense_view(x), *in_qp, *out_qp, target=target))
+    return torch.from_numpy(requantize_arrays(dense_view(x), in_qp, out_qp, target))
+
+
+def requantize_arrays(a: Any, in_qp: QParams, out_qp: QParams, target: str) -> Any:
+    return K.requantize(a, *in_qp, *out_qp, target=target)
 
 
 def max_pool2d(
@@ -188,11 +256,19 @@ def max_pool2d(
     ceil_mode: bool,
     target: str,
 ) -> torch.Tensor:
-    out = K.max_pool2d(
-        dense_view(x), pair(kernel_size), pair(stride), pair(padding), pair(dilation),
-        ceil_mode, target=target,
+    return torch.from_numpy(max_pool2d_arrays(
+        dense_view(x), kernel_size, stride, padding, dilation, ceil_mode, target
+    ))  # fmt: skip
+
+
+def max_pool2d_arrays(
+    a: Any, kernel_size: Any, stride: Any, padding: Any, dilation: Any, ceil_mode: bool,
+    target: str,
+) -> Any:  # fmt: skip
+    return K.max_pool2d(
+        a, pair(kernel_size), pair(stride), pair(padding), pair(dilation), ceil_mode,
+        target=target,
     )  # fmt: skip
-    return torch.from_numpy(out)
 
 
 def avg_pool2d(
@@ -207,16 +283,37 @@ def avg_pool2d(
     out_qp: QParams,
     target: str,
 ) -> torch.Tensor:
-    out = K.avg_pool2d(
-        dense_view(x), pair(kernel_size), pair(stride), pair(padding), ceil_mode,
-        count_include_pad, divisor_override, scale=in_qp[0], zero_point=in_qp[1],
-        out_scale=out_qp[0], out_zero_point=out_qp[1], target=target,
+    return torch.from_numpy(avg_pool2d_arrays(
+        dense_view(x), kernel_size, stride, padding, ceil_mode, count_include_pad,
+        divisor_override, in_qp, out_qp, target,
+    ))  # fmt: skip
+
+
+def avg_pool2d_arrays(
+    a: Any,
+    kernel_size: Any,
+    stride: Any,
+    padding: Any,
+    ceil_mode: bool,
+    count_include_pad: bool,
+    divisor_override: int | None,
+    in_qp: QParams,
+    out_qp: QParams,
+    target: str,
+) -> Any:
+    return K.avg_pool2d(
+        a, pair(kernel_size), pair(stride), pair(padding), ceil_mode, count_include_pad,
+        divisor_override, scale=in_qp[0], zero_point=in_qp[1], out_scale=out_qp[0],
+        out_zero_point=out_qp[1], target=target,
     )  # fmt: skip
-    return torch.from_numpy(out)
 
 
 def adaptive_avg_pool2d(x: torch.Tensor, output_size: Any, target: str) -> torch.Tensor:
-    return torch.from_numpy(K.adaptive_avg_pool2d(dense_view(x), pair(output_size), target=target))
+    return torch.from_numpy(adaptive_avg_pool2d_arrays(dense_view(x), output_size, target))
+
+
+def adaptive_avg_pool2d_arrays(a: Any, output_size: Any, target: str) -> Any:
+    return K.adaptive_avg_pool2d(a, pair(output_size), target=target)
 
 
 def embedding_bag(

@@ -62,6 +62,9 @@ class LoweredModule(nn.Module):
     """Base: target, kernel name, input/output qparam buffers and their Python mirrors."""
 
     kernel: str = ""
+    # how ``forward_arrays`` takes its inputs (``_lowered_ops.as_array``); None: the module
+    # has no array form
+    array_input: str | None = None
     # mirrors of the second input's buffers, set by two-input modules' _sync
     _other_scale: float
     _other_zero_point: int
@@ -144,6 +147,18 @@ class LoweredModule(nn.Module):
 
     def _details(self) -> str:
         return ""
+
+    def forward_arrays(self, *arrays: Any) -> Any:
+        """The eager forward on numpy arrays (in the form ``array_input`` names), returning
+        the array the eager forward wraps as a tensor: a lowered model passes arrays from one
+        such module to the next (``lowering._array_forward``)."""
+        raise NotImplementedError(f"{type(self).__name__} has no array form")
+
+    def _eager(self, *inputs: torch.Tensor) -> torch.Tensor:
+        """The eager forward: ``forward_arrays`` between array views and a tensor."""
+        how = self.array_input
+        assert how is not None
+        return torch.from_numpy(self.forward_arrays(*(lowered.as_array(t, how) for t in inputs)))
 
 
 class _WeightedBase(LoweredModule):
@@ -250,6 +265,7 @@ class QuantizedLinear(_WeightedBase):
     """uint8 ``[..., K]`` → uint8 ``[..., N]``: ``kernels.linear`` (relu fused if asked)."""
 
     kernel = "kernels.linear"
+    array_input = "c"
 
     def __init__(self, *args: Any, relu: bool = False, **kwargs: Any) -> None:
         self.relu = relu
@@ -268,8 +284,11 @@ class QuantizedLinear(_WeightedBase):
                 self._in_scale, self._in_zero_point, self._out_scale, self._out_zero_point,
                 self.relu, self.target,
             )), True)  # fmt: skip
-        return lowered.linear(
-            x, self._packed, self.input_qparams, (self._out_scale, self._out_zero_point),
+        return torch.from_numpy(self.forward_arrays(lowered.numpy_view(x)))
+
+    def forward_arrays(self, *arrays: Any) -> Any:
+        return lowered.linear_arrays(
+            arrays[0], self._packed, self.input_qparams, (self._out_scale, self._out_zero_point),
             self.relu, self._act_table,
         )  # fmt: skip
 
@@ -414,6 +433,8 @@ class QuantizedConv(_WeightedBase):
         super().__init__(*args, **kwargs)
         self.kernel = "kernels.conv2d" if self.weight.dim() == 4 else "kernels.conv1d"
 
+    array_input = "dense"
+
     def _sync(self) -> None:
         super()._sync()
         self._sync_activation()
@@ -446,9 +467,13 @@ class QuantizedConv(_WeightedBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if is_tracing(x):
             return self._activation_output(self._conv_op(x), True)
-        return lowered.conv(
-            x, self._packed, self.input_qparams, self.conv_qparams, self.relu, self._act_table
-        )
+        return torch.from_numpy(self.forward_arrays(lowered.dense_view(x)))
+
+    def forward_arrays(self, *arrays: Any) -> Any:
+        return lowered.conv_arrays(
+            arrays[0], self._packed, self.input_qparams, self.conv_qparams, self.relu,
+            self._act_table,
+        )  # fmt: skip
 
     def _details(self) -> str:
         dw = ", depthwise" if self.groups > 1 and self.groups == self.weight.shape[0] else ""
@@ -539,9 +564,12 @@ class QuantizedConvAdd(QuantizedConv):
                 self._other_scale, self._other_zero_point, self._add_scale, self._add_zero_point,
                 kind, self.target,
             )), True)  # fmt: skip
-        return lowered.conv_add(
-            x, self._packed, self.input_qparams, self.conv_qparams, other, self.other_qparams,
-            self.add_qparams, self.relu, self.add_relu, self._act_table,
+        return self._eager(x, other)
+
+    def forward_arrays(self, *arrays: Any) -> Any:
+        return lowered.conv_add_arrays(
+            arrays[0], self._packed, self.input_qparams, self.conv_qparams, arrays[1],
+            self.other_qparams, self.add_qparams, self.relu, self.add_relu, self._act_table,
         )  # fmt: skip
 
     def _qparams_repr(self) -> str:
@@ -557,6 +585,8 @@ class QuantizedConvAdd(QuantizedConv):
 
 class QuantizedBinary(LoweredModule):
     """Two uint8 tensors of equal shape → uint8: add, add_relu, mul or mul_relu."""
+
+    array_input: str | None = "dense"
 
     input2_scale: torch.Tensor
     input2_zero_point: torch.Tensor
@@ -590,9 +620,12 @@ class QuantizedBinary(LoweredModule):
                 self._other_zero_point, self._out_scale, self._out_zero_point, self.kind,
                 self.target,
             ))  # fmt: skip
-        return lowered.binary(
-            self.kind, a, self.input_qparams, b, self.other_qparams, self.output_qparams,
-            self.target,
+        return self._eager(a, b)
+
+    def forward_arrays(self, *arrays: Any) -> Any:
+        return lowered.binary_arrays(
+            self.kind, arrays[0], self.input_qparams, arrays[1], self.other_qparams,
+            self.output_qparams, self.target,
         )  # fmt: skip
 
     def _qparams_repr(self) -> str:
@@ -604,6 +637,8 @@ class QuantizedBinary(LoweredModule):
 
 class QuantizedMatmul(QuantizedBinary):
     """uint8 ``a @ b`` (2-D or batched 3-D): ``kernels.matmul``."""
+
+    array_input = None  # broadcasts through tensor views
 
     def __init__(
         self,
@@ -655,7 +690,12 @@ class QuantizedLookupTable(LoweredModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if is_tracing(x):
             return _as_tensor(ops.lut_op(x, self.table, self.target))
-        return lowered.lookup_table(x, self._table, self.target)
+        return torch.from_numpy(self.forward_arrays(lowered.dense_view(x)))
+
+    array_input = "dense"
+
+    def forward_arrays(self, *arrays: Any) -> Any:
+        return lowered.lookup_table_arrays(arrays[0], self._table, self.target)
 
     def _details(self) -> str:
         return f"fn={self.what}"
@@ -677,12 +717,13 @@ class Quantize(LoweredModule):
                     x, self.scale, self.zero_point, 0, 255, torch.uint8
                 )
             )
-        if x.dtype != torch.float32:
-            x = x.to(torch.float32)
-        return torch.from_numpy(
-            K.quantize_per_tensor(
-                lowered.dense_view(x), self._out_scale, self._out_zero_point, target=self.target
-            )
+        return torch.from_numpy(self.forward_arrays(lowered.as_array(x, "float")))
+
+    array_input = "float"
+
+    def forward_arrays(self, *arrays: Any) -> Any:
+        return K.quantize_per_tensor(
+            arrays[0], self._out_scale, self._out_zero_point, target=self.target
         )
 
 
@@ -701,12 +742,15 @@ class Dequantize(LoweredModule):
                     x, self.input_scale, self.input_zero_point, 0, 255, torch.uint8
                 )
             )
-        return torch.from_numpy(
-            # C-contiguous like the reference model's float values (lowered convs return
-            # channels-last codes; user code may ``view`` a model output)
-            K.dequantize_per_tensor(
-                lowered.numpy_view(x), self._in_scale, self._in_zero_point, target=self.target
-            )
+        return torch.from_numpy(self.forward_arrays(lowered.numpy_view(x)))
+
+    # C-contiguous like the reference model's float values (lowered convs return channels-last
+    # codes; user code may ``view`` a model output)
+    array_input = "c"
+
+    def forward_arrays(self, *arrays: Any) -> Any:
+        return K.dequantize_per_tensor(
+            arrays[0], self._in_scale, self._in_zero_point, target=self.target
         )
 
 
@@ -721,7 +765,14 @@ class Requantize(LoweredModule):
                 x, self._in_scale, self._in_zero_point, self._out_scale, self._out_zero_point,
                 self.target,
             ))  # fmt: skip
-        return lowered.requantize(x, self.input_qparams, self.output_qparams, self.target)
+        return torch.from_numpy(self.forward_arrays(lowered.dense_view(x)))
+
+    array_input = "dense"
+
+    def forward_arrays(self, *arrays: Any) -> Any:
+        return lowered.requantize_arrays(
+            arrays[0], self.input_qparams, self.output_qparams, self.target
+        )
 
 
 class QuantizedMaxPool2d(LoweredModule):
@@ -748,9 +799,14 @@ class QuantizedMaxPool2d(LoweredModule):
                 x, self.kernel_size, self.stride, self.padding, self.dilation, self.ceil_mode,
                 self.target,
             ))  # fmt: skip
-        return lowered.max_pool2d(
-            x, self.kernel_size, self.stride, self.padding, self.dilation, self.ceil_mode,
-            self.target,
+        return torch.from_numpy(self.forward_arrays(lowered.dense_view(x)))
+
+    array_input = "dense"
+
+    def forward_arrays(self, *arrays: Any) -> Any:
+        return lowered.max_pool2d_arrays(
+            arrays[0], self.kernel_size, self.stride, self.padding, self.dilation,
+            self.ceil_mode, self.target,
         )  # fmt: skip
 
     def _details(self) -> str:
@@ -790,8 +846,13 @@ class QuantizedAvgPool2d(LoweredModule):
                 self.count_include_pad, self.divisor_override, self._in_scale,
                 self._in_zero_point, self._out_scale, self._out_zero_point, self.target,
             ))  # fmt: skip
-        return lowered.avg_pool2d(
-            x, self.kernel_size, self.stride, self.padding, self.ceil_mode,
+        return torch.from_numpy(self.forward_arrays(lowered.dense_view(x)))
+
+    array_input = "dense"
+
+    def forward_arrays(self, *arrays: Any) -> Any:
+        return lowered.avg_pool2d_arrays(
+            arrays[0], self.kernel_size, self.stride, self.padding, self.ceil_mode,
             self.count_include_pad, self.divisor_override, self.input_qparams,
             self.output_qparams, self.target,
         )  # fmt: skip
@@ -812,7 +873,12 @@ class QuantizedAdaptiveAvgPool2d(LoweredModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if is_tracing(x):
             return _as_tensor(ops.adaptive_avg_pool2d_op(x, self.output_size, self.target))
-        return lowered.adaptive_avg_pool2d(x, self.output_size, self.target)
+        return torch.from_numpy(self.forward_arrays(lowered.dense_view(x)))
+
+    array_input = "dense"
+
+    def forward_arrays(self, *arrays: Any) -> Any:
+        return lowered.adaptive_avg_pool2d_arrays(arrays[0], self.output_size, self.target)
 
     def _details(self) -> str:
         return f"output_size={tuple(self.output_size)}"

@@ -1,0 +1,217 @@
+"""A lowered model's forward that passes numpy arrays from kernel module to kernel module.
+
+A lowered GraphModule's generated forward calls every lowered module as a torch module: the
+module call, the tracing check, the tensor → array view and the array → tensor wrap cost
+~10-40 µs per node, a tenth of a MobileNet's batch-1 time. ``ArrayForward`` runs the same
+graph node by node: a lowered module with an array form (``LoweredModule.forward_arrays``)
+gets arrays and returns one; every other node (float ops, getitem, modules without an array
+form) runs as the generated code would run it, on tensors made from the arrays it reads. The
+numbers are the eager forward's: each array form is that forward between its array views and
+``torch.from_numpy``.
+
+The generated forward runs instead while torch.export, torch.compile or the JIT tracer
+traces the model, when any module has forward hooks (they must see their calls), and with
+keyword arguments. ``install`` puts it on a GraphModule as its ``forward`` (an instance
+attribute, so ``type(gm).forward`` stays the generated one) and keeps it there through
+``copy.deepcopy``. A pickled model loads with the generated forward (GraphModule pickles its
+code); ``quantbridge.lowering.use_array_forward`` puts the array forward back.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import numpy as np
+import torch
+from torch.fx import GraphModule, Node
+from torch.fx.graph import CodeGen
+from torch.fx.node import map_aggregate, map_arg
+
+from quantbridge.lowering import _lowered_ops as lowered
+from quantbridge.lowering._custom_ops import is_tracing
+from quantbridge.lowering._modules import LoweredModule
+
+_ARRAY, _MODULE, _FUNCTION, _METHOD, _ATTR = range(5)
+
+
+def _tensor(value: Any) -> Any:
+    return torch.from_numpy(value) if isinstance(value, np.ndarray) else value
+
+
+def _global_hooks() -> bool:
+    """Module hooks registered for every module (torch keeps them module-level)."""
+    from torch.nn.modules import module as torch_module
+
+    return any(
+        getattr(torch_module, name, None)
+        for name in (
+            "_global_forward_hooks",
+            "_global_forward_pre_hooks",
+            "_global_forward_hooks_always_called",
+        )
+    )
+
+
+class _Plan:
+    """The graph of one generated forward, as steps over value slots."""
+
+    def __init__(self, gm: GraphModule) -> None:
+        nodes = list(gm.graph.nodes)
+        index = {node: i for i, node in enumerate(nodes)}
+        # node -> its slot, inside arguments (typed Any: fx types what map_arg returns)
+        slot: Any = lambda n: _Slot(index[n])  # noqa: E731
+        self.code = gm.code
+        self.inputs: list[int] = []
+        self.steps: list[tuple[int, int, Any, Any, Any, list[int]]] = []
+        self.modules: list[torch.nn.Module] = []  # every module called: hooks are checked
+        self.output: Any = None
+        last_use: dict[Node, int] = {}
+        for i, node in enumerate(nodes):
+            for used in node.all_input_nodes:
+                last_use[used] = i
+        for i, node in enumerate(nodes):
+            # slots whose last reader is this node: dropped after it, as the generated code does
+            free = list(dict.fromkeys(index[u] for u in node.all_input_nodes if last_use[u] == i))
+            if node.op == "placeholder":
+                self.inputs.append(i)
+            elif node.op == "output":
+                self.output = map_arg(node.args[0], slot)
+            elif node.op == "get_attr":
+                self.steps.append((i, _ATTR, node.target, None, None, free))
+            elif node.op == "call_module":
+                mod = gm.get_submodule(str(node.target))
+                self.modules.append(mod)
+                args = map_arg(node.args, slot)
+                kwargs = map_arg(node.kwargs, slot)
+                arrays = (
+                    isinstance(mod, LoweredModule)
+                    and mod.array_input is not None
+                    and not kwargs
+                    and all(isinstance(a, _Slot) for a in args)
+                )
+                if arrays:
+                    self.steps.append((i, _ARRAY, mod, args, None, free))
+                else:
+                    self.steps.append((i, _MODULE, mod, args, kwargs, free))
+            else:
+                kind = _FUNCTION if node.op == "call_function" else _METHOD
+                args = map_arg(node.args, slot)
+                kwargs = map_arg(node.kwargs, slot)
+                self.steps.append((i, kind, node.target, args, kwargs, free))
+        self.size = len(nodes)
+
+    def run(self, gm: GraphModule, args: tuple[Any, ...]) -> Any:
+        env: list[Any] = [None] * self.size
+        for slot, value in zip(self.inputs, args, strict=True):
+            env[slot] = value
+
+        def load(value: Any) -> Any:
+            return _tensor(env[value.index]) if isinstance(value, _Slot) else value
+
+        for i, kind, what, args_, kwargs, free in self.steps:
+            if kind == _ARRAY:
+                values = [env[a.index] for a in args_]
+                if all(isinstance(v, _CODES) for v in values):
+                    how = what.array_input
+                    env[i] = what.forward_arrays(*[lowered.as_array(v, how) for v in values])
+                else:  # e.g. a Python number where codes were expected: the module decides
+                    env[i] = what(*[_tensor(v) for v in values])
+            elif kind == _ATTR:
+                attr: Any = gm
+                for part in str(what).split("."):
+                    attr = getattr(attr, part)
+                env[i] = attr
+            else:
+                a = map_aggregate(args_, load)
+                kw = map_aggregate(kwargs, load)
+                if kind == _METHOD:
+                    env[i] = getattr(a[0], what)(*a[1:], **kw)
+                else:  # a module without an array form, or a function
+                    env[i] = what(*a, **kw)
+            for s in free:
+                env[s] = None
+        return map_aggregate(self.output, load)
+
+
+_CODES = (np.ndarray, torch.Tensor)
+
+
+class _Slot:
+    """A value slot of the plan (a node's result), inside a node's arguments."""
+
+    __slots__ = ("index",)
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+
+class ArrayForward:
+    """A lowered GraphModule's ``forward``, run on arrays where its modules allow (see the
+    module docstring). Holds its model weakly; a copy or pickle of it holds nothing."""
+
+    def __init__(self, gm: GraphModule) -> None:
+        self._gm = weakref.ref(gm)
+        self._plan: _Plan | None = None
+
+    @property
+    def __wrapped__(self) -> Any:
+        """The generated forward, bound: ``inspect.signature`` (torch.export) reads it."""
+        gm = self._gm()
+        return None if gm is None else type(gm).forward.__get__(gm)
+
+    @property
+    def __code__(self) -> Any:
+        """The generated forward's code object (torch.export names its traces after it)."""
+        return self.__wrapped__.__code__
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        gm = self._gm()
+        if gm is None:
+            raise RuntimeError("the lowered model of this forward no longer exists")
+        generated = type(gm).forward
+        if kwargs or _traced(args) or _global_hooks():
+            return generated(gm, *args, **kwargs)
+        plan = self._plan
+        if plan is None or plan.code is not gm.code:  # first call, or recompiled since
+            plan = self._plan = _Plan(gm)
+        codegen = gm.graph._codegen
+        # a captured program's graph takes its inputs flattened and returns a flat tuple
+        # (pytree codegen): flattened and rebuilt as its generated code does
+        plain = type(codegen) is CodeGen
+        flat = args if plain else tuple(codegen.process_inputs(*args))
+        if len(flat) != len(plan.inputs) or any(
+            m._forward_hooks or m._forward_pre_hooks for m in plan.modules
+        ):
+            return generated(gm, *args)
+        out = plan.run(gm, flat)
+        return out if plain else codegen.process_outputs(out)
+
+    def __reduce__(self) -> Any:
+        # nothing to keep (its model is pickled apart from it): unpickles as a placeholder
+        return (_Detached, ())
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        return _Detached()
+
+
+class _Detached:
+    """What a copied ``ArrayForward`` becomes (GraphModule copies drop it)."""
+
+
+def _traced(args: tuple[Any, ...]) -> bool:
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    return is_tracing(*tensors) or torch._C._get_tracing_state() is not None
+
+
+def _install_on_copy(copy: GraphModule) -> None:
+    install(copy)
+
+
+def install(gm: GraphModule) -> GraphModule:
+    """Make ``gm`` (a lowered model) run through ``ArrayForward``; returns it."""
+    gm.forward = ArrayForward(gm)
+    hooks = gm._deepcopy_hooks
+    if _install_on_copy not in hooks:
+        gm._register_deepcopy_hook(_install_on_copy)
+    return gm
