@@ -139,3 +139,26 @@ def test_dynamic_transformer_linears_lowered(name: str, activation: str) -> None
         err_low = float((got - ideal).abs().max())
         assert 0 < err_ref < 0.05
         assert err_low <= 1.5 * err_ref + 1e-4, (err_low, err_ref)
+
+
+def test_layer_norms_feeding_the_residual_and_a_linear_run_on_the_float_kernel() -> None:
+    # transformer mapping: a post-norm LayerNorm's output is quantized for the next linear and
+    # kept float for the residual add; it is a float op on float values, not an op in
+    # reference form (dequantize -> op -> quantize), so the float kernel takes it
+    torch.manual_seed(0)
+    model = _Encoder().eval()
+    backend = L.get_backend("numba")
+    prepared = _prepared(model, backend.qconfig_mapping(transformer=True), backend)
+    reference = convert_to_reference_fx(copy.deepcopy(prepared))
+    lowered = backend.convert(prepared)
+    report = L.lowering_report(lowered)
+    norms = [n for n, what in report.lowered if what.startswith("kernels.layer_norm")]
+    assert len(norms) == 4, str(report)  # 2 layers x (norm1, norm2)
+    assert not any("norm" in name for name, _ in report.kept), str(report)
+    assert not any(isinstance(m, nn.LayerNorm) for m in lowered.modules())
+    for x in _data(1):
+        with torch.no_grad():
+            got, want = lowered(x), reference(x)
+        # the float kernel rounds like torch's LayerNorm to float32 precision, not bit for
+        # bit: a code may move by one step at a rounding tie
+        assert float((got - want).abs().max()) <= 2 * _coarsest_step(reference) + 1e-6

@@ -27,7 +27,7 @@ from torch import nn
 from torch.fx import Node
 
 from quantbridge.lowering import _modules as lm
-from quantbridge.lowering._context import LoweringContext, NotLowerableError
+from quantbridge.lowering._context import DEQUANTIZE, LoweringContext, NotLowerableError
 from quantbridge.lowering._rules import LoweringRule, RuleMatch
 from quantbridge.patterns import MatchAllNode, Nested, Pattern, RewriteMatch
 
@@ -111,10 +111,26 @@ def _linear_gelu(match: RewriteMatch) -> tuple[lm.QuantizedDynamicLinear, str] |
 
 def _refuse_kept(ctx: LoweringContext, m: RuleMatch) -> None:
     """Ops kept in reference form (dequantize → float op → quantize) stay exactly that: the
-    report names them and the reference model is what they compute."""
+    report names them and the reference model is what they compute. An op on float values
+    whose output is also quantized (a LayerNorm feeding both the residual stream and the
+    next linear) is not in that form: it is a float op, and the float kernels take it."""
     kept = {name for name, _ in ctx.report.kept}
-    if any(n.name in kept for n in m.nodes):
-        raise NotLowerableError("kept in reference form")
+    for n in m.nodes:
+        if n.name in kept and any(_dequantized(a) for a in n.all_input_nodes):
+            raise NotLowerableError("kept in reference form")
+
+
+def _dequantized(node: Node) -> bool:
+    """``node`` dequantizes codes (the reference op, or the module it is lowered to)."""
+    if node.op == "call_function":
+        return node.target is DEQUANTIZE
+    return isinstance(_module(node), lm.Dequantize)
+
+
+def _unkeep(ctx: LoweringContext, m: RuleMatch) -> None:
+    """Drop the matched ops from the report's kept list: a float kernel now runs them."""
+    names = {n.name for n in m.nodes}
+    ctx.report.kept[:] = [(name, why) for name, why in ctx.report.kept if name not in names]
 
 
 def _build_linear_gelu(ctx: LoweringContext, m: RuleMatch) -> Node:
@@ -206,6 +222,7 @@ def _build_layer_norm(ctx: LoweringContext, m: RuleMatch) -> Node:
     args = (parts.x,) if parts.residual is None else (parts.x, parts.residual)
     new = ctx.add_module(f"{m.anchor.name}_float", mod, args, before=m.anchor)
     ctx.record(new, mod.kernel + (" (residual add fused)" if parts.residual is not None else ""))
+    _unkeep(ctx, m)
     return new
 
 
@@ -281,6 +298,7 @@ def _build_softmax(ctx: LoweringContext, m: RuleMatch) -> Node:
     new = ctx.add_module(f"{m.anchor.name}_float", mod, args, before=m.anchor)
     fused = [w for w, on in (("scale", parts.scale != 1.0), ("mask", parts.mask)) if on]
     ctx.record(new, mod.kernel + (f" ({' and '.join(fused)} fused)" if fused else ""))
+    _unkeep(ctx, m)
     return new
 
 
