@@ -695,3 +695,19 @@ def test_depthwise_small_planes_through_the_padded_copy(target, h, w, k, stride)
         relu=True,
     )
     np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize(("groups", "pad"), [(1, 0), (1, 1), (12, 0), (12, 1)])
+def test_one_pixel_planes_read_in_place_give_the_reference(target, groups, pad):
+    # a 1x1 plane (squeeze-excite convs) is C-contiguous and channels-last at once: read in
+    # place, padded or not, grouped or depthwise
+    rng = np.random.default_rng(groups + pad)
+    x = rng.integers(0, 128, (2, 12, 1, 1), dtype=np.uint8)
+    w = rng.integers(-60, 61, (12, 12 // groups, 1 + 2 * pad, 1 + 2 * pad), dtype=np.int8)
+    packed = PackedConvWeight(w, 0.01, 0, None, padding=pad, groups=groups, target=target)
+    want = reference_conv2d(x, 0.03, 9, w, 0.01, 0, None, 0.05, 100, (1, 1), (pad, pad),
+                            (1, 1), groups)  # fmt: skip
+    for channels_last in (False, True):
+        got = conv2d(x, packed, 0.03, 9, 0.05, 100, channels_last=channels_last, num_threads=1)
+        np.testing.assert_array_equal(got, want)

@@ -391,7 +391,9 @@ class _ConvPlan:
         if packed.dims != dims:
             raise KernelError(f"{name}: packed weight is for conv{packed.dims}d, not conv{dims}d")
         xa = check_array("x", x, np.uint8, dims + 2, contiguous=False)
-        cl = not xa.flags.c_contiguous
+        # channels-last data is read in place; so is C-contiguous data that is channels-last
+        # too (1x1 planes, e.g. squeeze-excite convs, or one channel)
+        cl = not xa.flags.c_contiguous or channels_last_data(xa) is not None
         if cl and channels_last_data(xa) is None:
             raise KernelError(
                 f"x: expected a C-contiguous (N, C, ...) array or channels-last data viewed as "
