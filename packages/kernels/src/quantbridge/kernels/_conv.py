@@ -554,6 +554,7 @@ def _gemm_plan(packed: PackedConvWeight, geo: _Geometry, epi: _Epilogue, fused_a
                     x4.reshape(-1), n, c, h, w, g, cg, cg4, ph, pw, wp, hp, a_zp, body
                 )
         if direct:
+            assert xp is not None  # made for this path above
             return _conv_nchw_direct(packed, flat, rowoffs, koffs[0], xp, n, oh, ow, x_scale,
                                      out_scale, a_zp, o_zp, qmin, qmax, table, threads)  # fmt: skip
         out = np.empty((n, oh, ow, oc), np.uint8) if g > 1 else None
