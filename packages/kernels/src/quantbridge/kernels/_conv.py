@@ -282,7 +282,10 @@ def _conv(
     threads = apply_num_threads(num_threads, name)
     key = _plan_key(x, x_scale, x_zero_point, out_scale, out_zero_point, relu, channels_last,
                     dims, fused_add, lut, threads)  # fmt: skip
-    plan = None if key is None else packed._plans.get(key)
+    try:
+        plan = None if key is None else packed._plans.get(key)
+    except TypeError:  # e.g. a 0-d array as a scale: valid, but checked on every call
+        key = plan = None
     if plan is None:
         x, plan = _ConvPlan.build(
             x, packed, x_scale, x_zero_point, out_scale, out_zero_point, relu, channels_last,
@@ -296,6 +299,7 @@ def _conv(
 
 # plans kept per packed weight: one per input shape/layout, qparams and thread count in use
 _PLAN_LIMIT = 32
+_U8 = np.dtype(np.uint8)  # numpy's built-in dtypes are singletons: an identity test
 
 
 def _plan_key(
@@ -316,7 +320,7 @@ def _plan_key(
     made for (a plain uint8 ndarray with the same shape and strides), the same argument values
     (zero points also of the same type) and the same table contents. A fused add's operand and
     parameters are passed to the plan at each call; only whether there is one matters."""
-    if type(x) is not np.ndarray or x.dtype != np.uint8:
+    if type(x) is not np.ndarray or x.dtype is not _U8:
         return None
     if lut is None:
         table = None
@@ -324,14 +328,10 @@ def _plan_key(
         table = (lut.dtype.str, lut.shape, lut.tobytes())
     else:
         return None
-    key = (x.shape, x.strides, x_scale, x_zero_point, type(x_zero_point), out_scale,
-           out_zero_point, type(out_zero_point), relu, channels_last, dims, threads, table,
-           fused_add is None)  # fmt: skip
-    try:
-        hash(key)
-    except TypeError:  # e.g. a 0-d array as a scale: valid, but checked on every call
-        return None
-    return key
+    # (unhashable values, e.g. 0-d arrays as scales, make the lookup raise: see _conv)
+    return (x.shape, x.strides, x_scale, x_zero_point, type(x_zero_point), out_scale,
+            out_zero_point, type(out_zero_point), relu, channels_last, dims, threads, table,
+            fused_add is None)  # fmt: skip
 
 
 class _Geometry(NamedTuple):

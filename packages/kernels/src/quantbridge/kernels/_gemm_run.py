@@ -129,6 +129,7 @@ def gemm_runner(
     dtype = np.float32 if f32_out else np.uint8
     mchunk = m if threads == 1 else row_chunk(m, npanels, threads)
     widen = target == "avx2"  # the AVX2 kernels read activations as int16 pairs
+    generic = target == "generic"
     if target == "generic":
         drive = serial_generic if threads == 1 else with_threads(drive_generic, threads)
     else:
@@ -148,17 +149,14 @@ def gemm_runner(
         c = out.reshape(-1)
         if widen and a.dtype != np.int16:
             a = a.astype(np.int16)
-        head = (a, rowoffs, m, koffs, nk, bp, npanels, c, np_, colcorr, wzp, rowsum, biasq,
-                mult, out_zero_point, qmin, qmax, mchunk)  # fmt: skip
-        if target == "generic":
-            drive(*head, f32_out, lut)
+        if generic:
+            drive(a, rowoffs, m, koffs, nk, bp, npanels, c, np_, colcorr, wzp, rowsum, biasq,
+                  mult, out_zero_point, qmin, qmax, mchunk, f32_out, lut)  # fmt: skip
         else:
-            drive(
-                *head,
-                NO_RESIDUAL if residual is None else residual,
-                NO_ADD if add_params is None else add_params,
-                lut,
-            )
+            drive(a, rowoffs, m, koffs, nk, bp, npanels, c, np_, colcorr, wzp, rowsum, biasq,
+                  mult, out_zero_point, qmin, qmax, mchunk,
+                  NO_RESIDUAL if residual is None else residual,
+                  NO_ADD if add_params is None else add_params, lut)  # fmt: skip
         if post is not None:
             # one vectorized pass after the GEMM (per block inside the drivers it ran scalar)
             out = post_rows(c, np_, m, *post, threads).reshape(m, np_)

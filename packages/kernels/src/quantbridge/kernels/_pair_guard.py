@@ -26,6 +26,7 @@ import numpy.typing as npt
 from numba import njit
 
 _HIGH = np.uint64(0x8080808080808080)  # bit 7 of each byte: a code of 128 or more
+_NO_HOT = np.empty(0, np.int64)  # records nothing: ``_hot_blocks`` then answers "any?"
 
 
 class PairGuard(NamedTuple):
@@ -105,10 +106,11 @@ def unsafe_rows(a: npt.NDArray[Any], guard: PairGuard, m: int) -> npt.NDArray[np
     none). All rows (``arange(m)``) when codes of 128 or more fill over a quarter of the
     buffer's 64-byte blocks: then the int16 kernels run alone."""
     nbytes = guard.npix * guard.pixel_bytes
+    # the common clean call: one scan that stops at the first hot block, nothing allocated
+    if _hot_blocks(a, nbytes, _NO_HOT) == 0:
+        return None
     hot = np.empty(nbytes // 256 + 1, np.int64)
     nhot = _hot_blocks(a, nbytes, hot)
-    if nhot == 0:
-        return None
     if nhot > hot.shape[0]:  # codes of 128 and more everywhere (full-range activations)
         return np.arange(m, dtype=np.int64)
     flags = np.zeros(guard.npix, np.uint8)
