@@ -393,8 +393,8 @@ class _ConvPlan:
         xa = check_array("x", x, np.uint8, dims + 2, contiguous=False)
         # channels-last data is read in place; so is C-contiguous data that is channels-last
         # too (1x1 planes, e.g. squeeze-excite convs, or one channel)
-        cl = not xa.flags.c_contiguous or channels_last_data(xa) is not None
-        if cl and channels_last_data(xa) is None:
+        cl = channels_last_data(xa) is not None
+        if not cl and not xa.flags.c_contiguous:
             raise KernelError(
                 f"x: expected a C-contiguous (N, C, ...) array or channels-last data viewed as "
                 f"one, got strides {xa.strides}; pass np.ascontiguousarray(x)"
@@ -751,7 +751,10 @@ def conv2d_add(
     in the same epilogue when fused.
     """
     key = _add_key(x, other, x_qparams, conv_qparams, other_qparams, out_qparams, relu)
-    known = None if key is None else getattr(packed, "_add_args", {}).get(key)
+    try:
+        known = None if key is None else getattr(packed, "_add_args", {}).get(key)
+    except TypeError:  # e.g. 0-d arrays as qparams: valid, but checked on every call
+        key = known = None
     if known is None:
         known = _checked_add_args(x, packed, x_qparams, conv_qparams, other, other_qparams,
                                   out_qparams, relu, relu_conv, num_threads, lut)  # fmt: skip
@@ -794,16 +797,12 @@ def _add_key(
     """What a fused add's checked arguments depend on (None: check them on every call): the
     qparams (with the zero points' types, as ``_plan_key``), the relu flag and both arrays'
     shapes and strides; the conv's own arguments are checked by its plan."""
-    if type(x) is not np.ndarray or type(other) is not np.ndarray or other.dtype != np.uint8:
+    if type(x) is not np.ndarray or type(other) is not np.ndarray or other.dtype is not _U8:
         return None
     qps = (x_qparams, conv_qparams, other_qparams, out_qparams)
-    key = (*qps, *(type(q[1]) if isinstance(q, tuple) and len(q) == 2 else None for q in qps),
-           relu, x.shape, other.shape, other.strides)  # fmt: skip
-    try:
-        hash(key)
-    except TypeError:  # e.g. 0-d arrays as qparams: valid, but checked on every call
-        return None
-    return key
+    # (unhashable values make the lookup raise: see conv2d_add)
+    return (*qps, *(type(q[1]) if isinstance(q, tuple) and len(q) == 2 else None for q in qps),
+            relu, x.shape, other.shape, other.strides)  # fmt: skip
 
 
 def _checked_add_args(

@@ -130,7 +130,7 @@ def gemm_runner(
     mchunk = m if threads == 1 else row_chunk(m, npanels, threads)
     widen = target == "avx2"  # the AVX2 kernels read activations as int16 pairs
     generic = target == "generic"
-    if target == "generic":
+    if generic:
         drive = serial_generic if threads == 1 else with_threads(drive_generic, threads)
     else:
         mode = "f32" if f32_out else ("u8add" if fused_add else "u8")

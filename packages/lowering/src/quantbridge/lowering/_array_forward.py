@@ -32,7 +32,8 @@ from quantbridge.lowering import _lowered_ops as lowered
 from quantbridge.lowering._custom_ops import is_tracing
 from quantbridge.lowering._modules import LoweredModule
 
-_ARRAY, _MODULE, _FUNCTION, _METHOD, _ATTR = range(5)
+# step kinds: a kernel module on arrays, a call (function or module), a method, an attribute
+_ARRAY, _CALL, _METHOD, _ATTR = range(4)
 
 
 def _tensor(value: Any) -> Any:
@@ -93,9 +94,9 @@ class _Plan:
                 if arrays:
                     self.steps.append((i, _ARRAY, mod, args, None, free))
                 else:
-                    self.steps.append((i, _MODULE, mod, args, kwargs, free))
+                    self.steps.append((i, _CALL, mod, args, kwargs, free))
             else:
-                kind = _FUNCTION if node.op == "call_function" else _METHOD
+                kind = _CALL if node.op == "call_function" else _METHOD
                 args = map_arg(node.args, slot)
                 kwargs = map_arg(node.kwargs, slot)
                 self.steps.append((i, kind, node.target, args, kwargs, free))

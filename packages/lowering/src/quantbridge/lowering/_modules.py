@@ -284,7 +284,7 @@ class QuantizedLinear(_WeightedBase):
                 self._in_scale, self._in_zero_point, self._out_scale, self._out_zero_point,
                 self.relu, self.target,
             )), True)  # fmt: skip
-        return torch.from_numpy(self.forward_arrays(lowered.numpy_view(x)))
+        return self._eager(x)
 
     def forward_arrays(self, *arrays: Any) -> Any:
         return lowered.linear_arrays(
@@ -417,6 +417,8 @@ class QuantizedConv(_WeightedBase):
     next conv, add, relu or lookup table reads it in place, so a CNN transposes only its input.
     """
 
+    array_input = "dense"
+
     def __init__(
         self,
         *args: Any,
@@ -432,8 +434,6 @@ class QuantizedConv(_WeightedBase):
         self.relu = relu
         super().__init__(*args, **kwargs)
         self.kernel = "kernels.conv2d" if self.weight.dim() == 4 else "kernels.conv1d"
-
-    array_input = "dense"
 
     def _sync(self) -> None:
         super()._sync()
@@ -467,7 +467,7 @@ class QuantizedConv(_WeightedBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if is_tracing(x):
             return self._activation_output(self._conv_op(x), True)
-        return torch.from_numpy(self.forward_arrays(lowered.dense_view(x)))
+        return self._eager(x)
 
     def forward_arrays(self, *arrays: Any) -> Any:
         return lowered.conv_arrays(
@@ -668,6 +668,7 @@ class QuantizedLookupTable(LoweredModule):
     """
 
     kernel = "kernels.apply_lut"
+    array_input = "dense"
     table: torch.Tensor
 
     def __init__(
@@ -690,9 +691,7 @@ class QuantizedLookupTable(LoweredModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if is_tracing(x):
             return _as_tensor(ops.lut_op(x, self.table, self.target))
-        return torch.from_numpy(self.forward_arrays(lowered.dense_view(x)))
-
-    array_input = "dense"
+        return self._eager(x)
 
     def forward_arrays(self, *arrays: Any) -> Any:
         return lowered.lookup_table_arrays(arrays[0], self._table, self.target)
@@ -709,6 +708,7 @@ class Quantize(LoweredModule):
     """
 
     kernel = "kernels.quantize_per_tensor"
+    array_input = "float"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if is_tracing(x):
@@ -717,9 +717,7 @@ class Quantize(LoweredModule):
                     x, self.scale, self.zero_point, 0, 255, torch.uint8
                 )
             )
-        return torch.from_numpy(self.forward_arrays(lowered.as_array(x, "float")))
-
-    array_input = "float"
+        return self._eager(x)
 
     def forward_arrays(self, *arrays: Any) -> Any:
         return K.quantize_per_tensor(
@@ -734,6 +732,9 @@ class Dequantize(LoweredModule):
     """
 
     kernel = "kernels.dequantize_per_tensor"
+    # C-contiguous like the reference model's float values (lowered convs return channels-last
+    # codes; user code may ``view`` a model output)
+    array_input = "c"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if is_tracing(x):
@@ -742,11 +743,7 @@ class Dequantize(LoweredModule):
                     x, self.input_scale, self.input_zero_point, 0, 255, torch.uint8
                 )
             )
-        return torch.from_numpy(self.forward_arrays(lowered.numpy_view(x)))
-
-    # C-contiguous like the reference model's float values (lowered convs return channels-last
-    # codes; user code may ``view`` a model output)
-    array_input = "c"
+        return self._eager(x)
 
     def forward_arrays(self, *arrays: Any) -> Any:
         return K.dequantize_per_tensor(
@@ -758,6 +755,7 @@ class Requantize(LoweredModule):
     """uint8 → uint8 between two sets of qparams (when consecutive ops disagree)."""
 
     kernel = "kernels.requantize"
+    array_input = "dense"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if is_tracing(x):
@@ -765,9 +763,7 @@ class Requantize(LoweredModule):
                 x, self._in_scale, self._in_zero_point, self._out_scale, self._out_zero_point,
                 self.target,
             ))  # fmt: skip
-        return torch.from_numpy(self.forward_arrays(lowered.dense_view(x)))
-
-    array_input = "dense"
+        return self._eager(x)
 
     def forward_arrays(self, *arrays: Any) -> Any:
         return lowered.requantize_arrays(
@@ -779,6 +775,7 @@ class QuantizedMaxPool2d(LoweredModule):
     """uint8 NCHW max pooling (qparams unchanged), C-contiguous or channels-last."""
 
     kernel = "kernels.max_pool2d"
+    array_input = "dense"
 
     def __init__(
         self,
@@ -799,9 +796,7 @@ class QuantizedMaxPool2d(LoweredModule):
                 x, self.kernel_size, self.stride, self.padding, self.dilation, self.ceil_mode,
                 self.target,
             ))  # fmt: skip
-        return torch.from_numpy(self.forward_arrays(lowered.dense_view(x)))
-
-    array_input = "dense"
+        return self._eager(x)
 
     def forward_arrays(self, *arrays: Any) -> Any:
         return lowered.max_pool2d_arrays(
@@ -817,6 +812,7 @@ class QuantizedAvgPool2d(LoweredModule):
     """uint8 NCHW average pooling (torch's quantized avg_pool2d numerics), either layout."""
 
     kernel = "kernels.avg_pool2d"
+    array_input = "dense"
 
     def __init__(
         self,
@@ -846,9 +842,7 @@ class QuantizedAvgPool2d(LoweredModule):
                 self.count_include_pad, self.divisor_override, self._in_scale,
                 self._in_zero_point, self._out_scale, self._out_zero_point, self.target,
             ))  # fmt: skip
-        return torch.from_numpy(self.forward_arrays(lowered.dense_view(x)))
-
-    array_input = "dense"
+        return self._eager(x)
 
     def forward_arrays(self, *arrays: Any) -> Any:
         return lowered.avg_pool2d_arrays(
@@ -865,6 +859,7 @@ class QuantizedAdaptiveAvgPool2d(LoweredModule):
     """uint8 NCHW adaptive average pooling (qparams unchanged), either layout."""
 
     kernel = "kernels.adaptive_avg_pool2d"
+    array_input = "dense"
 
     def __init__(self, output_size: tuple[int, int], target: str) -> None:
         self.output_size = list(output_size)
@@ -873,9 +868,7 @@ class QuantizedAdaptiveAvgPool2d(LoweredModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if is_tracing(x):
             return _as_tensor(ops.adaptive_avg_pool2d_op(x, self.output_size, self.target))
-        return torch.from_numpy(self.forward_arrays(lowered.dense_view(x)))
-
-    array_input = "dense"
+        return self._eager(x)
 
     def forward_arrays(self, *arrays: Any) -> Any:
         return lowered.adaptive_avg_pool2d_arrays(arrays[0], self.output_size, self.target)
