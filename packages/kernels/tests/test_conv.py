@@ -527,6 +527,29 @@ def test_depthwise_blocks_match_integer_reference(target, case):
 
 
 @pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize(("k", "stride"), [(3, 1), (3, 2), (5, 1), (5, 2)])
+def test_depthwise_every_row_width(target, k, stride):
+    # interior runs of 1 to 24 pixels: every way a row splits into big blocks, blocks of the
+    # second size, blocks moved back over written pixels, and one-pixel calls
+    big, alt = depthwise_module.BLOCK_PIXELS[(k, stride)]
+    assert 2 * big + alt + 1 <= 24
+    rng = np.random.default_rng(k * 10 + stride)
+    c = 19  # two vectors and a channel tail
+    wt = rng.integers(-128, 128, (c, 1, k, k), dtype=np.int8)
+    w_s = rng.uniform(0.002, 0.02, c)
+    bias = rng.normal(0, 2, c).astype(F32)
+    packed = PackedConvWeight(wt, w_s, 0, bias, stride=stride, groups=c, target=target)
+    for ow in range(1, 25):
+        w = (ow - 1) * stride + k  # no padding: every output pixel is interior
+        x = rng.integers(0, 256, (1, c, k + 1, w), dtype=np.uint8)
+        got = conv2d(_channels_last(x), packed, 0.05, 9, 0.4, 100, channels_last=True)
+        want = reference_conv2d(
+            x, 0.05, 9, wt, w_s, 0, bias, 0.4, 100, (stride, stride), (0, 0), (1, 1), c
+        )
+        np.testing.assert_array_equal(got, want, err_msg=f"output width {ow}")
+
+
+@pytest.mark.parametrize("target", TARGETS)
 @pytest.mark.parametrize("stride", [1, 2])
 def test_depthwise_large_plane_two_threads(target, stride, monkeypatch):
     # the parallel driver at any size; 144 channels as MobileNetV2's

@@ -122,3 +122,21 @@ def test_bad_qparams_and_dtypes_are_refused_by_name():
         qk.mul_channels(a, (0.1, 0), b.astype(np.int8), (0.1, 0), (0.1, 0))
     with pytest.raises(KernelError, match="a: expected"):
         qk.mul_channels(a[:, :, ::2], (0.1, 0), b, (0.1, 0), (0.1, 0))
+
+
+def test_checked_qparams_are_remembered_but_errors_are_not():
+    # the derived constants are cached per set of qparams; a list pair (unhashable) still
+    # runs, and a bad set raises on every call, not only the first
+    rng = np.random.default_rng(5)
+    a = channels_last(rng.integers(0, 256, (1, 16, 3, 3), dtype=np.uint8))
+    b = rng.integers(0, 256, (1, 16, 1, 1), dtype=np.uint8)
+    qps = ((0.02, 7), (0.01, 3), (0.05, 11))
+    want = reference(a, *qps[:1], b, *qps[1:], relu=False)
+    for _ in range(2):
+        np.testing.assert_array_equal(qk.mul_channels(a, qps[0], b, qps[1], qps[2]), want)
+        got = qk.mul_channels(a, list(qps[0]), b, list(qps[1]), list(qps[2]))
+        np.testing.assert_array_equal(got, want)
+        with pytest.raises(KernelError, match=r"a_qparams\.zero_point"):
+            qk.mul_channels(a, (0.02, -1), b, qps[1], qps[2])
+        with pytest.raises(KernelError, match=r"a_qparams\.zero_point"):
+            qk.mul_channels(a, [0.02, -1], b, qps[1], qps[2])

@@ -475,6 +475,7 @@ def _depthwise_plan(packed: PackedConvWeight, geo: _Geometry, epi: _Epilogue) ->
     kh, kw = packed.kh, packed.kw
     weights, cp = packed._dw_weight, packed._dw_cp
     xh, xw, xph, xpw = (hp, wp, 0, 0) if pad else (h, w, ph, pw)
+    zpf = float(a_zp)  # a Python float: numba's dispatcher types it faster than np.float32
 
     def run(x4: npt.NDArray[np.uint8], _fused: Any) -> npt.NDArray[np.uint8]:
         if cl:
@@ -493,7 +494,7 @@ def _depthwise_plan(packed: PackedConvWeight, geo: _Geometry, epi: _Epilogue) ->
         out = np.empty((n, oh, ow, c), np.uint8)
         drv(
             nhwc.reshape(-1), n, xh, xw, c, oh, ow, kh, kw, sh, sw, dh, dw, xph, xpw, weights,
-            cp, corr, biasq, mult, np.float32(a_zp), o_zp, qmin, qmax, table, out.reshape(-1),
+            cp, corr, biasq, mult, zpf, o_zp, qmin, qmax, table, out.reshape(-1),
             per_task,
         )  # fmt: skip
         return _to_nchw(out, channels_last)
@@ -531,6 +532,21 @@ def _gemm_plan(packed: PackedConvWeight, geo: _Geometry, epi: _Epilogue, fused_a
         groups.append((runner, None if pg.has_weight_zp else pg.rows(m)[1]))
     # the window sums of weight zero points come from the NHWC view, made only for them
     window_sums = any(rowsum is None for _, rowsum in groups)
+    if in_place and len(groups) == 1 and not window_sums:
+        # the usual pointwise conv between two convs: one GEMM straight on the input bytes
+        (runner, rowsum), nhwc_out = groups[0], (n, oh, ow, oc)
+
+        def run_in_place(
+            x4: npt.NDArray[np.uint8],
+            fused: tuple[npt.NDArray[np.uint8], npt.NDArray[np.float32]] | None,
+        ) -> npt.NDArray[np.uint8]:
+            if fused is None:
+                res = runner(x4.ravel(order="K"), rowsum)
+            else:
+                res = runner(x4.ravel(order="K"), rowsum, fused[0], fused[1])
+            return _to_nchw(res.reshape(nhwc_out), channels_last)
+
+        return run_in_place
 
     def run(
         x4: npt.NDArray[np.uint8],

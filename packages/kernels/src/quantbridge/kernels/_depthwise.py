@@ -40,14 +40,61 @@ MAX_TAPS = 256
 PARALLEL_MIN_MACS = 1 << 19
 
 
+def _make_row(kw: int, sw: int) -> Any:
+    """The interior pixels ``lo..hi-1`` of one output row through the ``(kw, sw)`` block kinds.
+
+    Blocks of ``P`` pixels cover the run; the remainder goes the cheapest of three ways,
+    counting a block pixel as 1 and a one-pixel call as 2 (it reloads every input vector for
+    each pixel): one more ``P`` block moved back to end at ``hi``, or blocks of the second size
+    ``Q`` (the last one moved back), or one-pixel calls. A moved-back block recomputes pixels
+    already written, with the same bytes.
+    """
+    big, alt = BLOCK_PIXELS[(kw, sw)]
+    kbig, kalt, kone = (KIND_IDS[(kw, sw, p)] for p in (big, alt, 1))
+    lanes = LANES
+
+    def row(  # type: ignore[no-untyped-def]  # numba types the arguments
+        x, xrow, pw, c, c8, rowstep, kh, wf, cp, corr, biasq, mult, ozp, qmin, qmax, out,
+        obase, lo, hi,
+    ):  # fmt: skip
+        n = hi - lo
+        nbig = n // big
+        rem = n - nbig * big
+        nalt = (rem + alt - 1) // alt if n >= alt else 0
+        cost_alt = nalt * alt if nalt > 0 else 1 << 30
+        if nbig > 0 and big < cost_alt and big < 2 * rem:
+            nbig, nalt, rem = nbig + 1, 0, 0  # one more big block, moved back
+        elif cost_alt < 2 * rem:
+            rem = 0
+        else:
+            nalt = 0
+        for t in range(nbig):
+            ox = min(lo + t * big, hi - big)
+            xb, ob = xrow + (ox * sw - pw) * c, obase + ox * c
+            for c0 in range(0, c8, lanes):
+                dw_block(kbig, x, xb + c0, rowstep, c, kh, wf, cp, c0, corr, biasq, mult,
+                         ozp, qmin, qmax, out, ob + c0)  # fmt: skip
+        start = lo + nbig * big
+        for t in range(nalt):
+            ox = min(start + t * alt, hi - alt)
+            xb, ob = xrow + (ox * sw - pw) * c, obase + ox * c
+            for c0 in range(0, c8, lanes):
+                dw_block(kalt, x, xb + c0, rowstep, c, kh, wf, cp, c0, corr, biasq, mult,
+                         ozp, qmin, qmax, out, ob + c0)  # fmt: skip
+        for ox in range(hi - rem, hi):
+            xb, ob = xrow + (ox * sw - pw) * c, obase + ox * c
+            for c0 in range(0, c8, lanes):
+                dw_block(kone, x, xb + c0, rowstep, c, kh, wf, cp, c0, corr, biasq, mult,
+                         ozp, qmin, qmax, out, ob + c0)  # fmt: skip
+
+    row.__name__ = row.__qualname__ = f"depthwise_row_{kw}x{kw}_s{sw}"
+    return njit(cache=True, nogil=True)(row)
+
+
+_row_3s1, _row_3s2, _row_5s1, _row_5s2 = (_make_row(kw, sw) for kw, sw in BLOCK_PIXELS)
+
+
 def _make_driver(parallel: bool) -> Any:
-    # block kinds and their pixel counts as plain ints: numba folds them as constants
-    kinds = {key: (KIND_IDS[(key[0], key[1], big)], KIND_IDS[(key[0], key[1], 1)], big)
-             for key, big in BLOCK_PIXELS.items()}  # fmt: skip
-    k31, k31s, p31 = kinds[(3, 1)]
-    k32, k32s, p32 = kinds[(3, 2)]
-    k51, k51s, p51 = kinds[(5, 1)]
-    k52, k52s, p52 = kinds[(5, 2)]
     lanes = LANES
 
     def driver(  # type: ignore[no-untyped-def]  # numba types the arguments
@@ -97,59 +144,16 @@ def _make_driver(parallel: bool) -> Any:
                     rlo, rhi = lo, hi
                 xrow = img + iy0 * w * c
                 if spec != 0 and rlo < rhi:
-                    ox = rlo
+                    args = (x, xrow, pw, c, c8, rowstep, kh, wf, cp, corr, biasq, mult, ozp,
+                            qmin, qmax, out, obase, rlo, rhi)  # fmt: skip
                     if spec == 1:
-                        while ox + p31 <= rhi:
-                            xb, ob = xrow + (ox - pw) * c, obase + ox * c
-                            for c0 in range(0, c8, lanes):
-                                dw_block(k31, x, xb + c0, rowstep, c, kh, wf, cp, c0, corr,
-                                         biasq, mult, ozp, qmin, qmax, out, ob + c0)  # fmt: skip
-                            ox += p31
-                        while ox < rhi:
-                            xb, ob = xrow + (ox - pw) * c, obase + ox * c
-                            for c0 in range(0, c8, lanes):
-                                dw_block(k31s, x, xb + c0, rowstep, c, kh, wf, cp, c0, corr,
-                                         biasq, mult, ozp, qmin, qmax, out, ob + c0)  # fmt: skip
-                            ox += 1
+                        _row_3s1(*args)
                     elif spec == 2:
-                        while ox + p32 <= rhi:
-                            xb, ob = xrow + (ox * 2 - pw) * c, obase + ox * c
-                            for c0 in range(0, c8, lanes):
-                                dw_block(k32, x, xb + c0, rowstep, c, kh, wf, cp, c0, corr,
-                                         biasq, mult, ozp, qmin, qmax, out, ob + c0)  # fmt: skip
-                            ox += p32
-                        while ox < rhi:
-                            xb, ob = xrow + (ox * 2 - pw) * c, obase + ox * c
-                            for c0 in range(0, c8, lanes):
-                                dw_block(k32s, x, xb + c0, rowstep, c, kh, wf, cp, c0, corr,
-                                         biasq, mult, ozp, qmin, qmax, out, ob + c0)  # fmt: skip
-                            ox += 1
+                        _row_3s2(*args)
                     elif spec == 3:
-                        while ox + p51 <= rhi:
-                            xb, ob = xrow + (ox - pw) * c, obase + ox * c
-                            for c0 in range(0, c8, lanes):
-                                dw_block(k51, x, xb + c0, rowstep, c, kh, wf, cp, c0, corr,
-                                         biasq, mult, ozp, qmin, qmax, out, ob + c0)  # fmt: skip
-                            ox += p51
-                        while ox < rhi:
-                            xb, ob = xrow + (ox - pw) * c, obase + ox * c
-                            for c0 in range(0, c8, lanes):
-                                dw_block(k51s, x, xb + c0, rowstep, c, kh, wf, cp, c0, corr,
-                                         biasq, mult, ozp, qmin, qmax, out, ob + c0)  # fmt: skip
-                            ox += 1
+                        _row_5s1(*args)
                     else:
-                        while ox + p52 <= rhi:
-                            xb, ob = xrow + (ox * 2 - pw) * c, obase + ox * c
-                            for c0 in range(0, c8, lanes):
-                                dw_block(k52, x, xb + c0, rowstep, c, kh, wf, cp, c0, corr,
-                                         biasq, mult, ozp, qmin, qmax, out, ob + c0)  # fmt: skip
-                            ox += p52
-                        while ox < rhi:
-                            xb, ob = xrow + (ox * 2 - pw) * c, obase + ox * c
-                            for c0 in range(0, c8, lanes):
-                                dw_block(k52s, x, xb + c0, rowstep, c, kh, wf, cp, c0, corr,
-                                         biasq, mult, ozp, qmin, qmax, out, ob + c0)  # fmt: skip
-                            ox += 1
+                        _row_5s2(*args)
                     if c8 < c:  # the channel tail of the interior pixels
                         for ox in range(rlo, rhi):
                             dw_taps(x, xrow + (ox * sw - pw) * c + c8, full_offs, full_idx,

@@ -31,7 +31,13 @@ from quantbridge.kernels._gemm_simd import (
     serial_vnni_u8add,
 )
 from quantbridge.kernels._pack import layout, round_up
-from quantbridge.kernels._pair_guard import PairGuard, gather_rows, split_steps, unsafe_rows
+from quantbridge.kernels._pair_guard import (
+    PairGuard,
+    any_high_code,
+    gather_rows,
+    split_steps,
+    unsafe_rows,
+)
 from quantbridge.kernels._threads import with_threads
 
 _DRIVERS = {
@@ -180,6 +186,7 @@ def _guarded_runner(
     run_byte = runner("avx2_byte", rowoffs, koffs, bp, threads)
     exact: list[Any] = []  # the int16 runner over every row, made on first need
     steps = 2 * koffs.shape[0]
+    nbytes = guard.npix * guard.pixel_bytes
 
     def run(
         a: npt.NDArray[Any],
@@ -188,6 +195,9 @@ def _guarded_runner(
         add_params: npt.NDArray[np.float32] | None = None,
         post: Any = None,
     ) -> npt.NDArray[np.generic]:
+        # the usual call has no code of 128 or more: one scan, then the byte kernels
+        if not any_high_code(a, nbytes):
+            return run_byte(a, rowsum, residual, add_params)  # type: ignore[no-any-return]
         rows = unsafe_rows(a, guard, m)
         if rows is None:
             return run_byte(a, rowsum, residual, add_params)  # type: ignore[no-any-return]

@@ -24,6 +24,8 @@ def memory_order(array: npt.NDArray[Any]) -> Order | None:
     """Axes from outermost to innermost in memory if ``array`` is dense, else None."""
     if array.flags.c_contiguous:
         return tuple(range(array.ndim))
+    if array.ndim == 4 and array.transpose(0, 2, 3, 1).flags.c_contiguous:
+        return (0, 2, 3, 1)  # channels-last, the usual case between lowered convs
     strides = array.strides
     order = tuple(sorted(range(array.ndim), key=lambda axis: -strides[axis]))
     return order if array.transpose(order).flags.c_contiguous else None

@@ -101,13 +101,19 @@ def _flag_pixels(buf, nbytes, hot, nhot, pixel_bytes, aligned, limit, flags):  #
     return found
 
 
+@njit(cache=True, nogil=True)
+def any_high_code(a, nbytes):  # type: ignore[no-untyped-def]  # numba types the arguments
+    # whether a[:nbytes] holds a code of 128 or more: one compiled call that stops at the
+    # first such block and allocates nothing (the common clean call is only this)
+    return _hot_blocks(a, nbytes, np.empty(0, np.int64)) > 0
+
+
 def unsafe_rows(a: npt.NDArray[Any], guard: PairGuard, m: int) -> npt.NDArray[np.int64] | None:
     """Indices of the ``m`` GEMM rows whose activations hold a pair past the limit (None:
     none). All rows (``arange(m)``) when codes of 128 or more fill over a quarter of the
     buffer's 64-byte blocks: then the int16 kernels run alone."""
     nbytes = guard.npix * guard.pixel_bytes
-    # the common clean call: one scan that stops at the first hot block, nothing allocated
-    if _hot_blocks(a, nbytes, _NO_HOT) == 0:
+    if not any_high_code(a, nbytes):  # the common clean call
         return None
     hot = np.empty(nbytes // 256 + 1, np.int64)
     nhot = _hot_blocks(a, nbytes, hot)
