@@ -84,6 +84,21 @@ def test_linear_matches_integer_reference(target, m, k, n, per_channel, wzp, wit
 
 
 @pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("n", [8, 24, 40, 1000])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_rows_ending_inside_a_panel(target, n, threads):
+    # widths that are whole 8-lane vectors but not whole 16/32-column panels: the kernels
+    # write rows of exactly n columns (no padded copy to cut down)
+    rng = np.random.default_rng(n)
+    a, a_s, a_zp, w, w_s, w_zp, bias, o_s, o_zp = _case(rng, 37, 70, n, True, False, True)
+    packed = PackedLinearWeight(w, w_s, w_zp, bias, target=target)
+    got = linear(a, packed, a_s, a_zp, o_s, o_zp, num_threads=threads)
+    want = reference_linear(a, a_s, a_zp, w, w_s, w_zp, bias, o_s, o_zp, False)
+    np.testing.assert_array_equal(got, want)
+    assert got.flags.c_contiguous
+
+
+@pytest.mark.parametrize("target", TARGETS)
 @pytest.mark.parametrize("threads", [1, 2])
 def test_linear_threads_and_leading_dims(target, threads):
     rng = np.random.default_rng(3)

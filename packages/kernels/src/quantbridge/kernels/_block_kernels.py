@@ -12,7 +12,9 @@ rest: the block loop, the prefetches and the requantizing epilogue.
 A row's activations are addressed as ``a[rowoffs[r] + koffs[step] + 0..KSTEP-1]``; linear
 uses ``rowoffs = i * K`` and ``koffs = KSTEP * step``, conv uses pixel offsets into padded
 NHWC input and per-tap offsets (implicit im2col). Rows past ``mvalid`` recompute the last
-valid row (never read out of bounds) and are not stored.
+valid row (never read out of bounds) and are not stored. A row of C holds ``ldc`` columns:
+the panel's padded width, or (modes ``u8``/``u8add``/``f32``) the true N when it is a multiple
+of the vector width, then the vectors of the last panel past N are neither read nor stored.
 
 Epilogue per output element (the rule in ``_requant.py``):
 ``v = acc + colcorr[j] - wzp[j] * rowsum[i]``; mode ``u8``:
@@ -69,6 +71,11 @@ def block_cols(target: str) -> int:
     """Columns one micro-kernel call produces (the packed panel width NR)."""
     spec = _TARGETS[target]
     return int(spec.LANES * spec.VECTORS_PER_ROW)
+
+
+def block_lanes(target: str) -> int:
+    """Columns per vector of the micro-kernels (a C row may end at any multiple of it)."""
+    return int(_TARGETS[target].LANES)
 
 
 def k_step(target: str) -> int:
@@ -336,6 +343,9 @@ def _make_kernel(target: str, mr: int, ku: int, mode: str) -> Any:
                 val.add_incoming(raw[r], before)
                 vals.append(val)
             row_vals: list[ir.Value] = []
+            # a row of C may end inside the panel (ldc = N, a multiple of the vector width, when
+            # the caller wants no padded columns): vectors past it are neither read nor stored
+            in_row = builder.icmp_signed("<", jv, ldc)
             for r in range(mr):
                 fv = builder.sitofp(vals[r], vf32)
                 ridx = builder.add(r0, ir.Constant(I64, r))
@@ -353,7 +363,14 @@ def _make_kernel(target: str, mr: int, ku: int, mode: str) -> Any:
                         # x is the conv's output code; add the residual code as the add kernel
                         # does: fma(sa, qa, pa) + fma(sb, qb, pb), floor, rint(t * inv) + zp
                         sa, pa, sb, pb, inv, floor, zpa = addv
-                        rq = load_vec(builder, builder.gep(res_p, [cidx]), ir.VectorType(I8, lanes))
+                        # rows past mvalid and vectors past the row read the block's first
+                        # row and vector instead (inside the residual; never stored)
+                        valid = builder.and_(
+                            builder.icmp_signed("<", ir.Constant(I64, r), mvalid), in_row
+                        )
+                        ridx0 = builder.add(builder.mul(r0, ldc), j0)
+                        at = builder.select(valid, cidx, ridx0)
+                        rq = load_vec(builder, builder.gep(res_p, [at]), ir.VectorType(I8, lanes))
                         rf = builder.uitofp(rq, vf32)
                         t = builder.fadd(
                             builder.call(vfma, [sa, x, pa]), builder.call(vfma, [sb, rf, pb])
@@ -373,7 +390,8 @@ def _make_kernel(target: str, mr: int, ku: int, mode: str) -> Any:
                 if mode == "u8t":
                     row_vals.append(outv)
                     continue
-                with builder.if_then(builder.icmp_signed("<", ir.Constant(I64, r), mvalid)):
+                stored = builder.and_(builder.icmp_signed("<", ir.Constant(I64, r), mvalid), in_row)
+                with builder.if_then(stored):
                     store_vec(builder, outv, builder.gep(c_p, [cidx]))
             if mode == "u8t":
                 _store_transposed(builder, row_vals, c_p, j0, v * lanes, ldc, r0, mvalid)
@@ -390,7 +408,16 @@ def _make_kernel(target: str, mr: int, ku: int, mode: str) -> Any:
             outv = _lookup(builder, has_lut, lut_p, codes, outv)
             cidx = builder.add(builder.mul(builder.add(r0, ir.Constant(I64, r)), ldc), j0)
             with builder.if_then(builder.icmp_signed("<", ir.Constant(I64, r), mvalid)):
-                store_vec(builder, outv, builder.gep(c_p, [cidx]))
+                whole = builder.icmp_signed("<", builder.add(j0, ir.Constant(I64, lanes)), ldc)
+                with builder.if_else(whole, likely=True) as (both, first):
+                    with both:
+                        store_vec(builder, outv, builder.gep(c_p, [cidx]))
+                    with first:  # the row ends after the panel's first vector
+                        half = builder.shuffle_vector(
+                            outv, ir.Constant(outv.type, ir.Undefined),
+                            ir.Constant(ir.VectorType(I32, lanes), list(range(lanes))),
+                        )  # fmt: skip
+                        store_vec(builder, half, builder.gep(c_p, [cidx]))
         return context.get_dummy_value()
 
     return codegen

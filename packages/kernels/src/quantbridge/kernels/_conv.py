@@ -30,6 +30,7 @@ import numpy.typing as npt
 from numba import njit
 
 from quantbridge.kernels import _depthwise as depthwise_module
+from quantbridge.kernels._block_kernels import block_lanes
 from quantbridge.kernels._checks import check_array, check_zero_point
 from quantbridge.kernels._depthwise import MAX_TAPS, depthwise_parallel, depthwise_serial
 from quantbridge.kernels._dw_simd import LANES
@@ -877,11 +878,12 @@ def _checked_add_args(
 
 
 def _fusable(packed: PackedConvWeight) -> bool:
-    """The fused epilogue writes rows of the padded width: one group whose width is exact."""
+    """The fused epilogue reads the residual laid out like its output rows: one group whose
+    channels fill whole vectors (the rows then hold exactly the output channels)."""
     return (
         isinstance(packed, PackedConvWeight)
         and packed.dims == 2
         and packed.groups == 1
         and packed.target in ("avx512_vnni", "avx2")
-        and packed.groups_packed[0].n_padded == packed.oc
+        and packed.oc % block_lanes(packed.groups_packed[0].kernel) == 0
     )

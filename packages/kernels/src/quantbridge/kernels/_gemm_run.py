@@ -7,6 +7,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from quantbridge.kernels._block_kernels import block_lanes
 from quantbridge.kernels._epilogue_lut import NO_LUT
 from quantbridge.kernels._float_math import post_rows
 from quantbridge.kernels._gemm import drive_generic, serial_generic
@@ -78,6 +79,7 @@ NO_ADD = np.zeros(0, np.float32)
 SERIAL_BELOW = {"avx512_vnni": 1 << 22, "avx2": 1 << 19, "avx2_byte": 1 << 19, "generic": 1 << 22}
 
 _NR = {t: layout(t)[0] for t in ("avx512_vnni", "avx2", "avx2_byte", "generic")}
+_LANES = {t: block_lanes(t) for t in ("avx512_vnni", "avx2", "avx2_byte")}
 
 
 def serial_driver(target: str, mode: str) -> Any:
@@ -136,6 +138,9 @@ def gemm_runner(
     mchunk = m if threads == 1 else row_chunk(m, npanels, threads)
     widen = target == "avx2"  # the AVX2 kernels read activations as int16 pairs
     generic = target == "generic"
+    # u8 rows of exactly n columns when n ends on a vector: no padded columns to cut off after
+    # (and a fused add's residual, laid out like C, is the caller's [M, n] array itself)
+    ldc = n if not (generic or f32_out) and n % _LANES[target] == 0 else np_
     if generic:
         drive = serial_generic if threads == 1 else with_threads(drive_generic, threads)
     else:
@@ -151,7 +156,7 @@ def gemm_runner(
         add_params: npt.NDArray[np.float32] | None = None,
         post: tuple[int, npt.NDArray[np.float32], bool, npt.NDArray[np.float32]] | None = None,
     ) -> npt.NDArray[np.generic]:
-        out = np.empty((m, np_), dtype)
+        out = np.empty((m, ldc), dtype)
         c = out.reshape(-1)
         if widen and a.dtype != np.int16:
             a = a.astype(np.int16)
@@ -159,14 +164,14 @@ def gemm_runner(
             drive(a, rowoffs, m, koffs, nk, bp, npanels, c, np_, colcorr, wzp, rowsum, biasq,
                   mult, out_zero_point, qmin, qmax, mchunk, f32_out, lut)  # fmt: skip
         else:
-            drive(a, rowoffs, m, koffs, nk, bp, npanels, c, np_, colcorr, wzp, rowsum, biasq,
+            drive(a, rowoffs, m, koffs, nk, bp, npanels, c, ldc, colcorr, wzp, rowsum, biasq,
                   mult, out_zero_point, qmin, qmax, mchunk,
                   NO_RESIDUAL if residual is None else residual,
                   NO_ADD if add_params is None else add_params, lut)  # fmt: skip
         if post is not None:
             # one vectorized pass after the GEMM (per block inside the drivers it ran scalar)
             out = post_rows(c, np_, m, *post, threads).reshape(m, np_)
-        return out if np_ == n else np.ascontiguousarray(out[:, :n])
+        return out if ldc == n else np.ascontiguousarray(out[:, :n])
 
     return run
 
