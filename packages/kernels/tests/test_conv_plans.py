@@ -18,6 +18,7 @@ import pytest
 from quantbridge.kernels import (
     KernelError,
     PackedConvWeight,
+    PreparedConv,
     add,
     available_targets,
     build_lut,
@@ -136,6 +137,84 @@ def test_bad_arguments_are_refused_after_a_good_call_with_the_same_shape():
     strided = np.zeros((1, 8, 6, 12), np.uint8)[..., ::2]  # neither layout
     with pytest.raises(KernelError, match="strides"):
         conv2d(strided, packed, 0.05, 3, 0.2, 100)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "g{}c{}o{}k{}".format(*s[:4]))
+def test_prepared_conv_equals_conv2d_through_layout_and_shape_changes(target, shape):
+    groups, c, oc, k, pad = shape
+    rng = np.random.default_rng(11)
+    w, ws, bias = _weight(rng, groups, c, oc, k, target)
+    packed = PackedConvWeight(w, ws, 0, bias, padding=pad, groups=groups, target=target)
+    table = build_lut(lambda v: np.tanh(v), 0.2, 100, 0.01, 128)
+    x = rng.integers(0, 256, (2, c, 9, 7), dtype=np.uint8)
+    xcl = _channels_last(x)  # the same shape, other strides: each way round below
+    inputs = [xcl, xcl, x, x, xcl, x[:1].copy(), xcl, x, xcl]
+    for relu, lut, cl in ((False, None, False), (True, None, True), (False, table, True)):
+        prepared = PreparedConv(packed, (0.05, 3), (0.2, 100), relu=relu, channels_last=cl,
+                                lut=lut)  # fmt: skip
+        for i, xin in enumerate(inputs):  # repeats take the fast path, changes plan again
+            want = conv2d(xin, packed, 0.05, 3, 0.2, 100, relu=relu, channels_last=cl, lut=lut)
+            got = prepared(xin)
+            np.testing.assert_array_equal(got, want, err_msg=f"input {i}, relu {relu}")
+            assert got.strides == want.strides
+            assert prepared._fast is not None
+            assert prepared._fast[0] == xin.shape
+
+
+def test_prepared_conv_1d_and_its_table_is_a_copy():
+    rng = np.random.default_rng(4)
+    w = rng.integers(-63, 64, (16, 8, 3)).astype(np.int8)
+    packed = PackedConvWeight(w, 0.01, 0, None, padding=1)
+    x = rng.integers(0, 256, (2, 8, 11), dtype=np.uint8)
+    table = np.arange(256, dtype=np.uint8)[::-1].copy()
+    prepared = PreparedConv(packed, (0.05, 3), (0.2, 100), lut=table)
+    want = conv1d(x, packed, 0.05, 3, 0.2, 100, lut=table.copy())
+    np.testing.assert_array_equal(prepared(x), want)
+    table[:] = 7  # the caller's array changes; the prepared call keeps the table it was given
+    np.testing.assert_array_equal(prepared(x), want)
+    np.testing.assert_array_equal(prepared(x.copy()), want)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_prepared_conv_follows_the_thread_setting(threads):
+    rng = np.random.default_rng(5)
+    w, ws, bias = _weight(rng, 1, 32, 64, 3, "generic")
+    packed = PackedConvWeight(w, ws, 0, bias, padding=1)
+    x = rng.integers(0, 256, (1, 32, 40, 40), dtype=np.uint8)
+    want = reference_conv2d(x, 0.05, 3, w, ws, 0, bias, 0.2, 100, (1, 1), (1, 1), (1, 1), 1)
+    prepared = PreparedConv(packed, (0.05, 3), (0.2, 100))
+    try:
+        for n in (threads, 3 - threads, threads):
+            set_num_threads(n)
+            np.testing.assert_array_equal(prepared(x), want)
+            assert prepared._fast is not None
+            assert prepared._fast[2] == n  # planned for n
+    finally:
+        set_num_threads(None)
+    fixed = PreparedConv(packed, (0.05, 3), (0.2, 100), num_threads=1)
+    np.testing.assert_array_equal(fixed(x), want)
+
+
+def test_prepared_conv_refuses_bad_arguments_by_name():
+    rng = np.random.default_rng(1)
+    w, ws, bias = _weight(rng, 1, 8, 16, 3, "generic")
+    packed = PackedConvWeight(w, ws, 0, bias, padding=1)
+    x = rng.integers(0, 256, (1, 8, 6, 6), dtype=np.uint8)
+    with pytest.raises(KernelError, match="packed"):
+        PreparedConv(w, (0.05, 3), (0.2, 100))  # type: ignore[arg-type]
+    with pytest.raises(KernelError, match="x_qparams"):
+        PreparedConv(packed, 0.05, (0.2, 100))  # type: ignore[arg-type]
+    with pytest.raises(KernelError, match="num_threads"):
+        PreparedConv(packed, (0.05, 3), (0.2, 100), num_threads=0)
+    prepared = PreparedConv(packed, (0.05, 3), (0.2, 100))
+    prepared(x)  # a good call first: the next ones must not slip through its fast path
+    with pytest.raises(KernelError, match="dtype"):
+        prepared(x.astype(np.int8))
+    with pytest.raises(KernelError, match="has 4 channels but the weight expects 8"):
+        prepared(x[:, :4].copy())
+    with pytest.raises(KernelError, match="zero_point"):
+        PreparedConv(packed, (0.05, 300), (0.2, 100))(x)
 
 
 def _pointwise_16_to_32(seed, target):

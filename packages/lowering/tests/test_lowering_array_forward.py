@@ -184,3 +184,34 @@ def test_keyword_arguments_and_tracing_use_the_generated_forward():
 def test_use_array_forward_refuses_what_is_not_a_graph_module():
     with pytest.raises(LoweringError, match="use_array_forward: expected a lowered GraphModule"):
         use_array_forward(torch.nn.Linear(2, 2))  # type: ignore[arg-type]
+
+
+def test_a_conv_modules_prepared_call_follows_its_state():
+    # a conv module keeps its kernels.PreparedConv between calls; a change of relu, of its
+    # qparams (load_state_dict) or of the input layout must give what kernels.conv2d gives
+    gm, x = _conv_model()
+    conv = next(m for m in gm.modules() if isinstance(m, QuantizedConv))
+    codes = torch.randint(0, 256, (2, conv.weight.shape[1], 9, 9), dtype=torch.uint8)
+
+    def direct(inp: torch.Tensor) -> torch.Tensor:
+        return torch.from_numpy(K.conv2d(
+            inp.numpy(), conv._packed, *conv.input_qparams, *conv.conv_qparams,
+            relu=conv.relu, channels_last=True, lut=conv._act_table,
+        ))  # fmt: skip
+
+    with torch.no_grad():
+        _same(conv(codes), direct(codes))
+        assert conv._prepared is not None
+        state = conv.state_dict()
+        state["input_zero_point"] = state["input_zero_point"] + 7
+        state["zero_point"] = torch.full_like(state["zero_point"], 100)  # relu clamps at it
+        conv.load_state_dict(state)
+        before = conv(codes)
+        _same(before, direct(codes))
+        conv.relu = not conv.relu
+        after = conv(codes)
+        _same(after, direct(codes))
+        assert not torch.equal(before, after)
+        channels_last = codes.contiguous(memory_format=torch.channels_last)
+        _same(conv(channels_last), direct(channels_last))
+        _same(gm(*x), _generated(gm, *x))

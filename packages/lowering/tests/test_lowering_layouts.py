@@ -85,6 +85,17 @@ def test_channels_last_chain_gives_the_numbers_of_nchw_convs(
 
     for name in ("conv1d", "conv2d"):  # the same convs returning C-contiguous NCHW instead
         monkeypatch.setattr(K, name, nchw(name))
+
+    class NchwPrepared(K.PreparedConv):  # what the conv modules call in a model
+        __slots__ = ()
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            calls.append("PreparedConv")
+            super().__init__(*args, **{**kwargs, "channels_last": False})
+
+    monkeypatch.setattr(K, "PreparedConv", NchwPrepared)
+    for conv in convs:
+        conv._prepared = None  # made again, through the patched class
     got = lowered(*x)
     assert calls  # the lowered convs did run through the patched kernels
     torch.testing.assert_close(got, want, rtol=0, atol=0)

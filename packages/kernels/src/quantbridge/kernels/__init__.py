@@ -12,7 +12,7 @@ from quantbridge.kernels._jitcache import KernelCacheWarning
 
 # isort: split
 from quantbridge.kernels._activation import clamp, hardtanh, relu, relu6
-from quantbridge.kernels._conv import PackedConvWeight, conv1d, conv2d, conv2d_add
+from quantbridge.kernels._conv import PackedConvWeight, PreparedConv, conv1d, conv2d, conv2d_add
 from quantbridge.kernels._elementwise import add, add_relu, mul, mul_relu
 from quantbridge.kernels._embedding import (
     PackedEmbedding,
@@ -65,6 +65,7 @@ __all__ = [
     "target_supported",
     # GEMM family (linear, dynamic linear, conv, matmul) and threads
     "PackedConvWeight",
+    "PreparedConv",
     "QParams",
     "PackedLinearWeight",
     "conv1d",

@@ -61,7 +61,7 @@ from quantbridge.kernels._pair_guard import window_rows
 from quantbridge.kernels._qparams import QParams, as_qparams
 from quantbridge.kernels._quantize import f32_scale
 from quantbridge.kernels._targets import resolve_target
-from quantbridge.kernels._threads import apply_num_threads, with_threads
+from quantbridge.kernels._threads import apply_num_threads, get_num_threads, with_threads
 from quantbridge.kernels._transpose import nchw_into_padded_nhwc, nhwc_into_padded_nhwc
 
 
@@ -281,21 +281,109 @@ def _conv(
     if not isinstance(packed, PackedConvWeight):
         raise KernelError(f"packed: expected a PackedConvWeight, got {type(packed).__name__}")
     threads = apply_num_threads(num_threads, name)
+    x, plan, _ = _find_plan(x, packed, x_scale, x_zero_point, out_scale, out_zero_point, relu,
+                            channels_last, dims, name, fused_add, lut, threads)  # fmt: skip
+    out: npt.NDArray[np.uint8] = plan.run(x, fused_add)
+    return out
+
+
+def _find_plan(
+    x: object,
+    packed: PackedConvWeight,
+    x_scale: float,
+    x_zero_point: int,
+    out_scale: float,
+    out_zero_point: int,
+    relu: bool,
+    channels_last: bool,
+    dims: int,
+    name: str,
+    fused_add: tuple[npt.NDArray[np.uint8], npt.NDArray[np.float32]] | None,
+    lut: npt.NDArray[np.uint8] | None,
+    threads: int,
+) -> tuple[npt.NDArray[np.uint8], _ConvPlan, bool]:
+    """The checked input, its plan (kept on ``packed``) and whether the plan is kept."""
     key = _plan_key(x, x_scale, x_zero_point, out_scale, out_zero_point, relu, channels_last,
                     dims, fused_add, lut, threads)  # fmt: skip
     try:
         plan = None if key is None else packed._plans.get(key)
     except TypeError:  # e.g. a 0-d array as a scale: valid, but checked on every call
         key = plan = None
-    if plan is None:
-        x, plan = _ConvPlan.build(
-            x, packed, x_scale, x_zero_point, out_scale, out_zero_point, relu, channels_last,
-            dims, name, fused_add, lut, threads,
-        )  # fmt: skip
-        if key is not None and len(packed._plans) < _PLAN_LIMIT:
-            packed._plans[key] = plan
-    out: npt.NDArray[np.uint8] = plan.run(x, fused_add)
-    return out
+    if plan is not None:
+        return x, plan, True  # type: ignore[return-value]  # its key holds a uint8 ndarray
+    xa, plan = _ConvPlan.build(
+        x, packed, x_scale, x_zero_point, out_scale, out_zero_point, relu, channels_last,
+        dims, name, fused_add, lut, threads,
+    )  # fmt: skip
+    if key is not None and len(packed._plans) < _PLAN_LIMIT:
+        packed._plans[key] = plan
+    return xa, plan, key is not None
+
+
+class PreparedConv:
+    """``conv2d`` (``conv1d`` for a 1-D weight) with every argument but the input fixed: for a
+    layer called again and again on inputs of one shape and layout.
+
+    ``prepared(x)`` returns exactly ``conv2d(x, packed, *x_qparams, *out_qparams, relu=relu,
+    channels_last=channels_last, lut=lut, num_threads=num_threads)``. The first call checks
+    its arguments and plans the call as ``conv2d`` does; later calls whose input has the same
+    shape, strides and dtype, on the same thread count, run that plan directly, without the
+    argument checks and the plan lookup (a few microseconds, and more when the caches are
+    cold, as between the layers of a model). Any other input is checked and planned again
+    and becomes the fast case. ``lut`` is copied here: changing the caller's array later
+    does not change the results.
+    """
+
+    __slots__ = ("_args", "_fast", "_threads", "packed", "relu")
+
+    def __init__(
+        self,
+        packed: PackedConvWeight,
+        x_qparams: QParams | tuple[float, int],
+        out_qparams: QParams | tuple[float, int],
+        *,
+        relu: bool = False,
+        channels_last: bool = False,
+        lut: npt.NDArray[np.uint8] | None = None,
+        num_threads: int | None = None,
+    ) -> None:
+        if not isinstance(packed, PackedConvWeight):
+            raise KernelError(f"packed: expected a PackedConvWeight, got {type(packed).__name__}")
+        x_scale, x_zero_point = as_qparams("x_qparams", x_qparams)
+        out_scale, out_zero_point = as_qparams("out_qparams", out_qparams)
+        table = None if lut is None else np.array(lut, copy=True)
+        if num_threads is not None:
+            apply_num_threads(num_threads, "PreparedConv")  # refused here, not at the call
+        self.packed = packed
+        self.relu = relu
+        self._args = (x_scale, x_zero_point, out_scale, out_zero_point, relu, channels_last, table)
+        self._threads = num_threads
+        # (shape, strides, thread count, plan.run) of the input the last plan was made for
+        self._fast: tuple[tuple[int, ...], tuple[int, ...], int, Any] | None = None
+
+    def __call__(self, x: npt.NDArray[np.uint8]) -> npt.NDArray[np.uint8]:
+        fast = self._fast
+        if (
+            fast is not None
+            and type(x) is np.ndarray
+            and x.shape == fast[0]
+            and x.strides == fast[1]
+            and x.dtype is _U8
+            and (self._threads or get_num_threads()) == fast[2]
+        ):
+            out: npt.NDArray[np.uint8] = fast[3](x, None)
+            return out
+        return self._plan_and_run(x)
+
+    def _plan_and_run(self, x: object) -> npt.NDArray[np.uint8]:
+        dims = self.packed.dims
+        name = "conv2d" if dims == 2 else "conv1d"
+        threads = apply_num_threads(self._threads, name)
+        xa, plan, kept = _find_plan(x, self.packed, *self._args[:6], dims, name, None,
+                                    self._args[6], threads)  # fmt: skip
+        self._fast = (xa.shape, xa.strides, threads, plan.run) if kept else None
+        out: npt.NDArray[np.uint8] = plan.run(xa, None)
+        return out
 
 
 # plans kept per packed weight: one per input shape/layout, qparams and thread count in use

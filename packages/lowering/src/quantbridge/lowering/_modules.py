@@ -100,6 +100,7 @@ class LoweredModule(nn.Module):
         # the packed layout is target specific and derived: rebuilt by __setstate__
         state: dict[str, Any] = super().__getstate__()  # type: ignore[no-untyped-call]
         state.pop("_packed", None)
+        state.pop("_prepared", None)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -435,9 +436,12 @@ class QuantizedConv(_WeightedBase):
         super().__init__(*args, **kwargs)
         self.kernel = "kernels.conv2d" if self.weight.dim() == 4 else "kernels.conv1d"
 
+    _prepared: Any = None  # K.PreparedConv of forward_arrays (not kept by pickle)
+
     def _sync(self) -> None:
         super()._sync()
         self._sync_activation()
+        self._prepared = None
         w, ws, wz, bias = self._weight_args()
         self._packed = K.PackedConvWeight(
             w,
@@ -470,10 +474,15 @@ class QuantizedConv(_WeightedBase):
         return self._eager(x)
 
     def forward_arrays(self, *arrays: Any) -> Any:
-        return lowered.conv_arrays(
-            arrays[0], self._packed, self.input_qparams, self.conv_qparams, self.relu,
-            self._act_table,
-        )  # fmt: skip
+        # the conv with everything but the input fixed: a model calls it on one input layout
+        # again and again (remade when the packed weight, qparams or table are, see _sync)
+        prepared = self._prepared
+        if prepared is None or prepared.relu is not self.relu:
+            prepared = self._prepared = K.PreparedConv(
+                self._packed, self.input_qparams, self.conv_qparams, relu=self.relu,
+                channels_last=True, lut=self._act_table,
+            )  # fmt: skip
+        return prepared(arrays[0])
 
     def _details(self) -> str:
         dw = ", depthwise" if self.groups > 1 and self.groups == self.weight.shape[0] else ""

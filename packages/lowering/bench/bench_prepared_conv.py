@@ -1,0 +1,107 @@
+"""Lowered convs through ``kernels.PreparedConv`` against the full ``kernels.conv2d`` call.
+
+For each network (torchvision architectures written in the repository's
+``tests/real_models.py``, seeded weights, batch 1, 3x224x224) this lowers one model with the
+numba backend and times the whole model, interleaved round by round in one process, with its
+conv modules (``QuantizedConv``) running:
+
+* ``conv2d``: every call through ``kernels.conv2d`` (argument checks, plan lookup), as before
+  ``PreparedConv``;
+* ``prepared``: what the modules do now, ``PreparedConv`` (the plan of the module's one input
+  layout, called directly).
+
+It checks that both give the same output bit for bit and prints the best ms of each.
+
+    python packages/lowering/bench/bench_prepared_conv.py [--models mobilenet_v2 ...]
+        [--rounds 40] [--threads 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from quantbridge.fx_quant import calibrate, prepare_fx
+from quantbridge.lowering import get_backend
+from quantbridge.lowering._lowered_ops import conv_arrays
+from quantbridge.lowering._modules import QuantizedConv
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "tests"))
+import real_models
+
+MODELS = ("mobilenet_v3_small", "efficientnet_b0", "mobilenet_v2", "resnet18")
+
+
+def _through_conv2d(module: QuantizedConv) -> Callable[..., Any]:
+    def forward_arrays(*arrays: Any) -> Any:
+        return conv_arrays(
+            arrays[0], module._packed, module.input_qparams, module.conv_qparams, module.relu,
+            module._act_table,
+        )  # fmt: skip
+
+    return forward_arrays
+
+
+def run(name: str, rounds: int) -> None:
+    model = real_models.build(name, full_size=True).eval()
+    g = torch.Generator().manual_seed(1)
+    calib = [torch.randn(1, 3, 224, 224, generator=g) for _ in range(4)]
+    x = torch.randn(1, 3, 224, 224, generator=g)
+    backend = get_backend("numba")
+    prepared = prepare_fx(
+        copy.deepcopy(model), backend.qconfig_mapping(), (x,), backend_config=backend.backend_config
+    )
+    calibrate(prepared, [(c,) for c in calib], progress=False)
+    lowered = backend.convert(prepared)
+    convs = [m for m in lowered.modules() if type(m) is QuantizedConv]
+    full = [_through_conv2d(m) for m in convs]
+
+    def use(label: str) -> None:
+        for module, forward_arrays in zip(convs, full, strict=True):
+            if label == "conv2d":
+                module.forward_arrays = forward_arrays  # type: ignore[method-assign]
+            else:
+                module.__dict__.pop("forward_arrays", None)
+
+    best = {"conv2d": float("inf"), "prepared": float("inf")}
+    with torch.no_grad():
+        outs = {}
+        for label in best:
+            use(label)
+            outs[label] = lowered(x)
+        if not torch.equal(outs["conv2d"], outs["prepared"]):
+            raise SystemExit(f"{name}: the two paths disagree")
+        for _ in range(rounds):
+            for label in best:
+                use(label)
+                lowered(x)  # the switch's first call re-plans nothing, but warms up
+                t0 = time.perf_counter()
+                lowered(x)
+                best[label] = min(best[label], (time.perf_counter() - t0) * 1e3)
+    change = (best["prepared"] / best["conv2d"] - 1) * 100
+    print(
+        f"{name:20} {len(convs)} convs | conv2d {best['conv2d']:.2f} ms | "
+        f"prepared {best['prepared']:.2f} ms | {change:+.1f} %"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=real_models.MODELS)
+    parser.add_argument("--rounds", type=int, default=40)
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    for name in args.models:
+        run(name, args.rounds)
+
+
+if __name__ == "__main__":
+    main()
