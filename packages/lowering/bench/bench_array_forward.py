@@ -22,9 +22,11 @@ import copy
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from torch.fx import GraphModule
 
 from quantbridge.fx_quant import calibrate, prepare_fx
 from quantbridge.lowering import get_backend
@@ -35,7 +37,8 @@ import real_models
 MODELS = ("mobilenet_v3_small", "efficientnet_b0", "mobilenet_v2", "resnet18")
 
 
-def run(name: str, rounds: int) -> None:
+def lowered_cnn(name: str) -> tuple[GraphModule, torch.Tensor]:
+    """``name`` (seeded weights) lowered with the numba backend, and a batch-1 input."""
     model = real_models.build(name, full_size=True).eval()
     g = torch.Generator().manual_seed(1)
     calib = [torch.randn(1, 3, 224, 224, generator=g) for _ in range(4)]
@@ -45,7 +48,11 @@ def run(name: str, rounds: int) -> None:
         copy.deepcopy(model), backend.qconfig_mapping(), (x,), backend_config=backend.backend_config
     )
     calibrate(prepared, [(c,) for c in calib], progress=False)
-    lowered = backend.convert(prepared)
+    return backend.convert(prepared), x
+
+
+def run(name: str, rounds: int) -> None:
+    lowered, x = lowered_cnn(name)
     columns = {
         "generated": lambda: type(lowered).forward(lowered, x),
         "arrays": lambda: lowered(x),
@@ -66,8 +73,9 @@ def run(name: str, rounds: int) -> None:
     print(f"{name:20} {' | '.join(parts)} | {change:+.0f} %")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(run: Callable[[str, int], None] = run, description: str = __doc__) -> None:
+    """``--models``, ``--rounds`` and ``--threads``, then ``run(model, rounds)`` per model."""
+    parser = argparse.ArgumentParser(description=description.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=real_models.MODELS)
     parser.add_argument("--rounds", type=int, default=40)
     parser.add_argument("--threads", type=int, default=1)

@@ -18,8 +18,6 @@ It checks that both give the same output bit for bit and prints the best ms of e
 
 from __future__ import annotations
 
-import argparse
-import copy
 import sys
 import time
 from collections.abc import Callable
@@ -28,15 +26,11 @@ from typing import Any
 
 import torch
 
-from quantbridge.fx_quant import calibrate, prepare_fx
-from quantbridge.lowering import get_backend
 from quantbridge.lowering._lowered_ops import conv_arrays
 from quantbridge.lowering._modules import QuantizedConv
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "tests"))
-import real_models
-
-MODELS = ("mobilenet_v3_small", "efficientnet_b0", "mobilenet_v2", "resnet18")
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # its sibling, however it is run
+from bench_array_forward import lowered_cnn, main
 
 
 def _through_conv2d(module: QuantizedConv) -> Callable[..., Any]:
@@ -50,16 +44,7 @@ def _through_conv2d(module: QuantizedConv) -> Callable[..., Any]:
 
 
 def run(name: str, rounds: int) -> None:
-    model = real_models.build(name, full_size=True).eval()
-    g = torch.Generator().manual_seed(1)
-    calib = [torch.randn(1, 3, 224, 224, generator=g) for _ in range(4)]
-    x = torch.randn(1, 3, 224, 224, generator=g)
-    backend = get_backend("numba")
-    prepared = prepare_fx(
-        copy.deepcopy(model), backend.qconfig_mapping(), (x,), backend_config=backend.backend_config
-    )
-    calibrate(prepared, [(c,) for c in calib], progress=False)
-    lowered = backend.convert(prepared)
+    lowered, x = lowered_cnn(name)
     convs = [m for m in lowered.modules() if type(m) is QuantizedConv]
     full = [_through_conv2d(m) for m in convs]
 
@@ -92,16 +77,5 @@ def run(name: str, rounds: int) -> None:
     )
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=real_models.MODELS)
-    parser.add_argument("--rounds", type=int, default=40)
-    parser.add_argument("--threads", type=int, default=1)
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    for name in args.models:
-        run(name, args.rounds)
-
-
 if __name__ == "__main__":
-    main()
+    main(run, __doc__)

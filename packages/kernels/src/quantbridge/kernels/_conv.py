@@ -334,7 +334,7 @@ class PreparedConv:
     does not change the results.
     """
 
-    __slots__ = ("_args", "_fast", "_threads", "packed", "relu")
+    __slots__ = ("_fast", "_lut", "_qparams", "_threads", "channels_last", "packed", "relu")
 
     def __init__(
         self,
@@ -356,7 +356,9 @@ class PreparedConv:
             apply_num_threads(num_threads, "PreparedConv")  # refused here, not at the call
         self.packed = packed
         self.relu = relu
-        self._args = (x_scale, x_zero_point, out_scale, out_zero_point, relu, channels_last, table)
+        self._qparams = (x_scale, x_zero_point, out_scale, out_zero_point)
+        self.channels_last = channels_last
+        self._lut = table
         self._threads = num_threads
         # (shape, strides, thread count, plan.run) of the input the last plan was made for
         self._fast: tuple[tuple[int, ...], tuple[int, ...], int, Any] | None = None
@@ -379,8 +381,8 @@ class PreparedConv:
         dims = self.packed.dims
         name = "conv2d" if dims == 2 else "conv1d"
         threads = apply_num_threads(self._threads, name)
-        xa, plan, kept = _find_plan(x, self.packed, *self._args[:6], dims, name, None,
-                                    self._args[6], threads)  # fmt: skip
+        xa, plan, kept = _find_plan(x, self.packed, *self._qparams, self.relu, self.channels_last,
+                                    dims, name, None, self._lut, threads)  # fmt: skip
         self._fast = (xa.shape, xa.strides, threads, plan.run) if kept else None
         out: npt.NDArray[np.uint8] = plan.run(xa, None)
         return out

@@ -68,6 +68,8 @@ def _make_row(kw: int, sw: int) -> Any:
             rem = 0
         else:
             nalt = 0
+        # the three loops stay written out: one compiled helper per block size, called three
+        # times, measured 3 % slower over the 13 shapes above
         for t in range(nbig):
             ox = min(lo + t * big, hi - big)
             xb, ob = xrow + (ox * sw - pw) * c, obase + ox * c

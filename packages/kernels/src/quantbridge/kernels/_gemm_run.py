@@ -37,7 +37,7 @@ from quantbridge.kernels._pair_guard import (
     any_high_code,
     gather_rows,
     split_steps,
-    unsafe_rows,
+    unsafe_rows_of_high,
 )
 from quantbridge.kernels._threads import with_threads
 
@@ -203,7 +203,7 @@ def _guarded_runner(
         # the usual call has no code of 128 or more: one scan, then the byte kernels
         if not any_high_code(a, nbytes):
             return run_byte(a, rowsum, residual, add_params)  # type: ignore[no-any-return]
-        rows = unsafe_rows(a, guard, m)
+        rows = unsafe_rows_of_high(a, guard, m)
         if rows is None:
             return run_byte(a, rowsum, residual, add_params)  # type: ignore[no-any-return]
         if 4 * rows.shape[0] > m:  # mostly unsafe (e.g. full-range activations): int16 only

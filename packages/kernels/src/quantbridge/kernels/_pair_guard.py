@@ -26,7 +26,6 @@ import numpy.typing as npt
 from numba import njit
 
 _HIGH = np.uint64(0x8080808080808080)  # bit 7 of each byte: a code of 128 or more
-_NO_HOT = np.empty(0, np.int64)  # records nothing: ``_hot_blocks`` then answers "any?"
 
 
 class PairGuard(NamedTuple):
@@ -105,16 +104,23 @@ def _flag_pixels(buf, nbytes, hot, nhot, pixel_bytes, aligned, limit, flags):  #
 def any_high_code(a, nbytes):  # type: ignore[no-untyped-def]  # numba types the arguments
     # whether a[:nbytes] holds a code of 128 or more: one compiled call that stops at the
     # first such block and allocates nothing (the common clean call is only this)
-    return _hot_blocks(a, nbytes, np.empty(0, np.int64)) > 0
+    return _hot_blocks(a, nbytes, np.empty(0, np.int64)) > 0  # records nothing: "any?"
 
 
 def unsafe_rows(a: npt.NDArray[Any], guard: PairGuard, m: int) -> npt.NDArray[np.int64] | None:
     """Indices of the ``m`` GEMM rows whose activations hold a pair past the limit (None:
     none). All rows (``arange(m)``) when codes of 128 or more fill over a quarter of the
     buffer's 64-byte blocks: then the int16 kernels run alone."""
-    nbytes = guard.npix * guard.pixel_bytes
-    if not any_high_code(a, nbytes):  # the common clean call
+    if not any_high_code(a, guard.npix * guard.pixel_bytes):  # the common clean call
         return None
+    return unsafe_rows_of_high(a, guard, m)
+
+
+def unsafe_rows_of_high(
+    a: npt.NDArray[Any], guard: PairGuard, m: int
+) -> npt.NDArray[np.int64] | None:
+    """``unsafe_rows`` for a buffer already known to hold a code of 128 or more."""
+    nbytes = guard.npix * guard.pixel_bytes
     hot = np.empty(nbytes // 256 + 1, np.int64)
     nhot = _hot_blocks(a, nbytes, hot)
     if nhot > hot.shape[0]:  # codes of 128 and more everywhere (full-range activations)
