@@ -38,6 +38,7 @@ from quantbridge.kernels._quantize import (
     requantize,
 )
 from quantbridge.kernels._recurrent import gru_cell, lstm_cell
+from quantbridge.kernels._sequence import gru_sequence, lstm_sequence
 from quantbridge.kernels._targets import (
     ENV_VAR,
     TARGETS,
@@ -75,6 +76,7 @@ __all__ = [
     "linear",
     "linear_dynamic",
     "lstm_cell",
+    "lstm_sequence",
     "matmul",
     "set_num_threads",
     "set_num_threads_source",
@@ -96,6 +98,7 @@ __all__ = [
     "dequantize_per_tensor",
     "embedding_bag",
     "gru_cell",
+    "gru_sequence",
     "from_fused_rows",
     "hardtanh",
     "max_pool2d",

@@ -46,6 +46,23 @@ def tensor_range(x, bits):  # type: ignore[no-untyped-def]
     return lo, hi, bad != 0
 
 
+@njit(cache=True, nogil=True, error_model="numpy")
+def dynamic_qparams(lo, hi):  # type: ignore[no-untyped-def]
+    """torch's dynamic activation qparams ``(scale, zero point)`` for the float64 range
+    ``[lo, hi]``: uint8 [0, 255], the range widened to include 0, the scale rounded to
+    float32 (0.1 when that gives 0), the zero point from whichever end loses less."""
+    lo = min(lo, 0.0)
+    hi = max(hi, 0.0)
+    scale = np.float64(np.float32((hi - lo) / 255.0))
+    if scale == 0.0 or np.isinf(1.0 / scale):
+        scale = np.float64(np.float32(0.1))
+    from_min = -lo / scale
+    from_max = 255.0 - hi / scale
+    initial = from_min if -abs(lo / scale) < 255.0 - abs(hi / scale) else from_max
+    zp = np.int64(min(max(np.rint(initial), 0.0), 255.0))
+    return scale, zp
+
+
 @njit(cache=True, nogil=True)
 def quantize_rows_fixed(x, inv, zp, out, rowsum, sums):  # type: ignore[no-untyped-def]
     """``out[i, :k] = clamp(rint(fma(x[i], inv, zp)))``, ``out[i, k:] = 0``; row sums if asked."""

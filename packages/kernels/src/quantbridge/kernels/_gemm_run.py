@@ -87,6 +87,11 @@ def serial_driver(target: str, mode: str) -> Any:
     return _SERIAL.get((target, mode))
 
 
+def parallel_driver(target: str, mode: str) -> Any:
+    """The parallel IR driver for ``target`` (None for generic); run it under ``with_threads``."""
+    return _DRIVERS.get((target, mode))
+
+
 def row_chunk(m: int, npanels: int, threads: int) -> int:
     """Rows per tile: whole M when panels alone keep every thread busy, else split M."""
     if threads == 1 or npanels >= 4 * threads:

@@ -11,7 +11,6 @@ accumulator becomes ``fma(float(acc), float32(act_scale * w_scale[j]), bias[j])`
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import numba
@@ -28,7 +27,12 @@ from quantbridge.kernels._checks import (
     check_zero_point,
     f32_problem,
 )
-from quantbridge.kernels._dynamic_act import quantize_rows, quantize_rows_fixed, tensor_range
+from quantbridge.kernels._dynamic_act import (
+    dynamic_qparams,
+    quantize_rows,
+    quantize_rows_fixed,
+    tensor_range,
+)
 from quantbridge.kernels._epilogue_lut import epilogue_lut
 from quantbridge.kernels._errors import KernelError
 from quantbridge.kernels._float_math import ACTIVATIONS
@@ -479,27 +483,8 @@ def linear(
 
 def qparams_from_range(lo: float, hi: float) -> tuple[float, int]:
     """torch's dynamic activation qparams for the range [lo, hi] (uint8, widened to 0)."""
-    lo = min(lo, 0.0)
-    hi = max(hi, 0.0)
-    qmin, qmax = 0, 255
-    scale = float(np.float32((hi - lo) / (qmax - qmin)))
-    if scale == 0.0 or math.isinf(1.0 / scale):
-        scale = _F32_TENTH
-    zp_from_min = qmin - lo / scale
-    zp_from_max = qmax - hi / scale
-    err_min = abs(qmin) - abs(lo / scale)
-    err_max = abs(qmax) - abs(hi / scale)
-    initial = zp_from_min if err_min < err_max else zp_from_max
-    if initial < qmin:
-        zp = qmin
-    elif initial > qmax:
-        zp = qmax
-    else:
-        zp = round(initial)  # half to even, as np.rint
-    return scale, zp
-
-
-_F32_TENTH = float(np.float32(0.1))
+    scale, zp = dynamic_qparams(float(lo), float(hi))
+    return float(scale), int(zp)
 
 
 def choose_dynamic_qparams(x: npt.NDArray[np.float32]) -> tuple[float, int]:

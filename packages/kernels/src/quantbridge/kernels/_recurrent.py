@@ -85,27 +85,52 @@ def _tanh_flat(x, out):  # type: ignore[no-untyped-def]
         out[i] = _tanh(x[i])
 
 
+# Flat rows: gate row ``b`` starts at ``gi[go + b * gld]`` / ``gh[b * hld]``, state row ``b`` at
+# ``b * hidden``. Each gate is read through its own 1-d slice (indexing the flat arrays at
+# ``x + j`` instead kept the loop scalar, 2x slower), and outputs never alias an input (an
+# in-place update kept it scalar too).
 @numba.njit(cache=True, error_model="numpy")
-def _lstm_rows(gi, gh, c, h_out, c_out, hidden):  # type: ignore[no-untyped-def]
-    for b in range(gi.shape[0]):
+def _lstm_rows(gi, go, gld, gh, hld, c, h_out, c_out, batch, hidden):  # type: ignore[no-untyped-def]
+    for b in range(batch):
+        x = go + b * gld
+        y = b * hld
+        s = b * hidden
+        xi, xf, xg, xo = _gate_slices(gi, x, hidden, 4)
+        yi, yf, yg, yo = _gate_slices(gh, y, hidden, 4)
+        cs, cd, hd = c[s : s + hidden], c_out[s : s + hidden], h_out[s : s + hidden]
         for j in range(hidden):
-            i = _sigmoid(gi[b, j] + gh[b, j])
-            f = _sigmoid(gi[b, hidden + j] + gh[b, hidden + j])
-            g = _tanh(gi[b, 2 * hidden + j] + gh[b, 2 * hidden + j])
-            o = _sigmoid(gi[b, 3 * hidden + j] + gh[b, 3 * hidden + j])
-            cn = f * c[b, j] + i * g
-            c_out[b, j] = cn
-            h_out[b, j] = o * _tanh(cn)
+            i = _sigmoid(xi[j] + yi[j])
+            f = _sigmoid(xf[j] + yf[j])
+            g = _tanh(xg[j] + yg[j])
+            o = _sigmoid(xo[j] + yo[j])
+            cn = f * cs[j] + i * g
+            cd[j] = cn
+            hd[j] = o * _tanh(cn)
 
 
 @numba.njit(cache=True, error_model="numpy")
-def _gru_rows(gi, gh, h, h_out, hidden):  # type: ignore[no-untyped-def]
-    for b in range(gi.shape[0]):
+def _gru_rows(gi, go, gld, gh, hld, h, h_out, batch, hidden):  # type: ignore[no-untyped-def]
+    for b in range(batch):
+        x = go + b * gld
+        y = b * hld
+        s = b * hidden
+        xr, xz, xn, _ = _gate_slices(gi, x, hidden, 3)
+        yr, yz, yn, _ = _gate_slices(gh, y, hidden, 3)
+        hs, hd = h[s : s + hidden], h_out[s : s + hidden]
         for j in range(hidden):
-            r = _sigmoid(gi[b, j] + gh[b, j])
-            z = _sigmoid(gi[b, hidden + j] + gh[b, hidden + j])
-            n = _tanh(gi[b, 2 * hidden + j] + r * gh[b, 2 * hidden + j])
-            h_out[b, j] = n + z * (h[b, j] - n)
+            r = _sigmoid(xr[j] + yr[j])
+            z = _sigmoid(xz[j] + yz[j])
+            n = _tanh(xn[j] + r * yn[j])
+            hd[j] = n + z * (hs[j] - n)
+
+
+@numba.njit(cache=True, inline="always")
+def _gate_slices(v, start, hidden, gates):  # type: ignore[no-untyped-def]
+    # the fourth slice is empty for the three gates of a GRU
+    e = start + hidden
+    last = start + 3 * hidden
+    return (v[start:e], v[e : e + hidden], v[e + hidden : last],
+            v[last : last + hidden * (gates - 3)])  # fmt: skip
 
 
 def _gates(name: str, value: object, gates: int) -> tuple[F32, int]:
@@ -135,13 +160,19 @@ def _check_pair(gi: object, gh: object, gates: int) -> tuple[F32, F32, int]:
     return a, b, hidden
 
 
+def _flat(arr: F32) -> F32:
+    return np.ascontiguousarray(arr).reshape(-1)
+
+
 def lstm_cell(gi: F32, gh: F32, c: F32) -> tuple[F32, F32]:
     """``(h', c')`` [B, H] from gate pre-activations ``gi``, ``gh`` [B, 4H] and cell ``c``."""
     a, b, hidden = _check_pair(gi, gh, 4)
     cell = _state("c", c, a.shape[0], hidden)
-    h_out = np.empty((a.shape[0], hidden), np.float32)
-    c_out = np.empty((a.shape[0], hidden), np.float32)
-    _lstm_rows(a, b, cell, h_out, c_out, hidden)
+    batch = a.shape[0]
+    h_out = np.empty((batch, hidden), np.float32)
+    c_out = np.empty((batch, hidden), np.float32)
+    _lstm_rows(_flat(a), 0, 4 * hidden, _flat(b), 4 * hidden, _flat(cell),
+               h_out.reshape(-1), c_out.reshape(-1), batch, hidden)  # fmt: skip
     return h_out, c_out
 
 
@@ -149,6 +180,8 @@ def gru_cell(gi: F32, gh: F32, h: F32) -> F32:
     """``h'`` [B, H] from gate pre-activations ``gi``, ``gh`` [B, 3H] and hidden state ``h``."""
     a, b, hidden = _check_pair(gi, gh, 3)
     state = _state("h", h, a.shape[0], hidden)
-    h_out = np.empty((a.shape[0], hidden), np.float32)
-    _gru_rows(a, b, state, h_out, hidden)
+    batch = a.shape[0]
+    h_out = np.empty((batch, hidden), np.float32)
+    _gru_rows(_flat(a), 0, 3 * hidden, _flat(b), 3 * hidden, _flat(state),
+              h_out.reshape(-1), batch, hidden)  # fmt: skip
     return h_out

@@ -3,7 +3,8 @@
 Per layer, the input projection of every time step and both directions is one GEMM (one
 dynamic activation scale for the layer's whole input sequence); the hidden projection runs
 once per step and direction (its own dynamic scale, as torch's dynamic LSTM quantizes each
-step's hidden state). Gate nonlinearities and the cell update are ``kernels.lstm_cell`` /
+step's hidden state). Each direction's time loop is one ``kernels.lstm_sequence`` /
+``gru_sequence`` call; its gate nonlinearities and cell update are ``kernels.lstm_cell`` /
 ``gru_cell`` (float32, torch's gate order: LSTM i, f, g, o; GRU r, z, n). Weights are the
 reference module's int8 values and qparams; biases stay float and are added in the GEMM epilogue.
 """
@@ -165,20 +166,21 @@ class _DynamicRNN(LoweredModule):
                 cell: QuantizedDynamicLinear = getattr(
                     self, f"hh_l{layer}{'_reverse' if d else ''}"
                 )
-                packed = cell._packed
                 gi = gi_all[..., d * gates : (d + 1) * gates]
                 index = layer * self.num_directions + d
-                state = [s[index].numpy() for s in states]
-                steps = range(seq - 1, -1, -1) if d else range(seq)
-                for t in steps:
-                    state = self._step(gi[t], K.linear_dynamic(state[0], packed), state)
-                    out[t, :, d * hidden : (d + 1) * hidden] = state[0]
+                seq_out, *state = self._sequence(
+                    gi, cell._packed, [s[index].numpy() for s in states], bool(d)
+                )
+                out[:, :, d * hidden : (d + 1) * hidden] = seq_out
                 for kind, value in enumerate(state):
                     finals[kind].append(value)
             layer_in = out
         return torch.from_numpy(layer_in), [torch.from_numpy(np.stack(f)) for f in finals]
 
-    def _step(self, gi: np.ndarray, gh: np.ndarray, state: list[np.ndarray]) -> list[np.ndarray]:
+    def _sequence(
+        self, gi: np.ndarray, packed: K.PackedLinearWeight, state: list[np.ndarray], reverse: bool
+    ) -> tuple[np.ndarray, ...]:
+        """(outputs [T, B, H], *final states) of one direction of one layer."""
         raise NotImplementedError
 
     def _output(self, out: torch.Tensor, batched: bool) -> torch.Tensor:
@@ -193,9 +195,10 @@ class QuantizedDynamicLSTM(_DynamicRNN):
     _MODE = "LSTM"
     _GATES = 4
 
-    def _step(self, gi: np.ndarray, gh: np.ndarray, state: list[np.ndarray]) -> list[np.ndarray]:
-        h, c = K.lstm_cell(gi, gh, state[1])
-        return [h, c]
+    def _sequence(
+        self, gi: np.ndarray, packed: K.PackedLinearWeight, state: list[np.ndarray], reverse: bool
+    ) -> tuple[np.ndarray, ...]:
+        return K.lstm_sequence(gi, packed, state[0], state[1], reverse=reverse)
 
     def forward(
         self, x: Any, hx: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -225,8 +228,10 @@ class QuantizedDynamicGRU(_DynamicRNN):
     _MODE = "GRU"
     _GATES = 3
 
-    def _step(self, gi: np.ndarray, gh: np.ndarray, state: list[np.ndarray]) -> list[np.ndarray]:
-        return [K.gru_cell(gi, gh, state[0])]
+    def _sequence(
+        self, gi: np.ndarray, packed: K.PackedLinearWeight, state: list[np.ndarray], reverse: bool
+    ) -> tuple[np.ndarray, ...]:
+        return K.gru_sequence(gi, packed, state[0], reverse=reverse)
 
     def forward(self, x: Any, hx: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         seq, batched = self._check_input(x)
