@@ -91,6 +91,10 @@ def test_every_cached_kernel_uses_the_package_stamp() -> None:
     # one whole-package hash for all (taken at import; the sources may change after that)
     assert len(stamps) == 1
     assert len(stamps.pop()) == 64
+    # kernels a factory made and a module keeps in a dict are found too
+    from quantbridge.kernels import _sequence
+
+    assert all(any(loop is d for d in cached) for loop in _sequence._LOOPS.values())
 
 
 def test_concurrent_writers_of_different_keys_keep_both(tmp_path: Path) -> None:

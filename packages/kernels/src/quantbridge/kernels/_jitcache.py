@@ -257,14 +257,24 @@ def package_modules() -> list[Any]:
 
 
 def package_dispatchers(modules: list[Any]) -> list[Any]:
-    """Every numba dispatcher defined at module level in ``modules``."""
+    """Every numba dispatcher defined in ``modules``, at module level or one level down in a
+    module-level dict, list or tuple (kernels made by a factory, keyed by their variant)."""
     from numba.core.dispatcher import Dispatcher
 
-    found = []
+    found: list[Any] = []
     for mod in modules:
         for value in vars(mod).values():
-            if isinstance(value, Dispatcher) and value.py_func.__module__ == mod.__name__:
-                found.append(value)
+            if isinstance(value, dict):
+                items = list(value.values())
+            else:
+                items = list(value) if isinstance(value, (list, tuple)) else [value]
+            for item in items:
+                if (
+                    isinstance(item, Dispatcher)
+                    and item.py_func.__module__ == mod.__name__
+                    and all(item is not f for f in found)
+                ):
+                    found.append(item)
     return found
 
 
