@@ -154,14 +154,13 @@ class _DynamicRNN(LoweredModule):
                 f"lowered dynamic {self._MODE}: torch.export / torch.compile cannot trace it "
                 "(its time loop calls the kernels directly); export the model without it"
             )
-        seq, batch, hidden = x.shape[0], x.shape[1], self.hidden_size
-        gates = self._GATES * hidden
+        gates = self._GATES * self.hidden_size
         finals: list[list[np.ndarray]] = [[] for _ in states]
         layer_in = x.numpy()
         for layer in range(self.num_layers):
             proj: QuantizedDynamicLinear = getattr(self, f"ih_l{layer}")
             gi_all = K.linear_dynamic(layer_in, proj._packed)  # [T, B, D * gates]
-            out = np.empty((seq, batch, self.num_directions * hidden), np.float32)
+            outs: list[np.ndarray] = []
             for d in range(self.num_directions):
                 cell: QuantizedDynamicLinear = getattr(
                     self, f"hh_l{layer}{'_reverse' if d else ''}"
@@ -171,10 +170,11 @@ class _DynamicRNN(LoweredModule):
                 seq_out, *state = self._sequence(
                     gi, cell._packed, [s[index].numpy() for s in states], bool(d)
                 )
-                out[:, :, d * hidden : (d + 1) * hidden] = seq_out
+                outs.append(seq_out)
                 for kind, value in enumerate(state):
                     finals[kind].append(value)
-            layer_in = out
+            # one direction's outputs are the layer's as they are (no copy)
+            layer_in = outs[0] if len(outs) == 1 else np.concatenate(outs, axis=2)
         return torch.from_numpy(layer_in), [torch.from_numpy(np.stack(f)) for f in finals]
 
     def _sequence(
