@@ -261,7 +261,7 @@ def package_dispatchers(modules: list[Any]) -> list[Any]:
     module-level dict, list or tuple (kernels made by a factory, keyed by their variant)."""
     from numba.core.dispatcher import Dispatcher
 
-    found: list[Any] = []
+    found: dict[int, Any] = {}  # by id: one entry per dispatcher, in the order first seen
     for mod in modules:
         for value in vars(mod).values():
             if isinstance(value, dict):
@@ -269,13 +269,9 @@ def package_dispatchers(modules: list[Any]) -> list[Any]:
             else:
                 items = list(value) if isinstance(value, (list, tuple)) else [value]
             for item in items:
-                if (
-                    isinstance(item, Dispatcher)
-                    and item.py_func.__module__ == mod.__name__
-                    and all(item is not f for f in found)
-                ):
-                    found.append(item)
-    return found
+                if isinstance(item, Dispatcher) and item.py_func.__module__ == mod.__name__:
+                    found.setdefault(id(item), item)
+    return list(found.values())
 
 
 def locator_of(dispatcher: Any) -> Any:

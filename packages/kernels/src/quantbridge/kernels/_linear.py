@@ -55,6 +55,18 @@ from quantbridge.kernels._targets import resolve_target
 from quantbridge.kernels._threads import apply_num_threads, max_threads
 
 _CACHE_LIMIT = 64
+# dynamic scale products (activation scale x each weight scale) inside these bounds are
+# normal float32 numbers with room to spare: no element-wise check (``dynamic_epilogue``)
+PRODUCT_FLOOR = 2.0 * F32_TINY
+PRODUCT_CEILING = 0.5 * F32_MAX
+
+
+@numba.njit(cache=True, nogil=True)
+def column_corrections(zp, colsum, wzp, k_true, out):  # type: ignore[no-untyped-def]
+    """``out[j] = -zp * colsum[j] + k_true * zp * wzp[j]``, wrapped to int32: the activation
+    zero point's share of each output column (``PackedLinearWeight.colcorr``)."""
+    for j in range(out.shape[0]):
+        out[j] = np.int32(-zp * colsum[j] + k_true * zp * np.int64(wzp[j]))
 
 
 class PackedLinearWeight:
@@ -207,11 +219,8 @@ class PackedLinearWeight:
         """``-a_zp * colsum[j] + K * a_zp * w_zp[j]`` as wrapped int32, cached per a_zp."""
         got = self._colcorr.get(act_zero_point)
         if got is None:
-            k_true = self.k_true
-            v = -act_zero_point * self.colsum + k_true * act_zero_point * self.zero_points.astype(
-                np.int64
-            )
-            got = v.astype(np.int32)
+            got = np.empty(self.n_padded, np.int32)
+            column_corrections(act_zero_point, self.colsum, self.zero_points, self.k_true, got)
             if len(self._colcorr) < _CACHE_LIMIT:
                 self._colcorr[act_zero_point] = got
         return got
@@ -253,7 +262,7 @@ class PackedLinearWeight:
         so the cache would only miss (the same float32 products, the same checks)."""
         scales = self.epilogue_unit()[1]  # the weight scales, zero-padded to n_padded
         low, high = self._scale_span
-        if act_scale * low > 2.0 * F32_TINY and act_scale * high < 0.5 * F32_MAX:
+        if act_scale * low > PRODUCT_FLOOR and act_scale * high < PRODUCT_CEILING:
             # every product is comfortably normal: no element-wise check, nothing to silence
             return self.bias_padded, scales * np.float32(act_scale)
         with np.errstate(over="ignore", under="ignore"):  # refused just below

@@ -20,7 +20,7 @@ import numpy.typing as npt
 from numba import njit, types
 from numba.extending import overload
 
-from quantbridge.kernels._checks import F32_MAX, F32_TINY, check_array
+from quantbridge.kernels._checks import F32_TINY, check_array
 from quantbridge.kernels._dynamic_act import dynamic_qparams, quantize_rows_fixed, tensor_range
 from quantbridge.kernels._epilogue_lut import NO_LUT
 from quantbridge.kernels._errors import KernelError
@@ -32,7 +32,13 @@ from quantbridge.kernels._gemm_run import (
     row_chunk,
     serial_driver,
 )
-from quantbridge.kernels._linear import PackedLinearWeight, linear_dynamic
+from quantbridge.kernels._linear import (
+    PRODUCT_CEILING,
+    PRODUCT_FLOOR,
+    PackedLinearWeight,
+    column_corrections,
+    linear_dynamic,
+)
 from quantbridge.kernels._recurrent import _gru_rows, _lstm_rows, gru_cell, lstm_cell
 from quantbridge.kernels._threads import apply_num_threads, with_threads
 
@@ -44,7 +50,6 @@ _DRIVERS = [serial_driver(f, "f32") for f in _FAMILIES] + [
     parallel_driver(f, "f32") for f in _FAMILIES
 ]
 _TINY = np.float64(F32_TINY)
-_HUGE = np.float64(F32_MAX)
 
 
 def _gemm_f32(which: int, *args: Any) -> None:
@@ -93,14 +98,14 @@ def _make_loop(which: int, lstm: bool) -> Any:
                 return s
             scale, zp = dynamic_qparams(np.float64(lo), np.float64(hi))
             # the cases ``linear_dynamic`` refuses or checks element by element
-            if not (scale >= _TINY and scale * span_lo > 2.0 * _TINY and
-                    scale * span_hi < 0.5 * _HUGE):  # fmt: skip
+            if not (scale >= _TINY and scale * span_lo > PRODUCT_FLOOR and
+                    scale * span_hi < PRODUCT_CEILING):  # fmt: skip
                 return s
             inv = np.float32(np.float32(1.0) / np.float32(scale))
             quantize_rows_fixed(h, inv, zp, a, rowsum, has_wzp)
+            column_corrections(zp, colsum, wzp, k_true, colcorr)
             fs = np.float32(scale)
-            for j in range(colcorr.shape[0]):
-                colcorr[j] = np.int32(-zp * colsum[j] + k_true * zp * np.int64(wzp[j]))
+            for j in range(mult.shape[0]):
                 mult[j] = scales[j] * fs
             _gemm_f32(which, flat_a, rowoffs, batch, koffs, nk, bp, npanels, flat_gh, ldc,
                       colcorr, wzp, rowsum, bias, mult, mchunk)  # fmt: skip
