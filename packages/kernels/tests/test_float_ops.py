@@ -133,7 +133,9 @@ def test_gelu_against_float64_and_torch(approximate):
     assert np.all(np.abs(got - want) <= GELU_TOL * np.maximum(1, np.abs(x64)))
     torch = pytest.importorskip("torch")
     ref = torch.nn.functional.gelu(torch.from_numpy(x), approximate=approximate).numpy()
-    assert np.all(np.abs(got - ref) <= GELU_TOL * np.maximum(1, np.abs(x64)))
+    # torch's own erf differs by CPU (its AVX-512 build is off by 3.1e-7 |x| at x = 2.93),
+    # so ours and torch's may each sit within GELU_TOL of the exact value on opposite sides
+    assert np.all(np.abs(got - ref) <= 2 * GELU_TOL * np.maximum(1, np.abs(x64)))
 
 
 def test_bad_input():
