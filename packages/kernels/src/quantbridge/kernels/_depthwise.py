@@ -2,7 +2,8 @@
 
 Through the GEMM every channel is its own group, padded to a 32-wide panel and 4 input
 channels: ~128x the useful work. Here the drivers walk output rows of unpadded NHWC input and
-call the IR micro-kernels of ``_dw_simd.py`` (8 channels per vector):
+call the IR micro-kernels of ``_dw_simd.py`` (8 channels per vector, or 16 for the block
+kernels when the caller says the CPU has AVX-512: ``wide``):
 
 - interior pixels (every tap inside the input) of 3x3 / 5x5 kernels with stride 1 or 2 along W
   and no W dilation: ``dw_block``, several pixels per call, register-blocked along W;
@@ -29,7 +30,14 @@ from typing import Any
 import numpy as np
 from numba import njit, prange
 
-from quantbridge.kernels._dw_simd import BLOCK_PIXELS, KIND_IDS, LANES, dw_block, dw_taps
+from quantbridge.kernels._dw_simd import (
+    BLOCK_PIXELS,
+    KIND_IDS,
+    LANES,
+    WIDE_LANES,
+    dw_block,
+    dw_taps,
+)
 
 # taps per output for which float32 sums stay exact (255 * 255 * 256 < 2**24)
 MAX_TAPS = 256
@@ -47,14 +55,16 @@ def _make_row(kw: int, sw: int) -> Any:
     counting a block pixel as 1 and a one-pixel call as 2 (it reloads every input vector for
     each pixel): one more ``P`` block moved back to end at ``hi``, or blocks of the second size
     ``Q`` (the last one moved back), or one-pixel calls. A moved-back block recomputes pixels
-    already written, with the same bytes.
+    already written, with the same bytes. Channels ``0..c16-1`` run the 16-lane kinds, then
+    ``c16..c8-1`` the 8-lane ones.
     """
     big, alt = BLOCK_PIXELS[(kw, sw)]
-    kbig, kalt, kone = (KIND_IDS[(kw, sw, p)] for p in (big, alt, 1))
-    lanes = LANES
+    kbig, kalt, kone = (KIND_IDS[(LANES, kw, sw, p)] for p in (big, alt, 1))
+    wbig, walt, wone = (KIND_IDS[(WIDE_LANES, kw, sw, p)] for p in (big, alt, 1))
+    lanes, wide = LANES, WIDE_LANES
 
     def row(  # type: ignore[no-untyped-def]  # numba types the arguments
-        x, xrow, pw, c, c8, rowstep, kh, wf, cp, corr, biasq, mult, ozp, qmin, qmax, out,
+        x, xrow, pw, c, c16, c8, rowstep, kh, wf, cp, corr, biasq, mult, ozp, qmin, qmax, out,
         obase, lo, hi,
     ):  # fmt: skip
         n = hi - lo
@@ -73,19 +83,28 @@ def _make_row(kw: int, sw: int) -> Any:
         for t in range(nbig):
             ox = min(lo + t * big, hi - big)
             xb, ob = xrow + (ox * sw - pw) * c, obase + ox * c
-            for c0 in range(0, c8, lanes):
+            for c0 in range(0, c16, wide):
+                dw_block(wbig, x, xb + c0, rowstep, c, kh, wf, cp, c0, corr, biasq, mult,
+                         ozp, qmin, qmax, out, ob + c0)  # fmt: skip
+            for c0 in range(c16, c8, lanes):
                 dw_block(kbig, x, xb + c0, rowstep, c, kh, wf, cp, c0, corr, biasq, mult,
                          ozp, qmin, qmax, out, ob + c0)  # fmt: skip
         start = lo + nbig * big
         for t in range(nalt):
             ox = min(start + t * alt, hi - alt)
             xb, ob = xrow + (ox * sw - pw) * c, obase + ox * c
-            for c0 in range(0, c8, lanes):
+            for c0 in range(0, c16, wide):
+                dw_block(walt, x, xb + c0, rowstep, c, kh, wf, cp, c0, corr, biasq, mult,
+                         ozp, qmin, qmax, out, ob + c0)  # fmt: skip
+            for c0 in range(c16, c8, lanes):
                 dw_block(kalt, x, xb + c0, rowstep, c, kh, wf, cp, c0, corr, biasq, mult,
                          ozp, qmin, qmax, out, ob + c0)  # fmt: skip
         for ox in range(hi - rem, hi):
             xb, ob = xrow + (ox * sw - pw) * c, obase + ox * c
-            for c0 in range(0, c8, lanes):
+            for c0 in range(0, c16, wide):
+                dw_block(wone, x, xb + c0, rowstep, c, kh, wf, cp, c0, corr, biasq, mult,
+                         ozp, qmin, qmax, out, ob + c0)  # fmt: skip
+            for c0 in range(c16, c8, lanes):
                 dw_block(kone, x, xb + c0, rowstep, c, kh, wf, cp, c0, corr, biasq, mult,
                          ozp, qmin, qmax, out, ob + c0)  # fmt: skip
 
@@ -101,12 +120,13 @@ def _make_driver(parallel: bool) -> Any:
 
     def driver(  # type: ignore[no-untyped-def]  # numba types the arguments
         x, n, h, w, c, oh, ow, kh, kw, sh, sw, dh, dw, ph, pw,
-        wf, cp, corr, biasq, mult, zpf, ozp, qmin, qmax, lut, out, rows_per_task,
+        wf, cp, corr, biasq, mult, zpf, ozp, qmin, qmax, lut, out, rows_per_task, wide,
     ):  # fmt: skip
         """``out`` [N*OH*OW*C] from ``x`` [N*H*W*C] (both flat NHWC uint8).
 
         Codes are clamped to ``[qmin, qmax]``, then mapped through ``lut`` (uint8[256], a fused
-        activation, ``_epilogue_lut.py``) unless it is empty.
+        activation, ``_epilogue_lut.py``) unless it is empty. ``wide``: the interior blocks run
+        16 channels per vector (only on CPUs with AVX-512: elsewhere LLVM splits each vector).
         """
         mapped = lut.shape[0] > 0
         spec = 0  # which block kernel serves the interior: 0 none, 1 3x3/s1, 2 3x3/s2, ...
@@ -116,6 +136,7 @@ def _make_driver(parallel: bool) -> Any:
             elif kw == 5:
                 spec = 3 if sw == 1 else (4 if sw == 2 else 0)
         c8 = c - c % lanes
+        c16 = c - c % WIDE_LANES if wide else 0
         ntap = kh * kw
         rowstep = dh * w * c
         # tap offsets from the window origin, for interior pixels' channel tail
@@ -146,8 +167,8 @@ def _make_driver(parallel: bool) -> Any:
                     rlo, rhi = lo, hi
                 xrow = img + iy0 * w * c
                 if spec != 0 and rlo < rhi:
-                    args = (x, xrow, pw, c, c8, rowstep, kh, wf, cp, corr, biasq, mult, ozp,
-                            qmin, qmax, out, obase, rlo, rhi)  # fmt: skip
+                    args = (x, xrow, pw, c, c16, c8, rowstep, kh, wf, cp, corr, biasq, mult,
+                            ozp, qmin, qmax, out, obase, rlo, rhi)  # fmt: skip
                     if spec == 1:
                         _row_3s1(*args)
                     elif spec == 2:

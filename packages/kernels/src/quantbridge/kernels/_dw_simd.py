@@ -1,12 +1,13 @@
-"""Depthwise conv micro-kernels in LLVM IR: 8 channels per vector, float32 lanes, exact sums.
+"""Depthwise conv micro-kernels in LLVM IR: 8 or 16 channels per vector, float32 lanes, exact sums.
 
-Input and output are flat channels-last (NHWC) uint8; a vector holds one pixel's 8 consecutive
-channels. Two kernels, both ending in the one requantizing epilogue (``_emit_requant``):
+Input and output are flat channels-last (NHWC) uint8; a vector holds one pixel's 8 (a ymm
+register) or 16 (a zmm register, AVX-512 CPUs) consecutive channels. Two kernels, both ending
+in the one requantizing epilogue (``_emit_requant``):
 
-- ``dw_block(kind, ...)``: ``P`` output pixels of one output row x 8 channels, all taps in
+- ``dw_block(kind, ...)``: ``P`` output pixels of one output row x 8 or 16 channels, all taps in
   bounds (interior pixels). ``kind`` (a compile-time constant, ``BLOCK_KINDS``) fixes the
-  kernel width ``KW``, the stride along W ``SW`` and ``P``; kernel height and the H dilation are
-  runtime values. Register blocking along W: each input vector of a kernel row is loaded and
+  vector width, the kernel width ``KW``, the stride along W ``SW`` and ``P``; kernel height and
+  the H dilation are runtime values. Register blocking along W: each input vector of a kernel row is loaded and
   converted once and feeds every (pixel, tap) pair that reads it (for 3x3 stride 1, 8 input
   vectors feed 18 multiply-adds), with the row's ``KW`` weight vectors held in registers.
   Accumulates ``sum x * w``; the caller's ``corr = x_zp * sum(w)`` is subtracted once.
@@ -37,24 +38,46 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from quantbridge.kernels._ir import F32T, I8, I32, I64, declare, load_vec, stack_slot, store_vec
+from quantbridge.kernels._ir import (
+    F32T,
+    I8,
+    I32,
+    I64,
+    clamp_round_splats,
+    declare,
+    load_vec,
+    rint_clamp_codes,
+    stack_slot,
+    store_vec,
+)
 
 LANES = 8  # channels per vector: 8 float32 lanes fill a ymm register
+WIDE_LANES = 16  # the block kernels' zmm form (AVX-512: twice the multiply-adds per FMA)
 
 # (kernel width, stride along W) -> the two block sizes (output pixels per block) of its
 # interior kernels; a one-pixel kind of each finishes short runs. Accumulators + one kernel
 # row's weights + an input vector stay within 16 ymm registers. Measured on this Zen 3 against
 # the earlier (6 | 4)-pixel blocks with one-pixel row tails (kernels README, Depthwise):
 # 8 / 4 pixels for 3x3 stride 1, 7 / 3 for the rest (widths 7, 14, 28, 56 and 112 divide by 7).
+# The 16-lane kinds have the same block sizes (32 zmm registers leave room to spare).
 BLOCK_PIXELS = {(3, 1): (8, 4), (3, 2): (7, 3), (5, 1): (7, 3), (5, 2): (7, 3)}
-BLOCK_KINDS: list[tuple[int, int, int]] = [
-    (kw, sw, p) for (kw, sw), sizes in BLOCK_PIXELS.items() for p in (*sizes, 1)
+BLOCK_KINDS: list[tuple[int, int, int, int]] = [
+    (lanes, kw, sw, p)
+    for lanes in (LANES, WIDE_LANES)
+    for (kw, sw), sizes in BLOCK_PIXELS.items()
+    for p in (*sizes, 1)
 ]
 KIND_IDS = {kind: i for i, kind in enumerate(BLOCK_KINDS)}
 
-_VF = ir.VectorType(F32T, LANES)
-_VB = ir.VectorType(I8, LANES)
-_VI = ir.VectorType(I32, LANES)
+
+def _vf(lanes: int) -> ir.VectorType:
+    return ir.VectorType(F32T, lanes)
+
+
+def _vb(lanes: int) -> ir.VectorType:
+    return ir.VectorType(I8, lanes)
+
+
 _VMASK = ir.VectorType(ir.IntType(1), LANES)
 
 
@@ -64,48 +87,55 @@ def _data(context: Any, builder: ir.IRBuilder, ty: Any, value: ir.Value) -> ir.V
 
 def _splat(value: ir.Value, vt: ir.VectorType, builder: ir.IRBuilder) -> ir.Value:
     v = builder.insert_element(ir.Constant(vt, ir.Undefined), value, ir.Constant(I32, 0))
+    lanes = vt.count
     return builder.shuffle_vector(
-        v, ir.Constant(vt, ir.Undefined), ir.Constant(ir.VectorType(I32, LANES), [0] * LANES)
+        v, ir.Constant(vt, ir.Undefined), ir.Constant(ir.VectorType(I32, lanes), [0] * lanes)
     )
 
 
-def _fmuladd(builder: ir.IRBuilder) -> ir.Function:
-    fnty = ir.FunctionType(_VF, [_VF, _VF, _VF])
-    return declare(builder.module, fnty, f"llvm.fmuladd.v{LANES}f32")
+def _fmuladd(builder: ir.IRBuilder, lanes: int) -> ir.Function:
+    vf = _vf(lanes)
+    fnty = ir.FunctionType(vf, [vf, vf, vf])
+    return declare(builder.module, fnty, f"llvm.fmuladd.v{lanes}f32")
 
 
-def _load_u8(builder: ir.IRBuilder, ptr: ir.Value, mask: ir.Value | None) -> ir.Value:
-    """8 channels' codes as float32 lanes (masked lanes read as 0, never touch memory)."""
+def _load_u8(
+    builder: ir.IRBuilder, ptr: ir.Value, mask: ir.Value | None, lanes: int = LANES
+) -> ir.Value:
+    """``lanes`` channels' codes as float32 lanes (masked lanes read as 0, never touch memory;
+    masks are 8-lane only)."""
     if mask is None:
-        raw = load_vec(builder, ptr, _VB)
+        raw = load_vec(builder, ptr, _vb(lanes))
     else:
+        vb = _vb(LANES)
         fn = declare(
             builder.module,
-            ir.FunctionType(_VB, [_VB.as_pointer(), I32, _VMASK, _VB]),
+            ir.FunctionType(vb, [vb.as_pointer(), I32, _VMASK, vb]),
             f"llvm.masked.load.v{LANES}i8.p0v{LANES}i8",
         )
         raw = builder.call(
             fn,
             [
-                builder.bitcast(ptr, _VB.as_pointer()),
+                builder.bitcast(ptr, vb.as_pointer()),
                 ir.Constant(I32, 1),
                 mask,
-                ir.Constant(_VB, [0] * LANES),
+                ir.Constant(vb, [0] * LANES),
             ],
         )
-    return builder.uitofp(raw, _VF)
+    return builder.uitofp(raw, _vf(lanes))
 
 
 def _store_u8(builder: ir.IRBuilder, value: ir.Value, ptr: ir.Value, mask: ir.Value | None) -> None:
     if mask is None:
         store_vec(builder, value, ptr)
         return
+    vb = _vb(LANES)
     fn = declare(
         builder.module,
-        ir.FunctionType(ir.VoidType(), [_VB, _VB.as_pointer(), I32, _VMASK]),
+        ir.FunctionType(ir.VoidType(), [vb, vb.as_pointer(), I32, _VMASK]),
         f"llvm.masked.store.v{LANES}i8.p0v{LANES}i8",
     )
-    builder.call(fn, [value, builder.bitcast(ptr, _VB.as_pointer()), ir.Constant(I32, 1), mask])
+    builder.call(fn, [value, builder.bitcast(ptr, vb.as_pointer()), ir.Constant(I32, 1), mask])
 
 
 def _emit_requant(
@@ -114,18 +144,17 @@ def _emit_requant(
     corr: ir.Value | None,
     biasq: ir.Value,
     mult: ir.Value,
-    ozp: ir.Value,
-    qmin: ir.Value,
-    qmax: ir.Value,
+    lo: ir.Value,
+    hi: ir.Value,
+    zp_bits: ir.Value,
 ) -> ir.Value:
-    """THE depthwise epilogue: float32 sums of 8 channels -> 8 uint8 codes (``_requant.py``)."""
-    rint = declare(builder.module, ir.FunctionType(_VF, [_VF]), f"llvm.rint.v{LANES}f32")
+    """THE depthwise epilogue: float32 sums of 8 / 16 channels -> uint8 codes (``_requant.py``);
+    ``lo``/``hi``/``zp_bits`` from ``_epilogue_vectors`` (``_ir.rint_clamp_codes``)."""
+    lanes = v.type.count
     if corr is not None:
         v = builder.fsub(v, corr)
-    x = builder.fadd(builder.call(rint, [builder.fmul(builder.fadd(v, biasq), mult)]), ozp)
-    x = builder.select(builder.fcmp_unordered("<", x, qmin), qmin, x)  # NaN -> qmin
-    x = builder.select(builder.fcmp_ordered(">", x, qmax), qmax, x)
-    return builder.trunc(builder.fptosi(x, _VI), _VB)
+    t = builder.fmul(builder.fadd(v, biasq), mult)
+    return builder.trunc(rint_clamp_codes(builder, t, lo, hi, zp_bits), _vb(lanes))
 
 
 def _epilogue_vectors(
@@ -136,18 +165,19 @@ def _epilogue_vectors(
     ozp: ir.Value,
     qmin: ir.Value,
     qmax: ir.Value,
+    lanes: int = LANES,
 ) -> tuple[ir.Value, ir.Value, ir.Value, ir.Value, ir.Value]:
-    bq = load_vec(builder, builder.gep(bq_p, [c0]), _VF)
-    mu = load_vec(builder, builder.gep(mu_p, [c0]), _VF)
-    ozp_v = _splat(builder.sitofp(builder.trunc(ozp, I32), F32T), _VF, builder)
-    qmin_v = _splat(builder.sitofp(builder.trunc(qmin, I32), F32T), _VF, builder)
-    qmax_v = _splat(builder.sitofp(builder.trunc(qmax, I32), F32T), _VF, builder)
-    return bq, mu, ozp_v, qmin_v, qmax_v
+    vf = _vf(lanes)
+    bq = load_vec(builder, builder.gep(bq_p, [c0]), vf)
+    mu = load_vec(builder, builder.gep(mu_p, [c0]), vf)
+    return (bq, mu, *clamp_round_splats(builder, ozp, qmin, qmax, lanes))
 
 
-def _make_block(kw: int, sw: int, pix: int) -> Any:
-    """IR codegen of one ``pix`` x 8 interior block for kernel width ``kw``, stride ``sw``."""
+def _make_block(lanes: int, kw: int, sw: int, pix: int) -> Any:
+    """IR codegen of one ``pix`` x ``lanes`` interior block for kernel width ``kw``, stride
+    ``sw``."""
     ncols = (pix - 1) * sw + kw  # input vectors per kernel row
+    vf = _vf(lanes)
 
     def codegen(context: Any, builder: ir.IRBuilder, sig: Any, args: Any) -> ir.Value:
         (x, xbase, rowstep, c, kh, w, cp, c0, corr, biasq, mult, ozp, qmin, qmax, out, obase) = args
@@ -155,8 +185,8 @@ def _make_block(kw: int, sw: int, pix: int) -> Any:
         x_p, w_p = _data(context, builder, aty[0], x), _data(context, builder, aty[5], w)
         co_p, bq_p = _data(context, builder, aty[8], corr), _data(context, builder, aty[9], biasq)
         mu_p, o_p = _data(context, builder, aty[10], mult), _data(context, builder, aty[14], out)
-        fma = _fmuladd(builder)
-        accs = [stack_slot(builder, ir.Constant(_VF, [0.0] * LANES)) for _ in range(pix)]
+        fma = _fmuladd(builder, lanes)
+        accs = [stack_slot(builder, ir.Constant(vf, [0.0] * lanes)) for _ in range(pix)]
         with cgutils.for_range(builder, kh) as loop:
             i = loop.index
             xrow = builder.add(xbase, builder.mul(i, rowstep))
@@ -165,24 +195,26 @@ def _make_block(kw: int, sw: int, pix: int) -> Any:
                 load_vec(
                     builder,
                     builder.gep(w_p, [builder.add(wrow, builder.mul(ir.Constant(I64, j), cp))]),
-                    _VF,
+                    vf,
                 )
                 for j in range(kw)
             ]
             cur = [builder.load(a) for a in accs]
             for q in range(ncols):
                 ptr = builder.gep(x_p, [builder.add(xrow, builder.mul(ir.Constant(I64, q), c))])
-                xv = _load_u8(builder, ptr, None)
+                xv = _load_u8(builder, ptr, None, lanes)
                 for p in range(pix):
                     j = q - p * sw
                     if 0 <= j < kw:
                         cur[p] = builder.call(fma, [xv, wv[j], cur[p]])
             for a, v in zip(accs, cur, strict=True):
                 builder.store(v, a)
-        bq, mu, ozp_v, qmin_v, qmax_v = _epilogue_vectors(builder, bq_p, mu_p, c0, ozp, qmin, qmax)
-        co = load_vec(builder, builder.gep(co_p, [c0]), _VF)
+        bq, mu, lo, hi, zp_bits = _epilogue_vectors(
+            builder, bq_p, mu_p, c0, ozp, qmin, qmax, lanes
+        )
+        co = load_vec(builder, builder.gep(co_p, [c0]), vf)
         for p in range(pix):
-            q8 = _emit_requant(builder, builder.load(accs[p]), co, bq, mu, ozp_v, qmin_v, qmax_v)
+            q8 = _emit_requant(builder, builder.load(accs[p]), co, bq, mu, lo, hi, zp_bits)
             optr = builder.gep(o_p, [builder.add(obase, builder.mul(ir.Constant(I64, p), c))])
             _store_u8(builder, q8, optr, None)
         return context.get_dummy_value()
@@ -213,11 +245,12 @@ def _dw_block(
     out: Any,
     obase: Any,
 ) -> Any:
-    """``dw_block(KIND_IDS[(kw, sw, pixels)], x, xbase, rowstep, c, kh, w, cp, c0, corr, biasq,
-    mult, ozp, qmin, qmax, out, obase)``.
+    """``dw_block(KIND_IDS[(lanes, kw, sw, pixels)], x, xbase, rowstep, c, kh, w, cp, c0, corr,
+    biasq, mult, ozp, qmin, qmax, out, obase)``.
 
-    Pixel ``p``'s tap ``(i, j)`` reads ``x[xbase + i * rowstep + (p * sw + j) * c + 0..7]``
-    and weights ``w[(i * kw + j) * cp + c0 + 0..7]``; it writes ``out[obase + p * c + 0..7]``.
+    Pixel ``p``'s tap ``(i, j)`` reads ``x[xbase + i * rowstep + (p * sw + j) * c + 0..L-1]``
+    and weights ``w[(i * kw + j) * cp + c0 + 0..L-1]``; it writes ``out[obase + p * c +
+    0..L-1]``, ``L = lanes``.
     ``corr``, ``biasq``, ``mult`` are read at ``c0``. All int arguments are int64.
     """
     if not isinstance(kind, types.IntegerLiteral):
@@ -251,18 +284,19 @@ def _emit_taps(
     if masked:
         lane = ir.Constant(ir.VectorType(I64, LANES), list(range(LANES)))
         mask = builder.icmp_signed("<", lane, _splat(nch, ir.VectorType(I64, LANES), builder))
-    fma = _fmuladd(builder)
-    zpv = _splat(builder.fptrunc(zpf, F32T) if zpf.type != F32T else zpf, _VF, builder)
-    acc = stack_slot(builder, ir.Constant(_VF, [0.0] * LANES))
+    fma = _fmuladd(builder, LANES)
+    vf = _vf(LANES)
+    zpv = _splat(builder.fptrunc(zpf, F32T) if zpf.type != F32T else zpf, vf, builder)
+    acc = stack_slot(builder, ir.Constant(vf, [0.0] * LANES))
     with cgutils.for_range(builder, ntaps) as loop:
         t = loop.index
         off = builder.load(builder.gep(to_p, [t]))
         wi = builder.load(builder.gep(tw_p, [t]))
         xv = _load_u8(builder, builder.gep(x_p, [builder.add(xbase, off)]), mask)
-        wv = load_vec(builder, builder.gep(w_p, [builder.add(builder.mul(wi, cp), c0)]), _VF)
+        wv = load_vec(builder, builder.gep(w_p, [builder.add(builder.mul(wi, cp), c0)]), vf)
         builder.store(builder.call(fma, [builder.fsub(xv, zpv), wv, builder.load(acc)]), acc)
-    bq, mu, ozp_v, qmin_v, qmax_v = _epilogue_vectors(builder, bq_p, mu_p, c0, ozp, qmin, qmax)
-    q8 = _emit_requant(builder, builder.load(acc), None, bq, mu, ozp_v, qmin_v, qmax_v)
+    bq, mu, lo, hi, zp_bits = _epilogue_vectors(builder, bq_p, mu_p, c0, ozp, qmin, qmax)
+    q8 = _emit_requant(builder, builder.load(acc), None, bq, mu, lo, hi, zp_bits)
     _store_u8(builder, q8, builder.gep(o_p, [obase]), mask)
 
 

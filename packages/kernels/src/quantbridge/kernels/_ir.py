@@ -38,3 +38,44 @@ def load_vec(builder: ir.IRBuilder, ptr: ir.Value, vt: ir.VectorType) -> ir.Valu
 def store_vec(builder: ir.IRBuilder, value: ir.Value, ptr: ir.Value) -> None:
     st = builder.store(value, builder.bitcast(ptr, value.type.as_pointer()))
     st.align = 1
+
+
+# 1.5 * 2**23: a float32 t with |t| < 2**22, plus this, lands in [2**23, 2**24) where the float
+# spacing is 1, so the addition rounds t to an integer (ties to even, as rint) and leaves that
+# integer in the low mantissa bits: bits(t + MAGIC) = MAGIC_BITS + rint(t)
+ROUND_MAGIC = 12582912.0
+ROUND_MAGIC_BITS = 0x4B400000
+
+
+def clamp_round_splats(
+    builder: ir.IRBuilder, zp: ir.Value, qmin: ir.Value, qmax: ir.Value, lanes: int
+) -> tuple[ir.Value, ir.Value, ir.Value]:
+    """Splats for ``rint_clamp_codes`` from int64 ``zp``, ``qmin``, ``qmax``: the float bounds
+    ``qmin - zp`` / ``qmax - zp`` and the int32 ``MAGIC_BITS - zp``."""
+    zp32 = builder.trunc(zp, I32)
+    lo = builder.sitofp(builder.sub(builder.trunc(qmin, I32), zp32), F32T)
+    hi = builder.sitofp(builder.sub(builder.trunc(qmax, I32), zp32), F32T)
+    bits = builder.sub(ir.Constant(I32, ROUND_MAGIC_BITS), zp32)
+    return (
+        vec_broadcast(builder, lo, lanes),
+        vec_broadcast(builder, hi, lanes),
+        vec_broadcast(builder, bits, lanes),
+    )
+
+
+def rint_clamp_codes(
+    builder: ir.IRBuilder, t: ir.Value, lo: ir.Value, hi: ir.Value, zp_bits: ir.Value
+) -> ir.Value:
+    """int32 lanes ``clamp(rint(t) + zp, qmin, qmax)`` from float32 lanes ``t`` (NaN -> qmin).
+
+    Clamping first to the integral ``[qmin - zp, qmax - zp]`` gives the same integers (rint is
+    monotone and keeps integers), bounds ``|t|`` below 2**22 for the magic-number rounding, and
+    replaces a round, an add and a float-to-int conversion by one float add and one int
+    subtract. ``lo``/``hi``/``zp_bits`` come from ``clamp_round_splats``.
+    """
+    t = builder.select(builder.fcmp_unordered("<", t, lo), lo, t)  # NaN -> lo
+    t = builder.select(builder.fcmp_ordered(">", t, hi), hi, t)
+    lanes = t.type.count
+    magic = ir.Constant(t.type, [ROUND_MAGIC] * lanes)
+    bits = builder.bitcast(builder.fadd(t, magic), ir.VectorType(I32, lanes))
+    return builder.sub(bits, zp_bits)
