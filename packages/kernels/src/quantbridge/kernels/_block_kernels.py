@@ -49,8 +49,10 @@ from quantbridge.kernels._ir import (
     I16,
     I32,
     I64,
+    clamp_round_splats,
     declare,
     load_vec,
+    rint_clamp_codes,
     stack_slot,
     store_vec,
     vec_broadcast,
@@ -168,6 +170,22 @@ def _lookup(
     merged.add_incoming(looked, looked_end)
     merged.add_incoming(outv, before)
     return merged
+
+
+def _conv_code_as_float(
+    builder: ir.IRBuilder,
+    rint: ir.Function,
+    t: ir.Value,
+    ozp_v: ir.Value,
+    qmin_f: ir.Value,
+    qmax_f: ir.Value,
+) -> ir.Value:
+    """``clamp(rint(t) + zp, qmin, qmax)`` as float lanes (NaN -> qmin), for a fused add that
+    goes on computing in float."""
+    x = builder.fadd(builder.call(rint, [t]), ozp_v)
+    # x > qmin ? x : qmin (NaN goes to qmin): one max instruction on x86
+    x = builder.select(builder.fcmp_ordered(">", x, qmin_f), x, qmin_f)
+    return builder.select(builder.fcmp_ordered(">", x, qmax_f), qmax_f, x)
 
 
 def _make_kernel(target: str, mr: int, ku: int, mode: str) -> Any:
@@ -289,6 +307,7 @@ def _make_kernel(target: str, mr: int, ku: int, mode: str) -> Any:
         qmin_f = vec_broadcast(builder, builder.sitofp(builder.trunc(qmin, I32), F32T), lanes)
         qmax_f = vec_broadcast(builder, builder.sitofp(builder.trunc(qmax, I32), F32T), lanes)
         ozp_v = vec_broadcast(builder, ozp_f, lanes)
+        lo_v, hi_v, zpbits_v = clamp_round_splats(builder, ozp, qmin, qmax, lanes)
         if mode == "u8add":  # addp: [sa, pa, sb, pb, inv, floor, zp] (see the module docstring)
             addv = [
                 vec_broadcast(
@@ -351,15 +370,9 @@ def _make_kernel(target: str, mr: int, ku: int, mode: str) -> Any:
                 ridx = builder.add(r0, ir.Constant(I64, r))
                 cidx = builder.add(builder.mul(ridx, ldc), jv)
                 if mode in ("u8", "u8t", "u8add"):
-                    # rint, + zero point and the clamp in float (all exact on integral values;
-                    # NaN goes to qmin): one conversion back to int
-                    x = builder.fadd(
-                        builder.call(rint, [builder.fmul(builder.fadd(fv, bq), mu)]), ozp_v
-                    )
-                    # x > qmin ? x : qmin (NaN goes to qmin): one max instruction on x86
-                    x = builder.select(builder.fcmp_ordered(">", x, qmin_f), x, qmin_f)
-                    x = builder.select(builder.fcmp_ordered(">", x, qmax_f), qmax_f, x)
+                    t = builder.fmul(builder.fadd(fv, bq), mu)
                     if mode == "u8add":
+                        x = _conv_code_as_float(builder, rint, t, ozp_v, qmin_f, qmax_f)
                         # x is the conv's output code; add the residual code as the add kernel
                         # does: fma(sa, qa, pa) + fma(sb, qb, pb), floor, rint(t * inv) + zp
                         sa, pa, sb, pb, inv, floor, zpa = addv
@@ -379,7 +392,11 @@ def _make_kernel(target: str, mr: int, ku: int, mode: str) -> Any:
                         x = builder.fadd(builder.call(rint, [builder.fmul(t, inv)]), zpa)
                         x = builder.select(builder.fcmp_unordered("<", x, zero_f), zero_f, x)
                         x = builder.select(builder.fcmp_ordered(">", x, top_f), top_f, x)
-                    codes = builder.fptosi(x, vi32)
+                        codes = builder.fptosi(x, vi32)
+                    else:
+                        # clamp to [qmin - zp, qmax - zp], round by the magic-number add, + zp
+                        # as an int subtract: the integers of rint, + zp, clamp (NaN -> qmin)
+                        codes = rint_clamp_codes(builder, t, lo_v, hi_v, zpbits_v)
                     if packed_rows:  # stored a whole row at a time, below
                         row_codes[r].append(codes)
                         continue

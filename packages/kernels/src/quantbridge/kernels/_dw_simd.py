@@ -1,4 +1,4 @@
-"""Depthwise conv micro-kernels in LLVM IR: 8 or 16 channels per vector, float32 lanes, exact sums.
+"""Depthwise conv micro-kernels in LLVM IR: 8 or 16 float32 channel lanes, exact sums.
 
 Input and output are flat channels-last (NHWC) uint8; a vector holds one pixel's 8 (a ymm
 register) or 16 (a zmm register, AVX-512 CPUs) consecutive channels. Two kernels, both ending
@@ -7,9 +7,10 @@ in the one requantizing epilogue (``_emit_requant``):
 - ``dw_block(kind, ...)``: ``P`` output pixels of one output row x 8 or 16 channels, all taps in
   bounds (interior pixels). ``kind`` (a compile-time constant, ``BLOCK_KINDS``) fixes the
   vector width, the kernel width ``KW``, the stride along W ``SW`` and ``P``; kernel height and
-  the H dilation are runtime values. Register blocking along W: each input vector of a kernel row is loaded and
-  converted once and feeds every (pixel, tap) pair that reads it (for 3x3 stride 1, 8 input
-  vectors feed 18 multiply-adds), with the row's ``KW`` weight vectors held in registers.
+  the H dilation are runtime values. Register blocking along W: each input vector of a kernel
+  row is loaded and converted once and feeds every (pixel, tap) pair that reads it (for 3x3
+  stride 1, 10 input vectors feed 24 multiply-adds), with the row's ``KW`` weight vectors held
+  in registers.
   Accumulates ``sum x * w``; the caller's ``corr = x_zp * sum(w)`` is subtracted once.
 - ``dw_taps(...)``: one pixel x ``nch <= 8`` channels over an explicit tap list (offsets and
   weight rows): border pixels with their in-bounds taps only (so no zero-point-padded copy of
@@ -209,9 +210,7 @@ def _make_block(lanes: int, kw: int, sw: int, pix: int) -> Any:
                         cur[p] = builder.call(fma, [xv, wv[j], cur[p]])
             for a, v in zip(accs, cur, strict=True):
                 builder.store(v, a)
-        bq, mu, lo, hi, zp_bits = _epilogue_vectors(
-            builder, bq_p, mu_p, c0, ozp, qmin, qmax, lanes
-        )
+        bq, mu, lo, hi, zp_bits = _epilogue_vectors(builder, bq_p, mu_p, c0, ozp, qmin, qmax, lanes)
         co = load_vec(builder, builder.gep(co_p, [c0]), vf)
         for p in range(pix):
             q8 = _emit_requant(builder, builder.load(accs[p]), co, bq, mu, lo, hi, zp_bits)
