@@ -22,10 +22,15 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import Any
 
 import numba
 import numpy as np
 import numpy.typing as npt
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
 
 from quantbridge.kernels._checks import (
     check_array,
@@ -35,6 +40,7 @@ from quantbridge.kernels._checks import (
     check_zero_point,
 )
 from quantbridge.kernels._errors import KernelError
+from quantbridge.kernels._ir import I8, I64, load_vec, store_vec
 from quantbridge.kernels._layout import channels_last_data
 from quantbridge.kernels._quantize import choose_kernel, f32_scale
 from quantbridge.kernels._targets import check_target
@@ -193,11 +199,42 @@ def _max_pool_dense(x, out, kh, kw, sh, sw):  # type: ignore[no-untyped-def]
                 out[p, oy, ox] = best
 
 
+_RUN = 32  # bytes per vector of ``_max_into`` (a ymm register)
+
+
+def _max_into_codegen(context: Any, builder: ir.IRBuilder, sig: Any, args: Any) -> ir.Value:
+    dst, doff, src, soff, n, first = args
+    d_p = context.make_array(sig.args[0])(context, builder, dst).data
+    s_p = context.make_array(sig.args[2])(context, builder, src).data
+    vt = ir.VectorType(I8, _RUN)
+
+    def step(at: ir.Value, ty: ir.Type) -> None:
+        dp = builder.gep(d_p, [builder.add(doff, at)])
+        sv = load_vec(builder, builder.gep(s_p, [builder.add(soff, at)]), ty)
+        dv = load_vec(builder, dp, ty)
+        top = builder.select(builder.icmp_unsigned(">", sv, dv), sv, dv)
+        store_vec(builder, builder.select(first, sv, top), dp)
+
+    nvec = builder.udiv(n, ir.Constant(I64, _RUN))
+    with cgutils.for_range(builder, nvec) as loop:
+        step(builder.mul(loop.index, ir.Constant(I64, _RUN)), vt)
+    done = builder.mul(nvec, ir.Constant(I64, _RUN))
+    with cgutils.for_range(builder, builder.sub(n, done)) as loop:
+        step(builder.add(done, loop.index), I8)
+    return context.get_dummy_value()
+
+
+@intrinsic
+def _max_into(typingctx: Any, dst: Any, doff: Any, src: Any, soff: Any, n: Any, first: Any) -> Any:
+    """``dst[doff:doff+n] = src[soff:soff+n]`` if ``first`` else their unsigned byte max,
+    32 bytes a vector (ints are int64, ``first`` a bool)."""
+    return types.void(dst, doff, src, soff, n, first), _max_into_codegen
+
+
 @numba.njit(cache=True)
 def _max_pool_nhwc(x, out, kh, kw, sh, sw, ph, pw, dh, dw):  # type: ignore[no-untyped-def]
-    # x [N, H, W, C], out [N, OH, OW, C]: the channel loop innermost and branch-free over
-    # 0-based views of the flat buffers, so it vectorizes (unsigned byte max); loops instead
-    # of slice assignment (numba's is slow)
+    # x [N, H, W, C], out [N, OH, OW, C]: each in-bounds tap's C channels maxed into the output
+    # pixel with byte vectors (numba's own loop here ran ~10x slower: it did not vectorize)
     n, h, w, c = x.shape
     oh, ow = out.shape[1], out.shape[2]
     xf, of = x.reshape(-1), out.reshape(-1)
@@ -209,15 +246,16 @@ def _max_pool_nhwc(x, out, kh, kw, sh, sw, ph, pw, dh, dw):  # type: ignore[no-u
                 x0 = ox * sw - pw
                 j0, j1 = _taps(x0, kw, dw, w)
                 o = ((b * oh + oy) * ow + ox) * c
-                dst = of[o : o + c]
-                for ch in range(c):
-                    dst[ch] = 0  # a window entirely in the padding gives 0, as in torch
+                if i0 == i1 or j0 == j1:  # a window entirely in the padding gives 0, as torch
+                    for ch in range(c):
+                        of[o + ch] = 0
+                    continue
+                first = True
                 for i in range(i0, i1):
                     for j in range(j0, j1):
                         at = ((b * h + y0 + i * dh) * w + x0 + j * dw) * c
-                        src = xf[at : at + c]
-                        for ch in range(c):
-                            dst[ch] = max(dst[ch], src[ch])
+                        _max_into(of, np.int64(o), xf, np.int64(at), np.int64(c), first)
+                        first = False
 
 
 @numba.njit(cache=True, parallel=True)
