@@ -13,7 +13,11 @@ from hypothesis import strategies as st
 
 import quantbridge.kernels as qk
 from quantbridge.kernels import KernelError, PackedConvWeight, available_targets, conv1d, conv2d
-from quantbridge.kernels._transpose import nchw_into_padded_nhwc, nhwc_into_padded_nhwc
+from quantbridge.kernels._transpose import (
+    nchw_into_padded_nhwc,
+    nhwc_into_padded_nhwc,
+    spread_copy,
+)
 
 HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:  # the conv reference, under --import-mode=importlib
@@ -65,6 +69,36 @@ def test_padded_copies_equal_numpy(n, groups, cg, h, w, ph, pw, seed):
         n, h, w, groups, cg, cg4, ph, pw, wp, hp, 17, got.reshape(-1),
     )  # fmt: skip
     np.testing.assert_array_equal(got, want)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    n=st.integers(1, 2),
+    cg=st.integers(1, 3),
+    padded=st.booleans(),
+    h=st.integers(1, 5),
+    w=st.integers(16, 40),
+    ph=st.integers(0, 3),
+    pw=st.integers(0, 3),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_stem_copies_equal_numpy(n, cg, padded, h, w, ph, pw, seed):
+    # 1-3 channels into 4-byte pixels (channel-padded) or unpadded ones (row-packed stems):
+    # whole 16-pixel tiles and a last tile moved back, from both input layouts
+    rng = np.random.default_rng(seed)
+    cg4 = 4 if padded else cg
+    x = rng.integers(0, 256, (n, cg, h, w), dtype=np.uint8)
+    hp, wp = h + 2 * ph, w + 2 * pw
+    want = np.full((n, hp, wp, cg4), 17, np.uint8)
+    want[:, ph : ph + h, pw : pw + w, :cg] = x.transpose(0, 2, 3, 1)
+    for nchw, src in ((True, x), (False, np.ascontiguousarray(x.transpose(0, 2, 3, 1)))):
+        copy = spread_copy(nchw, 1, cg, cg4, w)
+        assert copy is not None
+        got = np.full((n, hp, wp, cg4), 99, np.uint8)  # the border must be overwritten
+        copy(src.reshape(-1), n, h, w, 17, got.reshape(-1), ph, pw, wp, hp)
+        np.testing.assert_array_equal(got, want, err_msg=f"nchw={nchw}")
+    assert spread_copy(True, 1, cg, cg4, 15) is None  # narrower rows: the general copies
+    assert spread_copy(True, 2, cg, cg4, w) is None
 
 
 @st.composite

@@ -62,7 +62,11 @@ from quantbridge.kernels._qparams import QParams, as_qparams
 from quantbridge.kernels._quantize import f32_scale
 from quantbridge.kernels._targets import resolve_target
 from quantbridge.kernels._threads import apply_num_threads, get_num_threads, with_threads
-from quantbridge.kernels._transpose import nchw_into_padded_nhwc, nhwc_into_padded_nhwc
+from quantbridge.kernels._transpose import (
+    nchw_into_padded_nhwc,
+    nhwc_into_padded_nhwc,
+    spread_copy,
+)
 
 
 def _pair(name: str, value: int | tuple[int, ...], dims: int, minimum: int) -> tuple[int, ...]:
@@ -609,6 +613,7 @@ def _gemm_plan(packed: PackedConvWeight, geo: _Geometry, epi: _Epilogue, fused_a
     m = rowoffs.shape[0]
     koffs = packed.koffs(wp)
     direct = g == 1 and packed.target == "avx512_vnni" and not channels_last
+    spread = spread_copy(not cl, g, cg, cg4, w)
     # per group: its GEMM runner and row sums (data-dependent only with weight zero points:
     # None, computed per call); the VNNI NCHW path runs its own drivers
     groups = []
@@ -654,7 +659,10 @@ def _gemm_plan(packed: PackedConvWeight, geo: _Geometry, epi: _Epilogue, fused_a
             body = buf[:size]
             xp = body.reshape(n, hp, wp, g, cg4)
             flat = buf
-            if cl:
+            if spread is not None:  # 1-3 input channels (a stem): 16 pixels a vector shuffle
+                src = x4.ravel(order="K") if cl else x4.reshape(-1)
+                spread(src, n, h, w, a_zp, body, ph, pw, wp, hp)
+            elif cl:
                 nhwc_into_padded_nhwc(
                     x4.ravel(order="K"), n, h, w, g, cg, cg4, ph, pw, wp, hp, a_zp, body
                 )

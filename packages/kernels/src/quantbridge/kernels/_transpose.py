@@ -71,6 +71,136 @@ def _transpose_tile(
 # typed Any: callers pass the six arguments, not numba's typing context
 transpose_tile: Any = intrinsic(_transpose_tile)
 
+# (source layout, channels, channels per output pixel) of ``spread_pixels``: an RGB-like input
+# of 1-3 channels into pixels of 4 bytes (the channel-padded layout) or of its own width (the
+# stem's row-packed layout)
+SPREAD_KINDS = [
+    (nchw, cg, cg4) for nchw in (True, False) for cg in (1, 2, 3) for cg4 in sorted({cg, 4})
+]
+SPREAD_IDS = {kind: i for i, kind in enumerate(SPREAD_KINDS)}
+
+
+def _spread_codegen(nchw: bool, cg: int, cg4: int) -> Any:
+    def codegen(context: Any, builder: ir.IRBuilder, signature: Any, args: Any) -> ir.Value:
+        x, xoff, plane, out, ooff, fill = args
+        x_ptr = context.make_array(signature.args[0])(context, builder, x).data
+        o_ptr = context.make_array(signature.args[3])(context, builder, out).data
+
+        def load(at: ir.Value, lanes: int) -> ir.Value:
+            vt = ir.VectorType(_I8, lanes)
+            v = builder.load(builder.bitcast(builder.gep(x_ptr, [at]), vt.as_pointer()))
+            v.align = 1
+            return v
+
+        fill8 = builder.trunc(fill, _I8)
+        if nchw:
+            # one 16-pixel run per channel plane and a run of fill bytes per padding channel,
+            # interleaved pairwise (a byte transpose, as in transpose_tile): LLVM lowered one
+            # wide shuffle of three runs and a fill vector 10x slower
+            fills = builder.insert_element(
+                ir.Constant(ir.VectorType(_I8, TILE), ir.Undefined), fill8, ir.Constant(_I32, 0)
+            )
+            fills = builder.shuffle_vector(
+                fills, fills, ir.Constant(ir.VectorType(_I32, TILE), [0] * TILE)
+            )
+            runs = [load(builder.add(xoff, builder.mul(plane, ir.Constant(plane.type, k))), TILE)
+                    for k in range(cg)] + [fills] * (cg4 - cg)  # fmt: skip
+            while len(runs) > 1:  # concatenate pairwise: (p, k) at k * 16 + p
+                a, b = runs[0], runs[1]
+                la, lb = a.type.count, b.type.count
+                if la != lb:  # widen the shorter to concatenate (its extra lanes unused)
+                    b = builder.shuffle_vector(
+                        b, ir.Constant(b.type, ir.Undefined),
+                        ir.Constant(ir.VectorType(_I32, la), [*range(lb), *[0] * (la - lb)]),
+                    )  # fmt: skip
+                runs = [
+                    builder.shuffle_vector(
+                        a, b, ir.Constant(ir.VectorType(_I32, la + lb), list(range(la + lb)))
+                    ),
+                    *runs[2:],
+                ]
+            mask = [k * TILE + p for p in range(TILE) for k in range(cg4)]
+            src, other = runs[0], runs[0]
+        else:  # 16 whole pixels, (p, k) at p * cg + k; fill from lane 0 of a second vector
+            src = load(xoff, TILE * cg)
+            other = builder.insert_element(
+                ir.Constant(src.type, ir.Undefined), fill8, ir.Constant(_I32, 0)
+            )
+            lanes = src.type.count
+            mask = [p * cg + k if k < cg else lanes for p in range(TILE) for k in range(cg4)]
+        row = builder.shuffle_vector(src, other, ir.Constant(ir.VectorType(_I32, len(mask)), mask))
+        st = builder.store(row, builder.bitcast(builder.gep(o_ptr, [ooff]), row.type.as_pointer()))
+        st.align = 1
+        return context.get_dummy_value()
+
+    return codegen
+
+
+_SPREAD_CODEGENS = [_spread_codegen(*kind) for kind in SPREAD_KINDS]
+
+
+def _spread_pixels(
+    typingctx: Any, kind: Any, x: Any, xoff: Any, plane: Any, out: Any, ooff: Any, fill: Any
+) -> Any:
+    """16 pixels of ``cg`` channels into ``out[ooff : ooff + 16 * cg4]``, ``cg4`` bytes a pixel
+    (channels ``cg..cg4-1`` get ``fill``), for ``kind = SPREAD_IDS[(nchw, cg, cg4)]``.
+
+    NCHW: channel ``k`` of pixel ``p`` is ``x[xoff + k * plane + p]``; channels-last:
+    ``x[xoff + p * cg + k]`` (``plane`` unused). The caller keeps every byte in bounds.
+    """
+    if not isinstance(kind, types.IntegerLiteral):
+        return None  # numba retries with the literal type when the value is a constant
+    sig = types.void(kind, x, xoff, plane, out, ooff, fill)
+    inner = _SPREAD_CODEGENS[kind.literal_value]
+
+    def codegen(context: Any, builder: ir.IRBuilder, signature: Any, args: Any) -> ir.Value:
+        inner_sig = types.void(*signature.args[1:])
+        return inner(context, builder, inner_sig, args[1:])
+
+    return sig, codegen
+
+
+# typed Any: callers pass the seven arguments, not numba's typing context
+spread_pixels: Any = intrinsic(_spread_pixels)
+
+
+def _make_spread_copy(nchw: bool, cg: int, cg4: int) -> Any:
+    """``nchw_into_padded_nhwc`` (or ``nhwc_``) for one group of ``cg`` channels in ``cg4``-byte
+    pixels and rows of at least 16 pixels, 16 pixels a ``spread_pixels`` call (the kind a
+    closure constant, so a literal); the last tile of a row moved back to end at its end (it
+    rewrites bytes with the same values)."""
+    kid = SPREAD_IDS[(nchw, cg, cg4)]
+    step = 1 if nchw else cg  # source elements from one pixel to the next
+
+    def copy(x, n, h, w, fill, out, ph, pw, wp, hp):  # type: ignore[no-untyped-def]
+        rowlen = wp * cg4
+        hw = h * w
+        for b in range(n):
+            img = b * hp * rowlen
+            for i in range(h):
+                rbase = _fill_border(out, img, i, ph, pw, h, w, hp, wp, cg4, fill)
+                src = b * cg * hw + i * w if nchw else (b * h + i) * w * cg
+                dst = rbase + pw * cg4
+                for t in range((w + TILE - 1) // TILE):
+                    p = _tile_start(t, w)
+                    spread_pixels(kid, x, src + p * step, hw, out, dst + p * cg4, fill)
+
+    name = f"spread_{'nchw' if nchw else 'nhwc'}_{cg}_{cg4}"
+    copy.__name__ = copy.__qualname__ = name
+    return njit(cache=True, nogil=True)(copy)
+
+
+_SPREAD_COPIES = {kind: _make_spread_copy(*kind) for kind in SPREAD_KINDS}
+
+
+def spread_copy(nchw: bool, groups: int, cg: int, cg4: int, w: int) -> Any:
+    """The ``spread_pixels`` copy for this layout, or None (``nchw_into_padded_nhwc`` /
+    ``nhwc_into_padded_nhwc`` serve it): called ``copy(x, n, h, w, fill, out, ph, pw, wp, hp)``
+    on flat arrays."""
+    if groups != 1 or w < TILE:
+        return None
+    return _SPREAD_COPIES.get((nchw, cg, cg4))
+
 
 @njit(cache=True, nogil=True)
 def _tile_start(i, length):  # type: ignore[no-untyped-def]  # numba types the arguments
