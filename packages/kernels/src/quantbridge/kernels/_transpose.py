@@ -9,6 +9,11 @@ loads, ``shufflevector`` and stores, so it compiles for any CPU LLVM targets (SS
 
 Edges narrower than a tile are handled by an overlapping last tile (rewriting bytes with the
 same values); dimensions under 16 fall back to scalar loops.
+
+Inputs of 1-3 channels (a network's stem) have no 16-channel tiles; ``spread_copy`` moves 16
+pixels at a time instead (``spread_pixels``: one load per channel plane, or one of 16 whole
+pixels, and one shuffle into 4-byte or unpadded pixels), 10-60x faster than the per-channel
+loops.
 """
 
 from __future__ import annotations
