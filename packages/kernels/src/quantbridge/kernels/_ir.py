@@ -73,8 +73,9 @@ def rint_clamp_codes(
     replaces a round, an add and a float-to-int conversion by one float add and one int
     subtract. ``lo``/``hi``/``zp_bits`` come from ``clamp_round_splats``.
     """
-    t = builder.select(builder.fcmp_unordered("<", t, lo), lo, t)  # NaN -> lo
-    t = builder.select(builder.fcmp_ordered(">", t, hi), hi, t)
+    # t > lo ? t : lo (NaN -> lo) and hi < t ? hi : t: one max and one min instruction on x86
+    t = builder.select(builder.fcmp_ordered(">", t, lo), t, lo)
+    t = builder.select(builder.fcmp_ordered("<", hi, t), hi, t)
     lanes = t.type.count
     magic = ir.Constant(t.type, [ROUND_MAGIC] * lanes)
     bits = builder.bitcast(builder.fadd(t, magic), ir.VectorType(I32, lanes))
