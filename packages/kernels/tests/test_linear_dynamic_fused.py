@@ -193,3 +193,25 @@ def test_fused_activation_equals_unfused(target, per_row, activation, threads):
         return
     want = gelu64(y, "tanh" if activation == "gelu_tanh" else "none")
     assert np.all(np.abs(got - want) <= GELU_TOL * np.maximum(1, np.abs(y)))
+
+
+@pytest.mark.parametrize("size", [1, 15, 16, 17, 40, 1000])
+def test_tensor_range_vectors_and_tail(size):
+    # the range pass reads 16 floats a vector, then a scalar tail: min/max as numpy's, and a
+    # NaN or infinity anywhere (in a vector or in the tail) is found
+    from quantbridge.kernels._dynamic_act import tensor_range
+
+    rng = np.random.default_rng(size)
+    x = (rng.normal(size=size) * 3).astype(F32)
+    lo, hi, bad = tensor_range(x)
+    assert (lo, hi, bad) == (x.min(), x.max(), False)
+    for at in sorted({0, size // 2, size - 1}):
+        for value in (np.nan, np.inf, -np.inf):
+            y = x.copy()
+            y[at] = value
+            assert tensor_range(y)[2], (at, value)
+    packed = PackedLinearWeight(rng.integers(-128, 128, (3, size), dtype=np.int8), 0.01, 0)
+    y = x.copy()
+    y[size - 1] = np.inf
+    with pytest.raises(KernelError, match="NaN or infinity"):
+        linear_dynamic(y[None], packed)

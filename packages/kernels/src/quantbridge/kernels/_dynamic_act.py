@@ -2,11 +2,11 @@
 that write the layout the GEMM reads (uint8 rows padded to whole 4-byte loads, or int16 for
 AVX2), so nothing is copied or widened afterwards.
 
-Per tensor (torch's rule, bit-identical to the former numpy path): one pass finds
-``min``/``max`` and any non-finite value (from the IEEE exponent bits, so the float
-min/max may use fast-math), the qparams come from ``_linear.qparams_from_range``, a second
-pass quantizes ``q = clamp(rint(fma(x, float32(1/scale), zp)), 0, 255)`` and (when a weight
-zero point needs them) sums each row.
+Per tensor (torch's rule, bit-identical to the former numpy path): one vector pass finds
+``min``/``max`` and any non-finite value (from the IEEE exponent bits), the qparams come
+from ``_linear.qparams_from_range``, a second pass quantizes
+``q = clamp(rint(fma(x, float32(1/scale), zp)), 0, 255)`` and (when a weight zero point needs
+them) sums each row.
 
 Per row (per token), row ``i`` of ``x`` while it is in cache:
 
@@ -23,26 +23,79 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
-from numba import njit
+from llvmlite import ir
+from numba import njit, types
+from numba.core import cgutils
+from numba.extending import intrinsic
 
 from quantbridge.kernels._fma import fma32
+from quantbridge.kernels._ir import F32T, I32, I64, declare, load_vec, stack_slot
 
 _EXP_MASK = np.int32(0x7F800000)  # all-ones exponent: inf or NaN
 _TINY = np.float32(1.1754944e-38)
 
 
-@njit(cache=True, nogil=True, fastmath=True)
-def tensor_range(x, bits):  # type: ignore[no-untyped-def]
-    """``(min, max, any non-finite)`` of flat float32 ``x``; ``bits`` is ``x.view(int32)``."""
-    lo = x[0]
-    hi = x[0]
-    bad = np.int32(0)
-    for i in range(x.shape[0]):
-        v = x[i]
-        # compare-and-select (numba's min/max handle NaN and do not vectorize)
-        lo = v if v < lo else lo
-        hi = v if v > hi else hi
-        bad |= np.int32((bits[i] & _EXP_MASK) == _EXP_MASK)
+_RANGE_LANES = 16  # floats per vector of ``_range`` (a zmm register; two ymm elsewhere)
+
+
+def _range_codegen(context: Any, builder: ir.IRBuilder, sig: Any, args: Any) -> ir.Value:
+    (x,) = args
+    arr = context.make_array(sig.args[0])(context, builder, x)
+    ptr, n = arr.data, builder.extract_value(arr.shape, 0)
+    vf = ir.VectorType(F32T, _RANGE_LANES)
+    vi = ir.VectorType(I32, _RANGE_LANES)
+    lo = stack_slot(builder, ir.Constant(vf, [float("inf")] * _RANGE_LANES))
+    hi = stack_slot(builder, ir.Constant(vf, [float("-inf")] * _RANGE_LANES))
+    bad = stack_slot(builder, ir.Constant(vi, [0] * _RANGE_LANES))
+    expo = ir.Constant(vi, [int(_EXP_MASK)] * _RANGE_LANES)
+
+    def take(v: ir.Value, width: int) -> None:
+        """Fold ``v`` (``width`` lanes, splatted to full vectors when 1) into the slots."""
+        if width == 1:
+            v = builder.shuffle_vector(
+                builder.insert_element(ir.Constant(vf, ir.Undefined), v, ir.Constant(I32, 0)),
+                ir.Constant(vf, ir.Undefined),
+                ir.Constant(ir.VectorType(I32, _RANGE_LANES), [0] * _RANGE_LANES),
+            )
+        low, high = builder.load(lo), builder.load(hi)
+        # compare-and-select: a NaN never replaces a bound (it is caught by its bits)
+        builder.store(builder.select(builder.fcmp_ordered("<", v, low), v, low), lo)
+        builder.store(builder.select(builder.fcmp_ordered(">", v, high), v, high), hi)
+        ones = builder.icmp_unsigned("==", builder.and_(builder.bitcast(v, vi), expo), expo)
+        builder.store(builder.or_(builder.load(bad), builder.zext(ones, vi)), bad)
+
+    nvec = builder.udiv(n, ir.Constant(I64, _RANGE_LANES))
+    with cgutils.for_range(builder, nvec) as loop:
+        at = builder.gep(ptr, [builder.mul(loop.index, ir.Constant(I64, _RANGE_LANES))])
+        take(load_vec(builder, at, vf), _RANGE_LANES)
+    done = builder.mul(nvec, ir.Constant(I64, _RANGE_LANES))
+    with cgutils.for_range(builder, builder.sub(n, done)) as loop:
+        take(builder.load(builder.gep(ptr, [builder.add(done, loop.index)])), 1)
+    mod = builder.module
+    fmin = declare(mod, ir.FunctionType(F32T, [vf]), f"llvm.vector.reduce.fmin.v{_RANGE_LANES}f32")
+    fmax = declare(mod, ir.FunctionType(F32T, [vf]), f"llvm.vector.reduce.fmax.v{_RANGE_LANES}f32")
+    orr = declare(mod, ir.FunctionType(I32, [vi]), f"llvm.vector.reduce.or.v{_RANGE_LANES}i32")
+    flag = builder.uitofp(builder.call(orr, [builder.load(bad)]), F32T)
+    values = [builder.call(fmin, [builder.load(lo)]), builder.call(fmax, [builder.load(hi)]), flag]
+    return context.make_tuple(builder, sig.return_type, values)
+
+
+@intrinsic
+def _range(typingctx: Any, x: Any) -> Any:
+    """``(min, max, 1.0 if any value is NaN or infinite else 0.0)`` of a C-contiguous 1-D
+    float32 array, 16 floats a vector (numba's own loop did not vectorize: 68 us on 49K
+    floats); an empty array gives ``(inf, -inf, 0)``."""
+    if not (isinstance(x, types.Array) and x.ndim == 1 and x.layout == "C"):
+        return None
+    if x.dtype != types.float32:
+        return None
+    return types.UniTuple(types.float32, 3)(x), _range_codegen
+
+
+@njit(cache=True, nogil=True)
+def tensor_range(x):  # type: ignore[no-untyped-def]
+    """``(min, max, any non-finite)`` of flat, C-contiguous float32 ``x``."""
+    lo, hi, bad = _range(x)
     return lo, hi, bad != 0
 
 

@@ -575,7 +575,7 @@ def linear_dynamic(
         biasq, mult = packed.epilogue_unit()
         post = (act, scales, True, packed.bias_padded)
     else:
-        lo, hi, bad = tensor_range(xf.reshape(-1), xf.reshape(-1).view(np.int32))
+        lo, hi, bad = tensor_range(xf.reshape(-1))
         if bad:
             raise KernelError(_NON_FINITE)
         a_s, a_zp = qparams_from_range(float(lo), float(hi))

@@ -87,13 +87,12 @@ def _make_loop(which: int, lstm: bool) -> Any:
         ldc = gh.shape[1]
         nk = koffs.shape[0]
         flat_h = h.reshape(-1)
-        bits = flat_h.view(np.int32)
         flat_c = c.reshape(-1)
         flat_a = a.reshape(-1)
         flat_gh = gh.reshape(-1)
         for s in range(first, steps):
             t = steps - 1 - s if reverse else s
-            lo, hi, bad = tensor_range(flat_h, bits)
+            lo, hi, bad = tensor_range(flat_h)
             if bad:
                 return s
             scale, zp = dynamic_qparams(np.float64(lo), np.float64(hi))
