@@ -25,7 +25,15 @@ from numba import njit, prange
 
 from quantbridge.kernels._checks import check_array, check_out
 from quantbridge.kernels._errors import KernelError
-from quantbridge.kernels._float_math import FAST, exp32, gelu_erf, gelu_tanh
+from quantbridge.kernels._float_math import (
+    ACT_GELU,
+    ACT_GELU_TANH,
+    FAST,
+    exp32,
+    gelu_erf,
+    gelu_tanh,
+    gelu_vectors,
+)
 from quantbridge.kernels._threads import apply_num_threads, with_threads
 
 F32A = npt.NDArray[np.float32]
@@ -104,10 +112,10 @@ def _make_gelu(parallel: bool) -> Any:
             lo = c * chunk
             hi = min(n, lo + chunk)
             if mode == 0:
-                for k in range(lo, hi):
+                for k in range(lo + gelu_vectors(ACT_GELU, x, lo, out, lo, hi - lo), hi):
                     out[k] = gelu_erf(x[k])
             else:
-                for k in range(lo, hi):
+                for k in range(lo + gelu_vectors(ACT_GELU_TANH, x, lo, out, lo, hi - lo), hi):
                     out[k] = gelu_tanh(x[k])
 
     gelu_flat.__name__ = gelu_flat.__qualname__ = "gelu_parallel" if parallel else "gelu_serial"
