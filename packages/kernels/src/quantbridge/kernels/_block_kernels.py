@@ -49,10 +49,13 @@ from quantbridge.kernels._ir import (
     I16,
     I32,
     I64,
+    ROUND_MAGIC,
+    ROUND_MAGIC_BITS,
     clamp_round_splats,
     declare,
     load_vec,
     rint_clamp_codes,
+    rint_clamp_float,
     stack_slot,
     store_vec,
     vec_broadcast,
@@ -172,22 +175,6 @@ def _lookup(
     return merged
 
 
-def _conv_code_as_float(
-    builder: ir.IRBuilder,
-    rint: ir.Function,
-    t: ir.Value,
-    ozp_v: ir.Value,
-    qmin_f: ir.Value,
-    qmax_f: ir.Value,
-) -> ir.Value:
-    """``clamp(rint(t) + zp, qmin, qmax)`` as float lanes (NaN -> qmin), for a fused add that
-    goes on computing in float."""
-    x = builder.fadd(builder.call(rint, [t]), ozp_v)
-    # x > qmin ? x : qmin (NaN goes to qmin): one max instruction on x86
-    x = builder.select(builder.fcmp_ordered(">", x, qmin_f), x, qmin_f)
-    return builder.select(builder.fcmp_ordered(">", x, qmax_f), qmax_f, x)
-
-
 def _make_kernel(target: str, mr: int, ku: int, mode: str) -> Any:
     """IR codegen for an ``mr x NR`` block, ``ku`` interleaved k accumulators."""
     spec = _TARGETS[target]
@@ -225,7 +212,6 @@ def _make_kernel(target: str, mr: int, ku: int, mode: str) -> Any:
         has_lut = builder.icmp_signed(">", lut_n, ir.Constant(I64, 0))
         mod = builder.module
         dot = spec.declare_dot(mod, vi32, bvt)
-        rint = declare(mod, ir.FunctionType(vf32, [vf32]), f"llvm.rint.v{lanes}f32")
         prefetch = declare(
             mod,
             ir.FunctionType(ir.VoidType(), [I8.as_pointer(), I32, I32, I32]),
@@ -303,10 +289,7 @@ def _make_kernel(target: str, mr: int, ku: int, mode: str) -> Any:
             with cgutils.for_range(builder, builder.sub(nk, done)) as rest:
                 emit_step(builder.add(done, rest.index), 0, False)
         # epilogue, in registers
-        ozp_f = builder.sitofp(builder.trunc(ozp, I32), F32T)
-        qmin_f = vec_broadcast(builder, builder.sitofp(builder.trunc(qmin, I32), F32T), lanes)
-        qmax_f = vec_broadcast(builder, builder.sitofp(builder.trunc(qmax, I32), F32T), lanes)
-        ozp_v = vec_broadcast(builder, ozp_f, lanes)
+        ozp_v = vec_broadcast(builder, builder.sitofp(builder.trunc(ozp, I32), F32T), lanes)
         lo_v, hi_v, zpbits_v = clamp_round_splats(builder, ozp, qmin, qmax, lanes)
         if mode == "u8add":  # addp: [sa, pa, sb, pb, inv, floor, zp] (see the module docstring)
             addv = [
@@ -315,8 +298,14 @@ def _make_kernel(target: str, mr: int, ku: int, mode: str) -> Any:
                 )
                 for k in range(7)
             ]
-            zero_f = ir.Constant(vf32, [0.0] * lanes)
-            top_f = ir.Constant(vf32, [255.0] * lanes)
+            # the add's own rounding bounds: codes [0, 255] around its zero point
+            add_zp = addv[6]
+            add_lo = builder.fsub(ir.Constant(vf32, [0.0] * lanes), add_zp)
+            add_hi = builder.fsub(ir.Constant(vf32, [255.0] * lanes), add_zp)
+            add_bits = builder.sub(
+                ir.Constant(vi32, [ROUND_MAGIC_BITS] * lanes), builder.fptosi(add_zp, vi32)
+            )
+            mzp_v = builder.fsub(ir.Constant(vf32, [ROUND_MAGIC] * lanes), ozp_v)
         # AVX2 u8 rows (2 vectors of 8 codes) are packed to bytes with vpackssdw/vpackuswb
         packed_rows = mode in ("u8", "u8add") and lanes == 8 and nvec == 2
         row_codes: list[list[ir.Value]] = [[] for _ in range(mr)]
@@ -372,10 +361,10 @@ def _make_kernel(target: str, mr: int, ku: int, mode: str) -> Any:
                 if mode in ("u8", "u8t", "u8add"):
                     t = builder.fmul(builder.fadd(fv, bq), mu)
                     if mode == "u8add":
-                        x = _conv_code_as_float(builder, rint, t, ozp_v, qmin_f, qmax_f)
+                        x = rint_clamp_float(builder, t, lo_v, hi_v, mzp_v)
                         # x is the conv's output code; add the residual code as the add kernel
                         # does: fma(sa, qa, pa) + fma(sb, qb, pb), floor, rint(t * inv) + zp
-                        sa, pa, sb, pb, inv, floor, zpa = addv
+                        sa, pa, sb, pb, inv, floor = addv[:6]  # addv[6]: add_bits above
                         # rows past mvalid and vectors past the row read the block's first
                         # row and vector instead (inside the residual; never stored)
                         valid = builder.and_(
@@ -389,10 +378,9 @@ def _make_kernel(target: str, mr: int, ku: int, mode: str) -> Any:
                             builder.call(vfma, [sa, x, pa]), builder.call(vfma, [sb, rf, pb])
                         )
                         t = builder.select(builder.fcmp_ordered("<", t, floor), floor, t)
-                        x = builder.fadd(builder.call(rint, [builder.fmul(t, inv)]), zpa)
-                        x = builder.select(builder.fcmp_unordered("<", x, zero_f), zero_f, x)
-                        x = builder.select(builder.fcmp_ordered(">", x, top_f), top_f, x)
-                        codes = builder.fptosi(x, vi32)
+                        # clamp(rint(t * inv) + zp, 0, 255), rounded as the conv's code
+                        t = builder.fmul(t, inv)
+                        codes = rint_clamp_codes(builder, t, add_lo, add_hi, add_bits)
                     else:
                         # clamp to [qmin - zp, qmax - zp], round by the magic-number add, + zp
                         # as an int subtract: the integers of rint, + zp, clamp (NaN -> qmin)

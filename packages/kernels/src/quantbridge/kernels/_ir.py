@@ -80,3 +80,15 @@ def rint_clamp_codes(
     magic = ir.Constant(t.type, [ROUND_MAGIC] * lanes)
     bits = builder.bitcast(builder.fadd(t, magic), ir.VectorType(I32, lanes))
     return builder.sub(bits, zp_bits)
+
+
+def rint_clamp_float(
+    builder: ir.IRBuilder, t: ir.Value, lo: ir.Value, hi: ir.Value, magic_minus_zp: ir.Value
+) -> ir.Value:
+    """``rint_clamp_codes`` as float lanes (integral values), for a kernel that goes on
+    computing in float: ``(clamp(t, lo, hi) + MAGIC) - (MAGIC - zp)``, both steps exact.
+    ``magic_minus_zp`` holds the float ``ROUND_MAGIC - zp``."""
+    t = builder.select(builder.fcmp_ordered(">", t, lo), t, lo)  # NaN -> lo
+    t = builder.select(builder.fcmp_ordered("<", hi, t), hi, t)
+    magic = ir.Constant(t.type, [ROUND_MAGIC] * t.type.count)
+    return builder.fsub(builder.fadd(t, magic), magic_minus_zp)
