@@ -60,17 +60,22 @@ def _make_prepare(parallel: bool) -> Any:
         n = b3.shape[2]
         np_ = colcorr.shape[0] // nb
         bsz = np_ * kp
+        npan = (n + nr - 1) // nr
         for g in prange(nb):  # a plain range when parallel=False
             base = g * bsz
             col = np.zeros(n, np.int64)
             for kk in range(k):
                 s = kk // ks
-                u = kk - s * ks
-                for j in range(n):
-                    p = j // nr
-                    v = np.int32(b3[g, kk, j]) - shift
-                    bp[base + p * kp * nr + s * nr * ks + (j - p * nr) * ks + u] = v
-                    col[j] += v
+                row = base + s * nr * ks + (kk - s * ks)
+                # no division per element: panel by panel, a contiguous source run into
+                # every ks-th byte of the panel's k step
+                for p in range(npan):
+                    dst = row + p * kp * nr
+                    j0 = p * nr
+                    for jj in range(min(nr, n - j0)):
+                        v = np.int32(b3[g, kk, j0 + jj]) - shift
+                        bp[dst + jj * ks] = v
+                        col[j0 + jj] += v
             for j in range(np_):
                 cs = col[j] if j < n else 0
                 colcorr[g * np_ + j] = np.int32(-a_zp * cs + k * a_zp * np.int64(wzp[j]))
