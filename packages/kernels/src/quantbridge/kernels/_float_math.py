@@ -34,6 +34,7 @@ from numba.core import cgutils
 from numba.core.extending import intrinsic
 
 from quantbridge.kernels._fma import fma32
+from quantbridge.kernels._ir import stack_slot
 from quantbridge.kernels._threads import with_threads
 
 F32 = np.float32
@@ -227,6 +228,8 @@ def _gelu_vectors(typingctx: Any, mode: Any, x: Any, xoff: Any, out: Any, ooff: 
     slower (8-float vectors and a division per vector)."""
     if not isinstance(mode, types.IntegerLiteral):
         return None
+    if not (_flat_f32(x) and _flat_f32(out)):
+        return None
     inner = _gelu_vectors_codegen(mode.literal_value)
 
     def codegen(context: Any, builder: ir.IRBuilder, sig: Any, args: Any) -> ir.Value:
@@ -235,13 +238,143 @@ def _gelu_vectors(typingctx: Any, mode: Any, x: Any, xoff: Any, out: Any, ooff: 
     return types.int64(mode, x, xoff, out, ooff, n), codegen
 
 
+def _softmax_row_codegen(context: Any, builder: ir.IRBuilder, sig: Any, args: Any) -> ir.Value:
+    x, xoff, mask, moff, out, ooff, n, scale = args
+    x_p = context.make_array(sig.args[0])(context, builder, x).data
+    m_p = context.make_array(sig.args[2])(context, builder, mask).data
+    o_p = context.make_array(sig.args[4])(context, builder, out).data
+    f32, i64, i32 = ir.FloatType(), ir.IntType(64), ir.IntType(32)
+    vt = ir.VectorType(f32, _VLANES)
+    vbool = ir.VectorType(ir.IntType(1), _VLANES)
+    mod = builder.module
+
+    def fn(name: str, ret: ir.Type, params: list[ir.Type]) -> ir.Function:
+        return cgutils.get_or_insert_function(  # type: ignore[no-untyped-call]
+            mod, ir.FunctionType(ret, params), name
+        )
+
+    mload = fn(f"llvm.masked.load.v{_VLANES}f32.p0v{_VLANES}f32", vt,
+               [vt.as_pointer(), i32, vbool, vt])  # fmt: skip
+    mstore = fn(f"llvm.masked.store.v{_VLANES}f32.p0v{_VLANES}f32", ir.VoidType(),
+                [vt, vt.as_pointer(), i32, vbool])  # fmt: skip
+    rmax = fn(f"llvm.vector.reduce.fmax.v{_VLANES}f32", f32, [vt])
+    lanes = ir.Constant(ir.VectorType(i64, _VLANES), list(range(_VLANES)))
+    minus_inf = ir.Constant(vt, [float("-inf")] * _VLANES)
+    zero = ir.Constant(vt, [0.0] * _VLANES)
+    nvec = builder.udiv(builder.add(n, ir.Constant(i64, _VLANES - 1)), ir.Constant(i64, _VLANES))
+
+    def splat(v: ir.Value) -> ir.Value:
+        one = builder.insert_element(ir.Constant(vt, ir.Undefined), v, ir.Constant(i32, 0))
+        return builder.shuffle_vector(
+            one,
+            ir.Constant(vt, ir.Undefined),
+            ir.Constant(ir.VectorType(i32, _VLANES), [0] * _VLANES),
+        )
+
+    def each(body: Any) -> None:
+        """``body(at, valid)`` for every 16-float step of the row; ``valid``: lanes < n."""
+        with cgutils.for_range(builder, nvec) as loop:  # type: ignore[no-untyped-call]
+            at = builder.mul(loop.index, ir.Constant(i64, _VLANES))
+            idx = builder.add(lanes, splat_i64(at))
+            body(at, builder.icmp_signed("<", idx, splat_i64(n)))
+
+    def splat_i64(v: ir.Value) -> ir.Value:
+        vt64 = ir.VectorType(i64, _VLANES)
+        one = builder.insert_element(ir.Constant(vt64, ir.Undefined), v, ir.Constant(i32, 0))
+        return builder.shuffle_vector(
+            one,
+            ir.Constant(vt64, ir.Undefined),
+            ir.Constant(ir.VectorType(i32, _VLANES), [0] * _VLANES),
+        )
+
+    def ptr(base: ir.Value, off: ir.Value, at: ir.Value) -> ir.Value:
+        return builder.bitcast(builder.gep(base, [builder.add(off, at)]), vt.as_pointer())
+
+    def load(base: ir.Value, off: ir.Value, at: ir.Value, valid: ir.Value) -> ir.Value:
+        return builder.call(mload, [ptr(base, off, at), ir.Constant(i32, 4), valid, zero])
+
+    def store(v: ir.Value, at: ir.Value, valid: ir.Value) -> None:
+        builder.call(mstore, [v, ptr(o_p, ooff, at), ir.Constant(i32, 4), valid])
+
+    # pass 1: v = x * scale + mask (written to out), and the row's max
+    scale_v = splat(scale)
+    top = stack_slot(builder, minus_inf)
+
+    def first(at: ir.Value, valid: ir.Value) -> None:
+        v = builder.fadd(builder.fmul(load(x_p, xoff, at, valid), scale_v),
+                         load(m_p, moff, at, valid))  # fmt: skip
+        store(v, at, valid)
+        v = builder.select(valid, v, minus_inf)
+        old = builder.load(top)
+        builder.store(builder.select(builder.fcmp_ordered(">", v, old), v, old), top)
+
+    each(first)
+    top_v = splat(builder.call(rmax, [builder.load(top)]))
+    # pass 2: e = exp(v - max) in place, and the row's sum
+    total = stack_slot(builder, zero)
+
+    def second(at: ir.Value, valid: ir.Value) -> None:
+        e = _vexp(builder, builder.fsub(load(o_p, ooff, at, valid), top_v))
+        store(e, at, valid)
+        builder.store(builder.fadd(builder.load(total), builder.select(valid, e, zero)), total)
+
+    each(second)
+    acc = builder.load(total)
+    width = _VLANES
+    while width > 1:  # pairwise halves: a short dependency chain
+        width //= 2
+        halves = [
+            builder.shuffle_vector(
+                acc, acc, ir.Constant(ir.VectorType(i32, width), list(range(o, o + width)))
+            )
+            for o in (0, width)
+        ]
+        acc = builder.fadd(*halves)
+    s = builder.extract_element(acc, ir.Constant(i32, 0))
+    inv_v = splat(builder.fdiv(ir.Constant(f32, 1.0), s))
+
+    # pass 3: normalize
+    def third(at: ir.Value, valid: ir.Value) -> None:
+        store(builder.fmul(load(o_p, ooff, at, valid), inv_v), at, valid)
+
+    each(third)
+    return context.get_dummy_value()
+
+
+@intrinsic
+def _softmax_row(
+    typingctx: Any, x: Any, xoff: Any, mask: Any, moff: Any, out: Any, ooff: Any, n: Any,
+    scale: Any,
+) -> Any:  # fmt: skip
+    """One row of ``softmax(x * scale + mask)``: ``x[xoff : xoff + n]`` and
+    ``mask[moff : moff + n]`` (flat float32) into ``out[ooff : ooff + n]``, 16 floats a vector
+    (the last one masked), in three passes: scale, mask and max; ``exp32`` and sum; scale by
+    ``1 / sum``."""
+    if not (all(map(_flat_f32, (x, mask, out))) and scale == types.float32):
+        return None
+    return types.void(x, xoff, mask, moff, out, ooff, n, scale), _softmax_row_codegen
+
+
+def _flat_f32(t: Any) -> bool:
+    """A C-contiguous 1-D float32 array type: what the IR vectors read and write."""
+    return (
+        isinstance(t, types.Array) and t.ndim == 1 and t.layout == "C" and t.dtype == types.float32
+    )
+
+
 if TYPE_CHECKING:
+
+    def softmax_row(
+        x: Any, xoff: int, mask: Any, moff: int, out: Any, ooff: int, n: int, scale: float
+    ) -> None:
+        """See ``_softmax_row`` (numba code only)."""
 
     def gelu_vectors(mode: int, x: Any, xoff: int, out: Any, ooff: int, n: int) -> int:
         """See ``_gelu_vectors`` (numba code only)."""
 
 else:
     gelu_vectors = _gelu_vectors
+    softmax_row = _softmax_row
 
 
 ACTIVATIONS = {"none": ACT_NONE, "relu": ACT_RELU, "gelu": ACT_GELU, "gelu_tanh": ACT_GELU_TANH}

@@ -29,10 +29,10 @@ from quantbridge.kernels._float_math import (
     ACT_GELU,
     ACT_GELU_TANH,
     FAST,
-    exp32,
     gelu_erf,
     gelu_tanh,
     gelu_vectors,
+    softmax_row,
 )
 from quantbridge.kernels._threads import apply_num_threads, with_threads
 
@@ -70,31 +70,19 @@ def _make_layer_norm(parallel: bool) -> Any:
 
 
 def _make_softmax(parallel: bool) -> Any:
-    def softmax_rows(x, scale, mask, has_mask, d1, d2, mb, mh, mq, out):  # type: ignore[no-untyped-def]
+    def softmax_rows(x, scale, mask, d1, d2, mb, mh, mq, out):  # type: ignore[no-untyped-def]
         # x, out: [rows, n] with rows = d0 * d1 * d2; mask: [mb * mh * mq, n], row picked by
         # broadcasting (a size-1 mask dimension repeats)
         rows, n = x.shape
+        xf, mf, of = x.reshape(-1), mask.reshape(-1), out.reshape(-1)
+        scale32 = np.float32(scale)
         for i in prange(rows):  # a plain range when parallel=False
             q = i % d2
             h = (i // d2) % d1
             bb = i // (d1 * d2)
             mrow = ((bb if mb > 1 else 0) * mh + (h if mh > 1 else 0)) * mq + (q if mq > 1 else 0)
-            top = -np.inf
-            for k in range(n):
-                v = x[i, k] * scale
-                if has_mask:
-                    v += mask[mrow, k]
-                out[i, k] = v
-                top = max(top, v)
-            top32 = np.float32(top)
-            s = np.float32(0.0)
-            for k in range(n):
-                e = exp32(out[i, k] - top32)
-                out[i, k] = e
-                s += e
-            inv = np.float32(1.0) / s
-            for k in range(n):
-                out[i, k] = out[i, k] * inv
+            # the mask holds one zero row when there is none: adding it changes nothing
+            softmax_row(xf, i * n, mf, mrow * n, of, i * n, n, scale32)
 
     softmax_rows.__name__ = softmax_rows.__qualname__ = (
         "softmax_parallel" if parallel else "softmax_serial"
@@ -239,8 +227,7 @@ def softmax(
         m2 = np.ascontiguousarray(m4).reshape(-1, n)
     o = _out(out, xf, (xf,))
     fn = _pick(_SOFTMAX, xf.size, num_threads, "softmax")
-    fn(xf.reshape(-1, n), np.float32(sc), m2, mask is not None, shape4[1], shape4[2], mb, mh, mq,
-       o.reshape(-1, n))  # fmt: skip
+    fn(xf.reshape(-1, n), np.float32(sc), m2, shape4[1], shape4[2], mb, mh, mq, o.reshape(-1, n))
     return o
 
 
