@@ -207,7 +207,7 @@ def _gelu_vectors_codegen(mode: int) -> Any:
         vt = ir.VectorType(ir.FloatType(), _VLANES)
         i64 = ir.IntType(64)
         nvec = builder.udiv(n, ir.Constant(i64, _VLANES))
-        with cgutils.for_range(builder, nvec) as loop:  # type: ignore[no-untyped-call]
+        with cgutils.for_range(builder, nvec) as loop:
             at = builder.mul(loop.index, ir.Constant(i64, _VLANES))
             src = builder.bitcast(builder.gep(x_p, [builder.add(xoff, at)]), vt.as_pointer())
             v = builder.load(src)
@@ -273,7 +273,7 @@ def _softmax_row_codegen(context: Any, builder: ir.IRBuilder, sig: Any, args: An
 
     def each(body: Any) -> None:
         """``body(at, valid)`` for every 16-float step of the row; ``valid``: lanes < n."""
-        with cgutils.for_range(builder, nvec) as loop:  # type: ignore[no-untyped-call]
+        with cgutils.for_range(builder, nvec) as loop:
             at = builder.mul(loop.index, ir.Constant(i64, _VLANES))
             idx = builder.add(lanes, splat_i64(at))
             body(at, builder.icmp_signed("<", idx, splat_i64(n)))

@@ -224,11 +224,16 @@ def _max_into_codegen(context: Any, builder: ir.IRBuilder, sig: Any, args: Any) 
     return context.get_dummy_value()
 
 
-@intrinsic
-def _max_into(typingctx: Any, dst: Any, doff: Any, src: Any, soff: Any, n: Any, first: Any) -> Any:
+def _max_into_typing(
+    typingctx: Any, dst: Any, doff: Any, src: Any, soff: Any, n: Any, first: Any
+) -> Any:
     """``dst[doff:doff+n] = src[soff:soff+n]`` if ``first`` else their unsigned byte max,
     32 bytes a vector (ints are int64, ``first`` a bool)."""
     return types.void(dst, doff, src, soff, n, first), _max_into_codegen
+
+
+# typed Any: callers pass the six arguments, not numba's typing context
+_max_into: Any = intrinsic(_max_into_typing)
 
 
 @numba.njit(cache=True)
