@@ -8,7 +8,7 @@ import pytest
 
 import quantbridge.kernels as qk
 import quantbridge.kernels._quantize as _quantize_module
-from quantbridge.kernels import KernelError
+from quantbridge.kernels import KernelError, _lut
 
 CODES = np.arange(256, dtype=np.uint8)
 
@@ -162,3 +162,18 @@ def _force_threaded_path(monkeypatch, threads):
     # the size threshold is tuned for speed; lower it so these inputs take the threaded path
     monkeypatch.setattr(_quantize_module, "PARALLEL_MIN_WORK", 1)
     numba.set_num_threads(numba.config.NUMBA_NUM_THREADS if threads == 1 else 1)
+
+
+@pytest.mark.skipif(not _lut.VBMI, reason="this CPU has no AVX-512 VBMI")
+@pytest.mark.parametrize("size", [1, 63, 64, 65, 127, 128, 200, 4096 + 7])
+def test_vbmi_table_pass_equals_numpy(size):
+    # 64 codes a vpermi2b pair, the tail byte by byte; in place too (a fused activation's pass)
+    rng = np.random.default_rng(size)
+    table = rng.integers(0, 256, 256, dtype=np.uint8)
+    q = rng.integers(0, 256, size, dtype=np.uint8)
+    q[: min(size, 4)] = [0, 127, 128, 255][: min(size, 4)]  # both halves' edges
+    out = np.empty_like(q)
+    _lut._gather_vbmi(q, table, out)
+    np.testing.assert_array_equal(out, table[q])
+    _lut._gather_vbmi(q, table, q)
+    np.testing.assert_array_equal(q, out)

@@ -36,7 +36,7 @@ from quantbridge.kernels._depthwise import MAX_TAPS, depthwise_parallel, depthwi
 from quantbridge.kernels._dw_simd import LANES
 from quantbridge.kernels._elementwise import _add_params, add_relu
 from quantbridge.kernels._elementwise import add as add_plain
-from quantbridge.kernels._epilogue_lut import epilogue_lut
+from quantbridge.kernels._epilogue_lut import NO_LUT, epilogue_lut
 from quantbridge.kernels._errors import KernelError
 from quantbridge.kernels._gemm_run import (
     NO_ADD,
@@ -48,7 +48,7 @@ from quantbridge.kernels._gemm_run import (
 from quantbridge.kernels._gemm_simd import drive_vnni_u8t, serial_vnni_u8t
 from quantbridge.kernels._layout import channels_last_data
 from quantbridge.kernels._linear import PackedLinearWeight, _fast_zp
-from quantbridge.kernels._lut import apply_lut
+from quantbridge.kernels._lut import VBMI, apply_lut, apply_table
 from quantbridge.kernels._pack import (
     K_ALIGN,
     kernel_family,
@@ -573,6 +573,8 @@ def _depthwise_plan(packed: PackedConvWeight, geo: _Geometry, epi: _Epilogue) ->
     zpf = float(a_zp)  # a Python float: numba's dispatcher types it faster than np.float32
     # zmm blocks where the target guarantees AVX-512 (16 channels per FMA instead of 8)
     wide = packed.target == "avx512_vnni"
+    # with VBMI a pass over the output beats the driver's byte-by-byte row lookup (~20x)
+    drive_table = NO_LUT if VBMI and table.size > 0 else table
 
     def run(x4: npt.NDArray[np.uint8], _fused: Any) -> npt.NDArray[np.uint8]:
         if cl:
@@ -591,9 +593,11 @@ def _depthwise_plan(packed: PackedConvWeight, geo: _Geometry, epi: _Epilogue) ->
         out = np.empty((n, oh, ow, c), np.uint8)
         drv(
             nhwc.reshape(-1), n, xh, xw, c, oh, ow, kh, kw, sh, sw, dh, dw, xph, xpw, weights,
-            cp, corr, biasq, mult, zpf, o_zp, qmin, qmax, table, out.reshape(-1),
+            cp, corr, biasq, mult, zpf, o_zp, qmin, qmax, drive_table, out.reshape(-1),
             per_task, wide,
         )  # fmt: skip
+        if drive_table is not table:  # VBMI: the table as one pass over the output
+            apply_table(out.reshape(-1), table, out.reshape(-1))
         return _to_nchw(out, channels_last)
 
     return run

@@ -9,10 +9,15 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from typing import Any
 
 import numba
 import numpy as np
 import numpy.typing as npt
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
 
 from quantbridge.kernels._checks import check_array, check_out, check_quant_range, check_zero_point
 from quantbridge.kernels._errors import KernelError
@@ -23,7 +28,7 @@ from quantbridge.kernels._quantize import (
     choose_kernel,
     f32_scale,
 )
-from quantbridge.kernels._targets import check_target
+from quantbridge.kernels._targets import check_target, cpu_features
 
 U8 = npt.NDArray[np.uint8]
 F32 = npt.NDArray[np.float32]
@@ -48,8 +53,67 @@ def _gather_par(q, table, out):  # type: ignore[no-untyped-def]
         _gather_span(q, table, out, c * _CHUNK, min(c * _CHUNK + _CHUNK, n))
 
 
+# AVX-512 VBMI (Ice Lake, Zen 4 and later): ``vpermi2b`` looks 64 codes up in a 128-byte table
+# held in two registers, so a whole 256-entry table is two of them and a select: ~20x the
+# byte-by-byte gather. Compiled only on CPUs that have it (LLVM cannot emit it elsewhere).
+VBMI = "avx512vbmi" in cpu_features()
+_V64 = ir.VectorType(ir.IntType(8), 64)
+
+
+def _lookup64_codegen(context: Any, builder: ir.IRBuilder, sig: Any, args: Any) -> ir.Value:
+    q, qoff, table, out, ooff = args
+    q_p = context.make_array(sig.args[0])(context, builder, q).data
+    t_p = context.make_array(sig.args[2])(context, builder, table).data
+    o_p = context.make_array(sig.args[3])(context, builder, out).data
+
+    def vec(base: ir.Value, at: ir.Value) -> ir.Value:
+        return builder.bitcast(builder.gep(base, [at]), _V64.as_pointer())
+
+    i64 = ir.IntType(64)
+    quarters = []
+    for k in range(4):
+        v = builder.load(vec(t_p, ir.Constant(i64, 64 * k)))
+        v.align = 1
+        quarters.append(v)
+    codes = builder.load(vec(q_p, qoff))
+    codes.align = 1
+    perm = cgutils.get_or_insert_function(  # type: ignore[no-untyped-call]
+        builder.module, ir.FunctionType(_V64, [_V64, _V64, _V64]),
+        "llvm.x86.avx512.vpermi2var.qi.512",
+    )  # fmt: skip
+    low = builder.call(perm, [quarters[0], codes, quarters[1]])  # codes 0-127 (7 low bits)
+    high = builder.call(perm, [quarters[2], codes, quarters[3]])  # codes 128-255
+    top = builder.icmp_unsigned(">=", codes, ir.Constant(_V64, [128] * 64))
+    st = builder.store(builder.select(top, high, low), vec(o_p, ooff))
+    st.align = 1
+    return context.get_dummy_value()
+
+
+def _lookup64_typing(typingctx: Any, q: Any, qoff: Any, table: Any, out: Any, ooff: Any) -> Any:
+    """``out[ooff : ooff + 64] = table[q[qoff : qoff + 64]]`` (uint8 arrays; the caller keeps
+    every byte in bounds and the table 256 entries)."""
+    return types.void(q, qoff, table, out, ooff), _lookup64_codegen
+
+
+# typed Any: callers pass the five arguments, not numba's typing context
+_lookup64: Any = intrinsic(_lookup64_typing)
+
+
+@numba.njit(cache=True)
+def _gather_vbmi(q, table, out):  # type: ignore[no-untyped-def]
+    n = q.size
+    full = n - n % 64
+    for i in range(0, full, 64):
+        _lookup64(q, i, table, out, i)
+    _gather_span(q, table, out, full, n)
+
+
 def apply_table(q: U8, table: U8, out: U8) -> None:
-    """Unchecked gather ``out = table[q]`` on validated flat (1-D) uint8 views."""
+    """Unchecked gather ``out = table[q]`` on validated flat (1-D) uint8 views (``out`` may be
+    ``q``: each 64-byte step reads its codes before writing)."""
+    if VBMI:
+        _gather_vbmi(q.reshape(-1), np.ascontiguousarray(table), out.reshape(-1))
+        return
     kernel = choose_kernel(q.size, "apply_lut", _gather, _gather_par)
     kernel(q.reshape(-1), table, out.reshape(-1))
 
