@@ -177,3 +177,16 @@ def test_vbmi_table_pass_equals_numpy(size):
     np.testing.assert_array_equal(out, table[q])
     _lut._gather_vbmi(q, table, q)
     np.testing.assert_array_equal(q, out)
+
+
+@pytest.mark.skipif(not _lut.VBMI, reason="this CPU has no AVX-512 VBMI")
+def test_vbmi_table_pass_on_two_threads(monkeypatch):
+    # chunks of 64 K codes across the threads, the tail after them; the caller's thread count
+    monkeypatch.setattr(_lut, "VBMI_PARALLEL_MIN", 1)
+    rng = np.random.default_rng(2)
+    table = rng.integers(0, 256, 256, dtype=np.uint8)
+    q = rng.integers(0, 256, 3 * 65536 + 100, dtype=np.uint8)
+    for threads in (1, 2):
+        out = np.empty_like(q)
+        _lut.apply_table(q, table, out, threads)
+        np.testing.assert_array_equal(out, table[q])

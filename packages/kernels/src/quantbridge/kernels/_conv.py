@@ -597,7 +597,7 @@ def _depthwise_plan(packed: PackedConvWeight, geo: _Geometry, epi: _Epilogue) ->
             per_task, wide,
         )  # fmt: skip
         if drive_table is not table:  # VBMI: the table as one pass over the output
-            apply_table(out.reshape(-1), table, out.reshape(-1))
+            apply_table(out.reshape(-1), table, out.reshape(-1), threads)
         return _to_nchw(out, channels_last)
 
     return run

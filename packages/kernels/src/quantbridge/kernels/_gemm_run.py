@@ -183,7 +183,7 @@ def gemm_runner(
                   NO_RESIDUAL if residual is None else residual,
                   NO_ADD if add_params is None else add_params, drive_lut)  # fmt: skip
             if table_pass:
-                apply_table(c, lut, c)
+                apply_table(c, lut, c, threads)
         if post is not None:
             # one vectorized pass after the GEMM (per block inside the drivers it ran scalar)
             out = post_rows(c, np_, m, *post, threads).reshape(m, np_)

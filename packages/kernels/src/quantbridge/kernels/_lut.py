@@ -29,6 +29,7 @@ from quantbridge.kernels._quantize import (
     f32_scale,
 )
 from quantbridge.kernels._targets import check_target, cpu_features
+from quantbridge.kernels._threads import apply_num_threads, with_threads
 
 U8 = npt.NDArray[np.uint8]
 F32 = npt.NDArray[np.float32]
@@ -99,20 +100,36 @@ def _lookup64_typing(typingctx: Any, q: Any, qoff: Any, table: Any, out: Any, oo
 _lookup64: Any = intrinsic(_lookup64_typing)
 
 
-@numba.njit(cache=True)
-def _gather_vbmi(q, table, out):  # type: ignore[no-untyped-def]
-    n = q.size
-    full = n - n % 64
-    for i in range(0, full, 64):
-        _lookup64(q, i, table, out, i)
-    _gather_span(q, table, out, full, n)
+def _make_gather_vbmi(parallel: bool) -> Any:
+    def gather(q, table, out):  # type: ignore[no-untyped-def]
+        n = q.size
+        full = n - n % 64
+        for c in numba.prange((full + _VBMI_CHUNK - 1) // _VBMI_CHUNK):  # plain range if serial
+            for i in range(c * _VBMI_CHUNK, min(full, c * _VBMI_CHUNK + _VBMI_CHUNK), 64):
+                _lookup64(q, i, table, out, i)
+        _gather_span(q, table, out, full, n)
+
+    gather.__name__ = gather.__qualname__ = "gather_vbmi_parallel" if parallel else "gather_vbmi"
+    return numba.njit(cache=True, parallel=parallel)(gather)
 
 
-def apply_table(q: U8, table: U8, out: U8) -> None:
+_VBMI_CHUNK = 1 << 16  # codes per parallel task (a multiple of 64)
+# codes from which two threads gain: 200 K codes 9.4 -> 6.2 us, 1.2 M 69 -> 22 us (Xeon)
+VBMI_PARALLEL_MIN = 1 << 18
+_gather_vbmi, _gather_vbmi_par = _make_gather_vbmi(False), _make_gather_vbmi(True)
+
+
+def apply_table(q: U8, table: U8, out: U8, threads: int | None = None) -> None:
     """Unchecked gather ``out = table[q]`` on validated flat (1-D) uint8 views (``out`` may be
-    ``q``: each 64-byte step reads its codes before writing)."""
+    ``q``: each 64-byte step reads its codes before writing). ``threads``: the calling
+    kernel's thread count (default: the package setting)."""
     if VBMI:
-        _gather_vbmi(q.reshape(-1), np.ascontiguousarray(table), out.reshape(-1))
+        if threads is None:
+            threads = apply_num_threads(None, "apply_lut")
+        kernel = _gather_vbmi
+        if threads > 1 and q.size >= VBMI_PARALLEL_MIN:
+            kernel = with_threads(_gather_vbmi_par, threads)
+        kernel(q.reshape(-1), np.ascontiguousarray(table), out.reshape(-1))
         return
     kernel = choose_kernel(q.size, "apply_lut", _gather, _gather_par)
     kernel(q.reshape(-1), table, out.reshape(-1))
