@@ -48,7 +48,7 @@ from quantbridge.kernels._gemm_run import (
 from quantbridge.kernels._gemm_simd import drive_vnni_u8t, serial_vnni_u8t
 from quantbridge.kernels._layout import channels_last_data
 from quantbridge.kernels._linear import PackedLinearWeight, _fast_zp
-from quantbridge.kernels._lut import VBMI, apply_lut, apply_table
+from quantbridge.kernels._lut import apply_lut, apply_table, table_as_pass
 from quantbridge.kernels._pack import (
     K_ALIGN,
     kernel_family,
@@ -574,7 +574,7 @@ def _depthwise_plan(packed: PackedConvWeight, geo: _Geometry, epi: _Epilogue) ->
     # zmm blocks where the target guarantees AVX-512 (16 channels per FMA instead of 8)
     wide = packed.target == "avx512_vnni"
     # with VBMI a pass over the output beats the driver's byte-by-byte row lookup (~20x)
-    drive_table = NO_LUT if VBMI and table.size > 0 else table
+    drive_table = NO_LUT if table_as_pass(table) else table
 
     def run(x4: npt.NDArray[np.uint8], _fused: Any) -> npt.NDArray[np.uint8]:
         if cl:

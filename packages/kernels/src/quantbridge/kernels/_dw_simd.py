@@ -50,6 +50,7 @@ from quantbridge.kernels._ir import (
     rint_clamp_codes,
     stack_slot,
     store_vec,
+    vec_broadcast,
 )
 
 LANES = 8  # channels per vector: 8 float32 lanes fill a ymm register
@@ -84,14 +85,6 @@ _VMASK = ir.VectorType(ir.IntType(1), LANES)
 
 def _data(context: Any, builder: ir.IRBuilder, ty: Any, value: ir.Value) -> ir.Value:
     return context.make_array(ty)(context, builder, value).data
-
-
-def _splat(value: ir.Value, vt: ir.VectorType, builder: ir.IRBuilder) -> ir.Value:
-    v = builder.insert_element(ir.Constant(vt, ir.Undefined), value, ir.Constant(I32, 0))
-    lanes = vt.count
-    return builder.shuffle_vector(
-        v, ir.Constant(vt, ir.Undefined), ir.Constant(ir.VectorType(I32, lanes), [0] * lanes)
-    )
 
 
 def _fmuladd(builder: ir.IRBuilder, lanes: int) -> ir.Function:
@@ -282,10 +275,10 @@ def _emit_taps(
     mask = None
     if masked:
         lane = ir.Constant(ir.VectorType(I64, LANES), list(range(LANES)))
-        mask = builder.icmp_signed("<", lane, _splat(nch, ir.VectorType(I64, LANES), builder))
+        mask = builder.icmp_signed("<", lane, vec_broadcast(builder, nch, LANES))
     fma = _fmuladd(builder, LANES)
     vf = _vf(LANES)
-    zpv = _splat(builder.fptrunc(zpf, F32T) if zpf.type != F32T else zpf, vf, builder)
+    zpv = vec_broadcast(builder, builder.fptrunc(zpf, F32T) if zpf.type != F32T else zpf, LANES)
     acc = stack_slot(builder, ir.Constant(vf, [0.0] * LANES))
     with cgutils.for_range(builder, ntaps) as loop:
         t = loop.index

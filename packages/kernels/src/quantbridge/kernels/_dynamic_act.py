@@ -29,7 +29,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from quantbridge.kernels._fma import fma32
-from quantbridge.kernels._ir import F32T, I32, I64, declare, load_vec, stack_slot
+from quantbridge.kernels._ir import F32T, I32, I64, declare, load_vec, stack_slot, vec_broadcast
 
 _EXP_MASK = np.int32(0x7F800000)  # all-ones exponent: inf or NaN
 _TINY = np.float32(1.1754944e-38)
@@ -52,11 +52,7 @@ def _range_codegen(context: Any, builder: ir.IRBuilder, sig: Any, args: Any) -> 
     def take(v: ir.Value, width: int) -> None:
         """Fold ``v`` (``width`` lanes, splatted to full vectors when 1) into the slots."""
         if width == 1:
-            v = builder.shuffle_vector(
-                builder.insert_element(ir.Constant(vf, ir.Undefined), v, ir.Constant(I32, 0)),
-                ir.Constant(vf, ir.Undefined),
-                ir.Constant(ir.VectorType(I32, _RANGE_LANES), [0] * _RANGE_LANES),
-            )
+            v = vec_broadcast(builder, v, _RANGE_LANES)
         low, high = builder.load(lo), builder.load(hi)
         # compare-and-select: a NaN never replaces a bound (it is caught by its bits)
         builder.store(builder.select(builder.fcmp_ordered("<", v, low), v, low), lo)

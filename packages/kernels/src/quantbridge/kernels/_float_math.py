@@ -34,7 +34,7 @@ from numba.core import cgutils
 from numba.core.extending import intrinsic
 
 from quantbridge.kernels._fma import fma32
-from quantbridge.kernels._ir import stack_slot
+from quantbridge.kernels._ir import declare, load_vec, stack_slot, store_vec, vec_broadcast
 from quantbridge.kernels._threads import with_threads
 
 F32 = np.float32
@@ -144,12 +144,8 @@ def _vexp(builder: ir.IRBuilder, v: ir.Value) -> ir.Value:
     def const(x: float) -> ir.Constant:
         return ir.Constant(vt, [float(x)] * lanes)
 
-    rint = cgutils.get_or_insert_function(  # type: ignore[no-untyped-call]
-        mod, ir.FunctionType(vt, [vt]), f"llvm.rint.v{lanes}f32"
-    )
-    fmuladd = cgutils.get_or_insert_function(  # type: ignore[no-untyped-call]
-        mod, ir.FunctionType(vt, [vt, vt, vt]), f"llvm.fmuladd.v{lanes}f32"
-    )
+    rint = declare(mod, ir.FunctionType(vt, [vt]), f"llvm.rint.v{lanes}f32")
+    fmuladd = declare(mod, ir.FunctionType(vt, [vt, vt, vt]), f"llvm.fmuladd.v{lanes}f32")
     lo, hi = const(_EXP_LO), const(_EXP_HI)
     c = builder.select(builder.fcmp_ordered(">", v, lo), v, lo)
     c = builder.select(builder.fcmp_ordered("<", c, hi), c, hi)
@@ -182,9 +178,7 @@ def _vgelu(builder: ir.IRBuilder, x: ir.Value, mode: int) -> ir.Value:
         )
         e = _vexp(builder, builder.fmul(const(-_TWO), u))
         return builder.fdiv(x, builder.fadd(const(_ONE), e))
-    fabs = cgutils.get_or_insert_function(  # type: ignore[no-untyped-call]
-        builder.module, ir.FunctionType(vt, [vt]), f"llvm.fabs.v{lanes}f32"
-    )
+    fabs = declare(builder.module, ir.FunctionType(vt, [vt]), f"llvm.fabs.v{lanes}f32")
     z = builder.fmul(builder.call(fabs, [x]), const(_RSQRT2))
     t = builder.fdiv(const(_ONE), builder.fadd(const(_ONE), builder.fmul(const(_AS_P), z)))
     poly = const(_AS_A5)
@@ -209,12 +203,8 @@ def _gelu_vectors_codegen(mode: int) -> Any:
         nvec = builder.udiv(n, ir.Constant(i64, _VLANES))
         with cgutils.for_range(builder, nvec) as loop:
             at = builder.mul(loop.index, ir.Constant(i64, _VLANES))
-            src = builder.bitcast(builder.gep(x_p, [builder.add(xoff, at)]), vt.as_pointer())
-            v = builder.load(src)
-            v.align = 4
-            dst = builder.bitcast(builder.gep(o_p, [builder.add(ooff, at)]), vt.as_pointer())
-            st = builder.store(_vgelu(builder, v, mode), dst)
-            st.align = 4
+            v = load_vec(builder, builder.gep(x_p, [builder.add(xoff, at)]), vt)
+            store_vec(builder, _vgelu(builder, v, mode), builder.gep(o_p, [builder.add(ooff, at)]))
         return builder.mul(nvec, ir.Constant(i64, _VLANES))
 
     return codegen
@@ -249,9 +239,7 @@ def _softmax_row_codegen(context: Any, builder: ir.IRBuilder, sig: Any, args: An
     mod = builder.module
 
     def fn(name: str, ret: ir.Type, params: list[ir.Type]) -> ir.Function:
-        return cgutils.get_or_insert_function(  # type: ignore[no-untyped-call]
-            mod, ir.FunctionType(ret, params), name
-        )
+        return declare(mod, ir.FunctionType(ret, params), name)
 
     mload = fn(f"llvm.masked.load.v{_VLANES}f32.p0v{_VLANES}f32", vt,
                [vt.as_pointer(), i32, vbool, vt])  # fmt: skip
@@ -264,28 +252,15 @@ def _softmax_row_codegen(context: Any, builder: ir.IRBuilder, sig: Any, args: An
     nvec = builder.udiv(builder.add(n, ir.Constant(i64, _VLANES - 1)), ir.Constant(i64, _VLANES))
 
     def splat(v: ir.Value) -> ir.Value:
-        one = builder.insert_element(ir.Constant(vt, ir.Undefined), v, ir.Constant(i32, 0))
-        return builder.shuffle_vector(
-            one,
-            ir.Constant(vt, ir.Undefined),
-            ir.Constant(ir.VectorType(i32, _VLANES), [0] * _VLANES),
-        )
+        return vec_broadcast(builder, v, _VLANES)
+
+    n_v = splat(n)
 
     def each(body: Any) -> None:
         """``body(at, valid)`` for every 16-float step of the row; ``valid``: lanes < n."""
         with cgutils.for_range(builder, nvec) as loop:
             at = builder.mul(loop.index, ir.Constant(i64, _VLANES))
-            idx = builder.add(lanes, splat_i64(at))
-            body(at, builder.icmp_signed("<", idx, splat_i64(n)))
-
-    def splat_i64(v: ir.Value) -> ir.Value:
-        vt64 = ir.VectorType(i64, _VLANES)
-        one = builder.insert_element(ir.Constant(vt64, ir.Undefined), v, ir.Constant(i32, 0))
-        return builder.shuffle_vector(
-            one,
-            ir.Constant(vt64, ir.Undefined),
-            ir.Constant(ir.VectorType(i32, _VLANES), [0] * _VLANES),
-        )
+            body(at, builder.icmp_signed("<", builder.add(lanes, splat(at)), n_v))
 
     def ptr(base: ir.Value, off: ir.Value, at: ir.Value) -> ir.Value:
         return builder.bitcast(builder.gep(base, [builder.add(off, at)]), vt.as_pointer())

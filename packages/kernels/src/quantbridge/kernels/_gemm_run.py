@@ -31,7 +31,7 @@ from quantbridge.kernels._gemm_simd import (
     serial_vnni_u8,
     serial_vnni_u8add,
 )
-from quantbridge.kernels._lut import VBMI, apply_table
+from quantbridge.kernels._lut import apply_table, table_as_pass
 from quantbridge.kernels._pack import layout, round_up
 from quantbridge.kernels._pair_guard import (
     PairGuard,
@@ -160,7 +160,7 @@ def gemm_runner(
     # with VBMI a table pass over the stored codes is ~20x cheaper than the epilogue's
     # lane-by-lane lookup (a pointwise conv 24->144 at 56x56 with hardswish: 3.6x the conv
     # alone fused, 1.1x as a pass): the drivers get no table and the pass runs after them
-    table_pass = VBMI and lut.size > 0 and not generic and not f32_out
+    table_pass = table_as_pass(lut) and not generic and not f32_out
     drive_lut = NO_LUT if table_pass else lut
 
     def run(

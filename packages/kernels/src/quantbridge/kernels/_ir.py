@@ -73,9 +73,7 @@ def rint_clamp_codes(
     replaces a round, an add and a float-to-int conversion by one float add and one int
     subtract. ``lo``/``hi``/``zp_bits`` come from ``clamp_round_splats``.
     """
-    # t > lo ? t : lo (NaN -> lo) and hi < t ? hi : t: one max and one min instruction on x86
-    t = builder.select(builder.fcmp_ordered(">", t, lo), t, lo)
-    t = builder.select(builder.fcmp_ordered("<", hi, t), hi, t)
+    t = _clamp(builder, t, lo, hi)
     lanes = t.type.count
     magic = ir.Constant(t.type, [ROUND_MAGIC] * lanes)
     bits = builder.bitcast(builder.fadd(t, magic), ir.VectorType(I32, lanes))
@@ -88,7 +86,13 @@ def rint_clamp_float(
     """``rint_clamp_codes`` as float lanes (integral values), for a kernel that goes on
     computing in float: ``(clamp(t, lo, hi) + MAGIC) - (MAGIC - zp)``, both steps exact.
     ``magic_minus_zp`` holds the float ``ROUND_MAGIC - zp``."""
-    t = builder.select(builder.fcmp_ordered(">", t, lo), t, lo)  # NaN -> lo
-    t = builder.select(builder.fcmp_ordered("<", hi, t), hi, t)
+    t = _clamp(builder, t, lo, hi)
     magic = ir.Constant(t.type, [ROUND_MAGIC] * t.type.count)
     return builder.fsub(builder.fadd(t, magic), magic_minus_zp)
+
+
+def _clamp(builder: ir.IRBuilder, t: ir.Value, lo: ir.Value, hi: ir.Value) -> ir.Value:
+    """``t > lo ? t : lo`` (NaN -> lo), then ``hi < t ? hi : t``: one max and one min
+    instruction on x86."""
+    t = builder.select(builder.fcmp_ordered(">", t, lo), t, lo)
+    return builder.select(builder.fcmp_ordered("<", hi, t), hi, t)

@@ -16,11 +16,11 @@ import numpy as np
 import numpy.typing as npt
 from llvmlite import ir
 from numba import types
-from numba.core import cgutils
 from numba.extending import intrinsic
 
 from quantbridge.kernels._checks import check_array, check_out, check_quant_range, check_zero_point
 from quantbridge.kernels._errors import KernelError
+from quantbridge.kernels._ir import I64, declare, load_vec, store_vec
 from quantbridge.kernels._layout import check_dense, empty_in_order, flat
 from quantbridge.kernels._quantize import (
     _dequantize_flat,
@@ -67,32 +67,25 @@ def _lookup64_codegen(context: Any, builder: ir.IRBuilder, sig: Any, args: Any) 
     t_p = context.make_array(sig.args[2])(context, builder, table).data
     o_p = context.make_array(sig.args[3])(context, builder, out).data
 
-    def vec(base: ir.Value, at: ir.Value) -> ir.Value:
-        return builder.bitcast(builder.gep(base, [at]), _V64.as_pointer())
-
-    i64 = ir.IntType(64)
-    quarters = []
-    for k in range(4):
-        v = builder.load(vec(t_p, ir.Constant(i64, 64 * k)))
-        v.align = 1
-        quarters.append(v)
-    codes = builder.load(vec(q_p, qoff))
-    codes.align = 1
-    perm = cgutils.get_or_insert_function(  # type: ignore[no-untyped-call]
-        builder.module, ir.FunctionType(_V64, [_V64, _V64, _V64]),
-        "llvm.x86.avx512.vpermi2var.qi.512",
-    )  # fmt: skip
+    quarters = [load_vec(builder, builder.gep(t_p, [ir.Constant(I64, 64 * k)]), _V64)
+                for k in range(4)]  # fmt: skip
+    codes = load_vec(builder, builder.gep(q_p, [qoff]), _V64)
+    perm = declare(builder.module, ir.FunctionType(_V64, [_V64, _V64, _V64]),
+                   "llvm.x86.avx512.vpermi2var.qi.512")  # fmt: skip
     low = builder.call(perm, [quarters[0], codes, quarters[1]])  # codes 0-127 (7 low bits)
     high = builder.call(perm, [quarters[2], codes, quarters[3]])  # codes 128-255
     top = builder.icmp_unsigned(">=", codes, ir.Constant(_V64, [128] * 64))
-    st = builder.store(builder.select(top, high, low), vec(o_p, ooff))
-    st.align = 1
+    store_vec(builder, builder.select(top, high, low), builder.gep(o_p, [ooff]))
     return context.get_dummy_value()
 
 
 def _lookup64_typing(typingctx: Any, q: Any, qoff: Any, table: Any, out: Any, ooff: Any) -> Any:
-    """``out[ooff : ooff + 64] = table[q[qoff : qoff + 64]]`` (uint8 arrays; the caller keeps
-    every byte in bounds and the table 256 entries)."""
+    """``out[ooff : ooff + 64] = table[q[qoff : qoff + 64]]`` (C-contiguous 1-D uint8 arrays;
+    the caller keeps every byte in bounds and the table 256 entries)."""
+    flat_u8 = [isinstance(a, types.Array) and a.ndim == 1 and a.layout == "C"
+               and a.dtype == types.uint8 for a in (q, table, out)]  # fmt: skip
+    if not all(flat_u8):
+        return None
     return types.void(q, qoff, table, out, ooff), _lookup64_codegen
 
 
@@ -119,17 +112,23 @@ VBMI_PARALLEL_MIN = 1 << 18
 _gather_vbmi, _gather_vbmi_par = _make_gather_vbmi(False), _make_gather_vbmi(True)
 
 
+def table_as_pass(table: U8) -> bool:
+    """Whether a table fused into a kernel (``lut=``) runs faster as ``apply_table`` over the
+    kernel's output than looked up in its epilogue: with VBMI, any real table."""
+    return VBMI and table.size > 0
+
+
 def apply_table(q: U8, table: U8, out: U8, threads: int | None = None) -> None:
-    """Unchecked gather ``out = table[q]`` on validated flat (1-D) uint8 views (``out`` may be
-    ``q``: each 64-byte step reads its codes before writing). ``threads``: the calling
-    kernel's thread count (default: the package setting)."""
+    """Unchecked gather ``out = table[q]`` on validated flat (1-D) uint8 views and a
+    C-contiguous table (``out`` may be ``q``: each 64-byte step reads its codes before
+    writing). ``threads``: the calling kernel's thread count (default: the package setting)."""
     if VBMI:
         if threads is None:
             threads = apply_num_threads(None, "apply_lut")
         kernel = _gather_vbmi
         if threads > 1 and q.size >= VBMI_PARALLEL_MIN:
             kernel = with_threads(_gather_vbmi_par, threads)
-        kernel(q.reshape(-1), np.ascontiguousarray(table), out.reshape(-1))
+        kernel(q.reshape(-1), table, out.reshape(-1))
         return
     kernel = choose_kernel(q.size, "apply_lut", _gather, _gather_par)
     kernel(q.reshape(-1), table, out.reshape(-1))

@@ -24,6 +24,8 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
+from quantbridge.kernels._ir import load_vec, store_vec, vec_broadcast
+
 TILE = 16
 _I8 = ir.IntType(8)
 _I32 = ir.IntType(32)
@@ -92,22 +94,14 @@ def _spread_codegen(nchw: bool, cg: int, cg4: int) -> Any:
         o_ptr = context.make_array(signature.args[3])(context, builder, out).data
 
         def load(at: ir.Value, lanes: int) -> ir.Value:
-            vt = ir.VectorType(_I8, lanes)
-            v = builder.load(builder.bitcast(builder.gep(x_ptr, [at]), vt.as_pointer()))
-            v.align = 1
-            return v
+            return load_vec(builder, builder.gep(x_ptr, [at]), ir.VectorType(_I8, lanes))
 
         fill8 = builder.trunc(fill, _I8)
         if nchw:
             # one 16-pixel run per channel plane and a run of fill bytes per padding channel,
             # interleaved pairwise (a byte transpose, as in transpose_tile): LLVM lowered one
             # wide shuffle of three runs and a fill vector 10x slower
-            fills = builder.insert_element(
-                ir.Constant(ir.VectorType(_I8, TILE), ir.Undefined), fill8, ir.Constant(_I32, 0)
-            )
-            fills = builder.shuffle_vector(
-                fills, fills, ir.Constant(ir.VectorType(_I32, TILE), [0] * TILE)
-            )
+            fills = vec_broadcast(builder, fill8, TILE)
             runs = [load(builder.add(xoff, builder.mul(plane, ir.Constant(plane.type, k))), TILE)
                     for k in range(cg)] + [fills] * (cg4 - cg)  # fmt: skip
             while len(runs) > 1:  # concatenate pairwise: (p, k) at k * 16 + p
@@ -134,8 +128,7 @@ def _spread_codegen(nchw: bool, cg: int, cg4: int) -> Any:
             lanes = src.type.count
             mask = [p * cg + k if k < cg else lanes for p in range(TILE) for k in range(cg4)]
         row = builder.shuffle_vector(src, other, ir.Constant(ir.VectorType(_I32, len(mask)), mask))
-        st = builder.store(row, builder.bitcast(builder.gep(o_ptr, [ooff]), row.type.as_pointer()))
-        st.align = 1
+        store_vec(builder, row, builder.gep(o_ptr, [ooff]))
         return context.get_dummy_value()
 
     return codegen
