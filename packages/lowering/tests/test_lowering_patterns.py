@@ -88,6 +88,7 @@ def test_default_table_lists_every_family_in_matching_order() -> None:
         "dynamic linear + GELU",
         "float layer_norm (+ residual add)",
         "float softmax (+ scale, mask)",
+        "attention on codes",
     ]
     by_name = {r.name: r for r in default_lowering_rules()}
     assert Nested(nn.ReLU, operator.add) in by_name["add / mul + relu"].ops

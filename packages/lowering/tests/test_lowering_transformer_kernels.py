@@ -235,3 +235,78 @@ def test_gelu_fused_into_dynamic_linear_equals_unfused(approximate: str) -> None
         got, unfused = fused(x), plain(x)
         pre = plain.get_submodule("fc_dynamic")(x)  # the linear's float output, unfused
     assert torch.all((got - unfused).abs() <= GELU_TOL * pre.abs().clamp(min=1))
+
+
+class _SdpaLayer(nn.Module):
+    """Hugging Face's sdpa attention: q/k/v Linears split into heads, a boolean padding mask,
+    ``F.scaled_dot_product_attention`` with an explicit scale, heads merged, output Linear."""
+
+    def __init__(self, hidden: int = 48, heads: int = 4):
+        super().__init__()
+        self.heads, self.d = heads, hidden // heads
+        self.query, self.key, self.value, self.out = (nn.Linear(hidden, hidden) for _ in range(4))
+
+    def _split(self, t: torch.Tensor) -> torch.Tensor:
+        b, s, _ = t.shape
+        return t.view(b, s, self.heads, self.d).transpose(1, 2)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        b, s, h = x.shape
+        keep = mask[:, None, None, :].bool()
+        q, k, v = self._split(self.query(x)), self._split(self.key(x)), self._split(self.value(x))
+        ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=keep, scale=1 / math.sqrt(self.d))
+        out: torch.Tensor = self.out(ctx.transpose(1, 2).reshape(b, s, h))
+        return out
+
+
+def test_static_sdpa_runs_on_codes_and_matches_the_reference() -> None:
+    torch.manual_seed(0)
+    model = _SdpaLayer().eval()
+    g = torch.Generator().manual_seed(1)
+    mask = torch.ones(3, 12)
+    mask[1, 7:] = 0
+    mask[2, 3:] = 0
+    backend = L.get_backend("numba")
+    x0 = torch.randn(3, 12, 48, generator=g)
+    prepared = prepare_fx(
+        model, backend.qconfig_mapping(transformer=True), (x0, mask),
+        backend_config=backend.backend_config,
+    )  # fmt: skip
+    for _ in range(4):
+        prepared(torch.randn(3, 12, 48, generator=g), mask)
+    reference = convert_to_reference_fx(copy.deepcopy(prepared))
+    lowered = backend.convert(prepared)
+    report = L.lowering_report(lowered)
+    fused = [what for _, what in report.lowered if what.startswith("kernels.attention")]
+    assert fused == ["kernels.attention (dequantize of q, k, v fused, uint8 output)"], str(report)
+    assert not report.kept
+    modules = dict(lowered.named_modules())
+    (node,) = [
+        n for n in lowered.graph.nodes
+        if n.op == "call_module" and isinstance(modules[n.target], lm.QuantizedAttention)
+    ]  # fmt: skip
+    # q, k and v are the projections' codes (views), never dequantized float
+    assert [(a.op, a.target) for a in node.args[:3]] == [("call_method", "transpose")] * 3
+    # the output Linear's step: one attention code apart moves it by at most a few steps
+    out_step = float(lowered.out_1.scale)
+    for _ in range(3):
+        x = torch.randn(3, 12, 48, generator=g)
+        with torch.no_grad():
+            got, want = lowered(x, mask), reference(x, mask)
+        assert float((got - want).abs().max()) <= 2 * out_step + 1e-6
+        assert float((got - want).abs().mean()) <= 0.05 * out_step
+    # state dict and pickle keep the attention's qparams
+    clone = pickle.loads(pickle.dumps(lowered))
+    clone.load_state_dict(lowered.state_dict())
+    with torch.no_grad():
+        assert torch.equal(clone(x, mask), lowered(x, mask))
+    bad = dict(lowered.state_dict())
+    key = next(k for k in bad if k.endswith("input3_scale"))
+    bad[key] = torch.tensor(-1.0, dtype=torch.float64)
+    with pytest.raises(L.LoweringError, match="input3_scale"):
+        clone.load_state_dict(bad)
+    # torch.export sees the custom op, with the same numbers
+    exported = torch.export.export(lowered, (x, mask))
+    assert "attention" in str(exported.graph)
+    with torch.no_grad():
+        assert torch.equal(exported.module()(x, mask), lowered(x, mask))

@@ -12,6 +12,7 @@ from quantbridge.kernels._jitcache import KernelCacheWarning
 
 # isort: split
 from quantbridge.kernels._activation import clamp, hardtanh, relu, relu6
+from quantbridge.kernels._attention import attention
 from quantbridge.kernels._conv import PackedConvWeight, PreparedConv, conv1d, conv2d, conv2d_add
 from quantbridge.kernels._elementwise import add, add_relu, mul, mul_relu
 from quantbridge.kernels._embedding import (
@@ -83,6 +84,7 @@ __all__ = [
     # float32 ops around the GEMMs (transformers)
     "gelu",
     "layer_norm",
+    "attention",
     "softmax",
     # quantize / elementwise / pools / lookup tables / embedding_bag
     "LUT_FUNCTIONS",

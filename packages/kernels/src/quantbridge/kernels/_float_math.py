@@ -218,7 +218,7 @@ def _gelu_vectors(typingctx: Any, mode: Any, x: Any, xoff: Any, out: Any, ooff: 
     slower (8-float vectors and a division per vector)."""
     if not isinstance(mode, types.IntegerLiteral):
         return None
-    if not (_flat_f32(x) and _flat_f32(out)):
+    if not (flat_f32(x) and flat_f32(out)):
         return None
     inner = _gelu_vectors_codegen(mode.literal_value)
 
@@ -325,12 +325,12 @@ def _softmax_row(
     ``mask[moff : moff + n]`` (flat float32) into ``out[ooff : ooff + n]``, 16 floats a vector
     (the last one masked), in three passes: scale, mask and max; ``exp32`` and sum; scale by
     ``1 / sum``."""
-    if not (all(map(_flat_f32, (x, mask, out))) and scale == types.float32):
+    if not (all(map(flat_f32, (x, mask, out))) and scale == types.float32):
         return None
     return types.void(x, xoff, mask, moff, out, ooff, n, scale), _softmax_row_codegen
 
 
-def _flat_f32(t: Any) -> bool:
+def flat_f32(t: Any) -> bool:
     """A C-contiguous 1-D float32 array type: what the IR vectors read and write."""
     return (
         isinstance(t, types.Array) and t.ndim == 1 and t.layout == "C" and t.dtype == types.float32

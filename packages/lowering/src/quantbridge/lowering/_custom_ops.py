@@ -398,3 +398,25 @@ def softmax_op(x: torch.Tensor, scale: float, mask: torch.Tensor | None) -> torc
 @softmax_op.register_fake
 def _(x: torch.Tensor, *args: Any) -> torch.Tensor:
     return x.new_empty(x.shape)
+
+
+@torch.library.custom_op(f"{_NS}::attention", mutates_args=())
+def attention_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    qparams: list[float],
+    out_qparams: list[float] | None,
+    scale: float | None,
+    mask: torch.Tensor | None,
+) -> torch.Tensor:
+    qp = tuple((qparams[i], int(qparams[i + 1])) for i in (0, 2, 4))
+    out_qp = None if out_qparams is None else (out_qparams[0], int(out_qparams[1]))
+    return lowered.attention(q, k, v, qp, out_qp, scale, mask)  # type: ignore[arg-type]
+
+
+@attention_op.register_fake
+def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qparams: Any, out_qparams: Any,
+      *args: Any) -> torch.Tensor:  # fmt: skip
+    shape = (*q.shape[:-1], v.shape[-1])
+    return q.new_empty(shape, dtype=torch.uint8 if out_qparams is not None else torch.float32)

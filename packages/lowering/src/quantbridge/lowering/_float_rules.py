@@ -6,7 +6,10 @@ around a missing quantized kernel are left as they are):
 - ``LayerNorm(a + b)`` becomes ``kernels.layer_norm`` with the residual add fused, a LayerNorm
   alone ``kernels.layer_norm``;
 - ``softmax(x * c + mask)`` / ``softmax(x / c + mask)`` (and without the mask or the scale)
-  over the last dimension becomes ``kernels.softmax``.
+  over the last dimension becomes ``kernels.softmax``;
+- ``scaled_dot_product_attention`` of three dequantized code tensors (the reference form the
+  quantized projections leave), with its output quantize when it has one, becomes
+  ``kernels.attention``: the codes are read in place and no dequantize pass runs.
 
 Patterns name the operators as the float model calls them (modules, ``torch.nn.functional``,
 ``torch`` functions, methods), at each positional arity. A match is taken only when every
@@ -302,6 +305,76 @@ def _build_softmax(ctx: LoweringContext, m: RuleMatch) -> Node:
     return new
 
 
+# --- scaled dot-product attention on codes ---------------------------------------------------
+
+_SDPA_FN: tuple[Any, ...] = (
+    F.scaled_dot_product_attention,
+    torch.ops.aten.scaled_dot_product_attention.default,
+)
+# positional parameters after q, k, v, and the value each must have for the kernel (the mask
+# and the scale are taken as they are)
+_SDPA_ARGS = ("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+_SDPA_REQUIRED = {"dropout_p": 0.0, "is_causal": False, "enable_gqa": False}
+
+
+@dataclass
+class _AttentionParts:
+    sdpa: Node
+    codes: tuple[Node, Node, Node]
+    qparams: tuple[tuple[float, int], tuple[float, int], tuple[float, int]]
+    mask: Node | None
+    scale: float | None
+    out_qparams: tuple[float, int] | None
+
+
+def _attention_parts(match: RewriteMatch) -> _AttentionParts | None:
+    anchor = _module(match.anchor)
+    quantize = anchor if isinstance(anchor, lm.Quantize) else None
+    sdpa = match.nodes[1] if quantize is not None else match.anchor
+    if not _fn_in(sdpa, _SDPA_FN) or len(sdpa.args) < 3:
+        return None
+    if quantize is not None and not _sole_user(sdpa):
+        return None
+    named = dict(zip(_SDPA_ARGS, sdpa.args[3:], strict=False))
+    if set(named) & set(sdpa.kwargs) or set(sdpa.kwargs) - set(_SDPA_ARGS):
+        return None
+    named.update(sdpa.kwargs)
+    if any(named.get(key, want) != want for key, want in _SDPA_REQUIRED.items()):
+        return None
+    mask, scale = named.get("attn_mask"), named.get("scale")
+    if not (mask is None or isinstance(mask, Node)):
+        return None
+    if not (scale is None or (isinstance(scale, (int, float)) and not isinstance(scale, bool))):
+        return None
+    codes, qparams = [], []
+    for x in sdpa.args[:3]:
+        dq = _module(x) if isinstance(x, Node) else None
+        if not isinstance(dq, lm.Dequantize) or not isinstance(x.args[0], Node):  # type: ignore[union-attr]
+            return None
+        codes.append(x.args[0])  # type: ignore[union-attr]
+        qparams.append(dq.input_qparams)
+    out_qp = None if quantize is None else quantize.output_qparams
+    return _AttentionParts(
+        sdpa, (codes[0], codes[1], codes[2]), (qparams[0], qparams[1], qparams[2]), mask,
+        None if scale is None else float(scale), out_qp,
+    )  # fmt: skip
+
+
+def _build_attention(ctx: LoweringContext, m: RuleMatch) -> Node:
+    parts = _attention_parts(RewriteMatch(m.rule._compiled[0], m.nodes, m.anchor, ()))
+    if parts is None:
+        raise NotLowerableError("not an attention over dequantized codes")
+    mod = lm.QuantizedAttention(
+        parts.qparams, parts.out_qparams, parts.scale, parts.mask is not None, ctx.target
+    )
+    args = (*parts.codes, parts.mask) if parts.mask is not None else parts.codes
+    new = ctx.add_module(f"{parts.sdpa.name}_codes", mod, args, before=m.anchor)
+    out = "uint8" if parts.out_qparams is not None else "float32"
+    ctx.record(new, f"{mod.kernel} (dequantize of q, k, v fused, {out} output)")
+    _unkeep(ctx, m)
+    return new
+
+
 # --- patterns ----------------------------------------------------------------------------
 
 
@@ -335,6 +408,15 @@ def _linear_gelu_patterns() -> tuple[Pattern, ...]:
     return (Nested(nn.GELU, lin), Nested(F.gelu, lin), Nested(F.gelu, lin, MatchAllNode))
 
 
+def _attention_patterns() -> tuple[Pattern, ...]:
+    pats: list[Pattern] = []
+    for op in _SDPA_FN:
+        inner = _with_arity(op, MatchAllNode, range(3, 9))
+        pats += [Nested(lm.Quantize, p) for p in inner]
+        pats += inner
+    return tuple(pats)
+
+
 def _filter(parts: Any) -> Any:
     def check(match: RewriteMatch) -> bool:
         return parts(match) is not None
@@ -343,7 +425,7 @@ def _filter(parts: Any) -> Any:
 
 
 def float_op_rules() -> tuple[LoweringRule, ...]:
-    """The fusion rules for float LayerNorm, softmax and GELU (module docstring)."""
+    """The fusion rules for float LayerNorm, softmax, GELU and attention (module docstring)."""
     return (
         LoweringRule(
             "dynamic linear + GELU",
@@ -373,6 +455,16 @@ def float_op_rules() -> tuple[LoweringRule, ...]:
             match_filter=_filter(_softmax_parts),
             description="float softmax over the last dimension, x * c (or x / c) + mask fused",
             kernel="kernels.softmax",
+            modes=(),
+        ),
+        LoweringRule(
+            "attention on codes",
+            _attention_patterns(),
+            _build_attention,
+            kind="fusion",
+            match_filter=_filter(_attention_parts),
+            description="scaled_dot_product_attention of dequantized q, k, v (+ quantize)",
+            kernel="kernels.attention",
             modes=(),
         ),
     )

@@ -123,6 +123,22 @@ def softmax(x: torch.Tensor, scale: float, mask: torch.Tensor | None) -> torch.T
     return torch.from_numpy(K.softmax(numpy_view(x), scale=scale, mask=m))
 
 
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    qparams: tuple[QParams, QParams, QParams],
+    out_qp: QParams | None,
+    scale: float | None,
+    mask: torch.Tensor | None,
+) -> torch.Tensor:
+    """``kernels.attention`` on uint8 codes [B, H, S, D] (any strides: read in place)."""
+    m = None if mask is None else mask.detach().numpy()  # strided (expanded) masks: no copy
+    out = K.attention(q.detach().numpy(), k.detach().numpy(), v.detach().numpy(), *qparams,
+                      mask=m, scale=scale, out_qparams=out_qp)  # fmt: skip
+    return torch.from_numpy(out)
+
+
 def conv(
     x: torch.Tensor,
     packed: K.PackedConvWeight,

@@ -411,6 +411,57 @@ class FloatSoftmax(LoweredModule):
         return f"x {op} {self.scale:g}" + (" + mask" if self.masked else "")
 
 
+class QuantizedAttention(LoweredModule):
+    """uint8 q, k, v [B, H, S, D] → ``scaled_dot_product_attention`` → uint8 codes, or float32
+    when nothing quantizes the result (``kernels.attention``).
+
+    The dequantize of each input and the quantize of the output run inside the kernel, which
+    reads the codes where the projections wrote them (the per-head view of [B, S, H * D]) and
+    writes [B, S, H, Dv] memory, so merging the heads back copies nothing.
+    """
+
+    kernel = "kernels.attention"
+
+    def __init__(
+        self,
+        qparams: tuple[tuple[float, int], tuple[float, int], tuple[float, int]],
+        out_qparams: tuple[float, int] | None,
+        scale: float | None,
+        masked: bool,
+        target: str,
+    ) -> None:
+        nn.Module.__init__(self)
+        for prefix, (s, zp) in (("input2_", qparams[1]), ("input3_", qparams[2])):
+            self.register_buffer(prefix + "scale", torch.tensor(s, dtype=torch.float64))
+            self.register_buffer(prefix + "zero_point", torch.tensor(zp, dtype=torch.int64))
+        self.attention_scale, self.masked = scale, masked
+        super().__init__(target, qparams[0], out_qparams)
+
+    def _sync(self) -> None:
+        super()._sync()
+        b = dict(self.named_buffers(recurse=False))
+        self._qparams = (
+            self.input_qparams,
+            (float(b["input2_scale"]), int(b["input2_zero_point"])),
+            (float(b["input3_scale"]), int(b["input3_zero_point"])),
+        )
+        self._out_qp = (self._out_scale, self._out_zero_point) if "scale" in b else None
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        if is_tracing(q, k, v) if mask is None else is_tracing(q, k, v, mask):
+            flat = [float(x) for qp in self._qparams for x in qp]
+            out_qp = None if self._out_qp is None else [float(x) for x in self._out_qp]
+            return _as_tensor(ops.attention_op(q, k, v, flat, out_qp, self.attention_scale, mask))
+        return lowered.attention(q, k, v, self._qparams, self._out_qp, self.attention_scale, mask)
+
+    def _details(self) -> str:
+        scale = "1/sqrt(D)" if self.attention_scale is None else f"{self.attention_scale:g}"
+        out = "float" if self._out_qp is None else _qp(self._out_qp)
+        return f"scale={scale}{' + mask' if self.masked else ''}, out={out}"
+
+
 class QuantizedConv(_WeightedBase):
     """uint8 NCL/NCHW → uint8: ``kernels.conv1d``/``conv2d`` (depthwise via groups).
 

@@ -23,14 +23,15 @@ _SCALE_MAX = float(torch.finfo(torch.float32).max)
 # Value rules by buffer name (lowered activations are uint8, weights int8).
 _SCALES = frozenset(
     {
-        "scale", "input_scale", "input2_scale", "add_scale", "weight_scale", "row_scale",
-        "activation_scale",
+        "scale", "input_scale", "input2_scale", "input3_scale", "add_scale", "weight_scale",
+        "row_scale", "activation_scale",
     }
 )  # fmt: skip
 _ZERO_POINT_RANGES = {
     "zero_point": (0, 255),
     "input_zero_point": (0, 255),
     "input2_zero_point": (0, 255),
+    "input3_zero_point": (0, 255),
     "add_zero_point": (0, 255),
     "activation_zero_point": (0, 255),
     "weight_zero_point": (-128, 127),

@@ -1,0 +1,287 @@
+"""Scaled dot-product attention on uint8 codes: ``softmax(q k^T * scale + mask) v`` per
+(batch, head) in one call, the result requantized or float32.
+
+q, k and v are the codes the projections wrote, seen per head as [B, H, S, D] with any strides:
+the usual transposed view of a [B, S, H * D] projection output is read in place, so no
+dequantize pass and no copy runs before the attention. Per (batch, head):
+
+- ``q k^T`` sums the integer products ``(q - zq)(k - zk)`` in float32, exactly while a sum
+  stays below 2^24 (head sizes up to 256 at full-range codes);
+- logits ``dot * (sq * sk * scale) + mask``; ``softmax`` in float32 (the 16-float row kernel);
+- ``out = sv * sum_j p_j (v_j - zv)``, then quantized as ``quantize_per_tensor`` does
+  (``rint(fma(out, 1 / scale, zero_point))``, clamped) or kept float32.
+
+The reference (dequantize, float attention, quantize) rounds its float steps in another order,
+so an output code can differ from it by one step. A row whose mask is ``-inf`` (or False)
+everywhere gives zeros, as torch's ``scaled_dot_product_attention`` does.
+
+The output is a [B, H, Sq, Dv] view of a [B, Sq, H, Dv] buffer: ``out.transpose(1, 2)`` is
+C-contiguous, so merging the heads back into [B, Sq, H * Dv] copies nothing.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import numpy.typing as npt
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from quantbridge.kernels._checks import check_array, check_scale, check_zero_point
+from quantbridge.kernels._errors import KernelError
+from quantbridge.kernels._float_math import FAST, flat_f32, softmax_row
+from quantbridge.kernels._fma import fma32
+from quantbridge.kernels._ir import declare, load_vec, stack_slot, store_vec, vec_broadcast
+from quantbridge.kernels._qparams import QParams, as_qparams
+from quantbridge.kernels._threads import apply_num_threads, with_threads
+
+# multiply-adds below which one thread runs (a parallel launch costs ~20 us)
+PARALLEL_MIN_ATTENTION_WORK = 1 << 21
+# the largest head size whose integer q.k sums stay exact in float32 at full-range codes
+EXACT_HEAD_SIZE = (1 << 24) // (255 * 255)
+# the float block: rows x (vectors of 16 floats); 16 accumulators of the 32 zmm registers
+_ROWS, _VECS, _VL = 8, 2, 16
+_COLS = _VECS * _VL
+
+
+def _block_codegen(context: Any, builder: ir.IRBuilder, sig: Any, args: Any) -> ir.Value:
+    a, aoff, lda, b, boff, ldb, c, coff, ldc, kdim = args
+    a_p, b_p, c_p = (
+        context.make_array(sig.args[i])(context, builder, arr).data
+        for i, arr in ((0, a), (3, b), (6, c))
+    )
+    f32, i64 = ir.FloatType(), ir.IntType(64)
+    vt = ir.VectorType(f32, _VL)
+    fma = declare(builder.module, ir.FunctionType(vt, [vt, vt, vt]), f"llvm.fma.v{_VL}f32")
+    zero = ir.Constant(vt, [0.0] * _VL)
+    accs = [[stack_slot(builder, zero) for _ in range(_VECS)] for _ in range(_ROWS)]
+    rows = [builder.add(aoff, builder.mul(lda, ir.Constant(i64, r))) for r in range(_ROWS)]
+    with cgutils.for_range(builder, kdim) as loop:
+        brow = builder.add(boff, builder.mul(loop.index, ldb))
+        bv = [
+            load_vec(builder, builder.gep(b_p, [builder.add(brow, ir.Constant(i64, v * _VL))]), vt)
+            for v in range(_VECS)
+        ]
+        for r in range(_ROWS):
+            at = builder.gep(a_p, [builder.add(rows[r], loop.index)])
+            av = vec_broadcast(builder, builder.load(at), _VL)
+            for v in range(_VECS):
+                acc = builder.call(fma, [av, bv[v], builder.load(accs[r][v])])
+                builder.store(acc, accs[r][v])
+    for r in range(_ROWS):
+        crow = builder.add(coff, builder.mul(ldc, ir.Constant(i64, r)))
+        for v in range(_VECS):
+            at = builder.gep(c_p, [builder.add(crow, ir.Constant(i64, v * _VL))])
+            store_vec(builder, builder.load(accs[r][v]), at)
+    return context.get_dummy_value()
+
+
+@intrinsic
+def _f32_block(
+    typingctx: Any, a: Any, aoff: Any, lda: Any, b: Any, boff: Any, ldb: Any, c: Any, coff: Any,
+    ldc: Any, kdim: Any,
+) -> Any:  # fmt: skip
+    """``c[8 x 32] = a[8 x kdim] @ b[kdim x 32]`` on flat float32 arrays: row ``r`` of ``a``
+    at ``aoff + r * lda``, row ``k`` of ``b`` at ``boff + k * ldb``, row ``r`` of ``c`` at
+    ``coff + r * ldc``; 16 vector accumulators, one FMA per ``a`` value and 16 columns."""
+    if not all(map(flat_f32, (a, b, c))):
+        return None
+    return types.void(a, aoff, lda, b, boff, ldb, c, coff, ldc, kdim), _block_codegen
+
+
+if TYPE_CHECKING:
+
+    def f32_block(
+        a: Any, aoff: int, lda: int, b: Any, boff: int, ldb: int, c: Any, coff: int, ldc: int,
+        kdim: int,
+    ) -> None:  # fmt: skip
+        """See ``_f32_block`` (numba code only)."""
+
+else:
+    f32_block = _f32_block
+
+
+def _make_heads(parallel: bool) -> Any:
+    def heads(  # type: ignore[no-untyped-def]  # numba types the arguments
+        q, k, v, zq, zk, zv, logit_scale, v_scale, madd, mdead, mb, mh, mq, quantized, inv, ozp,
+        hi, outq, outf,
+    ):  # fmt: skip
+        nb, nh, sq, d = q.shape
+        sk = k.shape[2]
+        dv = v.shape[3]
+        # padded sizes: whole 8-row, 32-column blocks; the padding holds zeros
+        sqp = (sq + 7) // 8 * 8
+        skp = (sk + 31) // 32 * 32
+        dvp = (dv + 31) // 32 * 32
+        for t in prange(nb * nh):  # a plain range when parallel=False
+            b = t // nh
+            h = t - b * nh
+            # this head's q, k (transposed) and v as float32 code offsets, contiguous
+            qf = np.zeros(sqp * d, np.float32)
+            kt = np.zeros(d * skp, np.float32)
+            vf = np.zeros(skp * dvp, np.float32)
+            for i in range(sq):
+                for c in range(d):
+                    qf[i * d + c] = np.float32(np.int32(q[b, h, i, c]) - zq)
+            for j in range(sk):
+                for c in range(d):
+                    kt[c * skp + j] = np.float32(np.int32(k[b, h, j, c]) - zk)
+                for c in range(dv):
+                    vf[j * dvp + c] = np.float32(np.int32(v[b, h, j, c]) - zv)
+            logits = np.empty(8 * skp, np.float32)
+            probs = np.zeros(8 * skp, np.float32)  # columns past sk stay zero
+            o = np.empty(8 * dvp, np.float32)
+            mrow_b = (b if mb > 1 else 0) * mh + (h if mh > 1 else 0)
+            for i0 in range(0, sq, 8):
+                for j0 in range(0, skp, 32):
+                    f32_block(qf, i0 * d, d, kt, j0, skp, logits, j0, skp, d)
+                rows = min(8, sq - i0)
+                for r in range(rows):
+                    mrow = mrow_b * mq + (i0 + r if mq > 1 else 0)
+                    if mdead[mrow]:  # every key hidden: a zero output row
+                        probs[r * skp : r * skp + sk] = 0.0
+                    else:
+                        softmax_row(logits, r * skp, madd, mrow * sk, probs, r * skp, sk,
+                                    logit_scale)  # fmt: skip
+                for c0 in range(0, dvp, 32):
+                    f32_block(probs, 0, skp, vf, c0, dvp, o, c0, dvp, skp)
+                for r in range(rows):
+                    at = ((b * sq + i0 + r) * nh + h) * dv
+                    if quantized:
+                        for c in range(dv):
+                            # quantize_per_tensor's rule, branch-free (vectorizes); NaN -> hi
+                            y = fma32(o[r * dvp + c] * v_scale, inv, ozp)
+                            y = np.rint(y) if y == y else hi
+                            outq[at + c] = np.uint8(min(max(y, np.float32(0.0)), hi))
+                    else:
+                        for c in range(dv):
+                            outf[at + c] = o[r * dvp + c] * v_scale
+
+    heads.__name__ = heads.__qualname__ = "attention_parallel" if parallel else "attention_serial"
+    return njit(cache=True, parallel=parallel, nogil=True, fastmath=FAST, error_model="numpy")(
+        heads
+    )
+
+
+_HEADS = (_make_heads(False), _make_heads(True))
+
+
+def _codes(name: str, x: object) -> npt.NDArray[np.uint8]:
+    a = check_array(name, x, np.uint8, 4, contiguous=False)
+    if 0 in a.shape:
+        raise KernelError(f"{name}: expected no empty dimension, got shape {a.shape}")
+    return a
+
+
+def _compact_mask(
+    mask: object, shape: tuple[int, int, int, int]
+) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.bool_], tuple[int, int, int]]:
+    """The additive float32 mask as contiguous rows [mb * mh * mq, Sk], the rows it hides
+    entirely, and (mb, mh, mq): each 1 where the mask broadcasts (a size-1 or stride-0
+    dimension, e.g. an ``expand``-ed padding mask), so nothing is copied per head or query."""
+    sk = shape[3]
+    if mask is None:
+        return np.zeros((1, sk), np.float32), np.zeros(1, np.bool_), (1, 1, 1)
+    m = check_array("mask", mask, (np.float32, np.bool_), None, contiguous=False)
+    if not 1 <= m.ndim <= 4:
+        raise KernelError(f"mask: expected 1 to 4 dimensions, got shape {m.shape}")
+    m4: npt.NDArray[Any] = m.reshape((1,) * (4 - m.ndim) + m.shape)
+    for axis in range(4):
+        if m4.shape[axis] not in (1, shape[axis]):
+            raise KernelError(
+                f"mask: shape {m.shape} does not broadcast to the attention's [B, H, Sq, Sk] = "
+                f"{list(shape)} (dimension {axis - 4 + m.ndim} has {m4.shape[axis]})"
+            )
+    if m4.shape[3] != sk:
+        m4 = np.broadcast_to(m4, (*m4.shape[:3], sk))
+    # a repeated (stride-0) leading dimension is read once
+    m4 = m4[tuple(slice(0, 1) if m4.strides[a] == 0 else slice(None) for a in range(3))]
+    if m4.dtype == np.bool_:  # True takes part, False is hidden
+        add = np.where(m4, np.float32(0.0), np.float32(-np.inf)).astype(np.float32)
+        dead = ~m4.any(axis=-1)
+    else:
+        add = np.ascontiguousarray(m4)
+        dead = np.isneginf(add).all(axis=-1)
+    dims = (int(add.shape[0]), int(add.shape[1]), int(add.shape[2]))
+    return add.reshape(-1, sk), np.ascontiguousarray(dead).reshape(-1), dims
+
+
+def attention(
+    q: npt.NDArray[np.uint8],
+    k: npt.NDArray[np.uint8],
+    v: npt.NDArray[np.uint8],
+    q_qparams: QParams | tuple[float, int],
+    k_qparams: QParams | tuple[float, int],
+    v_qparams: QParams | tuple[float, int],
+    *,
+    mask: npt.NDArray[np.float32] | npt.NDArray[np.bool_] | None = None,
+    scale: float | None = None,
+    out_qparams: QParams | tuple[float, int] | None = None,
+    num_threads: int | None = None,
+) -> npt.NDArray[Any]:
+    """``softmax(q @ k^T * scale + mask) @ v`` on uint8 codes [B, H, Sq, D], [B, H, Sk, D],
+    [B, H, Sk, Dv] (any strides).
+
+    ``scale`` defaults to ``1 / sqrt(D)``. ``mask``: float32 (added to the logits) or bool
+    (True takes part), broadcasting to [B, H, Sq, Sk]. With ``out_qparams`` the result is uint8
+    codes, else float32; either way a [B, H, Sq, Dv] view whose ``transpose(1, 2)`` is
+    C-contiguous (module docstring).
+    """
+    qa, ka, va = _codes("q", q), _codes("k", k), _codes("v", v)
+    nb, nh, sq, d = (int(n) for n in qa.shape)
+    sk, dv = int(ka.shape[2]), int(va.shape[3])
+    if ka.shape[:2] != (nb, nh) or va.shape[:2] != (nb, nh):
+        raise KernelError(
+            f"q, k, v: expected the same batch and head dimensions, got {qa.shape}, {ka.shape}, "
+            f"{va.shape} (repeat k/v heads for grouped-query attention)"
+        )
+    if ka.shape[3] != d or va.shape[2] != sk:
+        raise KernelError(
+            f"q, k, v: expected k [B, H, Sk, {d}] and v [B, H, Sk, Dv] matching q {qa.shape}, "
+            f"got k {ka.shape} and v {va.shape}"
+        )
+    if d > EXACT_HEAD_SIZE:
+        raise KernelError(f"q: head size {d} is past the exact limit {EXACT_HEAD_SIZE}")
+    params = []
+    for name, qp in (("q_qparams", q_qparams), ("k_qparams", k_qparams), ("v_qparams", v_qparams)):
+        s, zp = as_qparams(name, qp)
+        params.append(
+            (check_scale(f"{name}.scale", s), check_zero_point(f"{name}.zero_point", zp, 0, 255))
+        )
+    sc = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    if not math.isfinite(sc):
+        raise KernelError(f"scale: expected a finite number, got {scale!r}")
+    logit_scale = np.float32(params[0][0] * params[1][0] * sc)
+    if not np.isfinite(logit_scale):
+        raise KernelError(f"q_scale * k_scale * scale = {logit_scale} is not a finite float32")
+    madd, mdead, (mb, mh, mq) = _compact_mask(mask, (nb, nh, sq, sk))
+    outq: npt.NDArray[np.uint8]
+    outf: npt.NDArray[np.float32]
+    if out_qparams is None:
+        outq = np.empty(0, np.uint8)
+        outf = np.empty((nb, sq, nh, dv), np.float32)
+        inv, ozp = np.float32(1.0), np.float32(0.0)
+    else:
+        so, zo = as_qparams("out_qparams", out_qparams)
+        so = check_scale("out_qparams.scale", so)
+        zo = check_zero_point("out_qparams.zero_point", zo, 0, 255)
+        outq = np.empty((nb, sq, nh, dv), np.uint8)
+        outf = np.empty(0, np.float32)
+        inv, ozp = np.float32(1.0) / np.float32(so), np.float32(zo)
+    threads = apply_num_threads(num_threads, "attention")
+    work = nb * nh * sq * sk * (d + dv)
+    fn = (
+        _HEADS[0]
+        if threads == 1 or work < PARALLEL_MIN_ATTENTION_WORK or nb * nh < 2
+        else (with_threads(_HEADS[1], threads))
+    )
+    fn(qa, ka, va, params[0][1], params[1][1], params[2][1], logit_scale,
+       np.float32(params[2][0]), madd.reshape(-1), mdead, mb, mh, mq, out_qparams is not None,
+       inv, ozp, np.float32(255.0), outq.reshape(-1), outf.reshape(-1))  # fmt: skip
+    out: npt.NDArray[Any] = outq if out_qparams is not None else outf
+    heads_view: npt.NDArray[Any] = out.transpose(0, 2, 1, 3)
+    return heads_view
