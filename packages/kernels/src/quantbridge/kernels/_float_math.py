@@ -249,7 +249,6 @@ def _softmax_row_codegen(context: Any, builder: ir.IRBuilder, sig: Any, args: An
     lanes = ir.Constant(ir.VectorType(i64, _VLANES), list(range(_VLANES)))
     minus_inf = ir.Constant(vt, [float("-inf")] * _VLANES)
     zero = ir.Constant(vt, [0.0] * _VLANES)
-    nvec = builder.udiv(builder.add(n, ir.Constant(i64, _VLANES - 1)), ir.Constant(i64, _VLANES))
 
     def splat(v: ir.Value) -> ir.Value:
         return vec_broadcast(builder, v, _VLANES)
@@ -257,29 +256,41 @@ def _softmax_row_codegen(context: Any, builder: ir.IRBuilder, sig: Any, args: An
     n_v = splat(n)
 
     def each(body: Any) -> None:
-        """``body(at, valid)`` for every 16-float step of the row; ``valid``: lanes < n."""
-        with cgutils.for_range(builder, nvec) as loop:
-            at = builder.mul(loop.index, ir.Constant(i64, _VLANES))
+        """``body(at, valid)`` for every 16-float step of the row: whole vectors with ``valid``
+        None (plain loads and stores), then the partial last one with ``valid``: lanes < n."""
+        nfull = builder.udiv(n, ir.Constant(i64, _VLANES))
+        with cgutils.for_range(builder, nfull) as loop:
+            body(builder.mul(loop.index, ir.Constant(i64, _VLANES)), None)
+        at = builder.mul(nfull, ir.Constant(i64, _VLANES))
+        with builder.if_then(builder.icmp_signed("<", at, n)):
             body(at, builder.icmp_signed("<", builder.add(lanes, splat(at)), n_v))
 
     def ptr(base: ir.Value, off: ir.Value, at: ir.Value) -> ir.Value:
         return builder.bitcast(builder.gep(base, [builder.add(off, at)]), vt.as_pointer())
 
-    def load(base: ir.Value, off: ir.Value, at: ir.Value, valid: ir.Value) -> ir.Value:
+    def load(base: ir.Value, off: ir.Value, at: ir.Value, valid: ir.Value | None) -> ir.Value:
+        if valid is None:
+            return load_vec(builder, ptr(base, off, at), vt)
         return builder.call(mload, [ptr(base, off, at), ir.Constant(i32, 4), valid, zero])
 
-    def store(v: ir.Value, at: ir.Value, valid: ir.Value) -> None:
-        builder.call(mstore, [v, ptr(o_p, ooff, at), ir.Constant(i32, 4), valid])
+    def store(v: ir.Value, at: ir.Value, valid: ir.Value | None) -> None:
+        if valid is None:
+            store_vec(builder, v, ptr(o_p, ooff, at))
+        else:
+            builder.call(mstore, [v, ptr(o_p, ooff, at), ir.Constant(i32, 4), valid])
+
+    def only(valid: ir.Value | None, v: ir.Value, other: ir.Value) -> ir.Value:
+        return v if valid is None else builder.select(valid, v, other)
 
     # pass 1: v = x * scale + mask (written to out), and the row's max
     scale_v = splat(scale)
     top = stack_slot(builder, minus_inf)
 
-    def first(at: ir.Value, valid: ir.Value) -> None:
+    def first(at: ir.Value, valid: ir.Value | None) -> None:
         v = builder.fadd(builder.fmul(load(x_p, xoff, at, valid), scale_v),
                          load(m_p, moff, at, valid))  # fmt: skip
         store(v, at, valid)
-        v = builder.select(valid, v, minus_inf)
+        v = only(valid, v, minus_inf)
         old = builder.load(top)
         builder.store(builder.select(builder.fcmp_ordered(">", v, old), v, old), top)
 
@@ -288,10 +299,10 @@ def _softmax_row_codegen(context: Any, builder: ir.IRBuilder, sig: Any, args: An
     # pass 2: e = exp(v - max) in place, and the row's sum
     total = stack_slot(builder, zero)
 
-    def second(at: ir.Value, valid: ir.Value) -> None:
+    def second(at: ir.Value, valid: ir.Value | None) -> None:
         e = _vexp(builder, builder.fsub(load(o_p, ooff, at, valid), top_v))
         store(e, at, valid)
-        builder.store(builder.fadd(builder.load(total), builder.select(valid, e, zero)), total)
+        builder.store(builder.fadd(builder.load(total), only(valid, e, zero)), total)
 
     each(second)
     acc = builder.load(total)
@@ -309,7 +320,7 @@ def _softmax_row_codegen(context: Any, builder: ir.IRBuilder, sig: Any, args: An
     inv_v = splat(builder.fdiv(ir.Constant(f32, 1.0), s))
 
     # pass 3: normalize
-    def third(at: ir.Value, valid: ir.Value) -> None:
+    def third(at: ir.Value, valid: ir.Value | None) -> None:
         store(builder.fmul(load(o_p, ooff, at, valid), inv_v), at, valid)
 
     each(third)
