@@ -33,7 +33,7 @@ from numba.extending import intrinsic
 
 from quantbridge.kernels._checks import check_array, check_scale, check_zero_point
 from quantbridge.kernels._errors import KernelError
-from quantbridge.kernels._float_math import FAST, flat_f32, softmax_row
+from quantbridge.kernels._float_math import FAST, flat_f32, vexp
 from quantbridge.kernels._fma import fma32
 from quantbridge.kernels._ir import declare, load_vec, stack_slot, store_vec, vec_broadcast
 from quantbridge.kernels._qparams import QParams, as_qparams
@@ -105,6 +105,114 @@ else:
     f32_block = _f32_block
 
 
+def _exp_block_codegen(context: Any, builder: ir.IRBuilder, sig: Any, args: Any) -> ir.Value:
+    x, xoff, ld, mask, moffs, n, scale, sums = args
+    x_p, m_p, mo_p, s_p = (
+        context.make_array(sig.args[i])(context, builder, arr).data
+        for i, arr in ((0, x), (3, mask), (4, moffs), (7, sums))
+    )
+    f32, i64, i32 = ir.FloatType(), ir.IntType(64), ir.IntType(32)
+    vt = ir.VectorType(f32, _VL)
+    vbool = ir.VectorType(ir.IntType(1), _VL)
+    mod = builder.module
+    mload = declare(mod, ir.FunctionType(vt, [vt.as_pointer(), i32, vbool, vt]),
+                    f"llvm.masked.load.v{_VL}f32.p0v{_VL}f32")  # fmt: skip
+    mstore = declare(mod, ir.FunctionType(ir.VoidType(), [vt, vt.as_pointer(), i32, vbool]),
+                     f"llvm.masked.store.v{_VL}f32.p0v{_VL}f32")  # fmt: skip
+    rmax = declare(mod, ir.FunctionType(f32, [vt]), f"llvm.vector.reduce.fmax.v{_VL}f32")
+    radd = declare(mod, ir.FunctionType(f32, [f32, vt]), f"llvm.vector.reduce.fadd.v{_VL}f32")
+    fma = declare(mod, ir.FunctionType(vt, [vt, vt, vt]), f"llvm.fma.v{_VL}f32")
+    minus_inf = ir.Constant(vt, [float("-inf")] * _VL)
+    zero = ir.Constant(vt, [0.0] * _VL)
+    lanes = ir.Constant(ir.VectorType(i64, _VL), list(range(_VL)))
+    xrows = [builder.add(xoff, builder.mul(ld, ir.Constant(i64, r))) for r in range(_ROWS)]
+    mrows = [builder.load(builder.gep(mo_p, [ir.Constant(i64, r)])) for r in range(_ROWS)]
+    scale_v = vec_broadcast(builder, scale, _VL)
+
+    def ptr(base: ir.Value, off: ir.Value, at: ir.Value) -> ir.Value:
+        return builder.bitcast(builder.gep(base, [builder.add(off, at)]), vt.as_pointer())
+
+    def load(base: ir.Value, off: ir.Value, at: ir.Value, valid: ir.Value | None) -> ir.Value:
+        if valid is None:
+            return load_vec(builder, ptr(base, off, at), vt)
+        return builder.call(mload, [ptr(base, off, at), ir.Constant(i32, 4), valid, zero])
+
+    def store(v: ir.Value, off: ir.Value, at: ir.Value, valid: ir.Value | None) -> None:
+        if valid is None:
+            store_vec(builder, v, ptr(x_p, off, at))
+        else:
+            builder.call(mstore, [v, ptr(x_p, off, at), ir.Constant(i32, 4), valid])
+
+    def each(body: Any) -> None:
+        """``body(at, valid)`` per 16 columns: whole vectors unmasked, then the partial one."""
+        nfull = builder.udiv(n, ir.Constant(i64, _VL))
+        with cgutils.for_range(builder, nfull) as loop:
+            body(builder.mul(loop.index, ir.Constant(i64, _VL)), None)
+        at = builder.mul(nfull, ir.Constant(i64, _VL))
+        with builder.if_then(builder.icmp_signed("<", at, n)):
+            n_v = vec_broadcast(builder, n, _VL)
+            at_v = vec_broadcast(builder, at, _VL)
+            body(at, builder.icmp_signed("<", builder.add(lanes, at_v), n_v))
+
+    # pass 1: v = x * scale + mask in place; the eight rows' maxima side by side
+    tops = [stack_slot(builder, minus_inf) for _ in range(_ROWS)]
+
+    def first(at: ir.Value, valid: ir.Value | None) -> None:
+        for r in range(_ROWS):
+            v = builder.call(fma, [load(x_p, xrows[r], at, valid), scale_v,
+                                   load(m_p, mrows[r], at, valid)])  # fmt: skip
+            store(v, xrows[r], at, valid)
+            if valid is not None:
+                v = builder.select(valid, v, minus_inf)
+            old = builder.load(tops[r])
+            builder.store(builder.select(builder.fcmp_ordered(">", v, old), v, old), tops[r])
+
+    each(first)
+    top_v = [vec_broadcast(builder, builder.call(rmax, [builder.load(t)]), _VL) for t in tops]
+    # pass 2: e = exp(v - max) in place, and each row's sum
+    totals = [stack_slot(builder, zero) for _ in range(_ROWS)]
+
+    def second(at: ir.Value, valid: ir.Value | None) -> None:
+        for r in range(_ROWS):
+            e = vexp(builder, builder.fsub(load(x_p, xrows[r], at, valid), top_v[r]))
+            store(e, xrows[r], at, valid)
+            if valid is not None:
+                e = builder.select(valid, e, zero)
+            builder.store(builder.fadd(builder.load(totals[r]), e), totals[r])
+
+    each(second)
+    for r in range(_ROWS):
+        total = builder.call(radd, [ir.Constant(f32, 0.0), builder.load(totals[r])])
+        builder.store(total, builder.gep(s_p, [ir.Constant(i64, r)]))
+    return context.get_dummy_value()
+
+
+@intrinsic
+def _exp_block(
+    typingctx: Any, x: Any, xoff: Any, ld: Any, mask: Any, moffs: Any, n: Any, scale: Any,
+    sums: Any,
+) -> Any:  # fmt: skip
+    """Eight rows of unnormalized softmax in place: ``x[xoff + r * ld + j]`` for ``j < n``
+    becomes ``exp(v - max_j v)`` with ``v = x * scale + mask[moffs[r] + j]``, and
+    ``sums[r]`` their sum. The rows run side by side (eight independent dependency chains)."""
+    if not (flat_f32(x) and flat_f32(mask) and flat_f32(sums) and scale == types.float32):
+        return None
+    if not (isinstance(moffs, types.Array) and moffs.dtype == types.int64 and moffs.ndim == 1):
+        return None
+    return types.void(x, xoff, ld, mask, moffs, n, scale, sums), _exp_block_codegen
+
+
+if TYPE_CHECKING:
+
+    def exp_block(
+        x: Any, xoff: int, ld: int, mask: Any, moffs: Any, n: int, scale: float, sums: Any
+    ) -> None:
+        """See ``_exp_block`` (numba code only)."""
+
+else:
+    exp_block = _exp_block
+
+
 def _make_heads(parallel: bool) -> Any:
     def heads(  # type: ignore[no-untyped-def]  # numba types the arguments
         q, k, v, zq, zk, zv, logit_scale, v_scale, madd, mdead, mb, mh, mq, quantized, inv, ozp,
@@ -132,34 +240,33 @@ def _make_heads(parallel: bool) -> Any:
                     kt[c * skp + j] = np.float32(np.int32(k[b, h, j, c]) - zk)
                 for c in range(dv):
                     vf[j * dvp + c] = np.float32(np.int32(v[b, h, j, c]) - zv)
-            logits = np.empty(8 * skp, np.float32)
-            probs = np.zeros(8 * skp, np.float32)  # columns past sk stay zero
+            probs = np.zeros(8 * skp, np.float32)  # logits, then exp(logit - max) in place
             o = np.empty(8 * dvp, np.float32)
+            sums = np.empty(8, np.float32)
+            moffs = np.zeros(8, np.int64)
             mrow_b = (b if mb > 1 else 0) * mh + (h if mh > 1 else 0)
             for i0 in range(0, sq, 8):
                 for j0 in range(0, skp, 32):
-                    f32_block(qf, i0 * d, d, kt, j0, skp, logits, j0, skp, d)
+                    f32_block(qf, i0 * d, d, kt, j0, skp, probs, j0, skp, d)
                 rows = min(8, sq - i0)
-                for r in range(rows):
-                    mrow = mrow_b * mq + (i0 + r if mq > 1 else 0)
-                    if mdead[mrow]:  # every key hidden: a zero output row
-                        probs[r * skp : r * skp + sk] = 0.0
-                    else:
-                        softmax_row(logits, r * skp, madd, mrow * sk, probs, r * skp, sk,
-                                    logit_scale)  # fmt: skip
+                for r in range(8):  # rows past sq repeat the last one's mask row
+                    moffs[r] = (mrow_b * mq + (i0 + min(r, rows - 1) if mq > 1 else 0)) * sk
+                exp_block(probs, 0, skp, madd, moffs, sk, logit_scale, sums)
                 for c0 in range(0, dvp, 32):
                     f32_block(probs, 0, skp, vf, c0, dvp, o, c0, dvp, skp)
                 for r in range(rows):
                     at = ((b * sq + i0 + r) * nh + h) * dv
+                    # a row whose mask hides every key gives zeros
+                    scale = np.float32(0.0) if mdead[moffs[r] // sk] else v_scale / sums[r]
                     if quantized:
                         for c in range(dv):
                             # quantize_per_tensor's rule, branch-free (vectorizes); NaN -> hi
-                            y = fma32(o[r * dvp + c] * v_scale, inv, ozp)
+                            y = fma32(o[r * dvp + c] * scale, inv, ozp)
                             y = np.rint(y) if y == y else hi
                             outq[at + c] = np.uint8(min(max(y, np.float32(0.0)), hi))
                     else:
                         for c in range(dv):
-                            outf[at + c] = o[r * dvp + c] * v_scale
+                            outf[at + c] = o[r * dvp + c] * scale
 
     heads.__name__ = heads.__qualname__ = "attention_parallel" if parallel else "attention_serial"
     return njit(cache=True, parallel=parallel, nogil=True, fastmath=FAST, error_model="numpy")(

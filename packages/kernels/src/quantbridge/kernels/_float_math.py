@@ -135,7 +135,7 @@ ACT_NONE, ACT_RELU, ACT_GELU, ACT_GELU_TANH = 0, 1, 2, 3
 _VLANES = 16  # floats per vector of ``gelu_vectors`` (a zmm register; two ymm elsewhere)
 
 
-def _vexp(builder: ir.IRBuilder, v: ir.Value) -> ir.Value:
+def vexp(builder: ir.IRBuilder, v: ir.Value) -> ir.Value:
     """``exp32`` on float32 lanes, the same steps as the scalar function."""
     vt = v.type
     lanes = vt.count
@@ -176,7 +176,7 @@ def _vgelu(builder: ir.IRBuilder, x: ir.Value, mode: int) -> ir.Value:
             const(_SQRT_2_OVER_PI),
             builder.fadd(x, builder.fmul(builder.fmul(builder.fmul(const(_GELU_CUBIC), x), x), x)),
         )
-        e = _vexp(builder, builder.fmul(const(-_TWO), u))
+        e = vexp(builder, builder.fmul(const(-_TWO), u))
         return builder.fdiv(x, builder.fadd(const(_ONE), e))
     fabs = declare(builder.module, ir.FunctionType(vt, [vt]), f"llvm.fabs.v{lanes}f32")
     z = builder.fmul(builder.call(fabs, [x]), const(_RSQRT2))
@@ -185,7 +185,7 @@ def _vgelu(builder: ir.IRBuilder, x: ir.Value, mode: int) -> ir.Value:
     for a in (_AS_A4, _AS_A3, _AS_A2, _AS_A1):
         poly = builder.fadd(const(a), builder.fmul(t, poly))
     poly = builder.fmul(t, poly)
-    e = builder.fmul(poly, _vexp(builder, builder.fneg(builder.fmul(z, z))))
+    e = builder.fmul(poly, vexp(builder, builder.fneg(builder.fmul(z, z))))
     half_e = builder.fmul(const(_HALF), e)
     phi = builder.select(
         builder.fcmp_ordered(">=", x, const(0.0)), builder.fsub(const(_ONE), half_e), half_e
@@ -300,7 +300,7 @@ def _softmax_row_codegen(context: Any, builder: ir.IRBuilder, sig: Any, args: An
     total = stack_slot(builder, zero)
 
     def second(at: ir.Value, valid: ir.Value | None) -> None:
-        e = _vexp(builder, builder.fsub(load(o_p, ooff, at, valid), top_v))
+        e = vexp(builder, builder.fsub(load(o_p, ooff, at, valid), top_v))
         store(e, at, valid)
         builder.store(builder.fadd(builder.load(total), only(valid, e, zero)), total)
 
