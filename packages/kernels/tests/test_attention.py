@@ -8,7 +8,12 @@ import math
 import numpy as np
 import pytest
 
-from quantbridge.kernels import KernelError, attention, quantize_per_tensor
+from quantbridge.kernels import (
+    KernelError,
+    attention,
+    available_targets,
+    quantize_per_tensor,
+)
 
 QP = [(0.03, 128), (0.025, 120), (0.02, 131)]
 OUT = (0.01, 127)
@@ -53,7 +58,13 @@ def _mask(kind: str, rng: np.random.Generator, b: int, h: int, sq: int, sk: int)
 
 @pytest.mark.parametrize(
     ("b", "h", "sq", "sk", "d", "dv"),
-    [(1, 2, 8, 32, 16, 32), (2, 3, 5, 37, 24, 40), (1, 1, 17, 9, 64, 8), (2, 2, 33, 65, 32, 32)],
+    [
+        (1, 2, 8, 32, 16, 32),
+        (2, 3, 5, 37, 24, 40),
+        (1, 1, 17, 9, 64, 8),
+        (2, 2, 33, 65, 32, 32),
+        (1, 2, 7, 11, 6, 5),  # a head size that is not a multiple of 4: the float q . k
+    ],
 )
 @pytest.mark.parametrize(
     "kind", ["none", "bool_padding", "bool_expanded", "float_min", "float_full"]
@@ -78,6 +89,27 @@ def test_against_float64_reference(
     # float32 against float64: a value within 1e-5 of a rounding boundary may land either side
     assert np.abs(codes.astype(int) - exact.astype(int)).max() <= 1
     assert (codes != exact).mean() < 0.01
+
+
+@pytest.mark.parametrize("target", available_targets())
+def test_every_target_computes_the_same_logits(target: str) -> None:
+    # q . k is exact on both paths (vpdpbusd with corrections, or float32 sums of integers),
+    # so the results are the same bytes; q's rows strided (a transposed view) and contiguous
+    rng = np.random.default_rng(4)
+    q, k, v = (_heads(rng, 2, 40, 3, 32) for _ in range(3))
+    mask = _mask("float_min", rng, 2, 3, 40, 40)
+    want = attention(q, k, v, *QP, mask=mask, out_qparams=OUT, target="generic")
+    got = attention(q, k, v, *QP, mask=mask, out_qparams=OUT, target=target)
+    np.testing.assert_array_equal(got, want)
+    contiguous = attention(np.ascontiguousarray(q), k, v, *QP, mask=mask, out_qparams=OUT,
+                           target=target)  # fmt: skip
+    np.testing.assert_array_equal(contiguous, want)
+    reversed_rows = q[:, :, ::-1]  # negative strides: copied first
+    flipped = attention(reversed_rows, k, v, *QP, mask=mask, target=target)
+    np.testing.assert_array_equal(
+        flipped, attention(np.ascontiguousarray(reversed_rows), k, v, *QP, mask=mask,
+                           target="generic"),
+    )  # fmt: skip
 
 
 def test_scale_and_one_thread_equals_two() -> None:

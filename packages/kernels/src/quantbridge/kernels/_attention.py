@@ -3,13 +3,16 @@
 
 q, k and v are the codes the projections wrote, seen per head as [B, H, S, D] with any strides:
 the usual transposed view of a [B, S, H * D] projection output is read in place, so no
-dequantize pass and no copy runs before the attention. Per (batch, head):
+dequantize pass and no copy runs before the attention. Per (batch, head), 8 queries a block:
 
-- ``q k^T`` sums the integer products ``(q - zq)(k - zk)`` in float32, exactly while a sum
-  stays below 2^24 (head sizes up to 256 at full-range codes);
-- logits ``dot * (sq * sk * scale) + mask``; ``softmax`` in float32 (the 16-float row kernel);
-- ``out = sv * sum_j p_j (v_j - zv)``, then quantized as ``quantize_per_tensor`` does
-  (``rint(fma(out, 1 / scale, zero_point))``, clamped) or kept float32.
+- ``q k^T`` is exact: ``vpdpbusd`` on AVX-512 VNNI (q's codes times ``k - 128``, plus row
+  and column corrections), else float32 FMA blocks summing the integer products (exact while
+  a sum stays below 2^24: head sizes up to 256 at full-range codes); the same bytes either way;
+- logits ``dot * (sq * sk * scale) + mask``; ``exp(v - max)`` of the block's rows side by
+  side, unnormalized;
+- ``out = sv / sum(p) * sum_j p_j (v_j - zv)`` (float32 FMA blocks), then quantized as
+  ``quantize_per_tensor`` does (``rint(fma(out, 1 / scale, zero_point))``, clamped) or kept
+  float32.
 
 The reference (dequantize, float attention, quantize) rounds its float steps in another order,
 so an output code can differ from it by one step. A row whose mask is ``-inf`` (or False)
@@ -37,7 +40,9 @@ from quantbridge.kernels._float_math import FAST, flat_f32, vexp
 from quantbridge.kernels._fma import fma32
 from quantbridge.kernels._ir import declare, load_vec, stack_slot, store_vec, vec_broadcast
 from quantbridge.kernels._qparams import QParams, as_qparams
+from quantbridge.kernels._targets import resolve_target
 from quantbridge.kernels._threads import apply_num_threads, with_threads
+from quantbridge.kernels._vnni import accumulate, declare_dot
 
 # multiply-adds below which one thread runs (a parallel launch costs ~20 us)
 PARALLEL_MIN_ATTENTION_WORK = 1 << 21
@@ -103,6 +108,96 @@ if TYPE_CHECKING:
 
 else:
     f32_block = _f32_block
+
+
+def _qk_vnni_codegen(context: Any, builder: ir.IRBuilder, sig: Any, args: Any) -> ir.Value:
+    (q, qoff, qld, mvalid, kp, koff, gstride, ngroups, out, ooff, ldo, colc, coff, rowc,
+     roff) = args  # fmt: skip
+    q_p, kp_p, o_p, cc_p, rc_p = (
+        context.make_array(sig.args[i])(context, builder, arr).data
+        for i, arr in ((0, q), (4, kp), (8, out), (11, colc), (13, rowc))
+    )
+    i64, i32 = ir.IntType(64), ir.IntType(32)
+    vi32 = ir.VectorType(i32, _VL)
+    vf32 = ir.VectorType(ir.FloatType(), _VL)
+    bvt = ir.VectorType(ir.IntType(8), 4 * _VL)
+    dot = declare_dot(builder.module, vi32, bvt)
+    # rows past mvalid repeat the last valid one (never read past the head's rows)
+    last = builder.sub(mvalid, ir.Constant(i64, 1))
+    rows = []
+    for r in range(_ROWS):
+        rr = ir.Constant(i64, r)
+        ridx = builder.select(builder.icmp_signed("<", rr, last), rr, last)
+        rows.append(builder.add(qoff, builder.mul(ridx, qld)))
+    # the accumulators start from the column corrections
+    ccs = [
+        load_vec(builder, builder.gep(cc_p, [builder.add(coff, ir.Constant(i64, v * _VL))]), vi32)
+        for v in range(_VECS)
+    ]
+    accs = [[stack_slot(builder, ccs[v]) for v in range(_VECS)] for _ in range(_ROWS)]
+    with cgutils.for_range(builder, ngroups) as loop:
+        kb = builder.add(koff, builder.mul(loop.index, gstride))
+        bvecs = [
+            load_vec(builder, builder.gep(kp_p, [builder.add(kb, ir.Constant(i64, 64 * v))]), bvt)
+            for v in range(_VECS)
+        ]
+        at = builder.mul(loop.index, ir.Constant(i64, 4))
+        for r in range(_ROWS):
+            word = builder.load(
+                builder.bitcast(builder.gep(q_p, [builder.add(rows[r], at)]), i32.as_pointer())
+            )
+            word.align = 1
+            words = vec_broadcast(builder, word, _VL)
+            for v in range(_VECS):
+                acc = accumulate(builder, dot, builder.load(accs[r][v]), words, bvecs[v])
+                builder.store(acc, accs[r][v])
+    for r in range(_ROWS):
+        rc = builder.load(builder.gep(rc_p, [builder.add(roff, ir.Constant(i64, r))]))
+        rc_v = vec_broadcast(builder, rc, _VL)
+        orow = builder.add(ooff, builder.mul(ldo, ir.Constant(i64, r)))
+        for v in range(_VECS):
+            total = builder.sitofp(builder.add(builder.load(accs[r][v]), rc_v), vf32)
+            at = builder.gep(o_p, [builder.add(orow, ir.Constant(i64, v * _VL))])
+            store_vec(builder, total, at)
+    return context.get_dummy_value()
+
+
+@intrinsic
+def _qk_vnni(
+    typingctx: Any, q: Any, qoff: Any, qld: Any, mvalid: Any, kp: Any, koff: Any, gstride: Any,
+    ngroups: Any, out: Any, ooff: Any, ldo: Any, colc: Any, coff: Any, rowc: Any, roff: Any,
+) -> Any:  # fmt: skip
+    """An 8 x 32 block of integer ``q . k`` logits with ``vpdpbusd`` (AVX-512 VNNI only).
+
+    Row ``r`` of q: ``ngroups * 4`` uint8 codes at byte ``qoff + min(r, mvalid - 1) * qld`` of
+    ``q``'s data; k packed int8 (``k - 128``), four head values of 16 keys per 64 bytes,
+    group ``g`` of these 32 keys at ``kp[koff + g * gstride]``. ``out[ooff + r * ldo + j]``
+    (float32, exact) = ``acc + colc[coff + j] + rowc[roff + r]``: the corrections that make
+    it ``sum (q - zq)(k - zk)``."""
+    if not (isinstance(q, types.Array) and q.dtype == types.uint8):
+        return None
+    if not (isinstance(kp, types.Array) and kp.dtype == types.int8 and kp.layout == "C"):
+        return None
+    for t in (colc, rowc):
+        if not (isinstance(t, types.Array) and t.dtype == types.int32 and t.layout == "C"):
+            return None
+    if not flat_f32(out):
+        return None
+    sig = types.void(q, qoff, qld, mvalid, kp, koff, gstride, ngroups, out, ooff, ldo, colc,
+                     coff, rowc, roff)  # fmt: skip
+    return sig, _qk_vnni_codegen
+
+
+if TYPE_CHECKING:
+
+    def qk_vnni(
+        q: Any, qoff: int, qld: int, mvalid: int, kp: Any, koff: int, gstride: int,
+        ngroups: int, out: Any, ooff: int, ldo: int, colc: Any, coff: int, rowc: Any, roff: int,
+    ) -> None:  # fmt: skip
+        """See ``_qk_vnni`` (numba code only)."""
+
+else:
+    qk_vnni = _qk_vnni
 
 
 def _exp_block_codegen(context: Any, builder: ir.IRBuilder, sig: Any, args: Any) -> ir.Value:
@@ -213,7 +308,7 @@ else:
     exp_block = _exp_block
 
 
-def _make_heads(parallel: bool) -> Any:
+def _make_heads(parallel: bool, vnni: bool) -> Any:
     def heads(  # type: ignore[no-untyped-def]  # numba types the arguments
         q, k, v, zq, zk, zv, logit_scale, v_scale, madd, mdead, mb, mh, mq, quantized, inv, ozp,
         hi, outq, outf,
@@ -228,16 +323,41 @@ def _make_heads(parallel: bool) -> Any:
         for t in prange(nb * nh):  # a plain range when parallel=False
             b = t // nh
             h = t - b * nh
-            # this head's q, k (transposed) and v as float32 code offsets, contiguous
-            qf = np.zeros(sqp * d, np.float32)
-            kt = np.zeros(d * skp, np.float32)
+            if vnni:
+                # k as int8 (k - 128), four head values of each key together; the corrections
+                # that turn sum q (k - 128) into sum (q - zq)(k - zk)
+                ng = d // 4
+                kp = np.zeros(ng * skp * 4, np.int8)
+                colc = np.zeros(skp, np.int32)
+                for j in range(sk):
+                    ksum = 0
+                    for c in range(d):
+                        kv = np.int32(k[b, h, j, c])
+                        ksum += kv
+                        kp[((c >> 2) * skp + j) * 4 + (c & 3)] = np.int8(kv - 128)
+                    colc[j] = d * zq * zk - zq * ksum
+                rowc = np.zeros(sqp, np.int32)
+                for i in range(sq):
+                    qsum = 0
+                    for c in range(d):
+                        qsum += np.int32(q[b, h, i, c])
+                    rowc[i] = (128 - zk) * qsum
+                qoff = b * q.strides[0] + h * q.strides[1]
+                qld = q.strides[2]
+                qf = np.empty(0, np.float32)
+                kt = np.empty(0, np.float32)
+            else:
+                # q and k (transposed) as float32 code offsets, contiguous
+                qf = np.zeros(sqp * d, np.float32)
+                kt = np.zeros(d * skp, np.float32)
+                for i in range(sq):
+                    for c in range(d):
+                        qf[i * d + c] = np.float32(np.int32(q[b, h, i, c]) - zq)
+                for j in range(sk):
+                    for c in range(d):
+                        kt[c * skp + j] = np.float32(np.int32(k[b, h, j, c]) - zk)
             vf = np.zeros(skp * dvp, np.float32)
-            for i in range(sq):
-                for c in range(d):
-                    qf[i * d + c] = np.float32(np.int32(q[b, h, i, c]) - zq)
             for j in range(sk):
-                for c in range(d):
-                    kt[c * skp + j] = np.float32(np.int32(k[b, h, j, c]) - zk)
                 for c in range(dv):
                     vf[j * dvp + c] = np.float32(np.int32(v[b, h, j, c]) - zv)
             probs = np.zeros(8 * skp, np.float32)  # logits, then exp(logit - max) in place
@@ -246,9 +366,13 @@ def _make_heads(parallel: bool) -> Any:
             moffs = np.zeros(8, np.int64)
             mrow_b = (b if mb > 1 else 0) * mh + (h if mh > 1 else 0)
             for i0 in range(0, sq, 8):
-                for j0 in range(0, skp, 32):
-                    f32_block(qf, i0 * d, d, kt, j0, skp, probs, j0, skp, d)
                 rows = min(8, sq - i0)
+                for j0 in range(0, skp, 32):
+                    if vnni:
+                        qk_vnni(q, qoff + i0 * qld, qld, rows, kp, j0 * 4, skp * 4, ng, probs,
+                                j0, skp, colc, j0, rowc, i0)  # fmt: skip
+                    else:
+                        f32_block(qf, i0 * d, d, kt, j0, skp, probs, j0, skp, d)
                 for r in range(8):  # rows past sq repeat the last one's mask row
                     moffs[r] = (mrow_b * mq + (i0 + min(r, rows - 1) if mq > 1 else 0)) * sk
                 exp_block(probs, 0, skp, madd, moffs, sk, logit_scale, sums)
@@ -268,13 +392,16 @@ def _make_heads(parallel: bool) -> Any:
                         for c in range(dv):
                             outf[at + c] = o[r * dvp + c] * scale
 
-    heads.__name__ = heads.__qualname__ = "attention_parallel" if parallel else "attention_serial"
+    name = ("attention_vnni_" if vnni else "attention_") + ("parallel" if parallel else "serial")
+    heads.__name__ = heads.__qualname__ = name
     return njit(cache=True, parallel=parallel, nogil=True, fastmath=FAST, error_model="numpy")(
         heads
     )
 
 
-_HEADS = (_make_heads(False), _make_heads(True))
+# [vnni][parallel]: the VNNI ones compile on first use only, on CPUs that have it
+_HEADS = ((_make_heads(False, False), _make_heads(True, False)),
+          (_make_heads(False, True), _make_heads(True, True)))  # fmt: skip
 
 
 def _codes(name: str, x: object) -> npt.NDArray[np.uint8]:
@@ -328,6 +455,7 @@ def attention(
     mask: npt.NDArray[np.float32] | npt.NDArray[np.bool_] | None = None,
     scale: float | None = None,
     out_qparams: QParams | tuple[float, int] | None = None,
+    target: str | None = None,
     num_threads: int | None = None,
 ) -> npt.NDArray[Any]:
     """``softmax(q @ k^T * scale + mask) @ v`` on uint8 codes [B, H, Sq, D], [B, H, Sk, D],
@@ -379,12 +507,18 @@ def attention(
         outq = np.empty((nb, sq, nh, dv), np.uint8)
         outf = np.empty(0, np.float32)
         inv, ozp = np.float32(1.0) / np.float32(so), np.float32(zo)
+    # q . k on vpdpbusd where the CPU has it (q read 4 codes at a time: a head size of a
+    # multiple of 4, each row contiguous); float32 FMA blocks otherwise
+    vnni = resolve_target(target) == "avx512_vnni" and d % 4 == 0
+    if vnni and (qa.strides[3] != 1 or min(qa.strides) < 0):
+        qa = np.ascontiguousarray(qa)
     threads = apply_num_threads(num_threads, "attention")
     work = nb * nh * sq * sk * (d + dv)
+    serial, parallel = _HEADS[vnni]
     fn = (
-        _HEADS[0]
+        serial
         if threads == 1 or work < PARALLEL_MIN_ATTENTION_WORK or nb * nh < 2
-        else (with_threads(_HEADS[1], threads))
+        else with_threads(parallel, threads)
     )
     fn(qa, ka, va, params[0][1], params[1][1], params[2][1], logit_scale,
        np.float32(params[2][0]), madd.reshape(-1), mdead, mb, mh, mq, out_qparams is not None,

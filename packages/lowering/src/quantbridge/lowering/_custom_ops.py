@@ -409,10 +409,11 @@ def attention_op(
     out_qparams: list[float] | None,
     scale: float | None,
     mask: torch.Tensor | None,
+    target: str,
 ) -> torch.Tensor:
     qp = tuple((qparams[i], int(qparams[i + 1])) for i in (0, 2, 4))
     out_qp = None if out_qparams is None else (out_qparams[0], int(out_qparams[1]))
-    return lowered.attention(q, k, v, qp, out_qp, scale, mask)  # type: ignore[arg-type]
+    return lowered.attention(q, k, v, qp, out_qp, scale, mask, target)  # type: ignore[arg-type]
 
 
 @attention_op.register_fake

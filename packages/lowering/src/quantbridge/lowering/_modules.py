@@ -453,8 +453,12 @@ class QuantizedAttention(LoweredModule):
         if is_tracing(q, k, v) if mask is None else is_tracing(q, k, v, mask):
             flat = [float(x) for qp in self._qparams for x in qp]
             out_qp = None if self._out_qp is None else [float(x) for x in self._out_qp]
-            return _as_tensor(ops.attention_op(q, k, v, flat, out_qp, self.attention_scale, mask))
-        return lowered.attention(q, k, v, self._qparams, self._out_qp, self.attention_scale, mask)
+            return _as_tensor(
+                ops.attention_op(q, k, v, flat, out_qp, self.attention_scale, mask, self.target)
+            )
+        return lowered.attention(
+            q, k, v, self._qparams, self._out_qp, self.attention_scale, mask, self.target
+        )
 
     def _details(self) -> str:
         scale = "1/sqrt(D)" if self.attention_scale is None else f"{self.attention_scale:g}"
