@@ -178,3 +178,43 @@ def test_parallel_rows_agree_with_one_thread():
         atol=SOFTMAX_ATOL,
     )
     np.testing.assert_array_equal(gelu(x, num_threads=2), gelu(x, num_threads=1))
+
+
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_layer_norm_on_codes_is_the_dequantize_and_quantize_around_it(residual, threads):
+    from quantbridge.kernels import dequantize_per_tensor, quantize_per_tensor
+
+    rng = np.random.default_rng(11)
+    shape = (3, 700, 96)  # 200 K elements: the parallel kernel at two threads
+    x = rng.integers(0, 256, shape, dtype=np.uint8)
+    r = rng.normal(size=shape).astype(F32) if residual else None
+    w, b = rng.normal(size=96).astype(F32), rng.normal(size=96).astype(F32)
+    x_qp, c_qp = (0.043, 131), (0.021, 117)
+    plain = layer_norm(dequantize_per_tensor(x, *x_qp), w, b, 1e-12, residual=r,
+                       num_threads=threads)  # fmt: skip
+    codes = np.empty(shape, np.uint8)
+    got = layer_norm(x, w, b, 1e-12, residual=r, x_qparams=x_qp, codes=codes,
+                     codes_qparams=c_qp, num_threads=threads)  # fmt: skip
+    np.testing.assert_array_equal(got, plain)
+    np.testing.assert_array_equal(codes, quantize_per_tensor(plain, *c_qp))
+    # each half alone
+    np.testing.assert_array_equal(
+        layer_norm(x, w, b, 1e-12, residual=r, x_qparams=x_qp, num_threads=threads), plain
+    )
+    xf = dequantize_per_tensor(x, *x_qp)
+    only_codes = np.empty(shape, np.uint8)
+    layer_norm(xf, w, b, 1e-12, residual=r, codes=only_codes, codes_qparams=c_qp)
+    np.testing.assert_array_equal(only_codes, codes)
+
+
+def test_layer_norm_codes_errors():
+    x = np.zeros((2, 8), np.uint8)
+    with pytest.raises(KernelError, match="give both"):
+        layer_norm(x.astype(F32), codes=np.empty((2, 8), np.uint8))
+    with pytest.raises(KernelError, match=r"x_qparams\.scale"):
+        layer_norm(x, x_qparams=(0.0, 3))
+    with pytest.raises(KernelError, match="x: expected"):
+        layer_norm(x.astype(F32), x_qparams=(0.1, 3))  # codes must be uint8
+    with pytest.raises(KernelError, match="codes"):
+        layer_norm(x, x_qparams=(0.1, 3), codes=np.empty((2, 9), np.uint8), codes_qparams=(1, 0))

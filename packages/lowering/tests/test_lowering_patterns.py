@@ -89,6 +89,8 @@ def test_default_table_lists_every_family_in_matching_order() -> None:
         "float layer_norm (+ residual add)",
         "float softmax (+ scale, mask)",
         "attention on codes",
+        "layer_norm reads codes",
+        "layer_norm + quantize",
     ]
     by_name = {r.name: r for r in default_lowering_rules()}
     assert Nested(nn.ReLU, operator.add) in by_name["add / mul + relu"].ops

@@ -310,3 +310,34 @@ def test_static_sdpa_runs_on_codes_and_matches_the_reference() -> None:
     assert "attention" in str(exported.graph)
     with torch.no_grad():
         assert torch.equal(exported.module()(x, mask), lowered(x, mask))
+
+
+def test_static_layer_norms_read_and_write_codes_with_the_same_bytes() -> None:
+    torch.manual_seed(0)
+    model = _Encoder().eval()
+    reference = _reference(model, L.get_backend("numba").qconfig_mapping(transformer=True))
+    fused = L.lower_to_kernels(copy.deepcopy(reference), "generic")
+    ln_rules = {"layer_norm reads codes", "layer_norm + quantize"}
+    rules = tuple(r for r in L.default_lowering_rules() if r.name not in ln_rules)
+    plain = L.lower_to_kernels(copy.deepcopy(reference), "generic", rules=rules)
+    norms = [m for m in fused.modules() if isinstance(m, lm.FloatLayerNorm)]
+    # each layer: LayerNorm(attention output + x), LayerNorm(FFN output + that): both read the
+    # output Linear's codes and hand codes to the next Linear (the last one only its floats)
+    assert len(norms) == 4
+    assert sum(m._x_qp is not None for m in norms) == 4
+    assert sum(m._codes_qp is not None for m in norms) == 3
+    kinds = _kinds(fused)
+    assert lm.Quantize in _kinds(plain)
+    assert kinds.count(lm.Quantize) == _kinds(plain).count(lm.Quantize) - 3
+    assert kinds.count(lm.Dequantize) == _kinds(plain).count(lm.Dequantize) - 4
+    report = str(L.lowering_report(fused))
+    assert "reads codes" in report
+    assert "also returns codes" in report
+    for seed in (5, 6):
+        x, mask = _inputs(seed)
+        with torch.no_grad():
+            assert torch.equal(fused(x, mask), plain(x, mask))
+    exported = torch.export.export(fused, _inputs(7))
+    assert "layer_norm_codes" in str(exported.graph)
+    with torch.no_grad():
+        assert torch.equal(exported.module()(*_inputs(7)), fused(*_inputs(7)))

@@ -199,6 +199,7 @@ def check_out(
     dtype: npt.DTypeLike,
     *inputs: npt.NDArray[np.generic],
     order: tuple[int, ...] | None = None,
+    name: str = "out",
 ) -> npt.NDArray[Any]:
     """Validate a caller-provided ``out=`` array: exact shape and dtype, layout, writeable.
 
@@ -207,23 +208,23 @@ def check_out(
     unless it *is* that input (same buffer, same layout), which elementwise kernels handle;
     pass no ``inputs`` to forbid any overlap check.
     """
-    plain_array("out", out)  # refuses np.matrix and non-arrays; other subclasses write through
+    plain_array(name, out)  # refuses np.matrix and non-arrays; other subclasses write through
     assert isinstance(out, np.ndarray)
     if out.dtype != np.dtype(dtype):
-        raise KernelError(f"out: expected dtype {np.dtype(dtype)}, got {out.dtype}")
+        raise KernelError(f"{name}: expected dtype {np.dtype(dtype)}, got {out.dtype}")
     if out.shape != shape:
-        raise KernelError(f"out: expected shape {shape}, got {out.shape}")
+        raise KernelError(f"{name}: expected shape {shape}, got {out.shape}")
     if not out.flags.aligned:
-        raise KernelError("out: expected an aligned array")
+        raise KernelError(f"{name}: expected an aligned array")
     if order is None and not out.flags.c_contiguous:
-        raise KernelError("out: expected a C-contiguous, aligned array")
+        raise KernelError(f"{name}: expected a C-contiguous, aligned array")
     if order is not None and not out.transpose(order).flags.c_contiguous:
         raise KernelError(
-            f"out: expected a C-contiguous array, or for a channels-last or other dense input "
+            f"{name}: expected a C-contiguous array, or for a channels-last or other dense input "
             f"the input's layout (np.empty_like(input)); got strides {out.strides}"
         )
     if not out.flags.writeable:
-        raise KernelError("out: array is read-only")
+        raise KernelError(f"{name}: array is read-only")
     for array in inputs:
         if np.may_share_memory(out, array) and not (
             out.dtype == array.dtype
@@ -232,7 +233,7 @@ def check_out(
             and out.__array_interface__["data"][0] == array.__array_interface__["data"][0]
         ):
             raise KernelError(
-                "out: overlaps an input array in a way the kernel cannot handle; "
+                f"{name}: overlaps an input array in a way the kernel cannot handle; "
                 "pass a separate output array (or the input itself for in-place elementwise ops)"
             )
     return out

@@ -23,7 +23,7 @@ import numpy as np
 import numpy.typing as npt
 from numba import njit, prange
 
-from quantbridge.kernels._checks import check_array, check_out
+from quantbridge.kernels._checks import check_array, check_out, check_scale, check_zero_point
 from quantbridge.kernels._errors import KernelError
 from quantbridge.kernels._float_math import (
     ACT_GELU,
@@ -34,6 +34,8 @@ from quantbridge.kernels._float_math import (
     gelu_vectors,
     softmax_row,
 )
+from quantbridge.kernels._fma import fma32
+from quantbridge.kernels._qparams import QParams, as_qparams
 from quantbridge.kernels._threads import apply_num_threads, with_threads
 
 F32A = npt.NDArray[np.float32]
@@ -46,15 +48,22 @@ GELU_MODES = {"none": 0, "tanh": 1}
 
 
 def _make_layer_norm(parallel: bool) -> Any:
-    def layer_norm_rows(x, r, has_r, w, b, eps, out):  # type: ignore[no-untyped-def]
+    def layer_norm_rows(x, r, has_r, w, b, eps, out, dq, xs, xz, codes, inv, zp):  # type: ignore[no-untyped-def]  # fmt: skip
+        # dq: x holds uint8 codes, dequantized as dequantize_per_tensor does (xs * (x - xz));
+        # codes (unless empty): the result also quantized as quantize_per_tensor does
         rows, n = x.shape
         inv_n = np.float32(1.0) / np.float32(n)
+        quantize = codes.shape[0] > 0
+        hi = np.float32(255.0)
         for i in prange(rows):  # a plain range when parallel=False
+            for k in range(n):
+                xv = xs * np.float32(np.int32(x[i, k]) - xz) if dq else x[i, k]
+                out[i, k] = xv + r[i, k] if has_r else xv
+            # the statistics read the float row back: the same loop (so the same summation
+            # order) whatever x's type, codes or floats
             s = np.float32(0.0)
             for k in range(n):
-                h = x[i, k] + r[i, k] if has_r else x[i, k]
-                out[i, k] = h
-                s += h
+                s += out[i, k]
             mean = s * inv_n
             v = np.float32(0.0)
             for k in range(n):
@@ -63,12 +72,18 @@ def _make_layer_norm(parallel: bool) -> Any:
             rstd = np.float32(1.0) / np.sqrt(v * inv_n + eps)
             for k in range(n):
                 out[i, k] = (out[i, k] - mean) * rstd * w[k] + b[k]
+            if quantize:
+                for k in range(n):
+                    t = fma32(out[i, k], inv, zp)
+                    t = np.rint(t) if t == t else hi  # NaN -> 255, as quantize_per_tensor
+                    codes[i, k] = np.uint8(min(max(t, np.float32(0.0)), hi))
 
     name = "layer_norm_parallel" if parallel else "layer_norm_serial"
     layer_norm_rows.__name__ = layer_norm_rows.__qualname__ = name
-    return njit(cache=True, parallel=parallel, nogil=True, fastmath=FAST, error_model="numpy")(
-        layer_norm_rows
-    )
+    # no FMA contraction: the dequantize's multiply and the residual add round separately, as
+    # a dequantize followed by this kernel does
+    return njit(cache=True, parallel=parallel, nogil=True, fastmath=FAST - {"contract"},
+                error_model="numpy")(layer_norm_rows)  # fmt: skip
 
 
 def _make_softmax(parallel: bool) -> Any:
@@ -150,21 +165,37 @@ def _out(out: object, x: F32A, inputs: tuple[F32A, ...]) -> F32A:
 
 
 def layer_norm(
-    x: F32A,
+    x: F32A | npt.NDArray[np.uint8],
     weight: F32A | None = None,
     bias: F32A | None = None,
     eps: float = 1e-5,
     *,
     residual: F32A | None = None,
+    x_qparams: QParams | tuple[float, int] | None = None,
+    codes: npt.NDArray[np.uint8] | None = None,
+    codes_qparams: QParams | tuple[float, int] | None = None,
     out: F32A | None = None,
     num_threads: int | None = None,
 ) -> F32A:
     """float32 ``LayerNorm(x + residual)`` over the last dimension (``residual`` optional).
 
     ``weight``/``bias``: float32 [n] or None (ones / zeros). ``out`` may be ``x`` or
-    ``residual`` (in place).
+    ``residual`` (in place). With ``x_qparams``, ``x`` is uint8 codes, dequantized as
+    ``dequantize_per_tensor`` does. With ``codes`` (uint8, x's shape) and ``codes_qparams``,
+    the result is also quantized into ``codes`` as ``quantize_per_tensor`` does: the same
+    bytes as those two kernels around this one, without their passes.
     """
-    xf = _float_input("x", x)
+    dq = x_qparams is not None
+    if dq:
+        xs_, xz_ = as_qparams("x_qparams", x_qparams)
+        xs = np.float32(check_scale("x_qparams.scale", xs_))
+        xz = check_zero_point("x_qparams.zero_point", xz_, 0, 255)
+        xf: Any = check_array("x", x, np.uint8, None)
+        if xf.ndim < 1:
+            raise KernelError("x: expected at least 1 dimension, got a scalar")
+    else:
+        xs, xz = np.float32(1.0), 0
+        xf = _float_input("x", x)
     n = int(xf.shape[-1])
     if residual is not None:
         r = check_array("residual", residual, np.float32, None)
@@ -173,16 +204,32 @@ def layer_norm(
                 f"residual: expected the shape of x {xf.shape}, got {r.shape} (no broadcasting)"
             )
     else:
-        r = xf
+        r = np.empty((1, n), np.float32) if dq else xf
     e = float(eps)
     if not (e >= 0.0 and np.isfinite(e)):
         raise KernelError(f"eps: expected a finite number >= 0, got {eps!r}")
     w = _vector("weight", weight, n, 1.0)
     b = _vector("bias", bias, n, 0.0)
-    o = _out(out, xf, (xf, r))
+    o = (
+        np.empty(xf.shape, np.float32)
+        if out is None
+        else check_out(out, xf.shape, np.float32, *((r,) if dq else (xf, r)))
+    )
+    if (codes is None) != (codes_qparams is None):
+        raise KernelError("codes, codes_qparams: give both (the array and its qparams) or neither")
+    if codes is not None:
+        cs, cz = as_qparams("codes_qparams", codes_qparams)
+        inv = np.float32(1.0) / np.float32(check_scale("codes_qparams.scale", cs))
+        zp = np.float32(check_zero_point("codes_qparams.zero_point", cz, 0, 255))
+        c2 = check_out(codes, xf.shape, np.uint8, *((xf,) if dq else ()), name="codes").reshape(
+            -1, n
+        )
+    else:
+        inv, zp, c2 = np.float32(1.0), np.float32(0.0), np.empty((0, n), np.uint8)
     fn = _pick(_LAYER_NORM, xf.size, num_threads, "layer_norm")
-    fn(xf.reshape(-1, n), r.reshape(-1, n), residual is not None, w, b, np.float32(e),
-       o.reshape(-1, n))  # fmt: skip
+    rows = xf.reshape(-1, n)
+    fn(rows, r.reshape(-1, n), residual is not None, w, b, np.float32(e), o.reshape(-1, n), dq,
+       xs, xz, c2, inv, zp)  # fmt: skip
     return o
 
 

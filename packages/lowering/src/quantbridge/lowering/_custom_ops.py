@@ -390,6 +390,30 @@ def _(x: torch.Tensor, *args: Any) -> torch.Tensor:
     return x.new_empty(x.shape)
 
 
+@torch.library.custom_op(f"{_NS}::layer_norm_codes", mutates_args=())
+def layer_norm_codes_op(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    eps: float,
+    x_qparams: list[float] | None,
+    codes_qparams: list[float] | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    w = None if weight is None else lowered.numpy_view(weight)
+    b = None if bias is None else lowered.numpy_view(bias)
+    x_qp = None if x_qparams is None else (x_qparams[0], int(x_qparams[1]))
+    c_qp = None if codes_qparams is None else (codes_qparams[0], int(codes_qparams[1]))
+    return lowered.layer_norm_codes(x, residual, w, b, eps, x_qp, c_qp)
+
+
+@layer_norm_codes_op.register_fake
+def _(x: torch.Tensor, residual: Any, weight: Any, bias: Any, eps: float, x_qparams: Any,
+      codes_qparams: Any) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    codes = x.new_empty(x.shape if codes_qparams is not None else (0,), dtype=torch.uint8)
+    return x.new_empty(x.shape, dtype=torch.float32), codes
+
+
 @torch.library.custom_op(f"{_NS}::softmax", mutates_args=())
 def softmax_op(x: torch.Tensor, scale: float, mask: torch.Tensor | None) -> torch.Tensor:
     return lowered.softmax(x, scale, mask)

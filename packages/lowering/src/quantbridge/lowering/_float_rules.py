@@ -7,6 +7,9 @@ around a missing quantized kernel are left as they are):
   alone ``kernels.layer_norm``;
 - ``softmax(x * c + mask)`` / ``softmax(x / c + mask)`` (and without the mask or the scale)
   over the last dimension becomes ``kernels.softmax``;
+- a LayerNorm whose input is dequantized codes reads the codes, and one whose result is also
+  quantized returns the codes too (``kernels.layer_norm``'s ``x_qparams`` / ``codes``): the
+  same bytes without the dequantize and quantize passes;
 - ``scaled_dot_product_attention`` of three dequantized code tensors (the reference form the
   quantized projections leave), with its output quantize when it has one, becomes
   ``kernels.attention``: the codes are read in place and no dequantize pass runs.
@@ -305,6 +308,65 @@ def _build_softmax(ctx: LoweringContext, m: RuleMatch) -> Node:
     return new
 
 
+# --- LayerNorm reading or writing codes ----------------------------------------------------
+
+
+def _ln_reads_codes(match: RewriteMatch) -> tuple[lm.FloatLayerNorm, Node, lm.Dequantize] | None:
+    ln = _module(match.anchor)
+    if not isinstance(ln, lm.FloatLayerNorm) or ln._x_qp is not None or not match.anchor.args:
+        return None
+    x = match.anchor.args[0]
+    dq = _module(x) if isinstance(x, Node) else None
+    if not isinstance(dq, lm.Dequantize) or not isinstance(x.args[0], Node):  # type: ignore[union-attr]
+        return None
+    return ln, x, dq  # type: ignore[return-value]
+
+
+def _build_ln_reads_codes(ctx: LoweringContext, m: RuleMatch) -> Node:
+    found = _ln_reads_codes(RewriteMatch(m.rule._compiled[0], m.nodes, m.anchor, ()))
+    if found is None:
+        raise NotLowerableError("not a LayerNorm of dequantized codes")
+    ln, x, dq = found
+    mod = lm.FloatLayerNorm(
+        ln.weight, ln.bias, ln.eps, ln.residual, ctx.target, dq.input_qparams, ln._codes_qp
+    )
+    new = ctx.add_module(f"{m.anchor.name}_codes", mod, (x.args[0], *m.anchor.args[1:]))
+    ctx.record(new, f"{mod.kernel} ({mod._details()})")
+    return new
+
+
+def _ln_quantize(match: RewriteMatch) -> tuple[lm.Quantize, Node, lm.FloatLayerNorm] | None:
+    # the pattern is the quantize alone: the LayerNorm has other (float) users, which a
+    # nested pattern does not allow
+    quantize = _module(match.anchor)
+    ln_node = match.anchor.args[0] if match.anchor.args else None
+    ln = _module(ln_node) if isinstance(ln_node, Node) else None
+    if not isinstance(quantize, lm.Quantize) or not isinstance(ln, lm.FloatLayerNorm):
+        return None
+    return None if ln._codes_qp is not None else (quantize, ln_node, ln)  # type: ignore[return-value]
+
+
+def _build_ln_quantize(ctx: LoweringContext, m: RuleMatch) -> Node:
+    found = _ln_quantize(RewriteMatch(m.rule._compiled[0], m.nodes, m.anchor, ()))
+    if found is None:
+        raise NotLowerableError("not a quantized LayerNorm result")
+    quantize, ln_node, ln = found
+    mod = lm.FloatLayerNorm(
+        ln.weight, ln.bias, ln.eps, ln.residual, ctx.target, ln._x_qp, quantize.output_qparams
+    )
+    # where the LayerNorm was: its float users may come before the quantize
+    after = ln_node.next
+    new = ctx.add_module(f"{ln_node.name}_codes", mod, ln_node.args, before=after)
+    with ctx.graph.inserting_before(after):
+        result = ctx.graph.call_function(operator.getitem, (new, 0))
+        codes = ctx.graph.call_function(operator.getitem, (new, 1))
+    ln_node.replace_all_uses_with(result)
+    ctx.graph.erase_node(ln_node)
+    ctx.report.lowered[:] = [entry for entry in ctx.report.lowered if entry[0] != ln_node.name]
+    ctx.record(new, f"{mod.kernel} ({mod._details()})")
+    return codes
+
+
 # --- scaled dot-product attention on codes ---------------------------------------------------
 
 _SDPA_FN: tuple[Any, ...] = (
@@ -408,6 +470,10 @@ def _linear_gelu_patterns() -> tuple[Pattern, ...]:
     return (Nested(nn.GELU, lin), Nested(F.gelu, lin), Nested(F.gelu, lin, MatchAllNode))
 
 
+def _ln_codes_patterns() -> tuple[Pattern, ...]:
+    return (lm.FloatLayerNorm,)
+
+
 def _attention_patterns() -> tuple[Pattern, ...]:
     pats: list[Pattern] = []
     for op in _SDPA_FN:
@@ -465,6 +531,26 @@ def float_op_rules() -> tuple[LoweringRule, ...]:
             match_filter=_filter(_attention_parts),
             description="scaled_dot_product_attention of dequantized q, k, v (+ quantize)",
             kernel="kernels.attention",
+            modes=(),
+        ),
+        LoweringRule(
+            "layer_norm reads codes",
+            _ln_codes_patterns(),
+            _build_ln_reads_codes,
+            kind="fusion",
+            match_filter=_filter(_ln_reads_codes),
+            description="float LayerNorm of dequantized codes: the dequantize fused",
+            kernel="kernels.layer_norm(x_qparams=)",
+            modes=(),
+        ),
+        LoweringRule(
+            "layer_norm + quantize",
+            (lm.Quantize,),
+            _build_ln_quantize,
+            kind="fusion",
+            match_filter=_filter(_ln_quantize),
+            description="float LayerNorm whose result is also quantized: the quantize fused",
+            kernel="kernels.layer_norm(codes=)",
             modes=(),
         ),
     )

@@ -118,6 +118,26 @@ def layer_norm(
     return torch.from_numpy(K.layer_norm(numpy_view(x), weight, bias, eps, residual=r))
 
 
+def layer_norm_codes(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: Any,
+    bias: Any,
+    eps: float,
+    x_qp: QParams | None,
+    codes_qp: QParams | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``layer_norm`` reading uint8 codes (``x_qp``) and/or also returning its result quantized
+    (``codes_qp``; else an empty uint8 tensor)."""
+    r = None if residual is None else numpy_view(residual.to(torch.float32))
+    xa = numpy_view(x)
+    codes = np.empty(xa.shape if codes_qp is not None else (0,), np.uint8)
+    out = K.layer_norm(xa, weight, bias, eps, residual=r, x_qparams=x_qp,
+                       codes=codes if codes_qp is not None else None,
+                       codes_qparams=codes_qp)  # fmt: skip
+    return torch.from_numpy(out), torch.from_numpy(codes)
+
+
 def softmax(x: torch.Tensor, scale: float, mask: torch.Tensor | None) -> torch.Tensor:
     m = None if mask is None else mask.detach().numpy()  # strided views are fine: it is copied
     return torch.from_numpy(K.softmax(numpy_view(x), scale=scale, mask=m))

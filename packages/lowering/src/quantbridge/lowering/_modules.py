@@ -339,7 +339,12 @@ class QuantizedDynamicLinear(_WeightedBase):
 
 
 class FloatLayerNorm(LoweredModule):
-    """float32 ``LayerNorm(x [+ residual])`` over the last dimension (``kernels.layer_norm``)."""
+    """float32 ``LayerNorm(x [+ residual])`` over the last dimension (``kernels.layer_norm``).
+
+    With ``in_qparams`` ``x`` is uint8 codes (the dequantize before it fused); with
+    ``out_qparams`` it returns ``(float result, its codes)``, the quantize after it fused. The
+    same bytes as those ops around the float LayerNorm.
+    """
 
     kernel = "kernels.layer_norm"
     weight: torch.Tensor | None
@@ -352,20 +357,49 @@ class FloatLayerNorm(LoweredModule):
         eps: float,
         residual: bool,
         target: str,
+        in_qparams: tuple[float, int] | None = None,
+        out_qparams: tuple[float, int] | None = None,
     ) -> None:
         nn.Module.__init__(self)
         self.eps, self.residual = float(eps), residual
         for name, t in (("weight", weight), ("bias", bias)):
             value = None if t is None else t.detach().to(torch.float32).contiguous()
             self.register_buffer(name, value)
-        super().__init__(target, None, None)
+        super().__init__(target, in_qparams, out_qparams)
 
     def _sync(self) -> None:
         super()._sync()
         self._w = None if self.weight is None else lowered.numpy_view(self.weight)
         self._b = None if self.bias is None else lowered.numpy_view(self.bias)
+        names = dict(self.named_buffers(recurse=False))
+        self._x_qp = self.input_qparams if "input_scale" in names else None
+        self._codes_qp = self.output_qparams if "scale" in names else None
 
-    def forward(self, x: torch.Tensor, other: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, other: torch.Tensor | None = None) -> Any:
+        if self._x_qp is None and self._codes_qp is None:
+            return self._float(x, other)
+        if other is not None and other.shape != x.shape:  # broadcasting add: the plain path
+            if self._x_qp is not None:
+                x = torch.from_numpy(K.dequantize_per_tensor(lowered.numpy_view(x), *self._x_qp))
+            out = self._float(x, other)
+            if self._codes_qp is None:
+                return out
+            return out, torch.from_numpy(
+                K.quantize_per_tensor(lowered.numpy_view(out), *self._codes_qp)
+            )
+        if is_tracing(x) if other is None else is_tracing(x, other):
+            x_qp = None if self._x_qp is None else [float(v) for v in self._x_qp]
+            c_qp = None if self._codes_qp is None else [float(v) for v in self._codes_qp]
+            out, codes = ops.layer_norm_codes_op(
+                x, other, self.weight, self.bias, self.eps, x_qp, c_qp
+            )
+        else:
+            out, codes = lowered.layer_norm_codes(
+                x, other, self._w, self._b, self.eps, self._x_qp, self._codes_qp
+            )
+        return out if self._codes_qp is None else (out, codes)
+
+    def _float(self, x: torch.Tensor, other: torch.Tensor | None) -> torch.Tensor:
         if other is not None and other.shape != x.shape:
             x, other = x + other, None  # broadcasting add: torch does it, the kernel the rest
         if x.dtype != torch.float32 or x.requires_grad:
@@ -377,7 +411,14 @@ class FloatLayerNorm(LoweredModule):
         return lowered.layer_norm(x, other, self._w, self._b, self.eps)
 
     def _details(self) -> str:
-        return f"eps={self.eps:g}" + (", residual add fused" if self.residual else "")
+        parts = [f"eps={self.eps:g}"]
+        if self.residual:
+            parts.append("residual add fused")
+        if self._x_qp is not None:
+            parts.append(f"reads codes {_qp(self._x_qp)}")
+        if self._codes_qp is not None:
+            parts.append(f"also returns codes {_qp(self._codes_qp)}")
+        return ", ".join(parts)
 
 
 class FloatSoftmax(LoweredModule):
