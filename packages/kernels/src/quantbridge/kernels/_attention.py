@@ -311,7 +311,7 @@ else:
 def _make_heads(parallel: bool, vnni: bool) -> Any:
     def heads(  # type: ignore[no-untyped-def]  # numba types the arguments
         q, k, v, zq, zk, zv, logit_scale, v_scale, madd, mdead, mb, mh, mq, quantized, inv, ozp,
-        hi, outq, outf,
+        hi, outq, outf, nchunks,
     ):  # fmt: skip
         nb, nh, sq, d = q.shape
         sk = k.shape[2]
@@ -320,77 +320,79 @@ def _make_heads(parallel: bool, vnni: bool) -> Any:
         sqp = (sq + 7) // 8 * 8
         skp = (sk + 31) // 32 * 32
         dvp = (dv + 31) // 32 * 32
-        for t in prange(nb * nh):  # a plain range when parallel=False
-            b = t // nh
-            h = t - b * nh
-            if vnni:
-                # k as int8 (k - 128), four head values of each key together; the corrections
-                # that turn sum q (k - 128) into sum (q - zq)(k - zk)
-                ng = d // 4
-                kp = np.zeros(ng * skp * 4, np.int8)
-                colc = np.zeros(skp, np.int32)
-                for j in range(sk):
-                    ksum = 0
-                    for c in range(d):
-                        kv = np.int32(k[b, h, j, c])
-                        ksum += kv
-                        kp[((c >> 2) * skp + j) * 4 + (c & 3)] = np.int8(kv - 128)
-                    colc[j] = d * zq * zk - zq * ksum
-                rowc = np.zeros(sqp, np.int32)
-                for i in range(sq):
-                    qsum = 0
-                    for c in range(d):
-                        qsum += np.int32(q[b, h, i, c])
-                    rowc[i] = (128 - zk) * qsum
-                qoff = b * q.strides[0] + h * q.strides[1]
-                qld = q.strides[2]
-                qf = np.empty(0, np.float32)
-                kt = np.empty(0, np.float32)
-            else:
-                # q and k (transposed) as float32 code offsets, contiguous
-                qf = np.zeros(sqp * d, np.float32)
-                kt = np.zeros(d * skp, np.float32)
-                for i in range(sq):
-                    for c in range(d):
-                        qf[i * d + c] = np.float32(np.int32(q[b, h, i, c]) - zq)
-                for j in range(sk):
-                    for c in range(d):
-                        kt[c * skp + j] = np.float32(np.int32(k[b, h, j, c]) - zk)
+        ng = d // 4
+        ntasks = nb * nh
+        # (batch, head) pairs in nchunks runs, each with its own scratch: allocated and its
+        # padding zeroed once, every head writing the same unpadded part
+        for chunk in prange(nchunks):  # a plain range when parallel=False
+            kp = np.zeros(ng * skp * 4 if vnni else 0, np.int8)
+            colc = np.zeros(skp, np.int32)
+            rowc = np.zeros(sqp, np.int32)
+            qf = np.zeros(0 if vnni else sqp * d, np.float32)
+            kt = np.zeros(0 if vnni else d * skp, np.float32)
             vf = np.zeros(skp * dvp, np.float32)
-            for j in range(sk):
-                for c in range(dv):
-                    vf[j * dvp + c] = np.float32(np.int32(v[b, h, j, c]) - zv)
             probs = np.zeros(8 * skp, np.float32)  # logits, then exp(logit - max) in place
             o = np.empty(8 * dvp, np.float32)
             sums = np.empty(8, np.float32)
             moffs = np.zeros(8, np.int64)
-            mrow_b = (b if mb > 1 else 0) * mh + (h if mh > 1 else 0)
-            for i0 in range(0, sq, 8):
-                rows = min(8, sq - i0)
-                for j0 in range(0, skp, 32):
-                    if vnni:
-                        qk_vnni(q, qoff + i0 * qld, qld, rows, kp, j0 * 4, skp * 4, ng, probs,
-                                j0, skp, colc, j0, rowc, i0)  # fmt: skip
-                    else:
-                        f32_block(qf, i0 * d, d, kt, j0, skp, probs, j0, skp, d)
-                for r in range(8):  # rows past sq repeat the last one's mask row
-                    moffs[r] = (mrow_b * mq + (i0 + min(r, rows - 1) if mq > 1 else 0)) * sk
-                exp_block(probs, 0, skp, madd, moffs, sk, logit_scale, sums)
-                for c0 in range(0, dvp, 32):
-                    f32_block(probs, 0, skp, vf, c0, dvp, o, c0, dvp, skp)
-                for r in range(rows):
-                    at = ((b * sq + i0 + r) * nh + h) * dv
-                    # a row whose mask hides every key gives zeros
-                    scale = np.float32(0.0) if mdead[moffs[r] // sk] else v_scale / sums[r]
-                    if quantized:
-                        for c in range(dv):
-                            # quantize_per_tensor's rule, branch-free (vectorizes); NaN -> hi
-                            y = fma32(o[r * dvp + c] * scale, inv, ozp)
-                            y = np.rint(y) if y == y else hi
-                            outq[at + c] = np.uint8(min(max(y, np.float32(0.0)), hi))
-                    else:
-                        for c in range(dv):
-                            outf[at + c] = o[r * dvp + c] * scale
+            for t in range(chunk * ntasks // nchunks, (chunk + 1) * ntasks // nchunks):
+                b = t // nh
+                h = t - b * nh
+                qoff = b * q.strides[0] + h * q.strides[1]
+                qld = q.strides[2]
+                if vnni:
+                    # k as int8 (k - 128), four head values of each key together; the
+                    # corrections that turn sum q (k - 128) into sum (q - zq)(k - zk)
+                    for j in range(sk):
+                        ksum = 0
+                        for c in range(d):
+                            kv = np.int32(k[b, h, j, c])
+                            ksum += kv
+                            kp[((c >> 2) * skp + j) * 4 + (c & 3)] = np.int8(kv - 128)
+                        colc[j] = d * zq * zk - zq * ksum
+                    for i in range(sq):
+                        qsum = 0
+                        for c in range(d):
+                            qsum += np.int32(q[b, h, i, c])
+                        rowc[i] = (128 - zk) * qsum
+                else:
+                    # q and k (transposed) as float32 code offsets, contiguous
+                    for i in range(sq):
+                        for c in range(d):
+                            qf[i * d + c] = np.float32(np.int32(q[b, h, i, c]) - zq)
+                    for j in range(sk):
+                        for c in range(d):
+                            kt[c * skp + j] = np.float32(np.int32(k[b, h, j, c]) - zk)
+                for j in range(sk):
+                    for c in range(dv):
+                        vf[j * dvp + c] = np.float32(np.int32(v[b, h, j, c]) - zv)
+                mrow_b = (b if mb > 1 else 0) * mh + (h if mh > 1 else 0)
+                for i0 in range(0, sq, 8):
+                    rows = min(8, sq - i0)
+                    for j0 in range(0, skp, 32):
+                        if vnni:
+                            qk_vnni(q, qoff + i0 * qld, qld, rows, kp, j0 * 4, skp * 4, ng,
+                                    probs, j0, skp, colc, j0, rowc, i0)  # fmt: skip
+                        else:
+                            f32_block(qf, i0 * d, d, kt, j0, skp, probs, j0, skp, d)
+                    for r in range(8):  # rows past sq repeat the last one's mask row
+                        moffs[r] = (mrow_b * mq + (i0 + min(r, rows - 1) if mq > 1 else 0)) * sk
+                    exp_block(probs, 0, skp, madd, moffs, sk, logit_scale, sums)
+                    for c0 in range(0, dvp, 32):
+                        f32_block(probs, 0, skp, vf, c0, dvp, o, c0, dvp, skp)
+                    for r in range(rows):
+                        at = ((b * sq + i0 + r) * nh + h) * dv
+                        # a row whose mask hides every key gives zeros
+                        scale = np.float32(0.0) if mdead[moffs[r] // sk] else v_scale / sums[r]
+                        if quantized:
+                            for c in range(dv):
+                                # quantize_per_tensor's rule, branch-free; NaN -> hi
+                                y = fma32(o[r * dvp + c] * scale, inv, ozp)
+                                y = np.rint(y) if y == y else hi
+                                outq[at + c] = np.uint8(min(max(y, np.float32(0.0)), hi))
+                        else:
+                            for c in range(dv):
+                                outf[at + c] = o[r * dvp + c] * scale
 
     name = ("attention_vnni_" if vnni else "attention_") + ("parallel" if parallel else "serial")
     heads.__name__ = heads.__qualname__ = name
@@ -515,14 +517,13 @@ def attention(
     threads = apply_num_threads(num_threads, "attention")
     work = nb * nh * sq * sk * (d + dv)
     serial, parallel = _HEADS[vnni]
-    fn = (
-        serial
-        if threads == 1 or work < PARALLEL_MIN_ATTENTION_WORK or nb * nh < 2
-        else with_threads(parallel, threads)
-    )
+    if threads == 1 or work < PARALLEL_MIN_ATTENTION_WORK or nb * nh < 2:
+        fn, chunks = serial, 1
+    else:
+        fn, chunks = with_threads(parallel, threads), min(nb * nh, threads)
     fn(qa, ka, va, params[0][1], params[1][1], params[2][1], logit_scale,
        np.float32(params[2][0]), madd.reshape(-1), mdead, mb, mh, mq, out_qparams is not None,
-       inv, ozp, np.float32(255.0), outq.reshape(-1), outf.reshape(-1))  # fmt: skip
+       inv, ozp, np.float32(255.0), outq.reshape(-1), outf.reshape(-1), chunks)  # fmt: skip
     out: npt.NDArray[Any] = outq if out_qparams is not None else outf
     heads_view: npt.NDArray[Any] = out.transpose(0, 2, 1, 3)
     return heads_view
