@@ -179,3 +179,16 @@ def test_errors_name_the_argument() -> None:
     big = _heads(rng, 1, 2, 1, 512)
     with pytest.raises(KernelError, match="exact limit"):
         attention(big, big, big, *QP)
+
+
+def test_causal_is_the_lower_triangle() -> None:
+    rng = np.random.default_rng(8)
+    q = _heads(rng, 2, 6, 2, 16)
+    k, v = _heads(rng, 2, 9, 2, 16), _heads(rng, 2, 9, 2, 16)
+    keep = np.tri(6, 9, dtype=bool)[None, None]  # query i sees keys 0..i, as torch's is_causal
+    want = _reference(q, k, v, keep, 0.25)
+    got = attention(q, k, v, *QP, scale=0.25, causal=True)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    np.testing.assert_array_equal(got, attention(q, k, v, *QP, scale=0.25, mask=keep))
+    with pytest.raises(KernelError, match="mask and causal"):
+        attention(q, k, v, *QP, mask=keep, causal=True)

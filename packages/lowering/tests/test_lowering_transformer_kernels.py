@@ -341,3 +341,46 @@ def test_static_layer_norms_read_and_write_codes_with_the_same_bytes() -> None:
     assert "layer_norm_codes" in str(exported.graph)
     with torch.no_grad():
         assert torch.equal(exported.module()(*_inputs(7)), fused(*_inputs(7)))
+
+
+class _CausalLayer(_SdpaLayer):
+    """A decoder's self-attention: ``is_causal=True`` and no mask (Hugging Face's GPT-2 with
+    sdpa attention and no padding)."""
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        b, s, h = x.shape
+        q, k, v = self._split(self.query(x)), self._split(self.key(x)), self._split(self.value(x))
+        ctx = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out: torch.Tensor = self.out(ctx.transpose(1, 2).reshape(b, s, h))
+        return out
+
+
+def test_static_causal_sdpa_runs_on_codes() -> None:
+    torch.manual_seed(0)
+    model = _CausalLayer().eval()
+    g = torch.Generator().manual_seed(2)
+    mask = torch.ones(2, 10)
+    backend = L.get_backend("numba")
+    x0 = torch.randn(2, 10, 48, generator=g)
+    prepared = prepare_fx(
+        model, backend.qconfig_mapping(transformer=True), (x0, mask),
+        backend_config=backend.backend_config,
+    )  # fmt: skip
+    for _ in range(4):
+        prepared(torch.randn(2, 10, 48, generator=g), mask)
+    reference = convert_to_reference_fx(copy.deepcopy(prepared))
+    lowered = backend.convert(prepared)
+    cores = [m for m in lowered.modules() if isinstance(m, lm.QuantizedAttention)]
+    assert len(cores) == 1
+    assert cores[0].causal
+    out_step = float(lowered.out_1.scale)
+    for _ in range(3):
+        x = torch.randn(2, 10, 48, generator=g)
+        with torch.no_grad():
+            got, want = lowered(x, mask), reference(x, mask)
+        assert float((got - want).abs().max()) <= 2 * out_step + 1e-6
+    # a change in a later position leaves every earlier output as it was
+    with torch.no_grad():
+        y = x.clone()
+        y[:, 7:] += 1.0
+        assert torch.equal(lowered(y, mask)[:, :7], lowered(x, mask)[:, :7])

@@ -456,6 +456,7 @@ def attention(
     *,
     mask: npt.NDArray[np.float32] | npt.NDArray[np.bool_] | None = None,
     scale: float | None = None,
+    causal: bool = False,
     out_qparams: QParams | tuple[float, int] | None = None,
     target: str | None = None,
     num_threads: int | None = None,
@@ -464,9 +465,10 @@ def attention(
     [B, H, Sk, Dv] (any strides).
 
     ``scale`` defaults to ``1 / sqrt(D)``. ``mask``: float32 (added to the logits) or bool
-    (True takes part), broadcasting to [B, H, Sq, Sk]. With ``out_qparams`` the result is uint8
-    codes, else float32; either way a [B, H, Sq, Dv] view whose ``transpose(1, 2)`` is
-    C-contiguous (module docstring).
+    (True takes part), broadcasting to [B, H, Sq, Sk]. ``causal``: query ``i`` sees keys
+    ``j <= i`` (torch's ``is_causal``; not together with ``mask``). With ``out_qparams`` the
+    result is uint8 codes, else float32; either way a [B, H, Sq, Dv] view whose
+    ``transpose(1, 2)`` is C-contiguous (module docstring).
     """
     qa, ka, va = _codes("q", q), _codes("k", k), _codes("v", v)
     nb, nh, sq, d = (int(n) for n in qa.shape)
@@ -495,6 +497,10 @@ def attention(
     logit_scale = np.float32(params[0][0] * params[1][0] * sc)
     if not np.isfinite(logit_scale):
         raise KernelError(f"q_scale * k_scale * scale = {logit_scale} is not a finite float32")
+    if causal:
+        if mask is not None:
+            raise KernelError("mask and causal: give one (fold the causal part into the mask)")
+        mask = np.tri(sq, sk, dtype=np.bool_)[None, None]
     madd, mdead, (mb, mh, mq) = _compact_mask(mask, (nb, nh, sq, sk))
     outq: npt.NDArray[np.uint8]
     outf: npt.NDArray[np.float32]

@@ -434,10 +434,11 @@ def attention_op(
     scale: float | None,
     mask: torch.Tensor | None,
     target: str,
+    causal: bool,
 ) -> torch.Tensor:
     qp = tuple((qparams[i], int(qparams[i + 1])) for i in (0, 2, 4))
     out_qp = None if out_qparams is None else (out_qparams[0], int(out_qparams[1]))
-    return lowered.attention(q, k, v, qp, out_qp, scale, mask, target)  # type: ignore[arg-type]
+    return lowered.attention(q, k, v, qp, out_qp, scale, mask, target, causal)  # type: ignore[arg-type]
 
 
 @attention_op.register_fake

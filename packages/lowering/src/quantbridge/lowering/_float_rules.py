@@ -376,7 +376,7 @@ _SDPA_FN: tuple[Any, ...] = (
 # positional parameters after q, k, v, and the value each must have for the kernel (the mask
 # and the scale are taken as they are)
 _SDPA_ARGS = ("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
-_SDPA_REQUIRED = {"dropout_p": 0.0, "is_causal": False, "enable_gqa": False}
+_SDPA_REQUIRED = {"dropout_p": 0.0, "enable_gqa": False}
 
 
 @dataclass
@@ -387,6 +387,7 @@ class _AttentionParts:
     mask: Node | None
     scale: float | None
     out_qparams: tuple[float, int] | None
+    causal: bool
 
 
 def _attention_parts(match: RewriteMatch) -> _AttentionParts | None:
@@ -403,8 +404,10 @@ def _attention_parts(match: RewriteMatch) -> _AttentionParts | None:
     named.update(sdpa.kwargs)
     if any(named.get(key, want) != want for key, want in _SDPA_REQUIRED.items()):
         return None
-    mask, scale = named.get("attn_mask"), named.get("scale")
-    if not (mask is None or isinstance(mask, Node)):
+    mask, scale, causal = named.get("attn_mask"), named.get("scale"), named.get("is_causal", False)
+    if not (mask is None or isinstance(mask, Node)) or causal not in (False, True):
+        return None
+    if causal and mask is not None:  # torch's rule for both together is not the kernel's
         return None
     if not (scale is None or (isinstance(scale, (int, float)) and not isinstance(scale, bool))):
         return None
@@ -418,7 +421,7 @@ def _attention_parts(match: RewriteMatch) -> _AttentionParts | None:
     out_qp = None if quantize is None else quantize.output_qparams
     return _AttentionParts(
         sdpa, (codes[0], codes[1], codes[2]), (qparams[0], qparams[1], qparams[2]), mask,
-        None if scale is None else float(scale), out_qp,
+        None if scale is None else float(scale), out_qp, bool(causal),
     )  # fmt: skip
 
 
@@ -427,8 +430,9 @@ def _build_attention(ctx: LoweringContext, m: RuleMatch) -> Node:
     if parts is None:
         raise NotLowerableError("not an attention over dequantized codes")
     mod = lm.QuantizedAttention(
-        parts.qparams, parts.out_qparams, parts.scale, parts.mask is not None, ctx.target
-    )
+        parts.qparams, parts.out_qparams, parts.scale, parts.mask is not None, ctx.target,
+        parts.causal,
+    )  # fmt: skip
     args = (*parts.codes, parts.mask) if parts.mask is not None else parts.codes
     new = ctx.add_module(f"{parts.sdpa.name}_codes", mod, args, before=m.anchor)
     out = "uint8" if parts.out_qparams is not None else "float32"

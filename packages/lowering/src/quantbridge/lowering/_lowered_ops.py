@@ -152,11 +152,13 @@ def attention(
     scale: float | None,
     mask: torch.Tensor | None,
     target: str,
+    causal: bool = False,
 ) -> torch.Tensor:
     """``kernels.attention`` on uint8 codes [B, H, S, D] (any strides: read in place)."""
     m = None if mask is None else mask.detach().numpy()  # strided (expanded) masks: no copy
     out = K.attention(q.detach().numpy(), k.detach().numpy(), v.detach().numpy(), *qparams,
-                      mask=m, scale=scale, out_qparams=out_qp, target=target)  # fmt: skip
+                      mask=m, scale=scale, causal=causal, out_qparams=out_qp,
+                      target=target)  # fmt: skip
     return torch.from_numpy(out)
 
 

@@ -470,12 +470,13 @@ class QuantizedAttention(LoweredModule):
         scale: float | None,
         masked: bool,
         target: str,
+        causal: bool = False,
     ) -> None:
         nn.Module.__init__(self)
         for prefix, (s, zp) in (("input2_", qparams[1]), ("input3_", qparams[2])):
             self.register_buffer(prefix + "scale", torch.tensor(s, dtype=torch.float64))
             self.register_buffer(prefix + "zero_point", torch.tensor(zp, dtype=torch.int64))
-        self.attention_scale, self.masked = scale, masked
+        self.attention_scale, self.masked, self.causal = scale, masked, causal
         super().__init__(target, qparams[0], out_qparams)
 
     def _sync(self) -> None:
@@ -495,16 +496,20 @@ class QuantizedAttention(LoweredModule):
             flat = [float(x) for qp in self._qparams for x in qp]
             out_qp = None if self._out_qp is None else [float(x) for x in self._out_qp]
             return _as_tensor(
-                ops.attention_op(q, k, v, flat, out_qp, self.attention_scale, mask, self.target)
+                ops.attention_op(
+                    q, k, v, flat, out_qp, self.attention_scale, mask, self.target, self.causal
+                )
             )
         return lowered.attention(
-            q, k, v, self._qparams, self._out_qp, self.attention_scale, mask, self.target
-        )
+            q, k, v, self._qparams, self._out_qp, self.attention_scale, mask, self.target,
+            self.causal,
+        )  # fmt: skip
 
     def _details(self) -> str:
         scale = "1/sqrt(D)" if self.attention_scale is None else f"{self.attention_scale:g}"
         out = "float" if self._out_qp is None else _qp(self._out_qp)
-        return f"scale={scale}{' + mask' if self.masked else ''}, out={out}"
+        extra = " + mask" if self.masked else (", causal" if self.causal else "")
+        return f"scale={scale}{extra}, out={out}"
 
 
 class QuantizedConv(_WeightedBase):
