@@ -384,3 +384,35 @@ def test_static_causal_sdpa_runs_on_codes() -> None:
         y = x.clone()
         y[:, 7:] += 1.0
         assert torch.equal(lowered(y, mask)[:, :7], lowered(x, mask)[:, :7])
+
+
+def test_attention_module_takes_what_the_reference_takes() -> None:
+    # 3-D q, k, v (no head dimension), grouped-query heads and a float16 mask: what torch's
+    # SDPA accepts, the lowered module computes as the reference does (dequantize, torch's
+    # attention, quantize) or on the kernel with the mask widened
+    qp = ((0.03, 128), (0.025, 120), (0.02, 131))
+    mod = lm.QuantizedAttention(qp, (0.01, 127), None, True, "generic")
+    g = torch.Generator().manual_seed(3)
+
+    def codes(*shape: int) -> torch.Tensor:
+        return torch.randint(0, 256, shape, generator=g, dtype=torch.uint8)
+
+    def reference(q, k, v, mask, gqa=False):  # type: ignore[no-untyped-def]
+        deq = [
+            (x.float() - zp) * torch.tensor(s, dtype=torch.float32)
+            for x, (s, zp) in zip((q, k, v), qp, strict=True)
+        ]
+        out = F.scaled_dot_product_attention(*deq, attn_mask=mask, enable_gqa=gqa)
+        return torch.clamp(torch.round(out / 0.01) + 127, 0, 255).to(torch.uint8)
+
+    q, k, v = codes(2, 9, 16), codes(2, 11, 16), codes(2, 11, 16)
+    keep = torch.rand(2, 9, 11, generator=g) < 0.8
+    keep[..., 0] = True
+    diff = (mod(q, k, v, keep).int() - reference(q, k, v, keep).int()).abs()
+    assert int(diff.max()) <= 1
+    q4, k4, v4 = codes(1, 4, 6, 8), codes(1, 2, 6, 8), codes(1, 2, 6, 8)
+    diff = (mod(q4, k4, v4, None).int() - reference(q4, k4, v4, None, gqa=True).int()).abs()
+    assert int(diff.max()) <= 1
+    q4, k4, v4 = codes(1, 2, 6, 8), codes(1, 2, 6, 8), codes(1, 2, 6, 8)
+    half = torch.where(torch.rand(1, 1, 6, 6, generator=g) < 0.7, 0.0, -1e4).to(torch.float16)
+    assert torch.equal(mod(q4, k4, v4, half), mod(q4, k4, v4, half.float()))

@@ -492,6 +492,10 @@ class QuantizedAttention(LoweredModule):
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None
     ) -> torch.Tensor:
+        if not (q.dim() == k.dim() == v.dim() == 4) or (q.shape[:2] != k.shape[:2]):
+            return self._reference(q, k, v, mask)  # 3-D or 5-D inputs, grouped-query heads
+        if mask is not None and mask.dtype not in (torch.bool, torch.float32):
+            mask = mask.to(torch.float32)  # an additive float16 / bfloat16 mask: same values
         if is_tracing(q, k, v) if mask is None else is_tracing(q, k, v, mask):
             flat = [float(x) for qp in self._qparams for x in qp]
             out_qp = None if self._out_qp is None else [float(x) for x in self._out_qp]
@@ -504,6 +508,27 @@ class QuantizedAttention(LoweredModule):
             q, k, v, self._qparams, self._out_qp, self.attention_scale, mask, self.target,
             self.causal,
         )  # fmt: skip
+
+    def _reference(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
+    ) -> torch.Tensor:
+        """What the reference model computes, for shapes the kernel does not take: dequantize,
+        torch's attention, quantize."""
+        deq = [
+            torch.ops.quantbridge.dequantize_per_tensor.default(x, s, zp, 0, 255, torch.uint8)
+            for x, (s, zp) in zip((q, k, v), self._qparams, strict=True)
+        ]
+        out: torch.Tensor = torch.nn.functional.scaled_dot_product_attention(
+            deq[0], deq[1], deq[2], attn_mask=mask, is_causal=self.causal,
+            scale=self.attention_scale, enable_gqa=q.dim() >= 3 and q.shape[-3] != k.shape[-3],
+        )  # fmt: skip
+        if self._out_qp is None:
+            return out
+        return _as_tensor(
+            torch.ops.quantbridge.quantize_per_tensor.default(
+                out, *self._out_qp, 0, 255, torch.uint8
+            )
+        )
 
     def _details(self) -> str:
         scale = "1/sqrt(D)" if self.attention_scale is None else f"{self.attention_scale:g}"
