@@ -343,3 +343,20 @@ def test_bad_thread_counts_are_refused_even_for_tiny_products(bad):
     packed = PackedLinearWeight(np.ones((4, 8), np.int8), 0.1)
     with pytest.raises(KernelError, match="num_threads"):
         linear(np.ones((1, 8), np.uint8), packed, 0.1, 0, 0.1, 0, num_threads=bad)
+
+
+@pytest.mark.parametrize("n_out", [32, 50])
+def test_leading_dimensions_take_the_one_thread_path_with_the_same_bytes(n_out):
+    # [B, S, K] activations (a transformer's) are rows of the 2-D product, on one thread too
+    rng = np.random.default_rng(n_out)
+    x = rng.integers(0, 256, (2, 7, 40), dtype=np.uint8)
+    w = rng.integers(-128, 128, (n_out, 40), dtype=np.int8)
+    packed = PackedLinearWeight(w, 0.02, 0, rng.normal(0, 1, n_out).astype(np.float32))
+    table = rng.integers(0, 256, 256, dtype=np.uint8)
+    for lut in (None, table):
+        flat = linear(x.reshape(14, 40), packed, 0.05, 3, 0.3, 128, lut=lut, num_threads=1)
+        got = linear(x, packed, 0.05, 3, 0.3, 128, lut=lut, num_threads=1)
+        assert got.shape == (2, 7, n_out)
+        np.testing.assert_array_equal(got.reshape(14, n_out), flat)
+        two = linear(x, packed, 0.05, 3, 0.3, 128, lut=lut, num_threads=2)
+        np.testing.assert_array_equal(two, got)

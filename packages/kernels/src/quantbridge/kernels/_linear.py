@@ -404,14 +404,18 @@ def linear(
     else:
         threads = apply_num_threads(num_threads, "linear")
     fast = packed.serial_u8
+    # leading dimensions of a C-contiguous x ([B, S, K], a transformer's activations) are rows
+    rows2d = x if x.ndim <= 2 else x.reshape(-1, x.shape[-1])
     if (
         fast is not None
         and threads == 1
-        and x.ndim == 2
-        and x.shape[1] == packed.k == packed.lda
+        and rows2d.ndim == 2
+        and rows2d.shape[1] == packed.k == packed.lda
         # guarded weights: only when no row holds a pair past the limit
-        and not (packed.guarded and _any_unsafe_row(x, packed))
+        and not (packed.guarded and _any_unsafe_row(rows2d, packed))
     ):
+        row_dims = x.shape[:-1]
+        x = rows2d
         key = (x_scale, out_scale, a_zp)
         floats = type(x_scale) is float and type(out_scale) is float
         params = packed._fast.get(key) if floats else None
@@ -468,7 +472,8 @@ def linear(
         if table_pass:
             flat = res.reshape(-1)
             apply_table(flat, table, flat, 1)
-        return res if packed.n_padded == packed.n else np.ascontiguousarray(res[:, : packed.n])
+        cut = res if packed.n_padded == packed.n else np.ascontiguousarray(res[:, : packed.n])
+        return cut if len(row_dims) == 1 else cut.reshape(*row_dims, packed.n)
     biasq, mult = packed.epilogue(x_scale, out_scale)
     a, m, lead = _activation_rows(x, packed, "x")
     rowoffs, rowsum = _rows_and_sums(a, m, packed)
