@@ -259,6 +259,23 @@ class _SdpaLayer(nn.Module):
         return out
 
 
+def _static_pair(
+    model: nn.Module, mask: torch.Tensor, g: torch.Generator
+) -> tuple[GraphModule, GraphModule]:
+    """(reference, lowered) of ``model`` under the static transformer mapping, calibrated on
+    four random [B, S, 48] batches drawn from ``g``."""
+    backend = L.get_backend("numba")
+    shape = (*mask.shape, 48)
+    prepared = prepare_fx(
+        model, backend.qconfig_mapping(transformer=True), (torch.randn(shape, generator=g), mask),
+        backend_config=backend.backend_config,
+    )  # fmt: skip
+    for _ in range(4):
+        prepared(torch.randn(shape, generator=g), mask)
+    reference = convert_to_reference_fx(copy.deepcopy(prepared))
+    return reference, backend.convert(prepared)
+
+
 def test_static_sdpa_runs_on_codes_and_matches_the_reference() -> None:
     torch.manual_seed(0)
     model = _SdpaLayer().eval()
@@ -266,16 +283,7 @@ def test_static_sdpa_runs_on_codes_and_matches_the_reference() -> None:
     mask = torch.ones(3, 12)
     mask[1, 7:] = 0
     mask[2, 3:] = 0
-    backend = L.get_backend("numba")
-    x0 = torch.randn(3, 12, 48, generator=g)
-    prepared = prepare_fx(
-        model, backend.qconfig_mapping(transformer=True), (x0, mask),
-        backend_config=backend.backend_config,
-    )  # fmt: skip
-    for _ in range(4):
-        prepared(torch.randn(3, 12, 48, generator=g), mask)
-    reference = convert_to_reference_fx(copy.deepcopy(prepared))
-    lowered = backend.convert(prepared)
+    reference, lowered = _static_pair(model, mask, g)
     report = L.lowering_report(lowered)
     fused = [what for _, what in report.lowered if what.startswith("kernels.attention")]
     assert fused == ["kernels.attention (dequantize of q, k, v fused, uint8 output)"], str(report)
@@ -360,16 +368,7 @@ def test_static_causal_sdpa_runs_on_codes() -> None:
     model = _CausalLayer().eval()
     g = torch.Generator().manual_seed(2)
     mask = torch.ones(2, 10)
-    backend = L.get_backend("numba")
-    x0 = torch.randn(2, 10, 48, generator=g)
-    prepared = prepare_fx(
-        model, backend.qconfig_mapping(transformer=True), (x0, mask),
-        backend_config=backend.backend_config,
-    )  # fmt: skip
-    for _ in range(4):
-        prepared(torch.randn(2, 10, 48, generator=g), mask)
-    reference = convert_to_reference_fx(copy.deepcopy(prepared))
-    lowered = backend.convert(prepared)
+    reference, lowered = _static_pair(model, mask, g)
     cores = [m for m in lowered.modules() if isinstance(m, lm.QuantizedAttention)]
     assert len(cores) == 1
     assert cores[0].causal

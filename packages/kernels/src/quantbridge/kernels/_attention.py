@@ -36,7 +36,7 @@ from numba.extending import intrinsic
 
 from quantbridge.kernels._checks import check_array, check_scale, check_zero_point
 from quantbridge.kernels._errors import KernelError
-from quantbridge.kernels._float_math import FAST, flat_f32, vexp
+from quantbridge.kernels._float_math import FAST, RowSteps, flat_f32, vexp
 from quantbridge.kernels._fma import fma32
 from quantbridge.kernels._ir import declare, load_vec, stack_slot, store_vec, vec_broadcast
 from quantbridge.kernels._qparams import QParams, as_qparams
@@ -206,48 +206,20 @@ def _exp_block_codegen(context: Any, builder: ir.IRBuilder, sig: Any, args: Any)
         context.make_array(sig.args[i])(context, builder, arr).data
         for i, arr in ((0, x), (3, mask), (4, moffs), (7, sums))
     )
-    f32, i64, i32 = ir.FloatType(), ir.IntType(64), ir.IntType(32)
-    vt = ir.VectorType(f32, _VL)
-    vbool = ir.VectorType(ir.IntType(1), _VL)
+    f32, i64 = ir.FloatType(), ir.IntType(64)
+    row = RowSteps(builder, n)
+    vt, zero, load, each = row.vt, row.zero, row.load, row.each
     mod = builder.module
-    mload = declare(mod, ir.FunctionType(vt, [vt.as_pointer(), i32, vbool, vt]),
-                    f"llvm.masked.load.v{_VL}f32.p0v{_VL}f32")  # fmt: skip
-    mstore = declare(mod, ir.FunctionType(ir.VoidType(), [vt, vt.as_pointer(), i32, vbool]),
-                     f"llvm.masked.store.v{_VL}f32.p0v{_VL}f32")  # fmt: skip
     rmax = declare(mod, ir.FunctionType(f32, [vt]), f"llvm.vector.reduce.fmax.v{_VL}f32")
     radd = declare(mod, ir.FunctionType(f32, [f32, vt]), f"llvm.vector.reduce.fadd.v{_VL}f32")
     fma = declare(mod, ir.FunctionType(vt, [vt, vt, vt]), f"llvm.fma.v{_VL}f32")
     minus_inf = ir.Constant(vt, [float("-inf")] * _VL)
-    zero = ir.Constant(vt, [0.0] * _VL)
-    lanes = ir.Constant(ir.VectorType(i64, _VL), list(range(_VL)))
     xrows = [builder.add(xoff, builder.mul(ld, ir.Constant(i64, r))) for r in range(_ROWS)]
     mrows = [builder.load(builder.gep(mo_p, [ir.Constant(i64, r)])) for r in range(_ROWS)]
     scale_v = vec_broadcast(builder, scale, _VL)
 
-    def ptr(base: ir.Value, off: ir.Value, at: ir.Value) -> ir.Value:
-        return builder.bitcast(builder.gep(base, [builder.add(off, at)]), vt.as_pointer())
-
-    def load(base: ir.Value, off: ir.Value, at: ir.Value, valid: ir.Value | None) -> ir.Value:
-        if valid is None:
-            return load_vec(builder, ptr(base, off, at), vt)
-        return builder.call(mload, [ptr(base, off, at), ir.Constant(i32, 4), valid, zero])
-
     def store(v: ir.Value, off: ir.Value, at: ir.Value, valid: ir.Value | None) -> None:
-        if valid is None:
-            store_vec(builder, v, ptr(x_p, off, at))
-        else:
-            builder.call(mstore, [v, ptr(x_p, off, at), ir.Constant(i32, 4), valid])
-
-    def each(body: Any) -> None:
-        """``body(at, valid)`` per 16 columns: whole vectors unmasked, then the partial one."""
-        nfull = builder.udiv(n, ir.Constant(i64, _VL))
-        with cgutils.for_range(builder, nfull) as loop:
-            body(builder.mul(loop.index, ir.Constant(i64, _VL)), None)
-        at = builder.mul(nfull, ir.Constant(i64, _VL))
-        with builder.if_then(builder.icmp_signed("<", at, n)):
-            n_v = vec_broadcast(builder, n, _VL)
-            at_v = vec_broadcast(builder, at, _VL)
-            body(at, builder.icmp_signed("<", builder.add(lanes, at_v), n_v))
+        row.store(v, x_p, off, at, valid)
 
     # pass 1: v = x * scale + mask in place; the eight rows' maxima side by side
     tops = [stack_slot(builder, minus_inf) for _ in range(_ROWS)]
@@ -257,8 +229,7 @@ def _exp_block_codegen(context: Any, builder: ir.IRBuilder, sig: Any, args: Any)
             v = builder.call(fma, [load(x_p, xrows[r], at, valid), scale_v,
                                    load(m_p, mrows[r], at, valid)])  # fmt: skip
             store(v, xrows[r], at, valid)
-            if valid is not None:
-                v = builder.select(valid, v, minus_inf)
+            v = row.only(valid, v, minus_inf)
             old = builder.load(tops[r])
             builder.store(builder.select(builder.fcmp_ordered(">", v, old), v, old), tops[r])
 
@@ -271,8 +242,7 @@ def _exp_block_codegen(context: Any, builder: ir.IRBuilder, sig: Any, args: Any)
         for r in range(_ROWS):
             e = vexp(builder, builder.fsub(load(x_p, xrows[r], at, valid), top_v[r]))
             store(e, xrows[r], at, valid)
-            if valid is not None:
-                e = builder.select(valid, e, zero)
+            e = row.only(valid, e, zero)
             builder.store(builder.fadd(builder.load(totals[r]), e), totals[r])
 
     each(second)
@@ -437,7 +407,7 @@ def _compact_mask(
     # a repeated (stride-0) leading dimension is read once
     m4 = m4[tuple(slice(0, 1) if m4.strides[a] == 0 else slice(None) for a in range(3))]
     if m4.dtype == np.bool_:  # True takes part, False is hidden
-        add = np.where(m4, np.float32(0.0), np.float32(-np.inf)).astype(np.float32)
+        add = np.where(m4, np.float32(0.0), np.float32(-np.inf)).astype(np.float32, copy=False)
         dead = ~m4.any(axis=-1)
     else:
         add = np.ascontiguousarray(m4)

@@ -228,59 +228,81 @@ def _gelu_vectors(typingctx: Any, mode: Any, x: Any, xoff: Any, out: Any, ooff: 
     return types.int64(mode, x, xoff, out, ooff, n), codegen
 
 
+class RowSteps:
+    """IR over a row of ``n`` float32 values in 16-float steps: the whole vectors with plain
+    loads and stores, then the partial last one with lanes ``>= n`` masked off."""
+
+    def __init__(self, builder: ir.IRBuilder, n: ir.Value) -> None:
+        self.builder, self.n = builder, n
+        f32, i32 = ir.FloatType(), ir.IntType(32)
+        self.vt = vt = ir.VectorType(f32, _VLANES)
+        vbool = ir.VectorType(ir.IntType(1), _VLANES)
+        mod = builder.module
+        self._mload = declare(mod, ir.FunctionType(vt, [vt.as_pointer(), i32, vbool, vt]),
+                              f"llvm.masked.load.v{_VLANES}f32.p0v{_VLANES}f32")  # fmt: skip
+        self._mstore = declare(mod, ir.FunctionType(ir.VoidType(), [vt, vt.as_pointer(), i32,
+                                                                    vbool]),
+                               f"llvm.masked.store.v{_VLANES}f32.p0v{_VLANES}f32")  # fmt: skip
+        self._align = ir.Constant(i32, 4)
+        self.zero = ir.Constant(vt, [0.0] * _VLANES)
+
+    def each(self, body: Any) -> None:
+        """``body(at, valid)`` for every step: ``valid`` None for whole vectors, then the lane
+        mask (lanes < n) for the partial last one."""
+        b, i64 = self.builder, ir.IntType(64)
+        nfull = b.udiv(self.n, ir.Constant(i64, _VLANES))
+        with cgutils.for_range(b, nfull) as loop:
+            body(b.mul(loop.index, ir.Constant(i64, _VLANES)), None)
+        at = b.mul(nfull, ir.Constant(i64, _VLANES))
+        with b.if_then(b.icmp_signed("<", at, self.n)):
+            lanes = ir.Constant(ir.VectorType(i64, _VLANES), list(range(_VLANES)))
+            at_v = vec_broadcast(b, at, _VLANES)
+            body(at, b.icmp_signed("<", b.add(lanes, at_v), vec_broadcast(b, self.n, _VLANES)))
+
+    def _ptr(self, base: ir.Value, off: ir.Value, at: ir.Value) -> ir.Value:
+        b = self.builder
+        return b.bitcast(b.gep(base, [b.add(off, at)]), self.vt.as_pointer())
+
+    def load(self, base: ir.Value, off: ir.Value, at: ir.Value, valid: ir.Value | None) -> ir.Value:
+        """The step at ``base[off + at]`` (masked lanes read as 0)."""
+        if valid is None:
+            return load_vec(self.builder, self._ptr(base, off, at), self.vt)
+        args = [self._ptr(base, off, at), self._align, valid, self.zero]
+        return self.builder.call(self._mload, args)
+
+    def store(
+        self, v: ir.Value, base: ir.Value, off: ir.Value, at: ir.Value, valid: ir.Value | None
+    ) -> None:
+        if valid is None:
+            store_vec(self.builder, v, self._ptr(base, off, at))
+        else:
+            self.builder.call(self._mstore, [v, self._ptr(base, off, at), self._align, valid])
+
+    def only(self, valid: ir.Value | None, v: ir.Value, other: ir.Value) -> ir.Value:
+        """``v`` in the valid lanes, ``other`` in the masked ones."""
+        return v if valid is None else self.builder.select(valid, v, other)
+
+
 def _softmax_row_codegen(context: Any, builder: ir.IRBuilder, sig: Any, args: Any) -> ir.Value:
     x, xoff, mask, moff, out, ooff, n, scale = args
     x_p = context.make_array(sig.args[0])(context, builder, x).data
     m_p = context.make_array(sig.args[2])(context, builder, mask).data
     o_p = context.make_array(sig.args[4])(context, builder, out).data
-    f32, i64, i32 = ir.FloatType(), ir.IntType(64), ir.IntType(32)
-    vt = ir.VectorType(f32, _VLANES)
-    vbool = ir.VectorType(ir.IntType(1), _VLANES)
-    mod = builder.module
-
-    def fn(name: str, ret: ir.Type, params: list[ir.Type]) -> ir.Function:
-        return declare(mod, ir.FunctionType(ret, params), name)
-
-    mload = fn(f"llvm.masked.load.v{_VLANES}f32.p0v{_VLANES}f32", vt,
-               [vt.as_pointer(), i32, vbool, vt])  # fmt: skip
-    mstore = fn(f"llvm.masked.store.v{_VLANES}f32.p0v{_VLANES}f32", ir.VoidType(),
-                [vt, vt.as_pointer(), i32, vbool])  # fmt: skip
-    rmax = fn(f"llvm.vector.reduce.fmax.v{_VLANES}f32", f32, [vt])
-    lanes = ir.Constant(ir.VectorType(i64, _VLANES), list(range(_VLANES)))
+    f32, i32 = ir.FloatType(), ir.IntType(32)
+    row = RowSteps(builder, n)
+    vt, zero = row.vt, row.zero
+    rmax = declare(
+        builder.module, ir.FunctionType(f32, [vt]), f"llvm.vector.reduce.fmax.v{_VLANES}f32"
+    )
     minus_inf = ir.Constant(vt, [float("-inf")] * _VLANES)
-    zero = ir.Constant(vt, [0.0] * _VLANES)
 
     def splat(v: ir.Value) -> ir.Value:
         return vec_broadcast(builder, v, _VLANES)
 
-    n_v = splat(n)
-
-    def each(body: Any) -> None:
-        """``body(at, valid)`` for every 16-float step of the row: whole vectors with ``valid``
-        None (plain loads and stores), then the partial last one with ``valid``: lanes < n."""
-        nfull = builder.udiv(n, ir.Constant(i64, _VLANES))
-        with cgutils.for_range(builder, nfull) as loop:
-            body(builder.mul(loop.index, ir.Constant(i64, _VLANES)), None)
-        at = builder.mul(nfull, ir.Constant(i64, _VLANES))
-        with builder.if_then(builder.icmp_signed("<", at, n)):
-            body(at, builder.icmp_signed("<", builder.add(lanes, splat(at)), n_v))
-
-    def ptr(base: ir.Value, off: ir.Value, at: ir.Value) -> ir.Value:
-        return builder.bitcast(builder.gep(base, [builder.add(off, at)]), vt.as_pointer())
-
-    def load(base: ir.Value, off: ir.Value, at: ir.Value, valid: ir.Value | None) -> ir.Value:
-        if valid is None:
-            return load_vec(builder, ptr(base, off, at), vt)
-        return builder.call(mload, [ptr(base, off, at), ir.Constant(i32, 4), valid, zero])
+    load, each, only = row.load, row.each, row.only
 
     def store(v: ir.Value, at: ir.Value, valid: ir.Value | None) -> None:
-        if valid is None:
-            store_vec(builder, v, ptr(o_p, ooff, at))
-        else:
-            builder.call(mstore, [v, ptr(o_p, ooff, at), ir.Constant(i32, 4), valid])
-
-    def only(valid: ir.Value | None, v: ir.Value, other: ir.Value) -> ir.Value:
-        return v if valid is None else builder.select(valid, v, other)
+        row.store(v, o_p, ooff, at, valid)
 
     # pass 1: v = x * scale + mask (written to out), and the row's max
     scale_v = splat(scale)

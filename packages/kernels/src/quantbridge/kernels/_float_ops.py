@@ -210,11 +210,7 @@ def layer_norm(
         raise KernelError(f"eps: expected a finite number >= 0, got {eps!r}")
     w = _vector("weight", weight, n, 1.0)
     b = _vector("bias", bias, n, 0.0)
-    o = (
-        np.empty(xf.shape, np.float32)
-        if out is None
-        else check_out(out, xf.shape, np.float32, *((r,) if dq else (xf, r)))
-    )
+    o = _out(out, xf, (r,) if dq else (xf, r))
     if (codes is None) != (codes_qparams is None):
         raise KernelError("codes, codes_qparams: give both (the array and its qparams) or neither")
     if codes is not None:

@@ -67,6 +67,15 @@ def _bias(b: torch.Tensor | None) -> Any:
     return None if b is None else lowered.numpy_view(b.detach().to(torch.float32))
 
 
+def _view(t: torch.Tensor | None) -> Any:
+    return None if t is None else lowered.numpy_view(t)
+
+
+def _qp(values: list[float], at: int = 0) -> tuple[float, int]:
+    """(scale, zero point) at ``values[at : at + 2]``: schemas carry qparams as float lists."""
+    return values[at], int(values[at + 1])
+
+
 def _packed_linear(
     weight: torch.Tensor,
     w_scale: torch.Tensor,
@@ -380,9 +389,7 @@ def layer_norm_op(
     bias: torch.Tensor | None,
     eps: float,
 ) -> torch.Tensor:
-    w = None if weight is None else lowered.numpy_view(weight)
-    b = None if bias is None else lowered.numpy_view(bias)
-    return lowered.layer_norm(x, residual, w, b, eps)
+    return lowered.layer_norm(x, residual, _view(weight), _view(bias), eps)
 
 
 @layer_norm_op.register_fake
@@ -400,11 +407,9 @@ def layer_norm_codes_op(
     x_qparams: list[float] | None,
     codes_qparams: list[float] | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    w = None if weight is None else lowered.numpy_view(weight)
-    b = None if bias is None else lowered.numpy_view(bias)
-    x_qp = None if x_qparams is None else (x_qparams[0], int(x_qparams[1]))
-    c_qp = None if codes_qparams is None else (codes_qparams[0], int(codes_qparams[1]))
-    return lowered.layer_norm_codes(x, residual, w, b, eps, x_qp, c_qp)
+    x_qp = None if x_qparams is None else _qp(x_qparams)
+    c_qp = None if codes_qparams is None else _qp(codes_qparams)
+    return lowered.layer_norm_codes(x, residual, _view(weight), _view(bias), eps, x_qp, c_qp)
 
 
 @layer_norm_codes_op.register_fake
@@ -436,9 +441,9 @@ def attention_op(
     target: str,
     causal: bool,
 ) -> torch.Tensor:
-    qp = tuple((qparams[i], int(qparams[i + 1])) for i in (0, 2, 4))
-    out_qp = None if out_qparams is None else (out_qparams[0], int(out_qparams[1]))
-    return lowered.attention(q, k, v, qp, out_qp, scale, mask, target, causal)  # type: ignore[arg-type]
+    qp = (_qp(qparams), _qp(qparams, 2), _qp(qparams, 4))
+    out_qp = None if out_qparams is None else _qp(out_qparams)
+    return lowered.attention(q, k, v, qp, out_qp, scale, mask, target, causal)
 
 
 @attention_op.register_fake

@@ -362,7 +362,7 @@ def _build_ln_quantize(ctx: LoweringContext, m: RuleMatch) -> Node:
         codes = ctx.graph.call_function(operator.getitem, (new, 1))
     ln_node.replace_all_uses_with(result)
     ctx.graph.erase_node(ln_node)
-    ctx.report.lowered[:] = [entry for entry in ctx.report.lowered if entry[0] != ln_node.name]
+    ctx.absorb(new, (ln_node,))  # the report names the new LayerNorm where it named the old
     ctx.record(new, f"{mod.kernel} ({mod._details()})")
     return codes
 
