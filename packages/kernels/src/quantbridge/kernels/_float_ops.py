@@ -7,7 +7,8 @@ sequential sum, and from torch's):
 
 - ``layer_norm(x, weight, bias, eps, residual=r)``: ``h = x + r``; ``mean = sum(h) / n``;
   ``var = sum((h - mean)^2) / n`` (two passes over the row in cache, biased as torch's);
-  ``y = (h - mean) * (1 / sqrt(var + eps)) * weight + bias``.
+  ``y = (h - mean) * (1 / sqrt(var + eps)) * weight + bias``. Each step rounds as written
+  (no FMA contraction); sums run in 16 float lanes, then by pairwise halves.
 - ``softmax(x, scale, mask)``: ``v = x * scale + mask`` (mask broadcast over the leading
   dimensions, e.g. [B, 1, 1, S] over [B, H, S, S]); ``y = exp32(v - max(v)) / sum(...)``.
   A row whose values are all ``-inf`` gives NaN, as torch's softmax does.
@@ -32,9 +33,9 @@ from quantbridge.kernels._float_math import (
     gelu_erf,
     gelu_tanh,
     gelu_vectors,
+    layer_norm_row,
     softmax_row,
 )
-from quantbridge.kernels._fma import fma32
 from quantbridge.kernels._qparams import QParams, as_qparams
 from quantbridge.kernels._threads import apply_num_threads, with_threads
 
@@ -48,42 +49,31 @@ GELU_MODES = {"none": 0, "tanh": 1}
 
 
 def _make_layer_norm(parallel: bool) -> Any:
-    def layer_norm_rows(x, r, has_r, w, b, eps, out, dq, xs, xz, codes, inv, zp):  # type: ignore[no-untyped-def]  # fmt: skip
-        # dq: x holds uint8 codes, dequantized as dequantize_per_tensor does (xs * (x - xz));
-        # codes (unless empty): the result also quantized as quantize_per_tensor does
-        rows, n = x.shape
-        inv_n = np.float32(1.0) / np.float32(n)
+    def layer_norm_rows(x, r, has_r, w, b, eps, out, n, xs, xz, codes, inv, zp):  # type: ignore[no-untyped-def]  # fmt: skip
+        # flat C-contiguous rows of n. x: float32, or uint8 codes dequantized as
+        # dequantize_per_tensor does (xs * (x - xz)); codes (unless empty): the result also
+        # quantized as quantize_per_tensor does. Every row runs the one vector row kernel
+        # (layer_norm_row), so the summation order is the same whatever x's type
+        rows = out.shape[0] // n
         quantize = codes.shape[0] > 0
-        hi = np.float32(255.0)
         for i in prange(rows):  # a plain range when parallel=False
-            for k in range(n):
-                xv = xs * np.float32(np.int32(x[i, k]) - xz) if dq else x[i, k]
-                out[i, k] = xv + r[i, k] if has_r else xv
-            # the statistics read the float row back: the same loop (so the same summation
-            # order) whatever x's type, codes or floats
-            s = np.float32(0.0)
-            for k in range(n):
-                s += out[i, k]
-            mean = s * inv_n
-            v = np.float32(0.0)
-            for k in range(n):
-                d = out[i, k] - mean
-                v += d * d
-            rstd = np.float32(1.0) / np.sqrt(v * inv_n + eps)
-            for k in range(n):
-                out[i, k] = (out[i, k] - mean) * rstd * w[k] + b[k]
-            if quantize:
-                for k in range(n):
-                    t = fma32(out[i, k], inv, zp)
-                    t = np.rint(t) if t == t else hi  # NaN -> 255, as quantize_per_tensor
-                    codes[i, k] = np.uint8(min(max(t, np.float32(0.0)), hi))
+            o = i * n
+            if has_r:
+                if quantize:
+                    layer_norm_row(3, x, o, xs, xz, r, o, w, b, out, o, n, eps, codes, o, inv, zp)
+                else:
+                    layer_norm_row(1, x, o, xs, xz, r, o, w, b, out, o, n, eps, codes, o, inv, zp)
+            elif quantize:
+                layer_norm_row(2, x, o, xs, xz, r, o, w, b, out, o, n, eps, codes, o, inv, zp)
+            else:
+                layer_norm_row(0, x, o, xs, xz, r, o, w, b, out, o, n, eps, codes, o, inv, zp)
 
     name = "layer_norm_parallel" if parallel else "layer_norm_serial"
     layer_norm_rows.__name__ = layer_norm_rows.__qualname__ = name
-    # no FMA contraction: the dequantize's multiply and the residual add round separately, as
-    # a dequantize followed by this kernel does
-    return njit(cache=True, parallel=parallel, nogil=True, fastmath=FAST - {"contract"},
-                error_model="numpy")(layer_norm_rows)  # fmt: skip
+    # no fastmath: the row kernel's IR rounds every step as written (no FMA contraction, no
+    # reassociation), so the dequantize's multiply and the residual add round separately, as a
+    # dequantize followed by this kernel does
+    return njit(cache=True, parallel=parallel, nogil=True, error_model="numpy")(layer_norm_rows)
 
 
 def _make_softmax(parallel: bool) -> Any:
@@ -204,7 +194,7 @@ def layer_norm(
                 f"residual: expected the shape of x {xf.shape}, got {r.shape} (no broadcasting)"
             )
     else:
-        r = np.empty((1, n), np.float32) if dq else xf
+        r = np.empty(n, np.float32) if dq else xf
     e = float(eps)
     if not (e >= 0.0 and np.isfinite(e)):
         raise KernelError(f"eps: expected a finite number >= 0, got {eps!r}")
@@ -217,14 +207,11 @@ def layer_norm(
         cs, cz = as_qparams("codes_qparams", codes_qparams)
         inv = np.float32(1.0) / np.float32(check_scale("codes_qparams.scale", cs))
         zp = np.float32(check_zero_point("codes_qparams.zero_point", cz, 0, 255))
-        c2 = check_out(codes, xf.shape, np.uint8, *((xf,) if dq else ()), name="codes").reshape(
-            -1, n
-        )
+        c2 = check_out(codes, xf.shape, np.uint8, *((xf,) if dq else ()), name="codes").reshape(-1)
     else:
-        inv, zp, c2 = np.float32(1.0), np.float32(0.0), np.empty((0, n), np.uint8)
+        inv, zp, c2 = np.float32(1.0), np.float32(0.0), np.empty(0, np.uint8)
     fn = _pick(_LAYER_NORM, xf.size, num_threads, "layer_norm")
-    rows = xf.reshape(-1, n)
-    fn(rows, r.reshape(-1, n), residual is not None, w, b, np.float32(e), o.reshape(-1, n), dq,
+    fn(xf.reshape(-1), r.reshape(-1), residual is not None, w, b, np.float32(e), o.reshape(-1), n,
        xs, xz, c2, inv, zp)  # fmt: skip
     return o
 
