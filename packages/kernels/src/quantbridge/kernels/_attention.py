@@ -36,8 +36,7 @@ from numba.extending import intrinsic
 
 from quantbridge.kernels._checks import check_array, check_scale, check_zero_point
 from quantbridge.kernels._errors import KernelError
-from quantbridge.kernels._float_math import FAST, RowSteps, flat_f32, vexp
-from quantbridge.kernels._fma import fma32
+from quantbridge.kernels._float_math import FAST, RowSteps, flat_f32, scaled_row, vexp
 from quantbridge.kernels._ir import declare, load_vec, stack_slot, store_vec, vec_broadcast
 from quantbridge.kernels._qparams import QParams, as_qparams
 from quantbridge.kernels._targets import resolve_target
@@ -281,7 +280,7 @@ else:
 def _make_heads(parallel: bool, vnni: bool) -> Any:
     def heads(  # type: ignore[no-untyped-def]  # numba types the arguments
         q, k, v, zq, zk, zv, logit_scale, v_scale, madd, mdead, mb, mh, mq, quantized, inv, ozp,
-        hi, outq, outf, nchunks,
+        outq, outf, nchunks,
     ):  # fmt: skip
         nb, nh, sq, d = q.shape
         sk = k.shape[2]
@@ -354,15 +353,10 @@ def _make_heads(parallel: bool, vnni: bool) -> Any:
                         at = ((b * sq + i0 + r) * nh + h) * dv
                         # a row whose mask hides every key gives zeros
                         scale = np.float32(0.0) if mdead[moffs[r] // sk] else v_scale / sums[r]
-                        if quantized:
-                            for c in range(dv):
-                                # quantize_per_tensor's rule, branch-free; NaN -> hi
-                                y = fma32(o[r * dvp + c] * scale, inv, ozp)
-                                y = np.rint(y) if y == y else hi
-                                outq[at + c] = np.uint8(min(max(y, np.float32(0.0)), hi))
+                        if quantized:  # quantize_per_tensor's rule
+                            scaled_row(o, r * dvp, scale, outq, at, dv, inv, ozp)
                         else:
-                            for c in range(dv):
-                                outf[at + c] = o[r * dvp + c] * scale
+                            scaled_row(o, r * dvp, scale, outf, at, dv, inv, ozp)
 
     name = ("attention_vnni_" if vnni else "attention_") + ("parallel" if parallel else "serial")
     heads.__name__ = heads.__qualname__ = name
@@ -499,7 +493,7 @@ def attention(
         fn, chunks = with_threads(parallel, threads), min(nb * nh, threads)
     fn(qa, ka, va, params[0][1], params[1][1], params[2][1], logit_scale,
        np.float32(params[2][0]), madd.reshape(-1), mdead, mb, mh, mq, out_qparams is not None,
-       inv, ozp, np.float32(255.0), outq.reshape(-1), outf.reshape(-1), chunks)  # fmt: skip
+       inv, ozp, outq.reshape(-1), outf.reshape(-1), chunks)  # fmt: skip
     out: npt.NDArray[Any] = outq if out_qparams is not None else outf
     heads_view: npt.NDArray[Any] = out.transpose(0, 2, 1, 3)
     return heads_view

@@ -312,6 +312,24 @@ class RowSteps:
         return v if valid is None else self.builder.select(valid, v, other)
 
 
+def codes_lanes(builder: ir.IRBuilder, y: ir.Value, inv: ir.Value, zp: ir.Value) -> ir.Value:
+    """uint8 lanes of ``y`` quantized as ``quantize_per_tensor`` does:
+    ``clamp(rint(fma(y, inv, zp)), 0, 255)``, NaN -> 255 (``inv``/``zp``: float32 splats)."""
+    vt = y.type
+    lanes = vt.count
+    mod = builder.module
+    fma = declare(mod, ir.FunctionType(vt, [vt, vt, vt]), f"llvm.fma.v{lanes}f32")
+    rint = declare(mod, ir.FunctionType(vt, [vt]), f"llvm.rint.v{lanes}f32")
+    zero, top = ir.Constant(vt, [0.0] * lanes), ir.Constant(vt, [255.0] * lanes)
+    t = builder.call(fma, [y, inv, zp])
+    t = builder.select(builder.fcmp_unordered("uno", t, t), top, builder.call(rint, [t]))
+    t = builder.select(builder.fcmp_ordered(">", t, zero), t, zero)
+    t = builder.select(builder.fcmp_ordered("<", t, top), t, top)
+    return builder.trunc(
+        builder.fptoui(t, ir.VectorType(ir.IntType(32), lanes)), ir.VectorType(ir.IntType(8), lanes)
+    )
+
+
 def _hsum(builder: ir.IRBuilder, acc: ir.Value) -> ir.Value:
     """The sum of a vector's lanes by pairwise halves (a short dependency chain, and the
     summation order every caller shares)."""
@@ -454,10 +472,7 @@ def _layer_norm_row_codegen(flags: int, codes_in: bool) -> Any:
             builder.fdiv(ir.Constant(f32, 1.0), builder.call(sqrt, [builder.fadd(var, eps)]))
         )
         # pass 3: y = (h - mean) * rstd * w + b; its codes as quantize_per_tensor makes them
-        fma = declare(builder.module, ir.FunctionType(vt, [vt, vt, vt]), f"llvm.fma.v{_VLANES}f32")
-        rint = declare(builder.module, ir.FunctionType(vt, [vt]), f"llvm.rint.v{_VLANES}f32")
         inv_v, zp_v = splat(inv), splat(zp)
-        top = ir.Constant(vt, [255.0] * _VLANES)
 
         def third(at: ir.Value, valid: ir.Value | None) -> None:
             d = builder.fsub(row.load(o_p, ooff, at, valid), mean_v)
@@ -465,13 +480,7 @@ def _layer_norm_row_codegen(flags: int, codes_in: bool) -> Any:
             y = builder.fadd(y, row.load(b_p, zero_off, at, valid))
             row.store(y, o_p, ooff, at, valid)
             if flags & LN_CODES:
-                t = builder.call(fma, [y, inv_v, zp_v])
-                nan = builder.fcmp_unordered("uno", t, t)
-                t = builder.select(nan, top, builder.call(rint, [t]))
-                t = builder.select(builder.fcmp_ordered(">", t, zero), t, zero)
-                t = builder.select(builder.fcmp_ordered("<", t, top), t, top)
-                q8 = builder.trunc(builder.fptoui(t, vi), ir.VectorType(ir.IntType(8), _VLANES))
-                row.store_bytes(q8, c_p, coff, at, valid)
+                row.store_bytes(codes_lanes(builder, y, inv_v, zp_v), c_p, coff, at, valid)
 
         row.each(third)
         return context.get_dummy_value()
@@ -509,6 +518,40 @@ def _layer_norm_row(
     return types.void(flags, *args), codegen
 
 
+def _scaled_row_codegen(context: Any, builder: ir.IRBuilder, sig: Any, args: Any) -> ir.Value:
+    x, xoff, scale, out, ooff, n, inv, zp = args
+    x_p = context.make_array(sig.args[0])(context, builder, x).data
+    o_p = context.make_array(sig.args[3])(context, builder, out).data
+    codes = sig.args[3].dtype == types.uint8
+    row = RowSteps(builder, n)
+    scale_v, inv_v, zp_v = (vec_broadcast(builder, v, _VLANES) for v in (scale, inv, zp))
+
+    def step(at: ir.Value, valid: ir.Value | None) -> None:
+        y = builder.fmul(row.load(x_p, xoff, at, valid), scale_v)
+        if codes:
+            row.store_bytes(codes_lanes(builder, y, inv_v, zp_v), o_p, ooff, at, valid)
+        else:
+            row.store(y, o_p, ooff, at, valid)
+
+    row.each(step)
+    return context.get_dummy_value()
+
+
+@intrinsic
+def _scaled_row(
+    typingctx: Any, x: Any, xoff: Any, scale: Any, out: Any, ooff: Any, n: Any, inv: Any, zp: Any
+) -> Any:
+    """``y = x[xoff + j] * scale`` for ``j < n``, 16 floats a vector, into ``out[ooff + j]``:
+    as float32, or (a uint8 ``out``) as the codes ``quantize_per_tensor`` makes with
+    ``1 / scale = inv`` and zero point ``zp``."""
+    codes = isinstance(out, types.Array) and out.ndim == 1 and out.dtype == types.uint8
+    if not (flat_f32(x) and ((codes and out.layout == "C") or flat_f32(out))):
+        return None
+    if not scale == inv == zp == types.float32:
+        return None
+    return types.void(x, xoff, scale, out, ooff, n, inv, zp), _scaled_row_codegen
+
+
 def flat_f32(t: Any) -> bool:
     """A C-contiguous 1-D float32 array type: what the IR vectors read and write."""
     return (
@@ -526,6 +569,11 @@ if TYPE_CHECKING:
     def gelu_vectors(mode: int, x: Any, xoff: int, out: Any, ooff: int, n: int) -> int:
         """See ``_gelu_vectors`` (numba code only)."""
 
+    def scaled_row(
+        x: Any, xoff: int, scale: float, out: Any, ooff: int, n: int, inv: float, zp: float
+    ) -> None:
+        """See ``_scaled_row`` (numba code only)."""
+
     def layer_norm_row(
         flags: int, x: Any, xoff: int, xs: float, xz: int, r: Any, roff: int, w: Any, b: Any,
         out: Any, ooff: int, n: int, eps: float, codes: Any, coff: int, inv: float, zp: float,
@@ -536,6 +584,7 @@ else:
     gelu_vectors = _gelu_vectors
     softmax_row = _softmax_row
     layer_norm_row = _layer_norm_row
+    scaled_row = _scaled_row
 
 
 ACTIVATIONS = {"none": ACT_NONE, "relu": ACT_RELU, "gelu": ACT_GELU, "gelu_tanh": ACT_GELU_TANH}
