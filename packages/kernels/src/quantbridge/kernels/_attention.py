@@ -400,14 +400,33 @@ def _compact_mask(
         m4 = np.broadcast_to(m4, (*m4.shape[:3], sk))
     # a repeated (stride-0) leading dimension is read once
     m4 = m4[tuple(slice(0, 1) if m4.strides[a] == 0 else slice(None) for a in range(3))]
-    if m4.dtype == np.bool_:  # True takes part, False is hidden
-        add = np.where(m4, np.float32(0.0), np.float32(-np.inf)).astype(np.float32, copy=False)
-        dead = ~m4.any(axis=-1)
-    else:
-        add = np.ascontiguousarray(m4)
-        dead = np.isneginf(add).all(axis=-1)
-    dims = (int(add.shape[0]), int(add.shape[1]), int(add.shape[2]))
-    return add.reshape(-1, sk), np.ascontiguousarray(dead).reshape(-1), dims
+    dims = (int(m4.shape[0]), int(m4.shape[1]), int(m4.shape[2]))
+    add = np.empty((dims[0] * dims[1] * dims[2], sk), np.float32)
+    dead = np.empty(add.shape[0], np.bool_)
+    is_bool = m4.dtype == np.bool_
+    rows = np.ascontiguousarray(m4).reshape(-1, sk)
+    _mask_rows(rows.view(np.uint8) if is_bool else rows, is_bool, add, dead)
+    return add, dead, dims
+
+
+@njit(cache=True, nogil=True)
+def _mask_rows(m, is_bool, add, dead):  # type: ignore[no-untyped-def]  # numba types the arguments
+    """``add`` [rows, Sk]: the mask rows ``m`` (C-contiguous) as an additive float32 mask
+    (``is_bool``: a bool mask viewed as uint8, nonzero -> 0, zero -> -inf); ``dead[row]``: every
+    key of the row is hidden. One compiled pass: numpy's where / any took ~35 us for a 128x128
+    mask."""
+    rows, sk = m.shape
+    minus_inf = np.float32(-np.inf)
+    for row in range(rows):
+        hidden = 0
+        for j in range(sk):
+            if is_bool:
+                f = np.float32(0.0) if m[row, j] != 0 else minus_inf
+            else:
+                f = np.float32(m[row, j])
+            add[row, j] = f
+            hidden += f == minus_inf
+        dead[row] = hidden == sk
 
 
 def attention(
