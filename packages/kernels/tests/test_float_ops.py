@@ -9,7 +9,7 @@ import numba
 import numpy as np
 import pytest
 
-from quantbridge.kernels import KernelError, gelu, layer_norm, softmax
+from quantbridge.kernels import KernelError, PreparedLayerNorm, gelu, layer_norm, softmax
 from quantbridge.kernels._float_math import exp32
 
 F32 = np.float32
@@ -222,3 +222,55 @@ def test_layer_norm_codes_errors():
         layer_norm(x.astype(F32), x_qparams=(0.1, 3))  # codes must be uint8
     with pytest.raises(KernelError, match="codes"):
         layer_norm(x, x_qparams=(0.1, 3), codes=np.empty((2, 9), np.uint8), codes_qparams=(1, 0))
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize(("codes_in", "codes_out", "residual"), [
+    (False, False, False), (False, False, True), (True, False, True), (False, True, True),
+    (True, True, True), (True, True, False),
+])  # fmt: skip
+def test_prepared_layer_norm_is_layer_norm(codes_in, codes_out, residual, threads):
+    rng = np.random.default_rng(5)
+    shape = (2, 300, 200)  # 120 K elements: the parallel kernel at two threads
+    x = rng.integers(0, 256, shape, dtype=np.uint8) if codes_in else rng.normal(size=shape)
+    x = x if codes_in else x.astype(F32)
+    r = rng.normal(size=shape).astype(F32) if residual else None
+    w, b = rng.normal(size=200).astype(F32), rng.normal(size=200).astype(F32)
+    x_qp = (0.043, 131) if codes_in else None
+    c_qp = (0.021, 117) if codes_out else None
+    prepared = PreparedLayerNorm(w, b, 1e-12, x_qparams=x_qp, codes_qparams=c_qp,
+                                 num_threads=threads)  # fmt: skip
+    want_codes = np.empty(shape, np.uint8) if codes_out else None
+    want = layer_norm(x, w, b, 1e-12, residual=r, x_qparams=x_qp, codes=want_codes,
+                      codes_qparams=c_qp, num_threads=threads)  # fmt: skip
+    for _ in range(2):  # the first call and a later one
+        out, codes = prepared(x, r)
+        np.testing.assert_array_equal(out, want)
+        if codes_out:
+            np.testing.assert_array_equal(codes, want_codes)
+        else:
+            assert codes is None
+    assert out is not x  # new arrays
+    assert out is not r
+
+
+def test_prepared_layer_norm_without_weights_and_errors():
+    rng = np.random.default_rng(6)
+    x = rng.normal(size=(4, 33)).astype(F32)
+    prepared = PreparedLayerNorm(None, None, 1e-5)
+    for _ in range(2):  # the size is learned at the first call
+        np.testing.assert_array_equal(prepared(x)[0], layer_norm(x, None, None, 1e-5))
+    with pytest.raises(KernelError, match="x: expected dtype float32"):
+        prepared(x.astype(np.float64))
+    with pytest.raises(KernelError, match="residual: expected the shape"):
+        prepared(x, np.zeros((4, 32), F32))
+    with pytest.raises(KernelError, match="x: expected a C-contiguous"):
+        prepared(np.asfortranarray(np.ones((3, 33), F32)))
+    with pytest.raises(KernelError, match="weight: expected shape"):
+        PreparedLayerNorm(np.ones(8, F32), None)(x)
+    with pytest.raises(KernelError, match="weight, bias: expected one length"):
+        PreparedLayerNorm(np.ones(8, F32), np.ones(9, F32))
+    with pytest.raises(KernelError, match="eps"):
+        PreparedLayerNorm(None, None, float("nan"))
+    with pytest.raises(KernelError, match=r"codes_qparams\.scale"):
+        PreparedLayerNorm(None, None, codes_qparams=(0.0, 3))

@@ -24,7 +24,7 @@ from quantbridge.kernels._embedding import (
     to_fused_rows,
 )
 from quantbridge.kernels._errors import KernelError, TargetUnavailableError
-from quantbridge.kernels._float_ops import gelu, layer_norm, softmax
+from quantbridge.kernels._float_ops import PreparedLayerNorm, gelu, layer_norm, softmax
 from quantbridge.kernels._linear import PackedLinearWeight, linear, linear_dynamic
 from quantbridge.kernels._lut import LUT_FUNCTIONS, apply_lut, build_lut
 from quantbridge.kernels._matmul import matmul
@@ -68,6 +68,7 @@ __all__ = [
     # GEMM family (linear, dynamic linear, conv, matmul) and threads
     "PackedConvWeight",
     "PreparedConv",
+    "PreparedLayerNorm",
     "QParams",
     "PackedLinearWeight",
     "conv1d",

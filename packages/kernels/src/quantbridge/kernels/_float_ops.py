@@ -37,7 +37,7 @@ from quantbridge.kernels._float_math import (
     softmax_row,
 )
 from quantbridge.kernels._qparams import QParams, as_qparams
-from quantbridge.kernels._threads import apply_num_threads, with_threads
+from quantbridge.kernels._threads import apply_num_threads, get_num_threads, with_threads
 
 F32A = npt.NDArray[np.float32]
 # rows x columns below which one thread runs (a parallel launch costs ~20 us). On a 2-core Xeon
@@ -214,6 +214,120 @@ def layer_norm(
     fn(xf.reshape(-1), r.reshape(-1), residual is not None, w, b, np.float32(e), o.reshape(-1), n,
        xs, xz, c2, inv, zp)  # fmt: skip
     return o
+
+
+class PreparedLayerNorm:
+    """``layer_norm`` with the weight, bias, eps and qparams fixed: for a layer called again and
+    again.
+
+    ``prepared(x, residual=None)`` returns ``(out, codes)``: exactly ``layer_norm(x, weight,
+    bias, eps, residual=residual, x_qparams=x_qparams, codes=codes,
+    codes_qparams=codes_qparams)`` into new arrays, ``codes`` None without ``codes_qparams``.
+    Everything but the inputs is checked here, once. A call whose ``x`` is a C-contiguous
+    ndarray of the expected dtype (uint8 with ``x_qparams``, else float32) and last dimension,
+    with a ``residual`` of x's shape (float32, C-contiguous) or none, runs the kernel without
+    further checks; any other call goes through ``layer_norm`` and its errors. The weight and
+    bias arrays are read at each call (not copied).
+    """
+
+    __slots__ = ("_b", "_codes", "_dq", "_eps", "_inv", "_n", "_threads", "_w", "_xdtype", "_xs",
+                 "_xz", "_zp", "bias", "codes_qparams", "eps", "weight", "x_qparams")  # fmt: skip
+
+    def __init__(
+        self,
+        weight: F32A | None,
+        bias: F32A | None,
+        eps: float = 1e-5,
+        *,
+        x_qparams: QParams | tuple[float, int] | None = None,
+        codes_qparams: QParams | tuple[float, int] | None = None,
+        num_threads: int | None = None,
+    ) -> None:
+        e = float(eps)
+        if not (e >= 0.0 and np.isfinite(e)):
+            raise KernelError(f"eps: expected a finite number >= 0, got {eps!r}")
+        vectors = [None if v is None else check_array(name, v, np.float32, 1)
+                   for name, v in (("weight", weight), ("bias", bias))]  # fmt: skip
+        sizes = {int(v.shape[0]) for v in vectors if v is not None}
+        if len(sizes) > 1:
+            raise KernelError(f"weight, bias: expected one length, got {sorted(sizes)}")
+        self._dq = x_qparams is not None
+        self._xs, self._xz = np.float32(1.0), 0
+        if x_qparams is not None:
+            xs, xz = as_qparams("x_qparams", x_qparams)
+            self._xs = np.float32(check_scale("x_qparams.scale", xs))
+            self._xz = check_zero_point("x_qparams.zero_point", xz, 0, 255)
+        self._codes = codes_qparams is not None
+        self._inv, self._zp = np.float32(1.0), np.float32(0.0)
+        if codes_qparams is not None:
+            cs, cz = as_qparams("codes_qparams", codes_qparams)
+            self._inv = np.float32(1.0) / np.float32(check_scale("codes_qparams.scale", cs))
+            self._zp = np.float32(check_zero_point("codes_qparams.zero_point", cz, 0, 255))
+        if num_threads is not None:
+            apply_num_threads(num_threads, "PreparedLayerNorm")  # refused here, not at the call
+        self.weight, self.bias, self.eps = weight, bias, e
+        self.x_qparams, self.codes_qparams = x_qparams, codes_qparams
+        self._threads = num_threads
+        self._eps = np.float32(e)
+        self._xdtype = _U8 if self._dq else _F32
+        # the last dimension: the vectors' length, or the first call's (ones / zeros then)
+        self._n = sizes.pop() if sizes else None
+        self._w, self._b = vectors
+
+    def __call__(
+        self, x: F32A | npt.NDArray[np.uint8], residual: F32A | None = None
+    ) -> tuple[F32A, npt.NDArray[np.uint8] | None]:
+        n = self._n
+        if not (
+            type(x) is np.ndarray
+            and x.dtype is self._xdtype
+            and x.ndim >= 1
+            and x.shape[-1] == n
+            and x.size > 0
+            and x.flags.c_contiguous
+            and x.flags.aligned
+            and (
+                residual is None
+                or (
+                    type(residual) is np.ndarray
+                    and residual.dtype is _F32
+                    and residual.shape == x.shape
+                    and residual.flags.c_contiguous
+                    and residual.flags.aligned
+                )
+            )
+        ):
+            return self._checked(x, residual)
+        assert n is not None  # x.shape[-1] == n
+        out = np.empty(x.shape, np.float32)
+        codes = np.empty(x.shape if self._codes else 0, np.uint8)
+        r: Any = residual
+        if r is None:  # not read without a residual: any float32 array does
+            r = np.empty(n, np.float32) if self._dq else x
+        threads = self._threads or get_num_threads()
+        fn = _LAYER_NORM[0]
+        if threads > 1 and x.size >= PARALLEL_MIN_FLOAT_WORK:
+            fn = with_threads(_LAYER_NORM[1], threads)
+        w = self._w if self._w is not None else np.ones(n, np.float32)
+        b = self._b if self._b is not None else np.zeros(n, np.float32)
+        fn(x.reshape(-1), r.reshape(-1), residual is not None, w, b, self._eps, out.reshape(-1),
+           n, self._xs, self._xz, codes.reshape(-1), self._inv, self._zp)  # fmt: skip
+        return out, (codes if self._codes else None)
+
+    def _checked(self, x: Any, residual: F32A | None) -> tuple[F32A, npt.NDArray[np.uint8] | None]:
+        """The call through ``layer_norm`` (every argument checked, its errors: x is checked
+        before the codes array made here from its shape)."""
+        codes = np.empty(tuple(getattr(x, "shape", ())), np.uint8) if self._codes else None
+        out = layer_norm(x, self.weight, self.bias, self.eps, residual=residual,
+                         x_qparams=self.x_qparams, codes=codes, codes_qparams=self.codes_qparams,
+                         num_threads=self._threads)  # fmt: skip
+        if self._n is None:
+            self._n = int(out.shape[-1])  # now known: later calls of this size take the fast path
+        return out, codes
+
+
+_F32 = np.dtype(np.float32)  # numpy's built-in dtypes are singletons: identity tests
+_U8 = np.dtype(np.uint8)
 
 
 def softmax(

@@ -374,6 +374,10 @@ class FloatLayerNorm(LoweredModule):
         names = dict(self.named_buffers(recurse=False))
         self._x_qp = self.input_qparams if "input_scale" in names else None
         self._codes_qp = self.output_qparams if "scale" in names else None
+        # everything but the inputs checked once: a layer's calls skip layer_norm's checks
+        self._prepared = K.PreparedLayerNorm(
+            self._w, self._b, self.eps, x_qparams=self._x_qp, codes_qparams=self._codes_qp
+        )
 
     def forward(self, x: torch.Tensor, other: torch.Tensor | None = None) -> Any:
         if self._x_qp is None and self._codes_qp is None:
@@ -394,9 +398,12 @@ class FloatLayerNorm(LoweredModule):
                 x, other, self.weight, self.bias, self.eps, x_qp, c_qp
             )
         else:
-            out, codes = lowered.layer_norm_codes(
-                x, other, self._w, self._b, self.eps, self._x_qp, self._codes_qp
-            )
+            r = None if other is None else lowered.numpy_view(other.to(torch.float32))
+            o, c = self._prepared(lowered.numpy_view(x), r)
+            out = torch.from_numpy(o)
+            if c is None:
+                return out
+            codes = torch.from_numpy(c)
         return out if self._codes_qp is None else (out, codes)
 
     def _float(self, x: torch.Tensor, other: torch.Tensor | None) -> torch.Tensor:
@@ -408,6 +415,9 @@ class FloatLayerNorm(LoweredModule):
             return torch.nn.functional.layer_norm(h, n, self.weight, self.bias, self.eps)
         if is_tracing(x) if other is None else is_tracing(x, other):
             return _as_tensor(ops.layer_norm_op(x, other, self.weight, self.bias, self.eps))
+        if self._x_qp is None and self._codes_qp is None:  # the prepared call is this one
+            r = None if other is None else lowered.numpy_view(other.to(torch.float32))
+            return torch.from_numpy(self._prepared(lowered.numpy_view(x), r)[0])
         return lowered.layer_norm(x, other, self._w, self._b, self.eps)
 
     def _details(self) -> str:
