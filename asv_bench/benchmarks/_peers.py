@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import importlib
+import time
 import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -193,22 +194,57 @@ def openvino_int8(
     return nncf.quantize(ov_model, nncf.Dataset(list(calib)), subset_size=len(calib), **extra)
 
 
-def openvino_runner(ov_model: Any, feeds: dict[str, np.ndarray], threads: int) -> Runner:
-    """``ov_model`` compiled for the CPU on ``threads`` threads, running the bound ``feeds``."""
+def _openvino_request(
+    ov_model: Any, feeds: dict[str, np.ndarray], threads: int, perf_count: bool = False
+) -> tuple[Any, list[np.ndarray]]:
+    """An infer request of ``ov_model`` compiled for the CPU on ``threads`` threads (latency
+    hint, one stream; ``perf_count``: with per-layer counters), and ``feeds`` in its input
+    order."""
     ov = require("openvino")
-    compiled = ov.Core().compile_model(
-        ov_model,
-        "CPU",
-        {"INFERENCE_NUM_THREADS": threads, "PERFORMANCE_HINT": "LATENCY", "NUM_STREAMS": 1},
-    )
-    request = compiled.create_infer_request()
+    config: dict[str, Any] = {
+        "INFERENCE_NUM_THREADS": threads,
+        "PERFORMANCE_HINT": "LATENCY",
+        "NUM_STREAMS": 1,
+    }
+    if perf_count:
+        config["PERF_COUNT"] = True
+    compiled = ov.Core().compile_model(ov_model, "CPU", config)
     names = [p.get_any_name() for p in compiled.inputs]
     # by name when the converted model kept the torch argument names, else in order
     bound = [feeds[n] for n in names] if set(names) <= set(feeds) else list(feeds.values())
+    return compiled.create_infer_request(), bound
+
+
+def openvino_runner(ov_model: Any, feeds: dict[str, np.ndarray], threads: int) -> Runner:
+    """``ov_model`` compiled for the CPU on ``threads`` threads, running the bound ``feeds``."""
+    request, bound = _openvino_request(ov_model, feeds, threads)
 
     def run() -> np.ndarray:
         request.infer(bound)
         return np.array(request.get_output_tensor(0).data, dtype=np.float32)
+
+    return run
+
+
+def openvino_layer_times(
+    ov_model: Any, feeds: dict[str, np.ndarray], threads: int
+) -> Callable[[], dict[str, float]]:
+    """Each call runs one inference with OpenVINO's per-layer counters and returns µs per
+    layer kind (``node type (kernel)``), the rest of the call ("outside the layers") and
+    ``"total"``: the call's wall time."""
+    request, bound = _openvino_request(ov_model, feeds, threads, perf_count=True)
+
+    def run() -> dict[str, float]:
+        start = time.perf_counter()
+        request.infer(bound)
+        total = (time.perf_counter() - start) * 1e6
+        parts: dict[str, float] = {}
+        for layer in request.get_profiling_info():
+            key = f"{layer.node_type} ({layer.exec_type})"
+            parts[key] = parts.get(key, 0.0) + layer.real_time.total_seconds() * 1e6
+        parts["outside the layers"] = total - sum(parts.values())
+        parts["total"] = total
+        return parts
 
     return run
 

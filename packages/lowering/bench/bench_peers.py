@@ -5,7 +5,7 @@ transformers and onnx, pinned in constraints.txt):
 
     python packages/lowering/bench/bench_peers.py [--models resnet18 mobilenet_v2 bert lstm]
         (also resnet50, mobilenet_v3_small, efficientnet_b0 when named)
-        [--threads 1 2] [--rounds 20] [--sentences 256] [--json OUT]
+        [--threads 1 2] [--rounds 20] [--sentences 256] [--json OUT] [--profile]
 
 Models and columns:
 
@@ -38,6 +38,13 @@ which follow torch's setting), ONNX Runtime ``intra_op_num_threads`` (one sessio
 spin-waiting off, so an idle session does not steal the core of the next column) and OpenVINO
 ``INFERENCE_NUM_THREADS`` (one compiled model per count, latency hint, one stream). A peer
 that fails prints its error in its cell and the run goes on.
+
+``--profile``: after a model's timings, where a second kind of row is wanted (why is one
+column slower?), each quantbridge model and OpenVINO's run again, interleaved round by
+round, with timers on the parts: quantbridge's kernel modules by kind (a conv also by its
+kernel size, or depthwise) and the time between them (torch ops, argument handling);
+OpenVINO's per-layer counters (``PERF_COUNT``) by layer kind and kernel. Medians in µs per
+forward; the timers cost a little, so these runs are not the timings above.
 """
 
 from __future__ import annotations
@@ -68,7 +75,7 @@ import torch
 from torch import nn
 
 from quantbridge.fx_quant import calibrate, prepare_fx
-from quantbridge.lowering import get_backend, numba_backend
+from quantbridge.lowering import LoweredModule, get_backend, numba_backend
 from quantbridge.qconfig import QConfigMapping
 
 # The peers' quantization recipes are shared with the asv suite (importable there).
@@ -157,6 +164,11 @@ class Suite:
     fidelity: dict[str, dict[str, float]] = field(default_factory=dict)
     # fp32 columns of which only the fastest counts as "fp32"
     fp32_variants: tuple[str, ...] = ("fp32",)
+    # column -> per-part timer (``--profile``): given the thread count, a call that runs one
+    # forward and returns µs per part (and "total")
+    profiles: dict[str, Callable[[int], Callable[[], dict[str, float]]]] = field(
+        default_factory=dict
+    )
 
     def add(self, name: str, build: Callable[[], Column]) -> Column | None:
         print(f"  building {self.name}: {name}", flush=True)
@@ -212,6 +224,7 @@ def cnn_suite(name: str, calib_batches: int, eval_batches: int) -> Suite:
         target = getattr(backend, "target", "?")
         suite.notes.append(f"quantbridge numba: get_backend('numba'), kernel target {target}")
         lowered = _quantbridge(model, backend.qconfig_mapping(), (x,), [(c,) for c in calib])
+        suite.profiles["quantbridge numba"] = _module_times(lowered, x)
         return _torch_column(lowered, x)
 
     suite.add("quantbridge numba", numba)
@@ -225,7 +238,11 @@ def cnn_suite(name: str, calib_batches: int, eval_batches: int) -> Suite:
     suite.add("ORT int8 QDQ", ort)
 
     def openvino() -> Column:
-        return _openvino_column(_peers.openvino_int8(model, x, [c.numpy() for c in calib]), feeds)
+        quantized = _peers.openvino_int8(model, x, [c.numpy() for c in calib])
+        suite.profiles["OpenVINO int8"] = functools.partial(
+            _peers.openvino_layer_times, quantized, feeds
+        )
+        return _openvino_column(quantized, feeds)
 
     suite.add("OpenVINO int8", openvino)
 
@@ -386,12 +403,15 @@ def bert_suites(batches: Sequence[int], sentences: int, calib_sentences: int) ->
 
         suite.add("ORT dynamic", ort_dynamic)
 
-        def openvino(feeds: dict[str, np.ndarray] = feeds) -> Column:
+        def openvino(feeds: dict[str, np.ndarray] = feeds, suite: Suite = suite) -> Column:
             calib = [{"input_ids": i.numpy(), "attention_mask": m.numpy()} for i, m in calib_pairs]
             example = {"input_ids": calib_ids[:1], "attention_mask": calib_mask[:1]}
             # one NNCF run; the converted model takes any batch size
             quantized = once(
                 "ov", lambda: _peers.openvino_int8(model, example, calib, transformer=True)
+            )
+            suite.profiles["OpenVINO int8"] = functools.partial(
+                _peers.openvino_layer_times, quantized, feeds
             )
             return _openvino_column(quantized, feeds)
 
@@ -399,11 +419,15 @@ def bert_suites(batches: Sequence[int], sentences: int, calib_sentences: int) ->
         for mode in ("dynamic", "static"):
 
             def qb(
-                mode: str = mode, x_ids: torch.Tensor = x_ids, x_mask: torch.Tensor = x_mask
+                mode: str = mode,
+                x_ids: torch.Tensor = x_ids,
+                x_mask: torch.Tensor = x_mask,
+                suite: Suite = suite,
             ) -> Column:
                 lowered = once(f"qb {mode}", lambda: quantbridge(mode))
                 with torch.no_grad():
                     lowered(x_ids, x_mask)
+                suite.profiles[f"quantbridge {mode}"] = _module_times(lowered, x_ids, x_mask)
                 return _torch_column(lowered, x_ids, x_mask)
 
             suite.add(f"quantbridge {mode}", qb)
@@ -538,6 +562,104 @@ def time_suite(suite: Suite, threads: int, rounds: int) -> dict[str, Any]:
     }
 
 
+def _part_name(module: nn.Module) -> str:
+    """A lowered module's part of the profile: its class, and a conv's kernel size."""
+    name = type(module).__name__
+    weight = getattr(module, "weight", None)
+    if name.startswith("QuantizedConv") and isinstance(weight, torch.Tensor) and weight.dim() == 4:
+        groups = int(getattr(module, "groups", 1))
+        depthwise = groups > 1 and groups == weight.shape[0]
+        name += " depthwise" if depthwise else f" {weight.shape[2]}x{weight.shape[3]}"
+    return name
+
+
+def _module_times(model: nn.Module, *args: Any) -> Callable[[int], Callable[[], dict[str, float]]]:
+    """A per-part timer of a lowered model: µs in each kind of kernel module (the outermost
+    module call: its array form or its forward), the rest of the forward ("between the kernel
+    modules": torch ops, argument handling) and "total". The timing wrappers are put on the
+    modules for each profiled forward only, so timed runs never see them."""
+    times: dict[str, float] = {}
+    depth = [0]
+    modules = [m for m in model.modules() if isinstance(m, LoweredModule)]
+
+    def wrap(module: nn.Module, attr: str) -> Any:
+        inner = getattr(module, attr)
+        key = _part_name(module)
+
+        def timed(*a: Any) -> Any:
+            if depth[0]:  # inside another module's call: counted there
+                return inner(*a)
+            depth[0] += 1
+            start = time.perf_counter()
+            try:
+                return inner(*a)
+            finally:
+                times[key] = times.get(key, 0.0) + (time.perf_counter() - start) * 1e6
+                depth[0] -= 1
+
+        return timed
+
+    def make(threads: int) -> Callable[[], dict[str, float]]:
+        def run() -> dict[str, float]:
+            times.clear()
+            saved = [
+                (m, a, m.__dict__.get(a)) for m in modules for a in ("forward", "forward_arrays")
+            ]
+            for m, a, _ in saved:
+                setattr(m, a, wrap(m, a))
+            try:
+                start = time.perf_counter()
+                model(*args)
+                total = (time.perf_counter() - start) * 1e6
+            finally:
+                for m, a, own in saved:  # the module as it was: its own attribute, or none
+                    if own is None:
+                        delattr(m, a)
+                    else:
+                        setattr(m, a, own)
+            parts = dict(times)
+            parts["between the kernel modules"] = total - sum(times.values())
+            parts["total"] = total
+            return parts
+
+        return run
+
+    return make
+
+
+def profile_suite(suite: Suite, threads: int, rounds: int) -> dict[str, Any]:
+    """Median µs per part of each profiled column at ``threads``, columns interleaved in every
+    round (``--profile``)."""
+    samples: dict[str, dict[str, list[float]]] = {}
+    with _threads(threads), torch.no_grad():
+        runners = {name: make(threads) for name, make in suite.profiles.items()}
+        for runner in runners.values():
+            runner()  # first-call costs outside the figures
+        for _ in range(rounds):
+            for name, runner in runners.items():
+                for part, us in runner().items():
+                    samples.setdefault(name, {}).setdefault(part, []).append(us)
+    parts = {
+        name: {part: statistics.median(v) for part, v in by_part.items()}
+        for name, by_part in samples.items()
+    }
+    return {"model": suite.name, "threads": threads, "rounds": rounds, "parts_us": parts}
+
+
+def _print_profile(p: dict[str, Any], top: int = 12) -> None:
+    print(
+        f"\nprofile: {p['model']}, {p['threads']} thread(s), {p['rounds']} rounds: median µs "
+        "per forward of each part (medians of parts need not add up to the total's)"
+    )
+    for column, parts in p["parts_us"].items():
+        print(f"  {column}: total {parts['total'] / 1e3:.2f} ms")
+        ranked = sorted(
+            ((k, v) for k, v in parts.items() if k != "total" and v > 0), key=lambda kv: -kv[1]
+        )
+        for part, us in ranked[:top]:
+            print(f"    {part:56s} {us:9.1f}")
+
+
 def _print_result(r: dict[str, Any]) -> None:
     print(
         f"\n{r['model']}, {r['threads']} thread(s), {r['rounds']} rounds, load average "
@@ -601,6 +723,13 @@ def main() -> int:
     parser.add_argument("--bert-batches", nargs="*", type=int, default=[1, 16])
     parser.add_argument("--sentences", type=int, default=256)
     parser.add_argument("--json", metavar="OUT", help="also write the results as JSON")
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="after each model's timings, time the parts of quantbridge's models (their "
+        "kernel modules by kind, and what runs between them) beside OpenVINO's per-layer "
+        "counters, interleaved round by round",
+    )
     args = parser.parse_args()
     if args.sentences % max(args.bert_batches):
         parser.error("--sentences must be a multiple of the largest --bert-batches")
@@ -617,6 +746,7 @@ def main() -> int:
             print(f"  {peer}: {_error(e)}")
 
     results: list[dict[str, Any]] = []
+    profiles: list[dict[str, Any]] = []
     for name in args.models:
         print(f"\n== {name}", flush=True)
         try:
@@ -634,13 +764,20 @@ def main() -> int:
             for threads in args.threads:
                 results.append(time_suite(suite, threads, args.rounds))
                 _print_result(results[-1])
+            for threads in args.threads if args.profile and suite.profiles else ():
+                profiles.append(profile_suite(suite, threads, args.rounds))
+                _print_profile(profiles[-1])
     if results:
         print("\n" + _markdown(results))
     load = os.getloadavg()
     print(f"\nload average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f} at the end")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"command": " ".join(sys.argv), "results": results}, f, indent=2)
+            json.dump(
+                {"command": " ".join(sys.argv), "results": results, "profiles": profiles},
+                f,
+                indent=2,
+            )
     return 0
 
 
