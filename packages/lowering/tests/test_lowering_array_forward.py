@@ -215,3 +215,41 @@ def test_a_conv_modules_prepared_call_follows_its_state():
         channels_last = codes.contiguous(memory_format=torch.channels_last)
         _same(conv(channels_last), direct(channels_last))
         _same(gm(*x), _generated(gm, *x))
+
+
+class _Shapes(torch.nn.Module):
+    """Arguments of every kind the compiled forward must rebuild: lists holding values,
+    keyword arguments, slices, a method on a computed size."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 8, 3, padding=1)
+        self.fc = torch.nn.Linear(8 * 4 * 4 + 4 * 4 * 4, 5)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y = torch.relu(self.conv(x))
+        part = y[:, 2:6]  # a slice of channels
+        flat = torch.cat([y.reshape(y.size(0), -1), part.flatten(start_dim=1)], dim=1)
+        return self.fc(flat), part.transpose(2, 3)
+
+
+def test_the_compiled_steps_equal_the_step_loop_and_the_generated_forward():
+    backend = L.get_backend("numba")
+    model = _Shapes().eval()
+    x = (torch.randn(2, 3, 4, 4),)
+    prepared = prepare_fx(
+        model, backend.qconfig_mapping(), x, backend_config=backend.backend_config
+    )
+    calibrate(prepared, [(torch.randn(2, 3, 4, 4),) for _ in range(3)], progress=False)
+    gm = backend.convert(prepared)
+    assert isinstance(gm.forward, ArrayForward)
+    with torch.no_grad():
+        got = gm(*x)
+        plan = gm.forward._plan
+        assert plan is not None
+        _same(got, _generated(gm, *x))
+        _same(got, plan.run_steps(gm, x))
+        # a new batch size flows through the sizes the steps compute (y.size(0))
+        x3 = (torch.randn(3, 3, 4, 4),)
+        _same(gm(*x3), _generated(gm, *x3))
+        _same(gm(*x3), plan.run_steps(gm, x3))

@@ -7,7 +7,9 @@ graph node by node: a lowered module with an array form (``LoweredModule.forward
 gets arrays and returns one; every other node (float ops, getitem, modules without an array
 form) runs as the generated code would run it, on tensors made from the arrays it reads. The
 numbers are the eager forward's: each array form is that forward between its array views and
-``torch.from_numpy``.
+``torch.from_numpy``. The nodes run as one generated function of straight-line code (a local
+per value), built once per graph: a loop over the nodes rebuilding each node's arguments cost
+~3 % of a BERT forward at batch 1.
 
 The generated forward runs instead while torch.export, torch.compile or the JIT tracer
 traces the model, when any module has forward hooks (they must see their calls), and with
@@ -26,6 +28,7 @@ import numpy as np
 import torch
 from torch.fx import GraphModule, Node
 from torch.fx.graph import CodeGen
+from torch.fx.immutable_collections import immutable_dict, immutable_list
 from torch.fx.node import map_aggregate, map_arg
 
 from quantbridge.lowering import _lowered_ops as lowered
@@ -102,7 +105,11 @@ class _Plan:
                 self.steps.append((i, kind, node.target, args, kwargs, free))
         self.size = len(nodes)
 
-    def run(self, gm: GraphModule, args: tuple[Any, ...]) -> Any:
+        self.run = _compile(self)
+
+    def run_steps(self, gm: GraphModule, args: tuple[Any, ...]) -> Any:
+        """The steps run one by one in a loop: what the compiled ``run`` does (the tests
+        compare the two)."""
         env: list[Any] = [None] * self.size
         for slot, value in zip(self.inputs, args, strict=True):
             env[slot] = value
@@ -119,10 +126,7 @@ class _Plan:
                 else:  # e.g. a Python number where codes were expected: the module decides
                     env[i] = what(*[_tensor(v) for v in values])
             elif kind == _ATTR:
-                attr: Any = gm
-                for part in str(what).split("."):
-                    attr = getattr(attr, part)
-                env[i] = attr
+                env[i] = _attr(gm, what)
             else:
                 a = map_aggregate(args_, load)
                 kw = map_aggregate(kwargs, load)
@@ -133,6 +137,81 @@ class _Plan:
             for s in free:
                 env[s] = None
         return map_aggregate(self.output, load)
+
+
+def _attr(gm: GraphModule, path: str) -> Any:
+    attr: Any = gm
+    for part in str(path).split("."):
+        attr = getattr(attr, part)
+    return attr
+
+
+def _compile(plan: _Plan) -> Any:
+    """``plan``'s steps as one generated function ``run(gm, args)``: straight-line code with a
+    local per value, where ``run_steps`` loops over the steps and rebuilds every argument
+    structure with ``map_aggregate``. Modules, functions, method names and constants are bound
+    by name in the function's globals; lists and dicts are built anew at each call, as
+    ``map_aggregate`` builds them."""
+    scope: dict[str, Any] = {"_t": _tensor, "_as": lowered.as_array, "_CODES": _CODES,
+                             "_attr": _attr, "immutable_list": immutable_list,
+                             "immutable_dict": immutable_dict}  # fmt: skip
+
+    def bind(value: Any) -> str:
+        name = f"c{len(scope)}"
+        scope[name] = value
+        return name
+
+    def render(value: Any) -> str:
+        if isinstance(value, _Slot):
+            return f"_t(v{value.index})"
+        if isinstance(value, (tuple, list)):
+            items = "".join(f"{render(v)}, " for v in value)
+            if isinstance(value, list):
+                return f"immutable_list([{items}])"
+            if type(value) is tuple:
+                return f"({items})"
+            return f"{bind(type(value))}({items})"  # a named tuple
+        if isinstance(value, dict):
+            items = "".join(f"{bind(k)}: {render(v)}, " for k, v in value.items())
+            return f"immutable_dict({{{items}}})"
+        if isinstance(value, slice):
+            return f"slice({render(value.start)}, {render(value.stop)}, {render(value.step)})"
+        if value is None or type(value) in (bool, int):
+            return repr(value)
+        return bind(value)
+
+    lines = ["def run(gm, args):"]
+    if plan.inputs:
+        lines.append(f"    {''.join(f'v{i}, ' for i in plan.inputs)}= args")
+    for i, kind, what, args_, kwargs, free in plan.steps:
+        if kind == _ARRAY:
+            names = [f"v{a.index}" for a in args_]
+            mod, how = bind(what), repr(what.array_input)
+            codes = " and ".join(f"isinstance({n}, _CODES)" for n in names)
+            arrays = ", ".join(f"_as({n}, {how})" for n in names)
+            tensors = ", ".join(f"_t({n})" for n in names)
+            lines.append(
+                f"    v{i} = {mod}.forward_arrays({arrays}) if {codes} else {mod}({tensors})"
+            )
+        elif kind == _ATTR:
+            lines.append(f"    v{i} = _attr(gm, {bind(what)})")
+        else:
+            parts = [render(a) for a in args_]
+            if kwargs:
+                parts.append(f"**{render(kwargs)}")
+            if kind == _METHOD:
+                call = f"getattr({parts[0]}, {bind(what)})({', '.join(parts[1:])})"
+            else:
+                call = f"{bind(what)}({', '.join(parts)})"
+            lines.append(f"    v{i} = {call}")
+        lines.extend(f"    v{s} = None" for s in free)
+    lines.append(f"    return {render(plan.output)}")
+    code = compile("\n".join(lines) + "\n", f"<quantbridge array forward {id(plan):#x}>", "exec")
+    # the source holds only names made above (v<n>, c<n>) and int / bool / None literals:
+    # every target, method name and constant of the graph is bound as an object, never
+    # spliced into the text
+    exec(code, scope)
+    return scope["run"]
 
 
 _CODES = (np.ndarray, torch.Tensor)
