@@ -251,15 +251,30 @@ class RowSteps:
     def each(self, body: Any) -> None:
         """``body(at, valid)`` for every step: ``valid`` None for whole vectors, then the lane
         mask (lanes < n) for the partial last one."""
+        self.each_split(lambda at, valid, _k: body(at, valid), 1)
+
+    def each_split(self, body: Any, ways: int) -> None:
+        """``body(at, valid, k)`` for every step, as ``each``, with ``k`` cycling through
+        ``0..ways-1`` over the whole vectors (``ways`` of them per loop turn, then the rest and
+        the partial last one with ``k = 0``): a reduction keeps ``ways`` independent sums
+        instead of one chain of dependent adds."""
         b, i64 = self.builder, ir.IntType(64)
-        nfull = b.udiv(self.n, ir.Constant(i64, _VLANES))
-        with cgutils.for_range(b, nfull) as loop:
-            body(b.mul(loop.index, ir.Constant(i64, _VLANES)), None)
-        at = b.mul(nfull, ir.Constant(i64, _VLANES))
+        step = ir.Constant(i64, _VLANES)
+        nfull = b.udiv(self.n, step)
+        turns = b.udiv(nfull, ir.Constant(i64, ways))
+        with cgutils.for_range(b, turns) as loop:
+            base = b.mul(loop.index, ir.Constant(i64, _VLANES * ways))
+            for k in range(ways):
+                body(b.add(base, ir.Constant(i64, _VLANES * k)), None, k)
+        if ways > 1:  # the whole vectors past the last full turn
+            done = b.mul(turns, ir.Constant(i64, ways))
+            with cgutils.for_range(b, b.sub(nfull, done)) as rest:
+                body(b.mul(b.add(done, rest.index), step), None, 0)
+        at = b.mul(nfull, step)
         with b.if_then(b.icmp_signed("<", at, self.n)):
             lanes = ir.Constant(ir.VectorType(i64, _VLANES), list(range(_VLANES)))
             at_v = vec_broadcast(b, at, _VLANES)
-            body(at, b.icmp_signed("<", b.add(lanes, at_v), vec_broadcast(b, self.n, _VLANES)))
+            body(at, b.icmp_signed("<", b.add(lanes, at_v), vec_broadcast(b, self.n, _VLANES)), 0)
 
     def _ptr(self, base: ir.Value, off: ir.Value, at: ir.Value) -> ir.Value:
         b = self.builder
@@ -418,6 +433,9 @@ def _softmax_row(
 
 # layer_norm_row's compile-time flags
 LN_RESIDUAL, LN_CODES = 1, 2
+# independent partial sums of a LayerNorm row's reductions: one chain of dependent vector adds
+# waits 4 cycles an add; four keep the loads busy instead
+_LN_WAYS = 4
 
 
 def _layer_norm_row_codegen(flags: int, codes_in: bool) -> Any:
@@ -440,11 +458,18 @@ def _layer_norm_row_codegen(flags: int, codes_in: bool) -> Any:
         def accumulate(slot: ir.Value, v: ir.Value) -> None:
             builder.store(builder.fadd(builder.load(slot), v), slot)
 
+        def summed(slots: list[ir.Value]) -> ir.Value:
+            """The lanes of the ``_LN_WAYS`` partial sums (pairwise), then across lanes."""
+            parts = [builder.load(slot) for slot in slots]
+            while len(parts) > 1:
+                parts = [builder.fadd(parts[i], parts[i + 1]) for i in range(0, len(parts), 2)]
+            return _hsum(builder, parts[0])
+
         # pass 1: h = x (dequantized: xs * (code - xz)) [+ r], written to out; the row's sum
         xs_v, xz_v = splat(xs), splat(builder.trunc(xz, i32))
-        total = stack_slot(builder, zero)
+        totals = [stack_slot(builder, zero) for _ in range(_LN_WAYS)]
 
-        def first(at: ir.Value, valid: ir.Value | None) -> None:
+        def first(at: ir.Value, valid: ir.Value | None, k: int) -> None:
             if codes_in:
                 q = builder.zext(row.load_bytes(x_p, xoff, at, valid), vi)
                 h = builder.fmul(xs_v, builder.sitofp(builder.sub(q, xz_v), vt))
@@ -453,21 +478,21 @@ def _layer_norm_row_codegen(flags: int, codes_in: bool) -> Any:
             if flags & LN_RESIDUAL:
                 h = builder.fadd(h, row.load(r_p, roff, at, valid))
             row.store(h, o_p, ooff, at, valid)
-            accumulate(total, row.only(valid, h, zero))
+            accumulate(totals[k], row.only(valid, h, zero))
 
-        row.each(first)
+        row.each_split(first, _LN_WAYS)
         inv_n = builder.fdiv(ir.Constant(f32, 1.0), builder.uitofp(n, f32))
-        mean_v = splat(builder.fmul(_hsum(builder, builder.load(total)), inv_n))
+        mean_v = splat(builder.fmul(summed(totals), inv_n))
         # pass 2: the biased variance, sum((h - mean)^2) / n, from the row in cache
-        squares = stack_slot(builder, zero)
+        squares = [stack_slot(builder, zero) for _ in range(_LN_WAYS)]
 
-        def second(at: ir.Value, valid: ir.Value | None) -> None:
+        def second(at: ir.Value, valid: ir.Value | None, k: int) -> None:
             d = builder.fsub(row.load(o_p, ooff, at, valid), mean_v)
-            accumulate(squares, row.only(valid, builder.fmul(d, d), zero))
+            accumulate(squares[k], row.only(valid, builder.fmul(d, d), zero))
 
-        row.each(second)
+        row.each_split(second, _LN_WAYS)
         sqrt = declare(builder.module, ir.FunctionType(f32, [f32]), "llvm.sqrt.f32")
-        var = builder.fmul(_hsum(builder, builder.load(squares)), inv_n)
+        var = builder.fmul(summed(squares), inv_n)
         rstd_v = splat(
             builder.fdiv(ir.Constant(f32, 1.0), builder.call(sqrt, [builder.fadd(var, eps)]))
         )
