@@ -192,3 +192,28 @@ def test_causal_is_the_lower_triangle() -> None:
     np.testing.assert_array_equal(got, attention(q, k, v, *QP, scale=0.25, mask=keep))
     with pytest.raises(KernelError, match="mask and causal"):
         attention(q, k, v, *QP, mask=keep, causal=True)
+
+
+@pytest.mark.parametrize("target", available_targets())
+@pytest.mark.parametrize("kind", ["padding", "causal"])
+def test_keys_past_the_last_visible_one_are_skipped_without_changing_a_bit(
+    kind: str, target: str
+) -> None:
+    # The kernel leaves out the keys past each block's last visible key (-inf or False in the
+    # mask). The same mask with those keys at -1e30 instead (finite: nothing is skipped, and
+    # their exp is 0 all the same) must give exactly the same codes and floats.
+    rng = np.random.default_rng(12)
+    b, h, sq, sk, d = 3, 2, 40, 130, 16  # several 32-key blocks, a partial last one
+    q, k, v = _heads(rng, b, sq, h, d), _heads(rng, b, sk, h, d), _heads(rng, b, sk, h, d)
+    if kind == "padding":
+        lengths = np.array([1, 33, 97])  # inside the first block, just past one, mid-block
+        keep = (np.arange(sk)[None, :] < lengths[:, None])[:, None, None, :]
+    else:
+        keep = np.tri(sq, sk, k=5, dtype=bool)[None, None]
+    hidden_inf = np.where(keep, np.float32(0.0), np.float32(-np.inf)).astype(np.float32)
+    hidden_finite = np.where(keep, np.float32(0.0), np.float32(-1e30)).astype(np.float32)
+    for out in (OUT, None):
+        want = attention(q, k, v, *QP, mask=hidden_finite, out_qparams=out, target=target)
+        for mask in (keep, hidden_inf):
+            got = attention(q, k, v, *QP, mask=mask, out_qparams=out, target=target)
+            np.testing.assert_array_equal(got, want)

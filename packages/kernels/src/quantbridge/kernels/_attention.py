@@ -279,7 +279,7 @@ else:
 
 def _make_heads(parallel: bool, vnni: bool) -> Any:
     def heads(  # type: ignore[no-untyped-def]  # numba types the arguments
-        q, k, v, zq, zk, zv, logit_scale, v_scale, madd, mdead, mb, mh, mq, quantized, inv, ozp,
+        q, k, v, zq, zk, zv, logit_scale, v_scale, madd, kend, mb, mh, mq, quantized, inv, ozp,
         outq, outf, nchunks,
     ):  # fmt: skip
         nb, nh, sq, d = q.shape
@@ -338,21 +338,28 @@ def _make_heads(parallel: bool, vnni: bool) -> Any:
                 mrow_b = (b if mb > 1 else 0) * mh + (h if mh > 1 else 0)
                 for i0 in range(0, sq, 8):
                     rows = min(8, sq - i0)
-                    for j0 in range(0, skp, 32):
+                    seen = 0  # the keys these 8 rows can see end here: the rest is -inf
+                    for r in range(8):  # rows past sq repeat the last one's mask row
+                        moffs[r] = (mrow_b * mq + (i0 + min(r, rows - 1) if mq > 1 else 0)) * sk
+                        seen = max(seen, kend[moffs[r] // sk])
+                    # whole 32-key blocks up to there: a hidden key's exp is exactly 0, so
+                    # leaving out the keys past the last visible one (a padding mask's tail, a
+                    # causal mask's future) changes no sum
+                    kb = min(skp, max(32, (seen + 31) // 32 * 32))
+                    for j0 in range(0, kb, 32):
                         if vnni:
                             qk_vnni(q, qoff + i0 * qld, qld, rows, kp, j0 * 4, skp * 4, ng,
                                     probs, j0, skp, colc, j0, rowc, i0)  # fmt: skip
                         else:
                             f32_block(qf, i0 * d, d, kt, j0, skp, probs, j0, skp, d)
-                    for r in range(8):  # rows past sq repeat the last one's mask row
-                        moffs[r] = (mrow_b * mq + (i0 + min(r, rows - 1) if mq > 1 else 0)) * sk
-                    exp_block(probs, 0, skp, madd, moffs, sk, logit_scale, sums)
+                    exp_block(probs, 0, skp, madd, moffs, min(kb, sk), logit_scale, sums)
                     for c0 in range(0, dvp, 32):
-                        f32_block(probs, 0, skp, vf, c0, dvp, o, c0, dvp, skp)
+                        f32_block(probs, 0, skp, vf, c0, dvp, o, c0, dvp, kb)
                     for r in range(rows):
                         at = ((b * sq + i0 + r) * nh + h) * dv
                         # a row whose mask hides every key gives zeros
-                        scale = np.float32(0.0) if mdead[moffs[r] // sk] else v_scale / sums[r]
+                        dead = kend[moffs[r] // sk] == 0
+                        scale = np.float32(0.0) if dead else v_scale / sums[r]
                         if quantized:  # quantize_per_tensor's rule
                             scaled_row(o, r * dvp, scale, outq, at, dv, inv, ozp)
                         else:
@@ -379,13 +386,14 @@ def _codes(name: str, x: object) -> npt.NDArray[np.uint8]:
 
 def _compact_mask(
     mask: object, shape: tuple[int, int, int, int]
-) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.bool_], tuple[int, int, int]]:
-    """The additive float32 mask as contiguous rows [mb * mh * mq, Sk], the rows it hides
-    entirely, and (mb, mh, mq): each 1 where the mask broadcasts (a size-1 or stride-0
-    dimension, e.g. an ``expand``-ed padding mask), so nothing is copied per head or query."""
+) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.int64], tuple[int, int, int]]:
+    """The additive float32 mask as contiguous rows [mb * mh * mq, Sk], where each row's
+    visible keys end (``kend``: one past the last key not hidden, 0 for a row that hides every
+    key), and (mb, mh, mq): each 1 where the mask broadcasts (a size-1 or stride-0 dimension,
+    e.g. an ``expand``-ed padding mask), so nothing is copied per head or query."""
     sk = shape[3]
     if mask is None:
-        return np.zeros((1, sk), np.float32), np.zeros(1, np.bool_), (1, 1, 1)
+        return np.zeros((1, sk), np.float32), np.full(1, sk, np.int64), (1, 1, 1)
     m = check_array("mask", mask, (np.float32, np.bool_), None, contiguous=False)
     if not 1 <= m.ndim <= 4:
         raise KernelError(f"mask: expected 1 to 4 dimensions, got shape {m.shape}")
@@ -402,31 +410,32 @@ def _compact_mask(
     m4 = m4[tuple(slice(0, 1) if m4.strides[a] == 0 else slice(None) for a in range(3))]
     dims = (int(m4.shape[0]), int(m4.shape[1]), int(m4.shape[2]))
     add = np.empty((dims[0] * dims[1] * dims[2], sk), np.float32)
-    dead = np.empty(add.shape[0], np.bool_)
+    kend = np.empty(add.shape[0], np.int64)
     is_bool = m4.dtype == np.bool_
     rows = np.ascontiguousarray(m4).reshape(-1, sk)
-    _mask_rows(rows.view(np.uint8) if is_bool else rows, is_bool, add, dead)
-    return add, dead, dims
+    _mask_rows(rows.view(np.uint8) if is_bool else rows, is_bool, add, kend)
+    return add, kend, dims
 
 
 @njit(cache=True, nogil=True)
-def _mask_rows(m, is_bool, add, dead):  # type: ignore[no-untyped-def]  # numba types the arguments
+def _mask_rows(m, is_bool, add, kend):  # type: ignore[no-untyped-def]  # numba types the arguments
     """``add`` [rows, Sk]: the mask rows ``m`` (C-contiguous) as an additive float32 mask
-    (``is_bool``: a bool mask viewed as uint8, nonzero -> 0, zero -> -inf); ``dead[row]``: every
-    key of the row is hidden. One compiled pass: numpy's where / any took ~35 us for a 128x128
-    mask."""
+    (``is_bool``: a bool mask viewed as uint8, nonzero -> 0, zero -> -inf); ``kend[row]``: one
+    past the row's last key that is not -inf (0: every key hidden). One compiled pass:
+    numpy's where / any took ~35 us for a 128x128 mask."""
     rows, sk = m.shape
     minus_inf = np.float32(-np.inf)
     for row in range(rows):
-        hidden = 0
+        end = 0
         for j in range(sk):
             if is_bool:
                 f = np.float32(0.0) if m[row, j] != 0 else minus_inf
             else:
                 f = np.float32(m[row, j])
             add[row, j] = f
-            hidden += f == minus_inf
-        dead[row] = hidden == sk
+            if f != minus_inf:
+                end = j + 1
+        kend[row] = end
 
 
 def attention(
@@ -484,7 +493,7 @@ def attention(
         if mask is not None:
             raise KernelError("mask and causal: give one (fold the causal part into the mask)")
         mask = np.tri(sq, sk, dtype=np.bool_)[None, None]
-    madd, mdead, (mb, mh, mq) = _compact_mask(mask, (nb, nh, sq, sk))
+    madd, kend, (mb, mh, mq) = _compact_mask(mask, (nb, nh, sq, sk))
     outq: npt.NDArray[np.uint8]
     outf: npt.NDArray[np.float32]
     if out_qparams is None:
@@ -511,7 +520,7 @@ def attention(
     else:
         fn, chunks = with_threads(parallel, threads), min(nb * nh, threads)
     fn(qa, ka, va, params[0][1], params[1][1], params[2][1], logit_scale,
-       np.float32(params[2][0]), madd.reshape(-1), mdead, mb, mh, mq, out_qparams is not None,
+       np.float32(params[2][0]), madd.reshape(-1), kend, mb, mh, mq, out_qparams is not None,
        inv, ozp, outq.reshape(-1), outf.reshape(-1), chunks)  # fmt: skip
     out: npt.NDArray[Any] = outq if out_qparams is not None else outf
     heads_view: npt.NDArray[Any] = out.transpose(0, 2, 1, 3)
