@@ -309,10 +309,17 @@ def _make_heads(parallel: bool, vnni: bool) -> Any:
                 h = t - b * nh
                 qoff = b * q.strides[0] + h * q.strides[1]
                 qld = q.strides[2]
+                mrow_b = (b if mb > 1 else 0) * mh + (h if mh > 1 else 0)
+                # keys past the last one any query of this head sees are never read as such
+                # (see kb below): k and v are converted up to there, in whole 32-key blocks
+                klim = 0
+                for mi in range(mq):
+                    klim = max(klim, kend[mrow_b * mq + mi])
+                sku = min(sk, max(32, (klim + 31) // 32 * 32))
                 if vnni:
                     # k as int8 (k - 128), four head values of each key together; the
                     # corrections that turn sum q (k - 128) into sum (q - zq)(k - zk)
-                    for j in range(sk):
+                    for j in range(sku):
                         ksum = 0
                         for c in range(d):
                             kv = np.int32(k[b, h, j, c])
@@ -329,13 +336,12 @@ def _make_heads(parallel: bool, vnni: bool) -> Any:
                     for i in range(sq):
                         for c in range(d):
                             qf[i * d + c] = np.float32(np.int32(q[b, h, i, c]) - zq)
-                    for j in range(sk):
+                    for j in range(sku):
                         for c in range(d):
                             kt[c * skp + j] = np.float32(np.int32(k[b, h, j, c]) - zk)
-                for j in range(sk):
+                for j in range(sku):
                     for c in range(dv):
                         vf[j * dvp + c] = np.float32(np.int32(v[b, h, j, c]) - zv)
-                mrow_b = (b if mb > 1 else 0) * mh + (h if mh > 1 else 0)
                 for i0 in range(0, sq, 8):
                     rows = min(8, sq - i0)
                     seen = 0  # the keys these 8 rows can see end here: the rest is -inf
