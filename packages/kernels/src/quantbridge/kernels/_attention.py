@@ -14,6 +14,11 @@ dequantize pass and no copy runs before the attention. Per (batch, head), 8 quer
   ``quantize_per_tensor`` does (``rint(fma(out, 1 / scale, zero_point))``, clamped) or kept
   float32.
 
+Keys past the last one a block's queries can see (``-inf`` or False in the mask: a padding
+mask's tail, a causal mask's future) are left out in whole 32-key blocks. Their probabilities
+are exactly 0, so the bytes are those of the full computation, and padded batches cost what
+their visible keys cost.
+
 The reference (dequantize, float attention, quantize) rounds its float steps in another order,
 so an output code can differ from it by one step. A row whose mask is ``-inf`` (or False)
 everywhere gives zeros, as torch's ``scaled_dot_product_attention`` does.
