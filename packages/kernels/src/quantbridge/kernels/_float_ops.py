@@ -37,7 +37,7 @@ from quantbridge.kernels._float_math import (
     softmax_row,
 )
 from quantbridge.kernels._qparams import QParams, as_qparams
-from quantbridge.kernels._threads import apply_num_threads, get_num_threads, with_threads
+from quantbridge.kernels._threads import apply_num_threads, with_threads
 
 F32A = npt.NDArray[np.float32]
 # rows x columns below which one thread runs (a parallel launch costs ~20 us). On a 2-core Xeon
@@ -154,6 +154,31 @@ def _out(out: object, x: F32A, inputs: tuple[F32A, ...]) -> F32A:
     return check_out(out, x.shape, np.float32, *inputs)
 
 
+def _ln_constants(
+    eps: float,
+    x_qparams: QParams | tuple[float, int] | None,
+    codes_qparams: QParams | tuple[float, int] | None,
+) -> tuple[Any, Any, int, Any, Any]:
+    """The checked float32 ``eps``, dequantize scale and zero point of ``x`` (1, 0 for float
+    input) and ``1 / scale`` and zero point of the codes (1, 0 without them)."""
+    e = float(eps)
+    if not (e >= 0.0 and np.isfinite(e)):
+        raise KernelError(f"eps: expected a finite number >= 0, got {eps!r}")
+    xs, xz = np.float32(1.0), 0
+    if x_qparams is not None:
+        s, z = as_qparams("x_qparams", x_qparams)
+        xs, xz = (
+            np.float32(check_scale("x_qparams.scale", s)),
+            check_zero_point("x_qparams.zero_point", z, 0, 255),
+        )
+    inv, zp = np.float32(1.0), np.float32(0.0)
+    if codes_qparams is not None:
+        s, z = as_qparams("codes_qparams", codes_qparams)
+        inv = np.float32(1.0) / np.float32(check_scale("codes_qparams.scale", s))
+        zp = np.float32(check_zero_point("codes_qparams.zero_point", z, 0, 255))
+    return np.float32(e), xs, xz, inv, zp
+
+
 def layer_norm(
     x: F32A | npt.NDArray[np.uint8],
     weight: F32A | None = None,
@@ -175,16 +200,15 @@ def layer_norm(
     the result is also quantized into ``codes`` as ``quantize_per_tensor`` does: the same
     bytes as those two kernels around this one, without their passes.
     """
+    if (codes is None) != (codes_qparams is None):
+        raise KernelError("codes, codes_qparams: give both (the array and its qparams) or neither")
+    e, xs, xz, inv, zp = _ln_constants(eps, x_qparams, codes_qparams)
     dq = x_qparams is not None
     if dq:
-        xs_, xz_ = as_qparams("x_qparams", x_qparams)
-        xs = np.float32(check_scale("x_qparams.scale", xs_))
-        xz = check_zero_point("x_qparams.zero_point", xz_, 0, 255)
         xf: Any = check_array("x", x, np.uint8, None)
         if xf.ndim < 1:
             raise KernelError("x: expected at least 1 dimension, got a scalar")
     else:
-        xs, xz = np.float32(1.0), 0
         xf = _float_input("x", x)
     n = int(xf.shape[-1])
     if residual is not None:
@@ -195,24 +219,16 @@ def layer_norm(
             )
     else:
         r = np.empty(n, np.float32) if dq else xf
-    e = float(eps)
-    if not (e >= 0.0 and np.isfinite(e)):
-        raise KernelError(f"eps: expected a finite number >= 0, got {eps!r}")
     w = _vector("weight", weight, n, 1.0)
     b = _vector("bias", bias, n, 0.0)
     o = _out(out, xf, (r,) if dq else (xf, r))
-    if (codes is None) != (codes_qparams is None):
-        raise KernelError("codes, codes_qparams: give both (the array and its qparams) or neither")
     if codes is not None:
-        cs, cz = as_qparams("codes_qparams", codes_qparams)
-        inv = np.float32(1.0) / np.float32(check_scale("codes_qparams.scale", cs))
-        zp = np.float32(check_zero_point("codes_qparams.zero_point", cz, 0, 255))
         c2 = check_out(codes, xf.shape, np.uint8, *((xf,) if dq else ()), name="codes").reshape(-1)
     else:
-        inv, zp, c2 = np.float32(1.0), np.float32(0.0), np.empty(0, np.uint8)
+        c2 = np.empty(0, np.uint8)
     fn = _pick(_LAYER_NORM, xf.size, num_threads, "layer_norm")
-    fn(xf.reshape(-1), r.reshape(-1), residual is not None, w, b, np.float32(e), o.reshape(-1), n,
-       xs, xz, c2, inv, zp)  # fmt: skip
+    fn(xf.reshape(-1), r.reshape(-1), residual is not None, w, b, e, o.reshape(-1), n, xs, xz, c2,
+       inv, zp)  # fmt: skip
     return o
 
 
@@ -230,8 +246,8 @@ class PreparedLayerNorm:
     bias arrays are read at each call (not copied).
     """
 
-    __slots__ = ("_b", "_codes", "_dq", "_eps", "_inv", "_n", "_threads", "_w", "_xdtype", "_xs",
-                 "_xz", "_zp", "bias", "codes_qparams", "eps", "weight", "x_qparams")  # fmt: skip
+    __slots__ = ("_b", "_eps", "_inv", "_n", "_threads", "_w", "_xdtype", "_xs", "_xz", "_zp",
+                 "bias", "codes_qparams", "eps", "weight", "x_qparams")  # fmt: skip
 
     def __init__(
         self,
@@ -243,36 +259,32 @@ class PreparedLayerNorm:
         codes_qparams: QParams | tuple[float, int] | None = None,
         num_threads: int | None = None,
     ) -> None:
-        e = float(eps)
-        if not (e >= 0.0 and np.isfinite(e)):
-            raise KernelError(f"eps: expected a finite number >= 0, got {eps!r}")
+        self._eps, self._xs, self._xz, self._inv, self._zp = _ln_constants(
+            eps, x_qparams, codes_qparams
+        )
         vectors = [None if v is None else check_array(name, v, np.float32, 1)
                    for name, v in (("weight", weight), ("bias", bias))]  # fmt: skip
         sizes = {int(v.shape[0]) for v in vectors if v is not None}
         if len(sizes) > 1:
             raise KernelError(f"weight, bias: expected one length, got {sorted(sizes)}")
-        self._dq = x_qparams is not None
-        self._xs, self._xz = np.float32(1.0), 0
-        if x_qparams is not None:
-            xs, xz = as_qparams("x_qparams", x_qparams)
-            self._xs = np.float32(check_scale("x_qparams.scale", xs))
-            self._xz = check_zero_point("x_qparams.zero_point", xz, 0, 255)
-        self._codes = codes_qparams is not None
-        self._inv, self._zp = np.float32(1.0), np.float32(0.0)
-        if codes_qparams is not None:
-            cs, cz = as_qparams("codes_qparams", codes_qparams)
-            self._inv = np.float32(1.0) / np.float32(check_scale("codes_qparams.scale", cs))
-            self._zp = np.float32(check_zero_point("codes_qparams.zero_point", cz, 0, 255))
         if num_threads is not None:
             apply_num_threads(num_threads, "PreparedLayerNorm")  # refused here, not at the call
-        self.weight, self.bias, self.eps = weight, bias, e
+        self.weight, self.bias, self.eps = weight, bias, float(eps)
         self.x_qparams, self.codes_qparams = x_qparams, codes_qparams
         self._threads = num_threads
-        self._eps = np.float32(e)
-        self._xdtype = _U8 if self._dq else _F32
-        # the last dimension: the vectors' length, or the first call's (ones / zeros then)
-        self._n = sizes.pop() if sizes else None
-        self._w, self._b = vectors
+        self._xdtype = _F32 if x_qparams is None else _U8
+        # the last dimension: the vectors' length, or the first call's
+        self._n: int | None = None
+        self._w: Any = None
+        self._b: Any = None
+        if sizes:
+            self._set_size(sizes.pop())
+
+    def _set_size(self, n: int) -> None:
+        """The last dimension is ``n``: the kernel's weight and bias (ones / zeros if none)."""
+        self._n = n
+        self._w = np.ones(n, np.float32) if self.weight is None else self.weight
+        self._b = np.zeros(n, np.float32) if self.bias is None else self.bias
 
     def __call__(
         self, x: F32A | npt.NDArray[np.uint8], residual: F32A | None = None
@@ -299,30 +311,29 @@ class PreparedLayerNorm:
         ):
             return self._checked(x, residual)
         assert n is not None  # x.shape[-1] == n
+        quantize = self.codes_qparams is not None
         out = np.empty(x.shape, np.float32)
-        codes = np.empty(x.shape if self._codes else 0, np.uint8)
+        codes = np.empty(x.shape if quantize else 0, np.uint8)
         r: Any = residual
         if r is None:  # not read without a residual: any float32 array does
-            r = np.empty(n, np.float32) if self._dq else x
-        threads = self._threads or get_num_threads()
-        fn = _LAYER_NORM[0]
-        if threads > 1 and x.size >= PARALLEL_MIN_FLOAT_WORK:
-            fn = with_threads(_LAYER_NORM[1], threads)
-        w = self._w if self._w is not None else np.ones(n, np.float32)
-        b = self._b if self._b is not None else np.zeros(n, np.float32)
-        fn(x.reshape(-1), r.reshape(-1), residual is not None, w, b, self._eps, out.reshape(-1),
-           n, self._xs, self._xz, codes.reshape(-1), self._inv, self._zp)  # fmt: skip
-        return out, (codes if self._codes else None)
+            r = x if self._xdtype is _F32 else out
+        fn = _pick(_LAYER_NORM, x.size, self._threads, "PreparedLayerNorm")
+        fn(x.reshape(-1), r.reshape(-1), residual is not None, self._w, self._b, self._eps,
+           out.reshape(-1), n, self._xs, self._xz, codes.reshape(-1), self._inv,
+           self._zp)  # fmt: skip
+        return out, (codes if quantize else None)
 
     def _checked(self, x: Any, residual: F32A | None) -> tuple[F32A, npt.NDArray[np.uint8] | None]:
         """The call through ``layer_norm`` (every argument checked, its errors: x is checked
         before the codes array made here from its shape)."""
-        codes = np.empty(tuple(getattr(x, "shape", ())), np.uint8) if self._codes else None
+        codes = None
+        if self.codes_qparams is not None:
+            codes = np.empty(tuple(getattr(x, "shape", ())), np.uint8)
         out = layer_norm(x, self.weight, self.bias, self.eps, residual=residual,
                          x_qparams=self.x_qparams, codes=codes, codes_qparams=self.codes_qparams,
                          num_threads=self._threads)  # fmt: skip
         if self._n is None:
-            self._n = int(out.shape[-1])  # now known: later calls of this size take the fast path
+            self._set_size(int(out.shape[-1]))  # later calls of this size take the fast path
         return out, codes
 
 

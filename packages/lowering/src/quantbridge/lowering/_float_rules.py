@@ -487,74 +487,50 @@ def _attention_patterns() -> tuple[Pattern, ...]:
     return tuple(pats)
 
 
-def _filter(parts: Any) -> Any:
+def _fusion(
+    name: str, patterns: Any, build: Any, parts: Any, description: str, kernel: str
+) -> LoweringRule:
+    """A fusion row of this table: it matches where ``parts(match)`` finds its nodes."""
+
     def check(match: RewriteMatch) -> bool:
         return parts(match) is not None
 
-    return check
+    return LoweringRule(name, patterns, build, kind="fusion", match_filter=check,
+                        description=description, kernel=kernel, modes=())  # fmt: skip
 
 
 def float_op_rules() -> tuple[LoweringRule, ...]:
     """The fusion rules for float LayerNorm, softmax, GELU and attention (module docstring)."""
     return (
-        LoweringRule(
-            "dynamic linear + GELU",
-            _linear_gelu_patterns(),
-            _build_linear_gelu,
-            kind="fusion",
-            match_filter=_filter(_linear_gelu),
-            description="GELU after a dynamic Linear: in its float epilogue",
-            kernel="kernels.linear_dynamic(activation='gelu' / 'gelu_tanh')",
-            modes=(),
+        _fusion(
+            "dynamic linear + GELU", _linear_gelu_patterns(), _build_linear_gelu, _linear_gelu,
+            "GELU after a dynamic Linear: in its float epilogue",
+            "kernels.linear_dynamic(activation='gelu' / 'gelu_tanh')",
         ),
-        LoweringRule(
-            "float layer_norm (+ residual add)",
-            _layer_norm_patterns(),
-            _build_layer_norm,
-            kind="fusion",
-            match_filter=_filter(_layer_norm_parts),
-            description="float LayerNorm over the last dimension, the residual add before it fused",
-            kernel="kernels.layer_norm",
-            modes=(),
+        _fusion(
+            "float layer_norm (+ residual add)", _layer_norm_patterns(), _build_layer_norm,
+            _layer_norm_parts,
+            "float LayerNorm over the last dimension, the residual add before it fused",
+            "kernels.layer_norm",
         ),
-        LoweringRule(
-            "float softmax (+ scale, mask)",
-            _softmax_patterns(),
-            _build_softmax,
-            kind="fusion",
-            match_filter=_filter(_softmax_parts),
-            description="float softmax over the last dimension, x * c (or x / c) + mask fused",
-            kernel="kernels.softmax",
-            modes=(),
+        _fusion(
+            "float softmax (+ scale, mask)", _softmax_patterns(), _build_softmax, _softmax_parts,
+            "float softmax over the last dimension, x * c (or x / c) + mask fused",
+            "kernels.softmax",
         ),
-        LoweringRule(
-            "attention on codes",
-            _attention_patterns(),
-            _build_attention,
-            kind="fusion",
-            match_filter=_filter(_attention_parts),
-            description="scaled_dot_product_attention of dequantized q, k, v (+ quantize)",
-            kernel="kernels.attention",
-            modes=(),
+        _fusion(
+            "attention on codes", _attention_patterns(), _build_attention, _attention_parts,
+            "scaled_dot_product_attention of dequantized q, k, v (+ quantize)",
+            "kernels.attention",
         ),
-        LoweringRule(
-            "layer_norm reads codes",
-            _ln_codes_patterns(),
-            _build_ln_reads_codes,
-            kind="fusion",
-            match_filter=_filter(_ln_reads_codes),
-            description="float LayerNorm of dequantized codes: the dequantize fused",
-            kernel="kernels.layer_norm(x_qparams=)",
-            modes=(),
+        _fusion(
+            "layer_norm reads codes", _ln_codes_patterns(), _build_ln_reads_codes,
+            _ln_reads_codes, "float LayerNorm of dequantized codes: the dequantize fused",
+            "kernels.layer_norm(x_qparams=)",
         ),
-        LoweringRule(
-            "layer_norm + quantize",
-            (lm.Quantize,),
-            _build_ln_quantize,
-            kind="fusion",
-            match_filter=_filter(_ln_quantize),
-            description="float LayerNorm whose result is also quantized: the quantize fused",
-            kernel="kernels.layer_norm(codes=)",
-            modes=(),
+        _fusion(
+            "layer_norm + quantize", (lm.Quantize,), _build_ln_quantize, _ln_quantize,
+            "float LayerNorm whose result is also quantized: the quantize fused",
+            "kernels.layer_norm(codes=)",
         ),
-    )
+    )  # fmt: skip

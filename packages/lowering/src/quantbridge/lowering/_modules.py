@@ -398,13 +398,13 @@ class FloatLayerNorm(LoweredModule):
                 x, other, self.weight, self.bias, self.eps, x_qp, c_qp
             )
         else:
-            r = None if other is None else lowered.numpy_view(other.to(torch.float32))
-            o, c = self._prepared(lowered.numpy_view(x), r)
-            out = torch.from_numpy(o)
-            if c is None:
-                return out
-            codes = torch.from_numpy(c)
+            o, c = self._prepared_call(x, other)
+            out, codes = torch.from_numpy(o), None if c is None else torch.from_numpy(c)
         return out if self._codes_qp is None else (out, codes)
+
+    def _prepared_call(self, x: torch.Tensor, other: torch.Tensor | None) -> Any:
+        r = None if other is None else lowered.numpy_view(other.to(torch.float32))
+        return self._prepared(lowered.numpy_view(x), r)
 
     def _float(self, x: torch.Tensor, other: torch.Tensor | None) -> torch.Tensor:
         if other is not None and other.shape != x.shape:
@@ -416,8 +416,7 @@ class FloatLayerNorm(LoweredModule):
         if is_tracing(x) if other is None else is_tracing(x, other):
             return _as_tensor(ops.layer_norm_op(x, other, self.weight, self.bias, self.eps))
         if self._x_qp is None and self._codes_qp is None:  # the prepared call is this one
-            r = None if other is None else lowered.numpy_view(other.to(torch.float32))
-            return torch.from_numpy(self._prepared(lowered.numpy_view(x), r)[0])
+            return torch.from_numpy(self._prepared_call(x, other)[0])
         return lowered.layer_norm(x, other, self._w, self._b, self.eps)
 
     def _details(self) -> str:
