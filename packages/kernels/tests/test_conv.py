@@ -18,6 +18,7 @@ from quantbridge.kernels import (
     conv2d_add,
     cpu_features,
 )
+from quantbridge.kernels import _conv as conv_module
 from quantbridge.kernels import _depthwise as depthwise_module
 from quantbridge.kernels import add as add_kernel
 
@@ -465,7 +466,7 @@ def depthwise_block_cases(draw):
     w = draw(st.integers(max(1, dilation[1] * (k - 1) + 1 - 2 * padding[1]), 31))
     return dict(
         n=draw(st.integers(1, 2)),
-        c=draw(st.sampled_from([8, 16, 24, 3, 13, 35, 72])),
+        c=draw(st.sampled_from([8, 16, 24, 3, 13, 35, 72, 64, 136])),
         kh=kh,
         kw=k,
         h=h,
@@ -682,6 +683,46 @@ def test_asymmetric_stride_dilation_every_layout(target, grouping, stride, dilat
         )  # fmt: skip
         want_add = add_kernel(want, (o_s, o_zp), other, (0.05, 120), (0.07, 110))
         np.testing.assert_array_equal(got_add, want_add, err_msg=f"conv2d_add {where}")
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize(("k", "stride"), [(3, 1), (3, 2), (5, 1), (5, 2)])
+@pytest.mark.parametrize("c", [64, 200])
+@pytest.mark.parametrize("fits", [True, False])
+@pytest.mark.parametrize("copy", [True, False])
+def test_depthwise_64_channel_kernels(target, k, stride, c, fits, copy, monkeypatch):
+    # AVX-512 VNNI runs whole blocks of 64 channels through vpdpbusd, interior and border
+    # pixels alike, when every w - w_zp fits int8; the rest (200 = 3 x 64 + 8: a 16-lane gap
+    # and an 8-lane vector) and other targets run the float kernels. Every output row width
+    # from 1 to 12 crosses the block sizes; zero-point-padded borders on all four sides; a
+    # high input zero point makes every padding tap count. ``copy``: small planes padded once
+    # (where that pays), or never.
+    below = 1000 if copy else 0
+    monkeypatch.setattr(conv_module, "_DW_PAD_BELOW", below)
+    monkeypatch.setattr(conv_module, "_DW_PAD_BELOW_5X5_S1", below)
+    rng = np.random.default_rng(k * 1000 + stride * 100 + c + fits)
+    wt = rng.integers(-128, 128, (c, 1, k, k), dtype=np.int8)
+    w_zp = 0 if fits else rng.integers(-128, 128, c)
+    w_s = rng.uniform(0.002, 0.02, c)
+    bias = rng.normal(0, 2, c).astype(F32)
+    pad = k // 2
+    packed = PackedConvWeight(
+        wt, w_s, w_zp, bias, stride=stride, padding=pad, groups=c, target=target
+    )  # fmt: skip
+    vnni = target == "avx512_vnni" and fits
+    assert packed._dw_c64 == (c - c % 64 if vnni else 0)
+    o_s = 0.05 * k * 3
+    for ow in range(1, 13):
+        width = (ow - 1) * stride + 1
+        x = rng.integers(0, 256, (1, c, k + 2, width), dtype=np.uint8)
+        got = conv2d(
+            _channels_last(x), packed, 0.05, 201, o_s, 90, relu=True, channels_last=True
+        )  # fmt: skip
+        want = reference_conv2d(
+            x, 0.05, 201, wt, w_s, w_zp, bias, o_s, 90, (stride, stride), (pad, pad), (1, 1),
+            c, relu=True,
+        )  # fmt: skip
+        np.testing.assert_array_equal(got, want, err_msg=f"output width {ow}")
 
 
 @pytest.mark.parametrize("target", TARGETS)

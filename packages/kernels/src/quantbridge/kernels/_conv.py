@@ -34,6 +34,8 @@ from quantbridge.kernels._block_kernels import block_lanes
 from quantbridge.kernels._checks import check_array, check_zero_point
 from quantbridge.kernels._depthwise import MAX_TAPS, depthwise_parallel, depthwise_serial
 from quantbridge.kernels._dw_simd import LANES
+from quantbridge.kernels._dw_vnni import CHANNELS as VNNI_CHANNELS
+from quantbridge.kernels._dw_vnni import permuted_order, split_weights
 from quantbridge.kernels._elementwise import _add_params, add_relu
 from quantbridge.kernels._elementwise import add as add_plain
 from quantbridge.kernels._epilogue_lut import NO_LUT, epilogue_lut
@@ -179,6 +181,16 @@ class PackedConvWeight:
             self._dw_weight = np.zeros((kh * kw, self._dw_cp), np.float32)
             self._dw_weight[:, :oc] = w_minus_zp.reshape(oc, kh * kw).T
             self._dw_wsum = self._dw_weight.sum(axis=0, dtype=np.float32)  # exact: < 2**24
+            # the 64-channel vpdpbusd blocks (AVX-512 VNNI): whole blocks of 64 channels, when
+            # every w - w_zp fits int8
+            self._dw_c64 = 0
+            self._dw_w8 = np.zeros((0,), np.int8)
+            fits = w_minus_zp.min(initial=0) >= -128 and w_minus_zp.max(initial=0) <= 127
+            if self.target == "avx512_vnni" and fits and oc >= VNNI_CHANNELS:
+                self._dw_c64 = oc - oc % VNNI_CHANNELS
+                block = self._dw_weight[:, : self._dw_c64].astype(np.int32)
+                self._dw_w8 = split_weights(block).reshape(-1)
+                self._dw_order = permuted_order(self._dw_c64)
         self._dw_epilogue: dict[tuple[float, float], tuple[npt.NDArray[np.float32], ...]] = {}
         self._koffs: dict[tuple[int, int], npt.NDArray[np.int64]] = {}
         self._rowoffs: dict[tuple[int, ...], npt.NDArray[np.int64]] = {}
@@ -558,7 +570,10 @@ def _depthwise_plan(packed: PackedConvWeight, geo: _Geometry, epi: _Epilogue) ->
     # costs what it saves. 5x5 stride 1: 0.81-0.90x the time up to 56x56, 1.76x at 112x112
     # (measured, kernels README "Depthwise")
     below = _DW_PAD_BELOW_5X5_S1 if packed.kw == 5 and sw == 1 else _DW_PAD_BELOW
-    pad = bool(ph or pw) and min(oh, ow) < below and packed.kw in (3, 5) and dw == 1
+    # with the 64-channel kernels a border pixel costs about an interior one: at stride 2 the
+    # copy (4x the output's bytes) no longer pays (576x14x14: 1.35x slower with it)
+    copy_pays = packed._dw_c64 == 0 or sw == 1
+    pad = bool(ph or pw) and min(oh, ow) < below and packed.kw in (3, 5) and dw == 1 and copy_pays
     hp, wp = h + 2 * ph, w + 2 * pw
     biasq, mult = packed.depthwise_epilogue(x_scale, out_scale)
     corr = np.float32(a_zp) * packed._dw_wsum  # x_zp * sum(w - w_zp) per channel, exact
@@ -569,6 +584,13 @@ def _depthwise_plan(packed: PackedConvWeight, geo: _Geometry, epi: _Epilogue) ->
         drv, per_task = depthwise_serial, rows
     kh, kw = packed.kh, packed.kw
     weights, cp = packed._dw_weight, packed._dw_cp
+    c64, w8 = packed._dw_c64, packed._dw_w8
+    acc0 = np.zeros(0, np.int32)
+    biasq64, mult64 = biasq[:0], mult[:0]
+    if c64:  # the 64-channel blocks' constants, in their accumulators' channel order
+        order = packed._dw_order
+        acc0 = (-a_zp * packed._dw_wsum[order]).astype(np.int32)  # exact: below 2**24
+        biasq64, mult64 = biasq[order], mult[order]
     xh, xw, xph, xpw = (hp, wp, 0, 0) if pad else (h, w, ph, pw)
     zpf = float(a_zp)  # a Python float: numba's dispatcher types it faster than np.float32
     # zmm blocks where the target guarantees AVX-512 (16 channels per FMA instead of 8)
@@ -594,7 +616,7 @@ def _depthwise_plan(packed: PackedConvWeight, geo: _Geometry, epi: _Epilogue) ->
         drv(
             nhwc.reshape(-1), n, xh, xw, c, oh, ow, kh, kw, sh, sw, dh, dw, xph, xpw, weights,
             cp, corr, biasq, mult, zpf, o_zp, qmin, qmax, drive_table, out.reshape(-1),
-            per_task, wide,
+            per_task, wide, c64, w8, 4 * c64, acc0, biasq64, mult64,
         )  # fmt: skip
         if drive_table is not table:  # VBMI: the table as one pass over the output
             apply_table(out.reshape(-1), table, out.reshape(-1), threads)

@@ -7,14 +7,18 @@ kernels when the caller says the CPU has AVX-512: ``wide``):
 
 - interior pixels (every tap inside the input) of 3x3 / 5x5 kernels with stride 1 or 2 along W
   and no W dilation: ``dw_block``, several pixels per call, register-blocked along W;
+- on AVX-512 VNNI CPUs, whole blocks of 64 channels whose weights fit int8 run the
+  ``vpdpbusd`` kernels of ``_dw_vnni.py`` instead: ``dw64_block`` for interior pixels,
+  ``dw64_taps`` for every other pixel (a padding tap reads the input zero point);
 - every other pixel (the padding border, kernels without a block kind) and channel tails:
   ``dw_taps`` over the pixel's in-bounds taps only. A tap in the padding would read the input
   zero point and contribute ``(x_zp - x_zp) * w = 0``, so skipping it gives the same integer:
   the zero-point-padded input copy the GEMM needs is not made.
 
-Both compute the GEMM's integer ``sum (x - x_zp) * (w - w_zp)`` exactly (float32 lanes, see
-``_dw_simd.py``; at most ``MAX_TAPS`` taps) and requantize with the GEMM's rule, so the bytes
-equal conv2d's through the GEMM. One implementation serves every target (plain LLVM vector IR).
+All compute the GEMM's integer ``sum (x - x_zp) * (w - w_zp)`` exactly (float32 lanes, see
+``_dw_simd.py``, or int32 lanes; at most ``MAX_TAPS`` taps) and requantize with the GEMM's
+rule, so the bytes equal conv2d's through the GEMM. The float kernels serve every target
+(plain LLVM vector IR); the 64-channel ones need AVX-512 VNNI.
 The clamp range ``[qmin, qmax]`` comes from the caller (a clamp-table activation narrows it);
 a fused activation table (``lut``) maps each finished output row while it is in L1, with no
 pass at all when there is none.
@@ -38,6 +42,10 @@ from quantbridge.kernels._dw_simd import (
     dw_block,
     dw_taps,
 )
+from quantbridge.kernels._dw_vnni import BLOCK_PIXELS as BLOCK_PIXELS_64
+from quantbridge.kernels._dw_vnni import CHANNELS as VNNI_CHANNELS
+from quantbridge.kernels._dw_vnni import KIND_IDS as KIND_IDS_64
+from quantbridge.kernels._dw_vnni import dw64_block, dw64_taps
 
 # taps per output for which float32 sums stay exact (255 * 255 * 256 < 2**24)
 MAX_TAPS = 256
@@ -48,6 +56,21 @@ MAX_TAPS = 256
 PARALLEL_MIN_MACS = 1 << 19
 
 
+@njit(cache=True, nogil=True)
+def _split_run(n, big, alt):  # type: ignore[no-untyped-def]  # numba types the arguments
+    """``(big blocks, alt blocks, one-pixel calls)`` covering a run of ``n`` pixels: the
+    remainder after the big blocks goes the cheapest of three ways (see ``_make_row``)."""
+    nbig = n // big
+    rem = n - nbig * big
+    nalt = (rem + alt - 1) // alt if n >= alt else 0
+    cost_alt = nalt * alt if nalt > 0 else 1 << 30
+    if nbig > 0 and big < cost_alt and big < 2 * rem:
+        return nbig + 1, 0, 0  # one more big block, moved back
+    if cost_alt < 2 * rem:
+        return nbig, nalt, 0
+    return nbig, 0, rem
+
+
 def _make_row(kw: int, sw: int) -> Any:
     """The interior pixels ``lo..hi-1`` of one output row through the ``(kw, sw)`` block kinds.
 
@@ -56,7 +79,8 @@ def _make_row(kw: int, sw: int) -> Any:
     each pixel): one more ``P`` block moved back to end at ``hi``, or blocks of the second size
     ``Q`` (the last one moved back), or one-pixel calls. A moved-back block recomputes pixels
     already written, with the same bytes. Channels ``0..c16-1`` run the 16-lane kinds, then
-    ``c16..c8-1`` the 8-lane ones.
+    ``c16..c8-1`` the 8-lane ones, from channel ``cs`` on (those before it ran the 64-channel
+    kinds, ``_make_row64``).
     """
     big, alt = BLOCK_PIXELS[(kw, sw)]
     kbig, kalt, kone = (KIND_IDS[(LANES, kw, sw, p)] for p in (big, alt, 1))
@@ -64,26 +88,16 @@ def _make_row(kw: int, sw: int) -> Any:
     lanes, wide = LANES, WIDE_LANES
 
     def row(  # type: ignore[no-untyped-def]  # numba types the arguments
-        x, xrow, pw, c, c16, c8, rowstep, kh, wf, cp, corr, biasq, mult, ozp, qmin, qmax, out,
-        obase, lo, hi,
+        x, xrow, pw, c, cs, c16, c8, rowstep, kh, wf, cp, corr, biasq, mult, ozp, qmin, qmax,
+        out, obase, lo, hi,
     ):  # fmt: skip
-        n = hi - lo
-        nbig = n // big
-        rem = n - nbig * big
-        nalt = (rem + alt - 1) // alt if n >= alt else 0
-        cost_alt = nalt * alt if nalt > 0 else 1 << 30
-        if nbig > 0 and big < cost_alt and big < 2 * rem:
-            nbig, nalt, rem = nbig + 1, 0, 0  # one more big block, moved back
-        elif cost_alt < 2 * rem:
-            rem = 0
-        else:
-            nalt = 0
+        nbig, nalt, rem = _split_run(hi - lo, big, alt)
         # the three loops stay written out: one compiled helper per block size, called three
         # times, measured 3 % slower over the 13 shapes above
         for t in range(nbig):
             ox = min(lo + t * big, hi - big)
             xb, ob = xrow + (ox * sw - pw) * c, obase + ox * c
-            for c0 in range(0, c16, wide):
+            for c0 in range(cs, c16, wide):
                 dw_block(wbig, x, xb + c0, rowstep, c, kh, wf, cp, c0, corr, biasq, mult,
                          ozp, qmin, qmax, out, ob + c0)  # fmt: skip
             for c0 in range(c16, c8, lanes):
@@ -93,7 +107,7 @@ def _make_row(kw: int, sw: int) -> Any:
         for t in range(nalt):
             ox = min(start + t * alt, hi - alt)
             xb, ob = xrow + (ox * sw - pw) * c, obase + ox * c
-            for c0 in range(0, c16, wide):
+            for c0 in range(cs, c16, wide):
                 dw_block(walt, x, xb + c0, rowstep, c, kh, wf, cp, c0, corr, biasq, mult,
                          ozp, qmin, qmax, out, ob + c0)  # fmt: skip
             for c0 in range(c16, c8, lanes):
@@ -101,7 +115,7 @@ def _make_row(kw: int, sw: int) -> Any:
                          ozp, qmin, qmax, out, ob + c0)  # fmt: skip
         for ox in range(hi - rem, hi):
             xb, ob = xrow + (ox * sw - pw) * c, obase + ox * c
-            for c0 in range(0, c16, wide):
+            for c0 in range(cs, c16, wide):
                 dw_block(wone, x, xb + c0, rowstep, c, kh, wf, cp, c0, corr, biasq, mult,
                          ozp, qmin, qmax, out, ob + c0)  # fmt: skip
             for c0 in range(c16, c8, lanes):
@@ -112,7 +126,44 @@ def _make_row(kw: int, sw: int) -> Any:
     return njit(cache=True, nogil=True)(row)
 
 
+def _make_row64(kw: int, sw: int) -> Any:
+    """``_make_row`` for channels ``0..c64-1`` through the 64-channel ``vpdpbusd`` kinds
+    (``_dw_vnni.py``), with their own block sizes."""
+    big, alt = BLOCK_PIXELS_64[(kw, sw)]
+    kbig, kalt, kone = (KIND_IDS_64[(kw, sw, p)] for p in (big, alt, 1))
+    step = VNNI_CHANNELS
+
+    def row64(  # type: ignore[no-untyped-def]  # numba types the arguments
+        x, xrow, pw, c, c64, rowstep, kh, w8, cp4, acc0, biasq, mult, ozp, qmin, qmax, out,
+        obase, lo, hi,
+    ):  # fmt: skip
+        nbig, nalt, rem = _split_run(hi - lo, big, alt)
+        start = lo + nbig * big
+        # blocks of 64 channels outermost: a block's weights (12 vectors for 3x3) and input
+        # columns stay in L1 along the row; with the pixels outermost, 960 channels' weights
+        # (35 KB) and input rows cycle through L1 once per block
+        for c0 in range(0, c64, step):
+            for t in range(nbig):
+                ox = min(lo + t * big, hi - big)
+                xb, ob = xrow + (ox * sw - pw) * c + c0, obase + ox * c + c0
+                dw64_block(kbig, x, xb, rowstep, c, kh, w8, cp4, c0, acc0, biasq, mult, ozp,
+                           qmin, qmax, out, ob)  # fmt: skip
+            for t in range(nalt):
+                ox = min(start + t * alt, hi - alt)
+                xb, ob = xrow + (ox * sw - pw) * c + c0, obase + ox * c + c0
+                dw64_block(kalt, x, xb, rowstep, c, kh, w8, cp4, c0, acc0, biasq, mult, ozp,
+                           qmin, qmax, out, ob)  # fmt: skip
+            for ox in range(hi - rem, hi):
+                xb, ob = xrow + (ox * sw - pw) * c + c0, obase + ox * c + c0
+                dw64_block(kone, x, xb, rowstep, c, kh, w8, cp4, c0, acc0, biasq, mult, ozp,
+                           qmin, qmax, out, ob)  # fmt: skip
+
+    row64.__name__ = row64.__qualname__ = f"depthwise_row64_{kw}x{kw}_s{sw}"
+    return njit(cache=True, nogil=True)(row64)
+
+
 _row_3s1, _row_3s2, _row_5s1, _row_5s2 = (_make_row(kw, sw) for kw, sw in BLOCK_PIXELS)
+_row64_3s1, _row64_3s2, _row64_5s1, _row64_5s2 = (_make_row64(kw, sw) for kw, sw in BLOCK_PIXELS)
 
 
 def _make_driver(parallel: bool) -> Any:
@@ -121,14 +172,20 @@ def _make_driver(parallel: bool) -> Any:
     def driver(  # type: ignore[no-untyped-def]  # numba types the arguments
         x, n, h, w, c, oh, ow, kh, kw, sh, sw, dh, dw, ph, pw,
         wf, cp, corr, biasq, mult, zpf, ozp, qmin, qmax, lut, out, rows_per_task, wide,
+        c64, w8, cp4, acc0, biasq64, mult64,
     ):  # fmt: skip
         """``out`` [N*OH*OW*C] from ``x`` [N*H*W*C] (both flat NHWC uint8).
 
         Codes are clamped to ``[qmin, qmax]``, then mapped through ``lut`` (uint8[256], a fused
         activation, ``_epilogue_lut.py``) unless it is empty. ``wide``: the interior blocks run
         16 channels per vector (only on CPUs with AVX-512: elsewhere LLVM splits each vector).
+        ``c64`` (0, or a multiple of 64 on AVX-512 VNNI CPUs): the interior of channels
+        ``0..c64-1`` runs the 64-channel ``vpdpbusd`` blocks, with ``w8`` (``split_weights``, a
+        tap every ``cp4`` bytes) and ``acc0``, ``biasq64``, ``mult64`` in their channel order.
         """
         mapped = lut.shape[0] > 0
+        xzp = np.int64(zpf)
+        step64 = VNNI_CHANNELS
         spec = 0  # which block kernel serves the interior: 0 none, 1 3x3/s1, 2 3x3/s2, ...
         if dw == 1:
             if kw == 3:
@@ -156,6 +213,8 @@ def _make_driver(parallel: bool) -> Any:
         for task in prange(ntask):  # a plain range when parallel=False
             toffs = np.empty(ntap, np.int64)
             tidx = np.empty(ntap, np.int64)
+            aoffs = np.empty(ntap, np.int64)
+            ains = np.empty(ntap, np.int64)
             for r in range(task * rows_per_task, min(total, (task + 1) * rows_per_task)):
                 b = r // oh
                 oy = r - b * oh
@@ -167,16 +226,28 @@ def _make_driver(parallel: bool) -> Any:
                     rlo, rhi = lo, hi
                 xrow = img + iy0 * w * c
                 if spec != 0 and rlo < rhi:
-                    args = (x, xrow, pw, c, c16, c8, rowstep, kh, wf, cp, corr, biasq, mult,
+                    if c64 > 0:
+                        args64 = (x, xrow, pw, c, c64, rowstep, kh, w8, cp4, acc0, biasq64,
+                                  mult64, ozp, qmin, qmax, out, obase, rlo, rhi)  # fmt: skip
+                        if spec == 1:
+                            _row64_3s1(*args64)
+                        elif spec == 2:
+                            _row64_3s2(*args64)
+                        elif spec == 3:
+                            _row64_5s1(*args64)
+                        else:
+                            _row64_5s2(*args64)
+                    args = (x, xrow, pw, c, c64, c16, c8, rowstep, kh, wf, cp, corr, biasq, mult,
                             ozp, qmin, qmax, out, obase, rlo, rhi)  # fmt: skip
-                    if spec == 1:
-                        _row_3s1(*args)
-                    elif spec == 2:
-                        _row_3s2(*args)
-                    elif spec == 3:
-                        _row_5s1(*args)
-                    else:
-                        _row_5s2(*args)
+                    if c64 < c8:  # full vectors left after the 64-channel blocks
+                        if spec == 1:
+                            _row_3s1(*args)
+                        elif spec == 2:
+                            _row_3s2(*args)
+                        elif spec == 3:
+                            _row_5s1(*args)
+                        else:
+                            _row_5s2(*args)
                     if c8 < c:  # the channel tail of the interior pixels
                         for ox in range(rlo, rhi):
                             dw_taps(x, xrow + (ox * sw - pw) * c + c8, full_offs, full_idx,
@@ -190,16 +261,21 @@ def _make_driver(parallel: bool) -> Any:
                     nt = 0  # this pixel's in-bounds taps
                     for i in range(kh):
                         iy = iy0 + i * dh
-                        if iy < 0 or iy >= h:
-                            continue
                         for j in range(kw):
                             ix = ox * sw - pw + j * dw
-                            if ix < 0 or ix >= w:
-                                continue
-                            toffs[nt] = (iy * w + ix) * c
-                            tidx[nt] = i * kw + j
-                            nt += 1
-                    for c0 in range(0, c, lanes):
+                            inside = 0 <= iy < h and 0 <= ix < w
+                            # every tap, for the 64-channel kernel (a padding tap reads xzp)
+                            aoffs[i * kw + j] = (iy * w + ix) * c if inside else 0
+                            ains[i * kw + j] = 1 if inside else 0
+                            if inside:
+                                toffs[nt] = (iy * w + ix) * c
+                                tidx[nt] = i * kw + j
+                                nt += 1
+                    for c0 in range(0, c64, step64):
+                        dw64_taps(x, img + c0, aoffs, ains, ntap, w8, cp4, c0, acc0, biasq64,
+                                  mult64, xzp, ozp, qmin, qmax, out,
+                                  obase + ox * c + c0)  # fmt: skip
+                    for c0 in range(c64, c, lanes):
                         dw_taps(x, img + c0, toffs, tidx, nt, wf, cp, c0, zpf, biasq, mult, ozp,
                                 qmin, qmax, out, obase + ox * c + c0,
                                 min(lanes, c - c0))  # fmt: skip
