@@ -466,7 +466,7 @@ def depthwise_block_cases(draw):
     w = draw(st.integers(max(1, dilation[1] * (k - 1) + 1 - 2 * padding[1]), 31))
     return dict(
         n=draw(st.integers(1, 2)),
-        c=draw(st.sampled_from([8, 16, 24, 3, 13, 35, 72, 64, 136])),
+        c=draw(st.sampled_from([8, 16, 24, 3, 13, 35, 72, 64, 136, 32])),
         kh=kh,
         kw=k,
         h=h,
@@ -687,14 +687,16 @@ def test_asymmetric_stride_dilation_every_layout(target, grouping, stride, dilat
 
 @pytest.mark.parametrize("target", TARGETS)
 @pytest.mark.parametrize(("k", "stride"), [(3, 1), (3, 2), (5, 1), (5, 2)])
-@pytest.mark.parametrize("c", [64, 200])
+@pytest.mark.parametrize("c", [16, 32, 64, 200])
 @pytest.mark.parametrize("fits", [True, False])
 @pytest.mark.parametrize("copy", [True, False])
 def test_depthwise_64_channel_kernels(target, k, stride, c, fits, copy, monkeypatch):
     # AVX-512 VNNI runs whole blocks of 64 channels through vpdpbusd, interior and border
     # pixels alike, when every w - w_zp fits int8; the rest (200 = 3 x 64 + 8: a 16-lane gap
-    # and an 8-lane vector) and other targets run the float kernels. Every output row width
-    # from 1 to 12 crosses the block sizes; zero-point-padded borders on all four sides; a
+    # and an 8-lane vector) and other targets run the float kernels. 32 channels at stride 1
+    # put 2 pixels in a vector (interior only; one-pixel rows, stride 2 and 16 channels stay
+    # on the float kernels). Every output row width
+    # from 1 to 12, 17 and 37 cross the block sizes; zero-point-padded borders on all four sides; a
     # high input zero point makes every padding tap count. ``copy``: small planes padded once
     # (where that pays), or never.
     below = 1000 if copy else 0
@@ -710,9 +712,10 @@ def test_depthwise_64_channel_kernels(target, k, stride, c, fits, copy, monkeypa
         wt, w_s, w_zp, bias, stride=stride, padding=pad, groups=c, target=target
     )  # fmt: skip
     vnni = target == "avx512_vnni" and fits
-    assert packed._dw_c64 == (c - c % 64 if vnni else 0)
+    group = {32: 2}.get(c, 1) if stride == 1 else 1
+    assert packed._dw_c64 == ((64 if group > 1 else c - c % 64) if vnni else 0)
     o_s = 0.05 * k * 3
-    for ow in range(1, 13):
+    for ow in [*range(1, 13), 17, 37]:  # (16 and 32 pixel-wide blocks need the last two)
         width = (ow - 1) * stride + 1
         x = rng.integers(0, 256, (1, c, k + 2, width), dtype=np.uint8)
         got = conv2d(

@@ -35,6 +35,7 @@ from quantbridge.kernels._checks import check_array, check_zero_point
 from quantbridge.kernels._depthwise import MAX_TAPS, depthwise_parallel, depthwise_serial
 from quantbridge.kernels._dw_simd import LANES
 from quantbridge.kernels._dw_vnni import CHANNELS as VNNI_CHANNELS
+from quantbridge.kernels._dw_vnni import GROUPS as VNNI_GROUPS
 from quantbridge.kernels._dw_vnni import permuted_order, split_weights
 from quantbridge.kernels._elementwise import _add_params, add_relu
 from quantbridge.kernels._elementwise import add as add_plain
@@ -183,14 +184,20 @@ class PackedConvWeight:
             self._dw_wsum = self._dw_weight.sum(axis=0, dtype=np.float32)  # exact: < 2**24
             # the 64-channel vpdpbusd blocks (AVX-512 VNNI): whole blocks of 64 channels, when
             # every w - w_zp fits int8
+            # (16 or 32 channels at stride 1: GROUPS pixels to a 64-byte vector, the weights
+            # repeated per pixel)
             self._dw_c64 = 0
+            self._dw_group = 1
             self._dw_w8 = np.zeros((0,), np.int8)
             fits = w_minus_zp.min(initial=0) >= -128 and w_minus_zp.max(initial=0) <= 127
-            if self.target == "avx512_vnni" and fits and oc >= VNNI_CHANNELS:
-                self._dw_c64 = oc - oc % VNNI_CHANNELS
-                block = self._dw_weight[:, : self._dw_c64].astype(np.int32)
-                self._dw_w8 = split_weights(block).reshape(-1)
-                self._dw_order = permuted_order(self._dw_c64)
+            group = VNNI_GROUPS.get(oc, 1) if self.stride[1] == 1 else 1
+            if self.target == "avx512_vnni" and fits and (oc >= VNNI_CHANNELS or group > 1):
+                self._dw_c64 = oc - oc % VNNI_CHANNELS if group == 1 else VNNI_CHANNELS
+                self._dw_group = group
+                block = self._dw_weight[:, : min(oc, self._dw_c64)].astype(np.int32)
+                self._dw_w8 = split_weights(np.tile(block, (1, group))).reshape(-1)
+                # the real channel at each position of the accumulators' order
+                self._dw_order = permuted_order(self._dw_c64) % min(oc, self._dw_c64)
         self._dw_epilogue: dict[tuple[float, float], tuple[npt.NDArray[np.float32], ...]] = {}
         self._koffs: dict[tuple[int, int], npt.NDArray[np.int64]] = {}
         self._rowoffs: dict[tuple[int, ...], npt.NDArray[np.int64]] = {}
@@ -616,7 +623,7 @@ def _depthwise_plan(packed: PackedConvWeight, geo: _Geometry, epi: _Epilogue) ->
         drv(
             nhwc.reshape(-1), n, xh, xw, c, oh, ow, kh, kw, sh, sw, dh, dw, xph, xpw, weights,
             cp, corr, biasq, mult, zpf, o_zp, qmin, qmax, drive_table, out.reshape(-1),
-            per_task, wide, c64, w8, 4 * c64, acc0, biasq64, mult64,
+            per_task, wide, c64, w8, 4 * c64, acc0, biasq64, mult64, packed._dw_group,
         )  # fmt: skip
         if drive_table is not table:  # VBMI: the table as one pass over the output
             apply_table(out.reshape(-1), table, out.reshape(-1), threads)

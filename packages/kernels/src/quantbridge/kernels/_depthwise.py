@@ -126,44 +126,59 @@ def _make_row(kw: int, sw: int) -> Any:
     return njit(cache=True, nogil=True)(row)
 
 
-def _make_row64(kw: int, sw: int) -> Any:
-    """``_make_row`` for channels ``0..c64-1`` through the 64-channel ``vpdpbusd`` kinds
-    (``_dw_vnni.py``), with their own block sizes."""
+def _make_row64(kw: int, sw: int, group: int) -> Any:
+    """``_make_row`` for channels ``0..c64-1`` through the ``vpdpbusd`` kinds of
+    ``_dw_vnni.py``, with their own block sizes. ``group`` > 1 (stride 1, C = 64 / group): a
+    vector holds ``group`` pixels, blocks are counted in vectors, and a run that does not end
+    on a whole vector ends with one vector moved back to ``hi`` (the run has at least
+    ``group`` pixels)."""
     big, alt = BLOCK_PIXELS_64[(kw, sw)]
-    kbig, kalt, kone = (KIND_IDS_64[(kw, sw, p)] for p in (big, alt, 1))
+    kbig, kalt, kone = (KIND_IDS_64[(kw, sw, p, group)] for p in (big, alt, 1))
     step = VNNI_CHANNELS
+    gbig, galt = big * group, alt * group
 
     def row64(  # type: ignore[no-untyped-def]  # numba types the arguments
         x, xrow, pw, c, c64, rowstep, kh, w8, cp4, acc0, biasq, mult, ozp, qmin, qmax, out,
         obase, lo, hi,
     ):  # fmt: skip
-        nbig, nalt, rem = _split_run(hi - lo, big, alt)
-        start = lo + nbig * big
+        nv = (hi - lo) // group
+        end = lo + nv * group  # where the whole vectors end
+        nbig, nalt, rem = _split_run(nv, big, alt)
+        start = lo + nbig * gbig
         # blocks of 64 channels outermost: a block's weights (12 vectors for 3x3) and input
         # columns stay in L1 along the row; with the pixels outermost, 960 channels' weights
         # (35 KB) and input rows cycle through L1 once per block
         for c0 in range(0, c64, step):
             for t in range(nbig):
-                ox = min(lo + t * big, hi - big)
+                ox = min(lo + t * gbig, end - gbig)
                 xb, ob = xrow + (ox * sw - pw) * c + c0, obase + ox * c + c0
                 dw64_block(kbig, x, xb, rowstep, c, kh, w8, cp4, c0, acc0, biasq, mult, ozp,
                            qmin, qmax, out, ob)  # fmt: skip
             for t in range(nalt):
-                ox = min(start + t * alt, hi - alt)
+                ox = min(start + t * galt, end - galt)
                 xb, ob = xrow + (ox * sw - pw) * c + c0, obase + ox * c + c0
                 dw64_block(kalt, x, xb, rowstep, c, kh, w8, cp4, c0, acc0, biasq, mult, ozp,
                            qmin, qmax, out, ob)  # fmt: skip
-            for ox in range(hi - rem, hi):
+            for v in range(rem):
+                ox = end - (rem - v) * group
+                xb, ob = xrow + (ox * sw - pw) * c + c0, obase + ox * c + c0
+                dw64_block(kone, x, xb, rowstep, c, kh, w8, cp4, c0, acc0, biasq, mult, ozp,
+                           qmin, qmax, out, ob)  # fmt: skip
+            if end < hi:
+                ox = hi - group
                 xb, ob = xrow + (ox * sw - pw) * c + c0, obase + ox * c + c0
                 dw64_block(kone, x, xb, rowstep, c, kh, w8, cp4, c0, acc0, biasq, mult, ozp,
                            qmin, qmax, out, ob)  # fmt: skip
 
-    row64.__name__ = row64.__qualname__ = f"depthwise_row64_{kw}x{kw}_s{sw}"
+    suffix = "" if group == 1 else f"_g{group}"
+    row64.__name__ = row64.__qualname__ = f"depthwise_row64_{kw}x{kw}_s{sw}{suffix}"
     return njit(cache=True, nogil=True)(row64)
 
 
 _row_3s1, _row_3s2, _row_5s1, _row_5s2 = (_make_row(kw, sw) for kw, sw in BLOCK_PIXELS)
-_row64_3s1, _row64_3s2, _row64_5s1, _row64_5s2 = (_make_row64(kw, sw) for kw, sw in BLOCK_PIXELS)
+_row64_3s1, _row64_3s2, _row64_5s1, _row64_5s2 = (_make_row64(kw, sw, 1) for kw, sw in BLOCK_PIXELS)
+# 32 channels at stride 1 (GROUPS of _dw_vnni: 2 pixels a vector)
+_row32_3s1, _row32_5s1 = (_make_row64(kw, 1, 2) for kw in (3, 5))
 
 
 def _make_driver(parallel: bool) -> Any:
@@ -172,7 +187,7 @@ def _make_driver(parallel: bool) -> Any:
     def driver(  # type: ignore[no-untyped-def]  # numba types the arguments
         x, n, h, w, c, oh, ow, kh, kw, sh, sw, dh, dw, ph, pw,
         wf, cp, corr, biasq, mult, zpf, ozp, qmin, qmax, lut, out, rows_per_task, wide,
-        c64, w8, cp4, acc0, biasq64, mult64,
+        c64, w8, cp4, acc0, biasq64, mult64, group,
     ):  # fmt: skip
         """``out`` [N*OH*OW*C] from ``x`` [N*H*W*C] (both flat NHWC uint8).
 
@@ -182,6 +197,9 @@ def _make_driver(parallel: bool) -> Any:
         ``c64`` (0, or a multiple of 64 on AVX-512 VNNI CPUs): the interior of channels
         ``0..c64-1`` runs the 64-channel ``vpdpbusd`` blocks, with ``w8`` (``split_weights``, a
         tap every ``cp4`` bytes) and ``acc0``, ``biasq64``, ``mult64`` in their channel order.
+        ``group`` > 1 (C = 64 / group, stride 1, ``c64`` = 64): those blocks carry ``group``
+        pixels a vector, the constants repeated per pixel; border pixels stay on the float
+        kernels.
         """
         mapped = lut.shape[0] > 0
         xzp = np.int64(zpf)
@@ -226,10 +244,17 @@ def _make_driver(parallel: bool) -> Any:
                     rlo, rhi = lo, hi
                 xrow = img + iy0 * w * c
                 if spec != 0 and rlo < rhi:
-                    if c64 > 0:
+                    vnni_c = 0  # channels this row's interior runs on the vpdpbusd kinds
+                    if c64 > 0 and (group == 1 or rhi - rlo >= group):
+                        vnni_c = c64 if group == 1 else c
                         args64 = (x, xrow, pw, c, c64, rowstep, kh, w8, cp4, acc0, biasq64,
                                   mult64, ozp, qmin, qmax, out, obase, rlo, rhi)  # fmt: skip
-                        if spec == 1:
+                        if group == 2:  # stride 1 (spec 1 or 3)
+                            if spec == 1:
+                                _row32_3s1(*args64)
+                            else:
+                                _row32_5s1(*args64)
+                        elif spec == 1:
                             _row64_3s1(*args64)
                         elif spec == 2:
                             _row64_3s2(*args64)
@@ -237,9 +262,9 @@ def _make_driver(parallel: bool) -> Any:
                             _row64_5s1(*args64)
                         else:
                             _row64_5s2(*args64)
-                    args = (x, xrow, pw, c, c64, c16, c8, rowstep, kh, wf, cp, corr, biasq, mult,
-                            ozp, qmin, qmax, out, obase, rlo, rhi)  # fmt: skip
-                    if c64 < c8:  # full vectors left after the 64-channel blocks
+                    args = (x, xrow, pw, c, vnni_c, c16, c8, rowstep, kh, wf, cp, corr, biasq,
+                            mult, ozp, qmin, qmax, out, obase, rlo, rhi)  # fmt: skip
+                    if vnni_c < c8:  # full vectors left after the vpdpbusd blocks
                         if spec == 1:
                             _row_3s1(*args)
                         elif spec == 2:
@@ -271,11 +296,11 @@ def _make_driver(parallel: bool) -> Any:
                                 toffs[nt] = (iy * w + ix) * c
                                 tidx[nt] = i * kw + j
                                 nt += 1
-                    for c0 in range(0, c64, step64):
+                    for c0 in range(0, c64 if group == 1 else 0, step64):
                         dw64_taps(x, img + c0, aoffs, ains, ntap, w8, cp4, c0, acc0, biasq64,
                                   mult64, xzp, ozp, qmin, qmax, out,
                                   obase + ox * c + c0)  # fmt: skip
-                    for c0 in range(c64, c, lanes):
+                    for c0 in range(c64 if group == 1 else 0, c, lanes):
                         dw_taps(x, img + c0, toffs, tidx, nt, wf, cp, c0, zpf, biasq, mult, ozp,
                                 qmin, qmax, out, obase + ox * c + c0,
                                 min(lanes, c - c0))  # fmt: skip
