@@ -360,3 +360,41 @@ def test_leading_dimensions_take_the_one_thread_path_with_the_same_bytes(n_out):
         np.testing.assert_array_equal(got.reshape(14, n_out), flat)
         two = linear(x, packed, 0.05, 3, 0.3, 128, lut=lut, num_threads=2)
         np.testing.assert_array_equal(two, got)
+
+
+def test_serial_block_rows():
+    from quantbridge.kernels._linear import (
+        SERIAL_BLOCK_BYTES,
+        SERIAL_WHOLE_BYTES,
+        serial_block_rows,
+    )
+
+    # activations that fit stay one block; larger ones split into whole 8-row blocks
+    assert serial_block_rows(128, 384) == 128
+    assert serial_block_rows(SERIAL_WHOLE_BYTES // 1536, 1536) == SERIAL_WHOLE_BYTES // 1536
+    rows = serial_block_rows(2048, 1536)
+    assert rows % 8 == 0
+    assert rows >= 8
+    assert rows * 1536 <= SERIAL_BLOCK_BYTES
+    assert serial_block_rows(4, 1 << 22) == 8  # never below one 8-row block
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_one_thread_blocks_of_rows_give_the_reference(target, monkeypatch):
+    # the one-thread GEMM walks the panels over blocks of rows (tiny budgets here: 3 blocks of
+    # 40 rows and a 7-row tail), with the same bytes as the reference
+    from quantbridge.kernels import _linear as linear_module
+
+    monkeypatch.setattr(linear_module, "SERIAL_WHOLE_BYTES", 1024)
+    monkeypatch.setattr(linear_module, "SERIAL_BLOCK_BYTES", 40 * 200)
+    rng = np.random.default_rng(7)
+    m, k, n = 127, 200, 70
+    a = rng.integers(0, 256, (m, k), dtype=np.uint8)
+    w = rng.integers(-128, 128, (n, k), dtype=np.int8)
+    w_s = rng.uniform(0.002, 0.02, n)
+    bias = rng.normal(0, 2, n).astype(F32)
+    packed = PackedLinearWeight(w, w_s, 0, bias, target=target)
+    assert linear_module.serial_block_rows(m, packed.lda) == 40
+    got = linear(a, packed, 0.05, 7, 0.9, 120, num_threads=1)
+    want = reference_linear(a, 0.05, 7, w, w_s, 0, bias, 0.9, 120)
+    np.testing.assert_array_equal(got, want)

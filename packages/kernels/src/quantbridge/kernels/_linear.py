@@ -56,6 +56,22 @@ from quantbridge.kernels._targets import resolve_target
 from quantbridge.kernels._threads import apply_num_threads, max_threads
 
 _CACHE_LIMIT = 64
+# One thread walks the weight panels over a block of activation rows, block after block. The
+# whole activation matrix is one block while it stays in L2 beside the weights; past that
+# (a BERT FFN's 2048 x 1536 codes, 3 MB) every panel would stream it from L3 again, so blocks
+# of SERIAL_BLOCK_BYTES are used: 2048 x 1536 x 384 at one thread, 168-row blocks against
+# one block, 1.15x faster (medians of 30 interleaved calls with the caches flushed between)
+SERIAL_WHOLE_BYTES = 1 << 20
+SERIAL_BLOCK_BYTES = 1 << 18
+
+
+def serial_block_rows(m: int, row_bytes: int) -> int:
+    """Rows per block of the one-thread GEMM over ``m`` rows of ``row_bytes`` activations."""
+    if m * row_bytes <= SERIAL_WHOLE_BYTES:
+        return m
+    return max(8, SERIAL_BLOCK_BYTES // row_bytes // 8 * 8)
+
+
 # dynamic scale products (activation scale x each weight scale) inside these bounds are
 # normal float32 numbers with room to spare: no element-wise check (``dynamic_epilogue``)
 PRODUCT_FLOOR = 2.0 * F32_TINY
@@ -453,7 +469,7 @@ def linear(
             o_zp,
             qmin,
             qmax,
-            m,
+            serial_block_rows(m, packed.lda),
             NO_RESIDUAL,
             NO_ADD,
             NO_LUT if table_pass else table,
