@@ -183,9 +183,8 @@ class PackedConvWeight:
             self._dw_weight[:, :oc] = w_minus_zp.reshape(oc, kh * kw).T
             self._dw_wsum = self._dw_weight.sum(axis=0, dtype=np.float32)  # exact: < 2**24
             # the 64-channel vpdpbusd blocks (AVX-512 VNNI): whole blocks of 64 channels, when
-            # every w - w_zp fits int8
-            # (16 or 32 channels at stride 1: GROUPS pixels to a 64-byte vector, the weights
-            # repeated per pixel)
+            # every w - w_zp fits int8 (32 channels at stride 1: two pixels to a 64-byte
+            # vector, the weights repeated per pixel)
             self._dw_c64 = 0
             self._dw_group = 1
             self._dw_w8 = np.zeros((0,), np.int8)

@@ -145,9 +145,8 @@ def _make_row64(kw: int, sw: int, group: int) -> Any:
         end = lo + nv * group  # where the whole vectors end
         nbig, nalt, rem = _split_run(nv, big, alt)
         start = lo + nbig * gbig
-        # blocks of 64 channels outermost: a block's weights (12 vectors for 3x3) and input
-        # columns stay in L1 along the row; with the pixels outermost, 960 channels' weights
-        # (35 KB) and input rows cycle through L1 once per block
+        # blocks of 64 channels outermost: a block's weights (12 vectors for 3x3) stay in L1
+        # along the row (measured no faster or slower than pixels outermost, 960x7x7 included)
         for c0 in range(0, c64, step):
             for t in range(nbig):
                 ox = min(lo + t * gbig, end - gbig)
