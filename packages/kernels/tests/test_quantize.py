@@ -254,4 +254,5 @@ def _force_threaded_path(monkeypatch, threads):
         pytest.skip("numba runs with fewer threads on this machine")
     # the size threshold is tuned for speed; lower it so these inputs take the threaded path
     monkeypatch.setattr(_quantize_module, "PARALLEL_MIN_WORK", 1)
+    monkeypatch.setattr(_quantize_module, "STREAM_MIN_WORK", 1)
     numba.set_num_threads(numba.config.NUMBA_NUM_THREADS if threads == 1 else 1)

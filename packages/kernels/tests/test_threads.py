@@ -119,6 +119,7 @@ def test_the_setting_wins_over_the_source(swaps):
 @needs_two
 def test_streaming_kernels_follow_the_source_and_restore_numbas(swaps, monkeypatch):
     monkeypatch.setattr(_quantize_module, "PARALLEL_MIN_WORK", 1)
+    monkeypatch.setattr(_quantize_module, "STREAM_MIN_WORK", 1)
     x = np.linspace(-3, 3, 50_000, dtype=np.float32)
     numba.set_num_threads(1)
     qk.set_num_threads_source(lambda: 2)

@@ -46,7 +46,8 @@ def _clamp_par(q, out, lo, hi):  # type: ignore[no-untyped-def]
     n = q.size
     lo8, hi8 = np.uint8(lo), np.uint8(hi)
     for c in numba.prange((n + _CHUNK - 1) // _CHUNK):
-        _clamp_span(q, out, lo8, hi8, c * _CHUNK, min(c * _CHUNK + _CHUNK, n))
+        lo, hi = c * _CHUNK, min(c * _CHUNK + _CHUNK, n)
+        _clamp_span(q[lo:hi], out[lo:hi], lo8, hi8, 0, hi - lo)  # slices: see _elementwise
 
 
 @functools.lru_cache(maxsize=1024)
@@ -76,7 +77,7 @@ def _run(q: object, lo: int, hi: int, out: U8 | None) -> U8:
         out = empty_in_order(arr, np.uint8)
     else:
         check_out(out, arr.shape, np.uint8, arr, order=order)
-    kernel = choose_kernel(arr.size, "clamp", _clamp, _clamp_par)
+    kernel = choose_kernel(arr.size, "clamp", _clamp, _clamp_par, stream=True)
     kernel(flat(arr, order), flat(out, order), lo, hi)
     return out
 

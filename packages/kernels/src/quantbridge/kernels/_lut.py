@@ -51,7 +51,8 @@ def _gather(q, table, out):  # type: ignore[no-untyped-def]
 def _gather_par(q, table, out):  # type: ignore[no-untyped-def]
     n = q.size
     for c in numba.prange((n + _CHUNK - 1) // _CHUNK):
-        _gather_span(q, table, out, c * _CHUNK, min(c * _CHUNK + _CHUNK, n))
+        lo, hi = c * _CHUNK, min(c * _CHUNK + _CHUNK, n)
+        _gather_span(q[lo:hi], table, out[lo:hi], 0, hi - lo)  # slices: see _elementwise
 
 
 # AVX-512 VBMI (Ice Lake, Zen 4 and later): ``vpermi2b`` looks 64 codes up in a 128-byte table
@@ -130,7 +131,7 @@ def apply_table(q: U8, table: U8, out: U8, threads: int | None = None) -> None:
             kernel = with_threads(_gather_vbmi_par, threads)
         kernel(q.reshape(-1), table, out.reshape(-1))
         return
-    kernel = choose_kernel(q.size, "apply_lut", _gather, _gather_par)
+    kernel = choose_kernel(q.size, "apply_lut", _gather, _gather_par, stream=True)
     kernel(q.reshape(-1), table, out.reshape(-1))
 
 

@@ -45,18 +45,25 @@ from quantbridge.kernels._targets import check_target
 from quantbridge.kernels._threads import apply_num_threads, with_threads
 
 # Work (elements touched) from which a call splits across threads. These kernels stream memory
-# at near bandwidth on one core, while a parallel region costs tens of microseconds (far more
-# on a busy machine), so only large inputs are worth splitting.
+# at near bandwidth on one core, while a parallel region costs microseconds to tens of them,
+# so only large inputs are worth splitting: pools, embedding_bag, per-channel (de)quantize and
+# per-channel multiplies from PARALLEL_MIN_WORK, the per-element streams (per-tensor
+# quantize / dequantize, add / mul, clamps, table lookups) from STREAM_MIN_WORK. For those,
+# ``python -m quantbridge.kernels.bench --crossover`` (family ``add``, the public call, on the
+# 2-core AVX-512 Xeon) has 2 threads break even at ~75K elements and gain 1.2x at 113K, 1.4x
+# at 452K and 1.5x at 1.2M. Until their chunks were passed as slices, their parallel versions
+# ran 4-40x slower than the serial ones; STREAM_MIN_WORK was PARALLEL_MIN_WORK then.
 PARALLEL_MIN_WORK = 1 << 22
+STREAM_MIN_WORK = 1 << 18
 _CHUNK = 1 << 14
 _K = TypeVar("_K", bound=Callable[..., Any])
 
 
-def choose_kernel(work: int, where: str, serial: _K, parallel: _K) -> _K:
+def choose_kernel(work: int, where: str, serial: _K, parallel: _K, *, stream: bool = False) -> _K:
     """``parallel`` on the call's thread count if ``work`` is big enough to split and more
     than one thread is configured (the package thread setting, like the GEMM kernels), else
-    ``serial``."""
-    if work >= PARALLEL_MIN_WORK:
+    ``serial``. ``stream``: a per-element stream (``STREAM_MIN_WORK``)."""
+    if work >= (STREAM_MIN_WORK if stream else PARALLEL_MIN_WORK):
         threads = apply_num_threads(None, where)
         if threads > 1:
             return with_threads(parallel, threads)
@@ -185,7 +192,9 @@ def _quantize_flat_par(x, out, scale, zp, lo, hi):  # type: ignore[no-untyped-de
     inv, zpf, lof, hif = _f32_params(scale, zp, lo, hi)
     n = x.size
     for c in numba.prange((n + _CHUNK - 1) // _CHUNK):
-        _quantize_span(x, out, inv, zpf, lof, hif, c * _CHUNK, min(c * _CHUNK + _CHUNK, n))
+        lo, hi = c * _CHUNK, min(c * _CHUNK + _CHUNK, n)
+        # the chunk as slices: with the whole arrays and offsets the span ran 4-8x slower
+        _quantize_span(x[lo:hi], out[lo:hi], inv, zpf, lof, hif, 0, hi - lo)
 
 
 @numba.njit(cache=True)
@@ -229,7 +238,8 @@ def _dequantize_flat_par(q, out, scale, zp):  # type: ignore[no-untyped-def]
     s, z = np.float32(scale), np.float32(zp)
     n = q.size
     for c in numba.prange((n + _CHUNK - 1) // _CHUNK):
-        _dequantize_span(q, out, s, z, c * _CHUNK, min(c * _CHUNK + _CHUNK, n))
+        lo, hi = c * _CHUNK, min(c * _CHUNK + _CHUNK, n)
+        _dequantize_span(q[lo:hi], out[lo:hi], s, z, 0, hi - lo)
 
 
 @numba.njit(cache=True)
@@ -283,7 +293,9 @@ def quantize_per_tensor(
         out = empty_in_order(x, qdtype)
     else:
         check_out(out, x.shape, qdtype, x, order=order)
-    kernel = choose_kernel(x.size, "quantize_per_tensor", _quantize_flat, _quantize_flat_par)
+    kernel = choose_kernel(
+        x.size, "quantize_per_tensor", _quantize_flat, _quantize_flat_par, stream=True
+    )
     kernel(flat(x, order), flat(out, order), s32, zp, lo, hi)
     return out
 
@@ -348,7 +360,9 @@ def dequantize_per_tensor(
         out = empty_in_order(q, np.float32)
     else:
         check_out(out, q.shape, np.float32, q, order=order)
-    kernel = choose_kernel(q.size, "dequantize_per_tensor", _dequantize_flat, _dequantize_flat_par)
+    kernel = choose_kernel(
+        q.size, "dequantize_per_tensor", _dequantize_flat, _dequantize_flat_par, stream=True
+    )
     kernel(flat(q, order), flat(out, order), s32, zp)
     return out
 

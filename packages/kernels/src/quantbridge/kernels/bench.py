@@ -366,18 +366,18 @@ def crossover(repeat: int, target: str) -> list[dict[str, Any]]:
 
     Families: ``conv1x1`` (the GEMM: pointwise conv C -> C over S x S, work = multiply-adds),
     ``depthwise`` (3x3 stride 1 over C x S x S, work = multiply-adds) and ``add`` (elementwise,
-    the quantize/LUT/pool family's representative, work = elements). Each size times a call at
-    1 and at 2 threads interleaved, ``repeat`` rounds, medians; ``speedup`` = t1 / t2. The
-    thresholds in ``_gemm_run.SERIAL_BELOW``, ``_depthwise.PARALLEL_MIN_MACS`` and
-    ``_quantize.PARALLEL_MIN_WORK`` are where ``speedup`` crosses 1.
+    the per-element streams' representative, work = elements). Each size times a call at 1 and
+    at 2 threads interleaved, ``repeat`` rounds, medians; ``speedup`` = t1 / t2. The thresholds
+    in ``_gemm_run.SERIAL_BELOW``, ``_depthwise.PARALLEL_MIN_MACS`` and
+    ``_quantize.STREAM_MIN_WORK`` are where ``speedup`` crosses 1.
     """
     from quantbridge.kernels import _depthwise, _gemm_run, _quantize
     from quantbridge.kernels._elementwise import add
 
     saved = (dict(_gemm_run.SERIAL_BELOW), _depthwise.PARALLEL_MIN_MACS,
-             _quantize.PARALLEL_MIN_WORK)  # fmt: skip
+             _quantize.STREAM_MIN_WORK)  # fmt: skip
     _gemm_run.SERIAL_BELOW.update(dict.fromkeys(_gemm_run.SERIAL_BELOW, 0))
-    _depthwise.PARALLEL_MIN_MACS, _quantize.PARALLEL_MIN_WORK = 0, 0
+    _depthwise.PARALLEL_MIN_MACS, _quantize.STREAM_MIN_WORK = 0, 0
     rng = np.random.default_rng(0)
     rows: list[dict[str, Any]] = []
     try:
@@ -425,7 +425,7 @@ def crossover(repeat: int, target: str) -> list[dict[str, Any]]:
 
         set_num_threads(None)
         _gemm_run.SERIAL_BELOW.update(saved[0])
-        _depthwise.PARALLEL_MIN_MACS, _quantize.PARALLEL_MIN_WORK = saved[1], saved[2]
+        _depthwise.PARALLEL_MIN_MACS, _quantize.STREAM_MIN_WORK = saved[1], saved[2]
     return rows
 
 
