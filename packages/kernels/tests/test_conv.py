@@ -692,13 +692,12 @@ def test_asymmetric_stride_dilation_every_layout(target, grouping, stride, dilat
 @pytest.mark.parametrize("copy", [True, False])
 def test_depthwise_64_channel_kernels(target, k, stride, c, fits, copy, monkeypatch):
     # AVX-512 VNNI runs whole blocks of 64 channels through vpdpbusd, interior and border
-    # pixels alike, when every w - w_zp fits int8; the rest (200 = 3 x 64 + 8: a 16-lane gap
-    # and an 8-lane vector) and other targets run the float kernels. 32 channels at stride 1
-    # put 2 pixels in a vector (interior only; one-pixel rows, stride 2 and 16 channels stay
-    # on the float kernels). Every output row width
-    # from 1 to 12, 17 and 37 cross the block sizes; zero-point-padded borders on all four sides; a
-    # high input zero point makes every padding tap count. ``copy``: small planes padded once
-    # (where that pays), or never.
+    # pixels alike, when every w - w_zp fits int8; the rest (200 = 3 x 64 + 8: one 8-lane
+    # vector) and other targets run the float kernels. 32 channels at stride 1 put 2 pixels in
+    # a vector (interior only; one-pixel rows, stride 2 and 16 channels stay on the float
+    # kernels). Every output row width from 1 to 12, 17 and 37 cross the block sizes;
+    # zero-point-padded borders on all four sides; a high input zero point makes every
+    # padding tap count. ``copy``: small planes padded once (where that pays), or never.
     below = 1000 if copy else 0
     monkeypatch.setattr(conv_module, "_DW_PAD_BELOW", below)
     monkeypatch.setattr(conv_module, "_DW_PAD_BELOW_5X5_S1", below)
@@ -715,7 +714,7 @@ def test_depthwise_64_channel_kernels(target, k, stride, c, fits, copy, monkeypa
     group = {32: 2}.get(c, 1) if stride == 1 else 1
     assert packed._dw_c64 == ((64 if group > 1 else c - c % 64) if vnni else 0)
     o_s = 0.05 * k * 3
-    for ow in [*range(1, 13), 17, 37]:  # (16 and 32 pixel-wide blocks need the last two)
+    for ow in [*range(1, 13), 17, 37]:  # and two long rows: several big blocks, one moved back
         width = (ow - 1) * stride + 1
         x = rng.integers(0, 256, (1, c, k + 2, width), dtype=np.uint8)
         got = conv2d(
