@@ -44,6 +44,7 @@ from quantbridge.kernels._ir import (
     I8,
     I32,
     I64,
+    array_data,
     clamp_round_splats,
     declare,
     load_vec,
@@ -81,10 +82,6 @@ def _vb(lanes: int) -> ir.VectorType:
 
 
 _VMASK = ir.VectorType(ir.IntType(1), LANES)
-
-
-def _data(context: Any, builder: ir.IRBuilder, ty: Any, value: ir.Value) -> ir.Value:
-    return context.make_array(ty)(context, builder, value).data
 
 
 def _fmuladd(builder: ir.IRBuilder, lanes: int) -> ir.Function:
@@ -176,9 +173,15 @@ def _make_block(lanes: int, kw: int, sw: int, pix: int) -> Any:
     def codegen(context: Any, builder: ir.IRBuilder, sig: Any, args: Any) -> ir.Value:
         (x, xbase, rowstep, c, kh, w, cp, c0, corr, biasq, mult, ozp, qmin, qmax, out, obase) = args
         aty = sig.args
-        x_p, w_p = _data(context, builder, aty[0], x), _data(context, builder, aty[5], w)
-        co_p, bq_p = _data(context, builder, aty[8], corr), _data(context, builder, aty[9], biasq)
-        mu_p, o_p = _data(context, builder, aty[10], mult), _data(context, builder, aty[14], out)
+        x_p, w_p = array_data(context, builder, aty[0], x), array_data(context, builder, aty[5], w)
+        co_p, bq_p = (
+            array_data(context, builder, aty[8], corr),
+            array_data(context, builder, aty[9], biasq),
+        )
+        mu_p, o_p = (
+            array_data(context, builder, aty[10], mult),
+            array_data(context, builder, aty[14], out),
+        )
         fma = _fmuladd(builder, lanes)
         accs = [stack_slot(builder, ir.Constant(vf, [0.0] * lanes)) for _ in range(pix)]
         with cgutils.for_range(builder, kh) as loop:
@@ -268,10 +271,13 @@ def _emit_taps(
         args[:16]
     )
     aty = sig.args
-    x_p, to_p = _data(context, builder, aty[0], x), _data(context, builder, aty[2], toffs)
-    tw_p, w_p = _data(context, builder, aty[3], twidx), _data(context, builder, aty[5], w)
-    bq_p, mu_p = _data(context, builder, aty[9], biasq), _data(context, builder, aty[10], mult)
-    o_p = _data(context, builder, aty[14], out)
+    x_p, to_p = array_data(context, builder, aty[0], x), array_data(context, builder, aty[2], toffs)
+    tw_p, w_p = array_data(context, builder, aty[3], twidx), array_data(context, builder, aty[5], w)
+    bq_p, mu_p = (
+        array_data(context, builder, aty[9], biasq),
+        array_data(context, builder, aty[10], mult),
+    )
+    o_p = array_data(context, builder, aty[14], out)
     mask = None
     if masked:
         lane = ir.Constant(ir.VectorType(I64, LANES), list(range(LANES)))

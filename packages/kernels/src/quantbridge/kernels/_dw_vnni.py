@@ -39,14 +39,15 @@ from quantbridge.kernels._ir import (
     I8,
     I32,
     I64,
+    array_data,
     clamp_round_splats,
-    declare,
     load_vec,
     rint_clamp_codes,
     stack_slot,
     store_vec,
     vec_broadcast,
 )
+from quantbridge.kernels._vnni import declare_dot
 
 CHANNELS = 64  # channels per block: one 64-byte input load
 _LANES = 16  # int32 lanes of a zmm register
@@ -99,8 +100,15 @@ def split_weights(w: npt.NDArray[np.int32]) -> npt.NDArray[np.int8]:
     return out.reshape(taps, cp * _SPLIT)
 
 
-def _data(context: Any, builder: ir.IRBuilder, ty: Any, value: ir.Value) -> ir.Value:
-    return context.make_array(ty)(context, builder, value).data
+def _split_vectors(
+    builder: ir.IRBuilder, p: ir.Value, c0: ir.Value, vt: ir.VectorType
+) -> list[ir.Value]:
+    """The four accumulators' vectors of a per-channel constant (``acc0``, ``biasq``,
+    ``mult``, in ``permuted_order``) for the block of 64 channels at ``c0``."""
+    return [
+        load_vec(builder, builder.gep(p, [builder.add(c0, ir.Constant(I64, b * _LANES))]), vt)
+        for b in range(_SPLIT)
+    ]
 
 
 def _merge_codes(builder: ir.IRBuilder, lanes_bits: list[ir.Value], zp: ir.Value) -> ir.Value:
@@ -134,13 +142,8 @@ class _Epilogue:
         qmin: ir.Value,
         qmax: ir.Value,
     ) -> None:
-        def vec(p: ir.Value, b: int) -> ir.Value:
-            return load_vec(
-                builder, builder.gep(p, [builder.add(c0, ir.Constant(I64, b * _LANES))]), _VF32
-            )
-
-        self.bq = [vec(bq_p, b) for b in range(_SPLIT)]
-        self.mu = [vec(mu_p, b) for b in range(_SPLIT)]
+        self.bq = _split_vectors(builder, bq_p, c0, _VF32)
+        self.mu = _split_vectors(builder, mu_p, c0, _VF32)
         self.lo, self.hi, _ = clamp_round_splats(builder, ozp, qmin, qmax, _LANES)
         self.ozp = ozp
 
@@ -164,19 +167,21 @@ def _make_block(kw: int, sw: int, pix: int, group: int) -> Any:
             args
         )
         aty = sig.args
-        x_p, w_p = _data(context, builder, aty[0], x), _data(context, builder, aty[5], w)
-        a0_p, bq_p = _data(context, builder, aty[8], acc0), _data(context, builder, aty[9], biasq)
-        mu_p, o_p = _data(context, builder, aty[10], mult), _data(context, builder, aty[14], out)
-        dot = declare(
-            builder.module,
-            ir.FunctionType(_VI32, [_VI32, _VI32, _VI32]),
-            "llvm.x86.avx512.vpdpbusd.512",
+        x_p, w_p = array_data(context, builder, aty[0], x), array_data(context, builder, aty[5], w)
+        a0_p, bq_p = (
+            array_data(context, builder, aty[8], acc0),
+            array_data(context, builder, aty[9], biasq),
         )
+        mu_p, o_p = (
+            array_data(context, builder, aty[10], mult),
+            array_data(context, builder, aty[14], out),
+        )
+        dot = declare_dot(builder.module, _VI32, _VI32)
 
         def at(p: ir.Value, base: ir.Value, offset: int) -> ir.Value:
             return builder.gep(p, [builder.add(base, ir.Constant(I64, offset))])
 
-        starts = [load_vec(builder, at(a0_p, c0, b * _LANES), _VI32) for b in range(_SPLIT)]
+        starts = _split_vectors(builder, a0_p, c0, _VI32)
         accs = [[stack_slot(builder, starts[b]) for b in range(_SPLIT)] for _ in range(pix)]
         wblock = builder.mul(c0, ir.Constant(I64, _SPLIT))  # the block's weights within a tap
         with cgutils.for_range(builder, kh) as loop:
@@ -302,28 +307,26 @@ def _dw64_taps(
         )
         out, obase = cargs[15:]
         aty = sig.args
-        x_p, to_p = _data(context, builder, aty[0], x), _data(context, builder, aty[2], toffs)
-        in_p, w_p = _data(context, builder, aty[3], inside), _data(context, builder, aty[5], w)
-        a0_p, bq_p = _data(context, builder, aty[8], acc0), _data(context, builder, aty[9], biasq)
-        mu_p, o_p = _data(context, builder, aty[10], mult), _data(context, builder, aty[15], out)
-        dot = declare(
-            builder.module,
-            ir.FunctionType(_VI32, [_VI32, _VI32, _VI32]),
-            "llvm.x86.avx512.vpdpbusd.512",
+        x_p, to_p = (
+            array_data(context, builder, aty[0], x),
+            array_data(context, builder, aty[2], toffs),
         )
+        in_p, w_p = (
+            array_data(context, builder, aty[3], inside),
+            array_data(context, builder, aty[5], w),
+        )
+        a0_p, bq_p = (
+            array_data(context, builder, aty[8], acc0),
+            array_data(context, builder, aty[9], biasq),
+        )
+        mu_p, o_p = (
+            array_data(context, builder, aty[10], mult),
+            array_data(context, builder, aty[15], out),
+        )
+        dot = declare_dot(builder.module, _VI32, _VI32)
         pad = vec_broadcast(builder, builder.trunc(xzp, I8), CHANNELS)
         pad_i32 = builder.bitcast(pad, _VI32)
-        accs = [
-            stack_slot(
-                builder,
-                load_vec(
-                    builder,
-                    builder.gep(a0_p, [builder.add(c0, ir.Constant(I64, b * _LANES))]),
-                    _VI32,
-                ),
-            )
-            for b in range(_SPLIT)
-        ]
+        accs = [stack_slot(builder, v) for v in _split_vectors(builder, a0_p, c0, _VI32)]
         wblock = builder.mul(c0, ir.Constant(I64, _SPLIT))
         with cgutils.for_range(builder, ntaps) as loop:
             t = loop.index

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from llvmlite import ir
 from numba.core import cgutils
 
@@ -15,6 +17,11 @@ F32T = ir.FloatType()
 def declare(module: ir.Module, fnty: ir.FunctionType, name: str) -> ir.Function:
     """Declare (once) an LLVM intrinsic in ``module``."""
     return cgutils.get_or_insert_function(module, fnty, name)  # type: ignore[no-untyped-call]
+
+
+def array_data(context: Any, builder: ir.IRBuilder, ty: Any, value: ir.Value) -> ir.Value:
+    """The data pointer of a numba array argument ``value`` of numba type ``ty``."""
+    return context.make_array(ty)(context, builder, value).data
 
 
 def stack_slot(builder: ir.IRBuilder, value: ir.Value) -> ir.Value:
