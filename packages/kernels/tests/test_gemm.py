@@ -53,6 +53,38 @@ def test_threads_setting_is_used_and_validated():
         qk.set_num_threads(0)
 
 
+def test_prefetch_fetches_the_next_panel_in_disjoint_slices():
+    # the drivers' prefetch plan: a tile of at most _PREFETCH_MAX_BLOCKS blocks fetches the
+    # next panel (never past it), its blocks' slices disjoint and covering nearly every line;
+    # the last panel and larger tiles fetch nothing
+    from quantbridge.kernels._gemm_simd import _PREFETCH_MAX_BLOCKS, _prefetch
+
+    step, nk, npanels = 128, 37, 4  # a VNNI panel of 37 k steps, 128 bytes (2 lines) each
+    panel = step * nk
+    for rows in range(1, 8 * _PREFETCH_MAX_BLOCKS + 9):
+        for p in range(npanels):
+            lines: list[set[int]] = []
+            for i in range(0, rows, 8):
+                off, shift = _prefetch(p, npanels, p * panel, panel, rows, 8, i)
+                if shift < 0:
+                    continue
+                # the kernels' addresses: each line of each step, at 1/2^shift of the pace
+                addrs = [
+                    off + ((s * step + line * 64) >> shift) for s in range(nk) for line in (0, 1)
+                ]
+                assert min(addrs) >= (p + 1) * panel
+                assert max(addrs) < (p + 2) * panel
+                lines.append({a // 64 for a in addrs})
+            if p == npanels - 1 or rows > 8 * _PREFETCH_MAX_BLOCKS:
+                assert not lines
+                continue
+            assert lines
+            union = set().union(*lines)
+            assert sum(map(len, lines)) - len(union) <= len(lines)  # only boundary lines shared
+            want = set(range((p + 1) * panel // 64, ((p + 2) * panel - 1) // 64 + 1))
+            assert len(union & want) >= 0.95 * len(want)
+
+
 def test_requant_rule_module_matches_documented_float32_sequence():
     from quantbridge.kernels._requant import multipliers, requantize_reference, scaled_bias
 

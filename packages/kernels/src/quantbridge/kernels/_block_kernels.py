@@ -186,7 +186,8 @@ def _make_kernel(target: str, mr: int, ku: int, mode: str) -> Any:
 
     def codegen(context: Any, builder: ir.IRBuilder, sig: Any, args: Any) -> ir.Value:
         (a, rowoffs, r0, koffs, nk, bp, boff, c, ldc, mvalid) = args[:10]
-        (colcorr, wzp, rowsum, biasq, mult, j0, ozp, qmin, qmax, res, addp, lut) = args[10:]
+        (colcorr, wzp, rowsum, biasq, mult, j0, ozp, qmin, qmax, res, addp, lut) = args[10:22]
+        pfoff, pfshift = args[22:]
         aty = sig.args
 
         def data(i: int, v: ir.Value) -> ir.Value:
@@ -241,11 +242,26 @@ def _make_kernel(target: str, mr: int, ku: int, mode: str) -> Any:
             for _ in range(mr)
         ]
         panel_elems = ir.Constant(I64, nr * kstep)
+        line_elems = 64 * 8 // belt.width  # packed B elements per cache line
+        step_lines = max(1, nr * kstep // line_elems)
         nouter = builder.sdiv(nk, ir.Constant(I64, ku))
 
-        def emit_step(step: ir.Value, u: int, prefetch_ahead: bool) -> None:
+        def emit_step(step: ir.Value, u: int, prefetch_ahead: bool, next_panel: bool) -> None:
             koff = builder.load(builder.gep(ko_p, [step]))
-            bbase = builder.add(boff, builder.mul(step, panel_elems))
+            into_panel = builder.mul(step, panel_elems)
+            bbase = builder.add(boff, into_panel)
+            if next_panel:
+                # the driver's share of the weights it runs next, fetched into L2 at 1/2^pfshift
+                # of this block's pace (see _gemm_simd): they arrive from L3 behind the arithmetic
+                # (each of a step's cache lines, so that a whole-pace block misses none)
+                for line in range(step_lines):
+                    at = builder.add(into_panel, ir.Constant(I64, line * line_elems))
+                    ahead = builder.add(pfoff, builder.ashr(at, pfshift))
+                    builder.call(
+                        prefetch,
+                        [builder.bitcast(builder.gep(b_p, [ahead]), I8.as_pointer()),
+                         ir.Constant(I32, 0), ir.Constant(I32, 2), ir.Constant(I32, 1)],
+                    )  # fmt: skip
             if prefetch_ahead:
                 # one row streams the weights from L2; fetch a few steps ahead
                 for line in range(ku * nvec):
@@ -278,16 +294,26 @@ def _make_kernel(target: str, mr: int, ku: int, mode: str) -> Any:
                     acc = spec.accumulate(builder, dot, builder.load(acc_slot), a_words, b)
                     builder.store(acc, acc_slot)
 
-        with cgutils.for_range(builder, nouter) as loop:
-            for u in range(ku):
-                step = builder.add(
-                    builder.mul(loop.index, ir.Constant(I64, ku)), ir.Constant(I64, u)
-                )
-                emit_step(step, u, mr == 1 and u == 0)
-        if ku > 1:  # the steps past the last full interleave, on the first accumulator set
-            done = builder.mul(nouter, ir.Constant(I64, ku))
-            with cgutils.for_range(builder, builder.sub(nk, done)) as rest:
-                emit_step(builder.add(done, rest.index), 0, False)
+        def emit_loop(next_panel: bool) -> None:
+            with cgutils.for_range(builder, nouter) as loop:
+                for u in range(ku):
+                    step = builder.add(
+                        builder.mul(loop.index, ir.Constant(I64, ku)), ir.Constant(I64, u)
+                    )
+                    emit_step(step, u, mr == 1 and u == 0, next_panel)
+            if ku > 1:  # the steps past the last full interleave, on the first accumulator set
+                done = builder.mul(nouter, ir.Constant(I64, ku))
+                with cgutils.for_range(builder, builder.sub(nk, done)) as rest:
+                    emit_step(builder.add(done, rest.index), 0, False, next_panel)
+
+        # two copies of the loop, so the one that prefetches nothing (pfshift < 0, most
+        # blocks) carries no per-step test
+        fetch = builder.icmp_signed(">=", pfshift, ir.Constant(I64, 0))
+        with builder.if_else(fetch, likely=False) as (with_prefetch, without):
+            with with_prefetch:
+                emit_loop(True)
+            with without:
+                emit_loop(False)
         # epilogue, in registers
         ozp_v = vec_broadcast(builder, builder.sitofp(builder.trunc(ozp, I32), F32T), lanes)
         lo_v, hi_v, zpbits_v = clamp_round_splats(builder, ozp, qmin, qmax, lanes)
@@ -476,15 +502,17 @@ def _block_kernel(
     res: Any,
     addp: Any,
     lut: Any,
+    pfoff: Any,
+    pfshift: Any,
 ) -> Any:
-    """``block_kernel(KERNEL_IDS[(target, rows, mode)], <that block kernel's 22 arguments>)``.
+    """``block_kernel(KERNEL_IDS[(target, rows, mode)], <that block kernel's 24 arguments>)``.
 
     ``kind`` must be a compile-time constant; the call then is exactly that block kernel.
     """
     if not isinstance(kind, types.IntegerLiteral):
         return None  # numba retries with the literal type when the value is a constant
     args = (a, rowoffs, r0, koffs, nk, bp, boff, c, ldc, mvalid, colcorr, wzp, rowsum)
-    inner_sig = types.void(*args, biasq, mult, j0, ozp, qmin, qmax, res, addp, lut)
+    inner_sig = types.void(*args, biasq, mult, j0, ozp, qmin, qmax, res, addp, lut, pfoff, pfshift)
     inner_codegen = _CODEGENS[kind.literal_value]
 
     def codegen(context: Any, builder: ir.IRBuilder, sig: Any, cargs: Any) -> ir.Value:
@@ -493,5 +521,5 @@ def _block_kernel(
     return types.void(kind, *inner_sig.args), codegen
 
 
-# typed Any: callers pass the 23 arguments, not numba's typing context
+# typed Any: callers pass the 25 arguments, not numba's typing context
 block_kernel: Any = intrinsic(_block_kernel)
