@@ -34,9 +34,11 @@ from torch.fx.node import map_aggregate, map_arg
 from quantbridge.lowering import _lowered_ops as lowered
 from quantbridge.lowering._custom_ops import is_tracing
 from quantbridge.lowering._modules import LoweredModule
+from quantbridge.lowering._static_values import StaticCache, partition
 
-# step kinds: a kernel module on arrays, a call (function or module), a method, an attribute
-_ARRAY, _CALL, _METHOD, _ATTR = range(4)
+# step kinds: a kernel module on arrays, a call (function or module), a method, an attribute,
+# a shape method (``_SHAPE_METHODS``) on its receiver as it is
+_ARRAY, _CALL, _METHOD, _ATTR, _SHAPE = range(5)
 
 
 def _tensor(value: Any) -> Any:
@@ -98,12 +100,27 @@ class _Plan:
                     self.steps.append((i, _ARRAY, mod, args, None, free))
                 else:
                     self.steps.append((i, _CALL, mod, args, kwargs, free))
+            elif (
+                node.op == "call_method"
+                and node.target in _SHAPE_METHODS
+                and not node.kwargs
+                and node.args
+                and isinstance(node.args[0], Node)
+            ):
+                args = map_arg(node.args, slot)
+                self.steps.append((i, _SHAPE, _SHAPE_METHODS[node.target], args, None, free))
             else:
                 kind = _CALL if node.op == "call_function" else _METHOD
                 args = map_arg(node.args, slot)
                 kwargs = map_arg(node.kwargs, slot)
                 self.steps.append((i, kind, node.target, args, kwargs, free))
         self.size = len(nodes)
+        # values that depend only on the inputs' sizes: computed once per size (_static_values)
+        part = partition(gm)
+        self.keys = [index[n] for n in part.keys]
+        self.static = {index[n] for n in part.static}
+        self.kept = [index[n] for n in part.kept]
+        self.cache = StaticCache(part.attrs, part.modules) if self.kept else None
 
         self.run = _compile(self)
 
@@ -127,6 +144,8 @@ class _Plan:
                     env[i] = what(*[_tensor(v) for v in values])
             elif kind == _ATTR:
                 env[i] = _attr(gm, what)
+            elif kind == _SHAPE:
+                env[i] = what(env[args_[0].index], *map_aggregate(args_[1:], load))
             else:
                 a = map_aggregate(args_, load)
                 kw = map_aggregate(kwargs, load)
@@ -180,21 +199,20 @@ def _compile(plan: _Plan) -> Any:
             return repr(value)
         return bind(value)
 
-    lines = ["def run(gm, args):"]
-    if plan.inputs:
-        lines.append(f"    {''.join(f'v{i}, ' for i in plan.inputs)}= args")
-    for i, kind, what, args_, kwargs, free in plan.steps:
+    def emit(step: tuple[int, int, Any, Any, Any, list[int]], frees: bool) -> list[str]:
+        i, kind, what, args_, kwargs, free = step
         if kind == _ARRAY:
             names = [f"v{a.index}" for a in args_]
             mod, how = bind(what), repr(what.array_input)
             codes = " and ".join(f"isinstance({n}, _CODES)" for n in names)
             arrays = ", ".join(f"_as({n}, {how})" for n in names)
             tensors = ", ".join(f"_t({n})" for n in names)
-            lines.append(
-                f"    v{i} = {mod}.forward_arrays({arrays}) if {codes} else {mod}({tensors})"
-            )
+            line = f"    v{i} = {mod}.forward_arrays({arrays}) if {codes} else {mod}({tensors})"
         elif kind == _ATTR:
-            lines.append(f"    v{i} = _attr(gm, {bind(what)})")
+            line = f"    v{i} = _attr(gm, {bind(what)})"
+        elif kind == _SHAPE:  # the receiver as it is: an array stays an array
+            rest = "".join(f", {render(a)}" for a in args_[1:])
+            line = f"    v{i} = {bind(what)}(v{args_[0].index}{rest})"
         else:
             parts = [render(a) for a in args_]
             if kwargs:
@@ -203,8 +221,39 @@ def _compile(plan: _Plan) -> Any:
                 call = f"getattr({parts[0]}, {bind(what)})({', '.join(parts[1:])})"
             else:
                 call = f"{bind(what)}({', '.join(parts)})"
-            lines.append(f"    v{i} = {call}")
-        lines.extend(f"    v{s} = None" for s in free)
+            line = f"    v{i} = {call}"
+        return [line, *(f"    v{s} = None" for s in (free if frees else ()))]
+
+    keys = set(plan.keys)
+    lines = ["def run(gm, args):"]
+    if plan.inputs:
+        lines.append(f"    {''.join(f'v{i}, ' for i in plan.inputs)}= args")
+    if plan.cache is not None:
+        # the sizes first, then the static values of those sizes: cached, or computed by fill
+        sizes = "".join(f"v{k}, " for k in plan.keys)
+        for step in plan.steps:
+            if step[0] in keys:
+                lines.extend(emit(step, frees=False))
+        fill = [f"def fill(gm, {sizes}):"]
+        for step in plan.steps:
+            if step[0] in plan.static:
+                fill.extend(emit(step, frees=False))
+        fill.append(f"    return ({''.join(f'v{k}, ' for k in plan.kept)})")
+        exec(compile("\n".join(fill) + "\n", f"<quantbridge static values {id(plan):#x}>", "exec"),
+             scope)  # fmt: skip
+        cache, fill_fn = bind(plan.cache), bind(scope["fill"])
+        lines += [
+            f"    key = {cache}.key(gm, ({sizes}))",
+            f"    kept = {cache}.get(key)",
+            "    if kept is None:",
+            f"        kept = {cache}.put(key, {fill_fn}(gm, {sizes}))",
+            f"    {''.join(f'v{k}, ' for k in plan.kept)}= kept",
+        ]
+    for step in plan.steps:
+        if plan.cache is not None and (step[0] in keys or step[0] in plan.static):
+            lines.extend(f"    v{s} = None" for s in step[5])  # computed above
+        else:
+            lines.extend(emit(step, frees=True))
     lines.append(f"    return {render(plan.output)}")
     code = compile("\n".join(lines) + "\n", f"<quantbridge array forward {id(plan):#x}>", "exec")
     # the source holds only names made above (v<n>, c<n>) and int / bool / None literals:
@@ -215,6 +264,86 @@ def _compile(plan: _Plan) -> Any:
 
 
 _CODES = (np.ndarray, torch.Tensor)
+
+
+# Shape methods between kernel modules (a transformer's head split and merge: reshape,
+# transpose, reshape, ~10 per layer) run on numpy arrays as numpy views: the same values,
+# shape, strides and aliasing as torch's methods on a tensor view of the array, without
+# making that tensor (~10 us a node in a BERT forward at batch 1). A tensor, or arguments
+# numpy would read differently (a dtype, a tensor), take torch's method; so does anything
+# numpy refuses, so that the error is torch's.
+def _ints(values: tuple[Any, ...]) -> tuple[int, ...] | None:
+    if len(values) == 1 and isinstance(values[0], (tuple, list)):  # reshape((2, 3))
+        values = tuple(values[0])
+    return values if all(type(v) is int for v in values) else None
+
+
+def _torch_method(name: str, x: Any, args: tuple[Any, ...]) -> Any:
+    return getattr(_tensor(x), name)(*args)
+
+
+def _reshape(x: Any, *shape: Any) -> Any:
+    dims = _ints(shape) if type(x) is np.ndarray else None
+    if dims is None:
+        return _torch_method("reshape", x, shape)
+    try:
+        return x.reshape(dims)
+    except ValueError:
+        return _torch_method("reshape", x, shape)
+
+
+def _view(x: Any, *shape: Any) -> Any:
+    # torch's view never copies: numpy's reshape may, so only a result sharing x's memory
+    # is taken (a view numpy cannot make goes to torch, which refuses it as it would)
+    dims = _ints(shape) if type(x) is np.ndarray else None
+    if dims is not None:
+        try:
+            out = x.reshape(dims)
+        except ValueError:
+            out = None
+        if out is not None and (out.size == 0 or np.shares_memory(out, x)):
+            return out
+    return _torch_method("view", x, shape)
+
+
+def _transpose(x: Any, *dims: Any) -> Any:
+    pair = _ints(dims) if type(x) is np.ndarray else None
+    if pair is not None and len(pair) == 2 and all(-x.ndim <= d < x.ndim for d in pair):
+        return np.swapaxes(x, *pair)
+    return _torch_method("transpose", x, dims)
+
+
+def _permute(x: Any, *dims: Any) -> Any:
+    order = _ints(dims) if type(x) is np.ndarray else None
+    if order is not None and len(order) == x.ndim:
+        try:
+            return np.transpose(x, order)
+        except ValueError:
+            pass
+    return _torch_method("permute", x, dims)
+
+
+def _unsqueeze(x: Any, *dims: Any) -> Any:
+    one = _ints(dims) if type(x) is np.ndarray else None
+    if one is not None and len(one) == 1 and -x.ndim - 1 <= one[0] <= x.ndim:
+        return np.expand_dims(x, one[0])
+    return _torch_method("unsqueeze", x, dims)
+
+
+def _contiguous(x: Any, *args: Any) -> Any:
+    if type(x) is np.ndarray and not args:
+        return x if x.flags.c_contiguous else x.copy(order="C")  # (0-d stays 0-d)
+    return _torch_method("contiguous", x, args)
+
+
+_SHAPE_METHODS = {
+    "reshape": _reshape,
+    "view": _view,
+    "transpose": _transpose,
+    "permute": _permute,
+    "unsqueeze": _unsqueeze,
+    "contiguous": _contiguous,
+}
 
 
 class _Slot:

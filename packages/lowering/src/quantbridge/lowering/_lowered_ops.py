@@ -51,8 +51,14 @@ def dense_view(t: torch.Tensor) -> Any:
 
 def as_array(value: Any, how: str) -> Any:
     """A tensor's or an array's codes as a lowered module's array form takes them (its
-    ``array_input``): ``"dense"`` (``dense_view``), ``"c"`` (C-contiguous) or ``"float"``
-    (float32, dense)."""
+    ``array_input``): ``"dense"`` (``dense_view``), ``"c"`` (C-contiguous), ``"float"``
+    (float32, dense) or ``"strided"`` (as laid out: an array itself, a tensor's view; half
+    and bfloat16 floats, which numpy lacks or reads slowly, as float32)."""
+    if how == "strided":
+        if isinstance(value, np.ndarray):
+            return value
+        t = value.detach()
+        return (t.to(torch.float32) if t.dtype in (torch.float16, torch.bfloat16) else t).numpy()
     if isinstance(value, np.ndarray):
         if how == "c":
             return np.ascontiguousarray(value)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -471,6 +472,7 @@ class QuantizedAttention(LoweredModule):
     """
 
     kernel = "kernels.attention"
+    array_input = "strided"  # per-head views of the projections' rows, read in place
 
     def __init__(
         self,
@@ -517,6 +519,17 @@ class QuantizedAttention(LoweredModule):
             q, k, v, self._qparams, self._out_qp, self.attention_scale, mask, self.target,
             self.causal,
         )  # fmt: skip
+
+    def forward_arrays(self, *arrays: Any) -> Any:
+        q, k, v = arrays[:3]
+        mask = arrays[3] if len(arrays) > 3 else None
+        if not (q.ndim == k.ndim == v.ndim == 4) or q.shape[:2] != k.shape[:2]:
+            return self._reference(*(torch.from_numpy(a) for a in arrays)).numpy()
+        if mask is not None and mask.dtype not in (np.bool_, np.float32):
+            mask = mask.astype(np.float32)  # (as forward: an additive mask of other floats)
+        return K.attention(q, k, v, *self._qparams, mask=mask, scale=self.attention_scale,
+                           causal=self.causal, out_qparams=self._out_qp,
+                           target=self.target)  # fmt: skip
 
     def _reference(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
