@@ -73,30 +73,34 @@ def test_fusion_is_taken_where_documented():
         fused = target != "generic"
         assert _fusable(PackedConvWeight(w64, 0.01, target=target)) is fused
         assert _fusable(PackedConvWeight(w64, 0.01, groups=2, target=target)) is False
-        assert _fusable(PackedConvWeight(w20, 0.01, target=target)) is False  # part vector
     if "avx2" in TARGETS:  # 24 channels are three 8-lane vectors: the rows end inside a panel
         assert _fusable(PackedConvWeight(w24, 0.01, target="avx2")) is True
-    if "avx512_vnni" in TARGETS:  # 24 is not a whole number of 16-lane vectors: not fused
-        assert _fusable(PackedConvWeight(w24, 0.01, target="avx512_vnni")) is False
+        assert _fusable(PackedConvWeight(w20, 0.01, target="avx2")) is False  # part vector
+    if "avx512_vnni" in TARGETS:  # masked stores and residual loads: any channel count
+        assert _fusable(PackedConvWeight(w24, 0.01, target="avx512_vnni")) is True
+        assert _fusable(PackedConvWeight(w20, 0.01, target="avx512_vnni")) is True
 
 
 @pytest.mark.parametrize("target", TARGETS)
-@pytest.mark.parametrize("oc", [24, 40])
+@pytest.mark.parametrize("oc", [10, 20, 24, 40])
 def test_rows_ending_inside_a_panel_with_redone_rows(target, oc):
-    # 24 and 40 channels end half-way through a 16-column panel: the fused add reads the
-    # residual and writes the output at exactly oc columns per row; full-range codes make
-    # the byte kernels' pair scan redo rows on the int16 kernels (AVX2), which must land in
-    # the same rows
+    # 10 ... 40 channels end part-way through a 16-column vector or a panel: the fused add
+    # reads the residual and writes the output at exactly oc columns per row (VNNI: through
+    # masks, even inside a vector); full-range codes make the byte kernels' pair scan redo
+    # rows on the int16 kernels (AVX2), which must land in the same rows. The reference is
+    # the generic target's conv and add, which share no code with the SIMD kernels.
     rng = np.random.default_rng(oc)
     x = rng.integers(0, 256, (2, 16, 7, 7), dtype=np.uint8)
     x[:, :, 2:5] = rng.integers(0, 60, (2, 16, 3, 7), dtype=np.uint8)  # some clean rows
     w = rng.integers(-128, 128, (oc, 16, 3, 3), dtype=np.int8)
-    packed = PackedConvWeight(w, 0.01, 0, rng.normal(0, 2, oc).astype(np.float32), padding=1,
-                              target=target)  # fmt: skip
+    bias = rng.normal(0, 2, oc).astype(np.float32)
+    packed = PackedConvWeight(w, 0.01, 0, bias, padding=1, target=target)
+    generic = PackedConvWeight(w, 0.01, 0, bias, padding=1, target="generic")
     conv_s = 0.04 * 0.01 * 60 * 12
-    y = qk.conv2d(x, packed, 0.04, 7, conv_s, 90, channels_last=True)
+    y = qk.conv2d(x, generic, 0.04, 7, conv_s, 90, channels_last=True)
     other = channels_last(rng.integers(0, 256, y.shape, dtype=np.uint8))
     want = qk.add(y, (conv_s, 90), other, (0.06, 120), (0.09, 100))
+    np.testing.assert_array_equal(qk.conv2d(x, packed, 0.04, 7, conv_s, 90, channels_last=True), y)
     got = qk.conv2d_add(x, packed, (0.04, 7), (conv_s, 90), other, (0.06, 120), (0.09, 100))
     np.testing.assert_array_equal(got, want)
 

@@ -15,6 +15,8 @@ NHWC input and per-tap offsets (implicit im2col). Rows past ``mvalid`` recompute
 valid row (never read out of bounds) and are not stored. A row of C holds ``ldc`` columns:
 the panel's padded width, or (modes ``u8``/``u8add``/``f32``) the true N when it is a multiple
 of the vector width, then the vectors of the last panel past N are neither read nor stored.
+On ``avx512_vnni`` modes ``u8``/``u8add`` take any N: each vector's columns past the row's end
+are masked off (byte-masked stores, and masked residual loads that never touch that memory).
 
 Epilogue per output element (the rule in ``_requant.py``):
 ``v = acc + colcorr[j] - wzp[j] * rowsum[i]``; mode ``u8``:
@@ -53,7 +55,10 @@ from quantbridge.kernels._ir import (
     ROUND_MAGIC_BITS,
     clamp_round_splats,
     declare,
+    lanes_below,
     load_vec,
+    masked_load,
+    masked_store,
     rint_clamp_codes,
     rint_clamp_float,
     stack_slot,
@@ -334,6 +339,7 @@ def _make_kernel(target: str, mr: int, ku: int, mode: str) -> Any:
             mzp_v = builder.fsub(ir.Constant(vf32, [ROUND_MAGIC] * lanes), ozp_v)
         # AVX2 u8 rows (2 vectors of 8 codes) are packed to bytes with vpackssdw/vpackuswb
         packed_rows = mode in ("u8", "u8add") and lanes == 8 and nvec == 2
+        masked_cols = mode in ("u8", "u8add") and target == "avx512_vnni"
         row_codes: list[list[ir.Value]] = [[] for _ in range(mr)]
         if packed_rows:
             v16i16 = ir.VectorType(I16, 16)
@@ -380,6 +386,9 @@ def _make_kernel(target: str, mr: int, ku: int, mode: str) -> Any:
             # a row of C may end inside the panel (ldc = N, a multiple of the vector width, when
             # the caller wants no padded columns): vectors past it are neither read nor stored
             in_row = builder.icmp_signed("<", jv, ldc)
+            # VNNI u8 rows end anywhere (ldc = N): the vector's columns before the row's end,
+            # stored and (a fused add) read through masks that never touch memory past it
+            cols = lanes_below(builder, builder.sub(ldc, jv), lanes) if masked_cols else None
             for r in range(mr):
                 fv = builder.sitofp(vals[r], vf32)
                 ridx = builder.add(r0, ir.Constant(I64, r))
@@ -396,9 +405,17 @@ def _make_kernel(target: str, mr: int, ku: int, mode: str) -> Any:
                         valid = builder.and_(
                             builder.icmp_signed("<", ir.Constant(I64, r), mvalid), in_row
                         )
-                        ridx0 = builder.add(builder.mul(r0, ldc), j0)
-                        at = builder.select(valid, cidx, ridx0)
-                        rq = load_vec(builder, builder.gep(res_p, [at]), ir.VectorType(I8, lanes))
+                        if cols is not None:
+                            none = ir.Constant(cols.type, [0] * lanes)
+                            rq = masked_load(builder, builder.gep(res_p, [cidx]),
+                                             ir.VectorType(I8, lanes),
+                                             builder.select(valid, cols, none))  # fmt: skip
+                        else:
+                            ridx0 = builder.add(builder.mul(r0, ldc), j0)
+                            at = builder.select(valid, cidx, ridx0)
+                            rq = load_vec(
+                                builder, builder.gep(res_p, [at]), ir.VectorType(I8, lanes)
+                            )
                         rf = builder.uitofp(rq, vf32)
                         t = builder.fadd(
                             builder.call(vfma, [sa, x, pa]), builder.call(vfma, [sb, rf, pb])
@@ -423,7 +440,10 @@ def _make_kernel(target: str, mr: int, ku: int, mode: str) -> Any:
                     continue
                 stored = builder.and_(builder.icmp_signed("<", ir.Constant(I64, r), mvalid), in_row)
                 with builder.if_then(stored):
-                    store_vec(builder, outv, builder.gep(c_p, [cidx]))
+                    if cols is not None:
+                        masked_store(builder, outv, builder.gep(c_p, [cidx]), cols)
+                    else:
+                        store_vec(builder, outv, builder.gep(c_p, [cidx]))
             if mode == "u8t":
                 _store_transposed(builder, row_vals, c_p, j0, v * lanes, ldc, r0, mvalid)
         for r, (lo, hi) in enumerate(row_codes if packed_rows else []):

@@ -894,8 +894,9 @@ def conv2d_add(
     and rounded as usual, then added to ``other`` with the add kernel's arithmetic, in the
     GEMM's epilogue while the block is still in registers (no conv output written and read
     back). ``other`` has the conv output's shape, C-contiguous or channels-last; the result is
-    channels-last. Fused on ``avx512_vnni``/``avx2`` for groups = 1 and output channels a
-    multiple of the panel width; otherwise the two kernels run one after the other. ``lut``: a
+    channels-last. Fused for groups = 1 on ``avx512_vnni`` (any output channels) and on
+    ``avx2`` (output channels a multiple of 8); otherwise the two kernels run one after the
+    other. ``lut``: a
     uint8[256] table applied to the add's output codes (``apply_lut(conv2d_add(...), lut)``),
     in the same epilogue when fused.
     """
@@ -1011,11 +1012,14 @@ def _checked_add_args(
 
 def _fusable(packed: PackedConvWeight) -> bool:
     """The fused epilogue reads the residual laid out like its output rows: one group whose
-    channels fill whole vectors (the rows then hold exactly the output channels)."""
-    return (
+    rows hold exactly the output channels (any count on VNNI, whose epilogue masks a row's
+    end; whole vectors on AVX2)."""
+    if not (
         isinstance(packed, PackedConvWeight)
         and packed.dims == 2
         and packed.groups == 1
         and packed.target in ("avx512_vnni", "avx2")
-        and packed.oc % block_lanes(packed.groups_packed[0].kernel) == 0
-    )
+    ):
+        return False
+    kernel = packed.groups_packed[0].kernel
+    return kernel == "avx512_vnni" or packed.oc % block_lanes(kernel) == 0

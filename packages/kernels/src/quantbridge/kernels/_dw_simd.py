@@ -42,12 +42,13 @@ from numba.extending import intrinsic
 from quantbridge.kernels._ir import (
     F32T,
     I8,
-    I32,
     I64,
     array_data,
     clamp_round_splats,
     declare,
     load_vec,
+    masked_load,
+    masked_store,
     rint_clamp_codes,
     stack_slot,
     store_vec,
@@ -98,35 +99,15 @@ def _load_u8(
     if mask is None:
         raw = load_vec(builder, ptr, _vb(lanes))
     else:
-        vb = _vb(LANES)
-        fn = declare(
-            builder.module,
-            ir.FunctionType(vb, [vb.as_pointer(), I32, _VMASK, vb]),
-            f"llvm.masked.load.v{LANES}i8.p0v{LANES}i8",
-        )
-        raw = builder.call(
-            fn,
-            [
-                builder.bitcast(ptr, vb.as_pointer()),
-                ir.Constant(I32, 1),
-                mask,
-                ir.Constant(vb, [0] * LANES),
-            ],
-        )
+        raw = masked_load(builder, ptr, _vb(LANES), mask)
     return builder.uitofp(raw, _vf(lanes))
 
 
 def _store_u8(builder: ir.IRBuilder, value: ir.Value, ptr: ir.Value, mask: ir.Value | None) -> None:
     if mask is None:
         store_vec(builder, value, ptr)
-        return
-    vb = _vb(LANES)
-    fn = declare(
-        builder.module,
-        ir.FunctionType(ir.VoidType(), [vb, vb.as_pointer(), I32, _VMASK]),
-        f"llvm.masked.store.v{LANES}i8.p0v{LANES}i8",
-    )
-    builder.call(fn, [value, builder.bitcast(ptr, vb.as_pointer()), ir.Constant(I32, 1), mask])
+    else:
+        masked_store(builder, value, ptr, mask)
 
 
 def _emit_requant(

@@ -146,9 +146,11 @@ def gemm_runner(
     mchunk = m if threads == 1 else row_chunk(m, npanels, threads)
     widen = target == "avx2"  # the AVX2 kernels read activations as int16 pairs
     generic = target == "generic"
-    # u8 rows of exactly n columns when n ends on a vector: no padded columns to cut off after
-    # (and a fused add's residual, laid out like C, is the caller's [M, n] array itself)
-    ldc = n if not (generic or f32_out) and n % _LANES[target] == 0 else np_
+    # u8 rows of exactly n columns when n ends on a vector (any n on VNNI: masked stores): no
+    # padded columns to cut off after (and a fused add's residual, laid out like C, is the
+    # caller's [M, n] array itself)
+    whole_rows = not (generic or f32_out) and (target == "avx512_vnni" or n % _LANES[target] == 0)
+    ldc = n if whole_rows else np_
     if generic:
         drive = serial_generic if threads == 1 else with_threads(drive_generic, threads)
     else:

@@ -47,6 +47,48 @@ def store_vec(builder: ir.IRBuilder, value: ir.Value, ptr: ir.Value) -> None:
     st.align = 1
 
 
+def _suffix(vt: ir.VectorType) -> str:
+    elem = "f32" if isinstance(vt.element, ir.FloatType) else f"i{vt.element.width}"
+    return f"v{vt.count}{elem}.p0v{vt.count}{elem}"
+
+
+def masked_load(
+    builder: ir.IRBuilder, ptr: ir.Value, vt: ir.VectorType, mask: ir.Value
+) -> ir.Value:
+    """The lanes of ``vt`` at ``ptr`` where ``mask`` (``<count x i1>``) is set, zero elsewhere;
+    masked-off lanes never touch memory (they may lie past an array's end)."""
+    vmask = ir.VectorType(ir.IntType(1), vt.count)
+    fn = declare(builder.module, ir.FunctionType(vt, [vt.as_pointer(), I32, vmask, vt]),
+                 f"llvm.masked.load.{_suffix(vt)}")  # fmt: skip
+    zero = ir.Constant(vt, [0.0 if isinstance(vt.element, ir.FloatType) else 0] * vt.count)
+    return builder.call(
+        fn, [builder.bitcast(ptr, vt.as_pointer()), ir.Constant(I32, 1), mask, zero]
+    )
+
+
+def masked_store(builder: ir.IRBuilder, value: ir.Value, ptr: ir.Value, mask: ir.Value) -> None:
+    """Store the lanes of ``value`` where ``mask`` is set; the others' memory is untouched."""
+    vt = value.type
+    vmask = ir.VectorType(ir.IntType(1), vt.count)
+    fn = declare(builder.module, ir.FunctionType(ir.VoidType(), [vt, vt.as_pointer(), I32, vmask]),
+                 f"llvm.masked.store.{_suffix(vt)}")  # fmt: skip
+    builder.call(fn, [value, builder.bitcast(ptr, vt.as_pointer()), ir.Constant(I32, 1), mask])
+
+
+def lanes_below(builder: ir.IRBuilder, count: ir.Value, lanes: int) -> ir.Value:
+    """``<lanes x i1>``: lane l set when ``l < count`` (an i64; any value, negative included)."""
+    clamped = builder.select(
+        builder.icmp_signed("<", count, ir.Constant(I64, 0)), ir.Constant(I64, 0), count
+    )
+    clamped = builder.select(
+        builder.icmp_signed(">", clamped, ir.Constant(I64, lanes)), ir.Constant(I64, lanes), clamped
+    )
+    iota = ir.Constant(ir.VectorType(I32, lanes), list(range(lanes)))
+    return builder.icmp_signed(
+        "<", iota, vec_broadcast(builder, builder.trunc(clamped, I32), lanes)
+    )
+
+
 # 1.5 * 2**23: a float32 t with |t| < 2**22, plus this, lands in [2**23, 2**24) where the float
 # spacing is 1, so the addition rounds t to an integer (ties to even, as rint) and leaves that
 # integer in the low mantissa bits: bits(t + MAGIC) = MAGIC_BITS + rint(t)
