@@ -99,6 +99,21 @@ def test_rows_ending_inside_a_panel(target, n, threads):
 
 
 @pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("n", [16, 48, 144, 150])
+@pytest.mark.parametrize("m", [1, 7, 9, 16, 17, 40])
+def test_last_panels_within_one_vector(target, n, m):
+    # N = 16, 48, 144: the last 32-column panel's rows end within its first vector (VNNI runs
+    # the 1-vector kernels there: 16-row blocks, 8-row and 1-row tails); 150 ends inside it
+    rng = np.random.default_rng(n * 100 + m)
+    a, a_s, a_zp, w, w_s, w_zp, bias, o_s, o_zp = _case(rng, m, 70, n, True, False, True)
+    packed = PackedLinearWeight(w, w_s, w_zp, bias, target=target)
+    for threads in (1, 2):
+        got = linear(a, packed, a_s, a_zp, o_s, o_zp, num_threads=threads)
+        want = reference_linear(a, a_s, a_zp, w, w_s, w_zp, bias, o_s, o_zp, False)
+        np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("target", TARGETS)
 @pytest.mark.parametrize("threads", [1, 2])
 def test_linear_threads_and_leading_dims(target, threads):
     rng = np.random.default_rng(3)

@@ -180,11 +180,12 @@ def _lookup(
     return merged
 
 
-def _make_kernel(target: str, mr: int, ku: int, mode: str) -> Any:
-    """IR codegen for an ``mr x NR`` block, ``ku`` interleaved k accumulators."""
+def _make_kernel(target: str, mr: int, ku: int, mode: str, nvec: int) -> Any:
+    """IR codegen for an ``mr x (nvec vectors)`` block of a panel of ``NR`` columns, ``ku``
+    interleaved k accumulators."""
     spec = _TARGETS[target]
-    lanes, nvec, kstep, belt = spec.LANES, spec.VECTORS_PER_ROW, spec.K_STEP, spec.B_ELEMENT
-    nr = lanes * nvec
+    lanes, kstep, belt = spec.LANES, spec.K_STEP, spec.B_ELEMENT
+    nr = lanes * spec.VECTORS_PER_ROW  # the packed panel's width: its k steps' stride
     vi32 = ir.VectorType(I32, lanes)
     vf32 = ir.VectorType(F32T, lanes)
     bvt = ir.VectorType(belt, lanes * kstep)  # one vector of packed B: lanes cols x kstep
@@ -474,25 +475,28 @@ def _make_kernel(target: str, mr: int, ku: int, mode: str) -> Any:
     return codegen
 
 
-# (target, rows, k accumulator sets, mode) of every block kernel; its index is its number.
-# Rows per block: 8 fills 16 of the 32 zmm registers for VNNI; AVX2 has 16 ymm registers, so
-# 6 rows (12 accumulators), and 4 rows for 4, 5, 7 or 8 remaining rows. The 1-row kernels
-# split k over 4 accumulator sets to hide the 4-cycle latency. ``u8t``: conv's NCHW output,
-# channel-major transposed stores (VNNI only).
+# (target, rows, k accumulator sets, mode, vectors a row) of every block kernel; its index is
+# its number. Rows per block: 8 of 2 vectors fill 16 of the 32 zmm registers for VNNI; AVX2
+# has 16 ymm registers, so 6 rows (12 accumulators), and 4 rows for 4, 5, 7 or 8 remaining
+# rows. The 1-row kernels split k over 4 accumulator sets to hide the 4-cycle latency.
+# ``u8t``: conv's NCHW output, channel-major transposed stores (VNNI only). VNNI's narrow
+# kernels (1 vector a row, 16 rows) run a last panel whose second vector lies wholly past N
+# (N = 16, 48, 144...), which the 2-vector kernels would compute for nothing.
 _BLOCKS = [
-    (target, mr, ku, mode)
-    for target, sizes, modes in (
-        ("avx512_vnni", ((8, 1), (4, 2), (1, 4)), ("u8", "f32", "u8t", "u8add")),
-        ("avx2", ((6, 1), (4, 1), (3, 2), (1, 4)), ("u8", "f32", "u8add")),
-        ("avx2_byte", ((6, 1), (4, 1), (3, 2), (1, 4)), ("u8", "f32", "u8add")),
+    (target, mr, ku, mode, vectors)
+    for target, sizes, modes, vectors in (
+        ("avx512_vnni", ((8, 1), (4, 2), (1, 4)), ("u8", "f32", "u8t", "u8add"), 2),
+        ("avx512_vnni", ((16, 1), (8, 2), (1, 4)), ("u8", "u8add"), 1),
+        ("avx2", ((6, 1), (4, 1), (3, 2), (1, 4)), ("u8", "f32", "u8add"), 2),
+        ("avx2_byte", ((6, 1), (4, 1), (3, 2), (1, 4)), ("u8", "f32", "u8add"), 2),
     )
     for mode in modes
     for mr, ku in sizes
 ]
 # Drivers name kernels by number: plain ints as closure constants pickle deterministically,
-# which numba's on-disk cache key needs.
-KERNEL_IDS: dict[tuple[str, int, str], int] = {
-    (target, mr, mode): i for i, (target, mr, _, mode) in enumerate(_BLOCKS)
+# which numba's on-disk cache key needs. Keys: (target, rows, mode, vectors a row).
+KERNEL_IDS: dict[tuple[str, int, str, int], int] = {
+    (target, mr, mode, vectors): i for i, (target, mr, _, mode, vectors) in enumerate(_BLOCKS)
 }
 _CODEGENS = [_make_kernel(*block) for block in _BLOCKS]
 
@@ -525,7 +529,8 @@ def _block_kernel(
     pfoff: Any,
     pfshift: Any,
 ) -> Any:
-    """``block_kernel(KERNEL_IDS[(target, rows, mode)], <that block kernel's 24 arguments>)``.
+    """``block_kernel(KERNEL_IDS[(target, rows, mode, vectors)], <that block kernel's 24
+    arguments>)``.
 
     ``kind`` must be a compile-time constant; the call then is exactly that block kernel.
     """

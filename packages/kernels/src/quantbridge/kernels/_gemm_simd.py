@@ -6,7 +6,8 @@ rows, numbered row-chunk-major: ``prange`` hands contiguous tile ranges to numba
 when M is split (few panels, e.g. a 64-channel conv) each thread reads only its own rows of
 activations, and runs a panel's rows back to back (B stays in L1 or L2) otherwise. Row tails use
 the smaller kernels; rows past the end are recomputed from the last valid row and not stored. A
-tile of few row blocks fetches the next panel into L2 while it runs (``_prefetch``).
+tile of few row blocks fetches the next panel into L2 while it runs (``_prefetch``). On VNNI a
+last panel whose rows end within its first vector (N = 16, 48, 144...) runs 1-vector kernels.
 
 The factory closes over ints only (kernel numbers, block sizes): numba folds them as constants,
 so each driver compiles exactly as a hand-written copy did, and its on-disk cache key (which
@@ -19,13 +20,21 @@ from typing import Any
 
 from numba import njit, prange
 
-from quantbridge.kernels._block_kernels import KERNEL_IDS, block_cols, block_kernel, k_step
+from quantbridge.kernels._block_kernels import (
+    KERNEL_IDS,
+    block_cols,
+    block_kernel,
+    block_lanes,
+    k_step,
+)
 
 # target -> rows of its (big, quad, mid) blocks; the 1-row kernel ends every tail. AVX2's
 # 4-row block (0: none) splits 4, 5, 7 and 8 remaining rows without computing a wasted row
 # (an M = 8 GEMM ran 6 + 3 rows)
 _ROWS = {"avx512_vnni": (8, 0, 4), "avx2": (6, 4, 3), "avx2_byte": (6, 4, 3)}
 _SHORT = {"avx512_vnni": "vnni", "avx2": "avx2", "avx2_byte": "avx2b"}
+# rows of the narrow (1-vector) blocks: 16 accumulators, as the 2-vector blocks' 8 rows
+_NARROW_ROWS = 16
 # tiles of at most this many blocks prefetch their next panel (see _prefetch)
 _PREFETCH_MAX_BLOCKS = 8
 
@@ -54,10 +63,17 @@ def _prefetch(p, npanels, boff, panel, rows, big_rows, i):  # type: ignore[no-un
 
 def _make_driver(target: str, mode: str, parallel: bool) -> Any:
     big_rows, quad_rows, mid_rows = _ROWS[target]
-    big = KERNEL_IDS[(target, big_rows, mode)]
-    quad = KERNEL_IDS[(target, quad_rows, mode)] if quad_rows else big
-    mid = KERNEL_IDS[(target, mid_rows, mode)]
-    one = KERNEL_IDS[(target, 1, mode)]
+    vectors = block_cols(target) // block_lanes(target)
+    big = KERNEL_IDS[(target, big_rows, mode, vectors)]
+    quad = KERNEL_IDS[(target, quad_rows, mode, vectors)] if quad_rows else big
+    mid = KERNEL_IDS[(target, mid_rows, mode, vectors)]
+    one = KERNEL_IDS[(target, 1, mode, vectors)]
+    # a last panel whose rows end within its first vector (ldc = N) runs the 1-vector kernels
+    narrow = (target, _NARROW_ROWS, mode, 1) in KERNEL_IDS
+    narrow_big = KERNEL_IDS[(target, _NARROW_ROWS, mode, 1)] if narrow else big
+    narrow_mid = KERNEL_IDS[(target, _NARROW_ROWS // 2, mode, 1)] if narrow else big
+    narrow_one = KERNEL_IDS[(target, 1, mode, 1)] if narrow else big
+    lanes = block_lanes(target)
     nr = block_cols(target)
     panel_step = nr * k_step(target)  # packed B elements per k step of one panel
 
@@ -93,6 +109,29 @@ def _make_driver(target: str, mode: str, parallel: bool) -> Any:
             boff = p * panel
             j0 = p * nr
             i = start
+            if narrow and ldc - j0 <= lanes:  # (the last panel: nothing to prefetch)
+                while i < end:
+                    left = end - i
+                    if left > _NARROW_ROWS // 2:
+                        block_kernel(
+                            narrow_big, a, rowoffs, i, koffs, nk, bp, boff, c, ldc,
+                            min(left, _NARROW_ROWS), colcorr, wzp, rowsum, biasq, mult, j0, ozp,
+                            qmin, qmax, res, addp, lut, boff, -1,
+                        )  # fmt: skip
+                        i += _NARROW_ROWS
+                    elif left > 1:
+                        block_kernel(
+                            narrow_mid, a, rowoffs, i, koffs, nk, bp, boff, c, ldc, left, colcorr,
+                            wzp, rowsum, biasq, mult, j0, ozp, qmin, qmax, res, addp, lut,
+                            boff, -1,
+                        )  # fmt: skip
+                        i += _NARROW_ROWS // 2
+                    else:
+                        block_kernel(
+                            narrow_one, a, rowoffs, i, koffs, nk, bp, boff, c, ldc, 1, colcorr, wzp,
+                            rowsum, biasq, mult, j0, ozp, qmin, qmax, res, addp, lut, boff, -1,
+                        )  # fmt: skip
+                        i += 1
             while i < end:
                 left = end - i
                 pfoff, pfshift = _prefetch(
@@ -142,10 +181,11 @@ def _make_batched_driver(target: str, parallel: bool) -> Any:
     batch-major, so ``prange`` spreads whole batches over the threads.
     """
     big_rows, quad_rows, mid_rows = _ROWS[target]
-    big = KERNEL_IDS[(target, big_rows, "u8")]
-    quad = KERNEL_IDS[(target, quad_rows, "u8")] if quad_rows else big
-    mid = KERNEL_IDS[(target, mid_rows, "u8")]
-    one = KERNEL_IDS[(target, 1, "u8")]
+    vectors = block_cols(target) // block_lanes(target)
+    big = KERNEL_IDS[(target, big_rows, "u8", vectors)]
+    quad = KERNEL_IDS[(target, quad_rows, "u8", vectors)] if quad_rows else big
+    mid = KERNEL_IDS[(target, mid_rows, "u8", vectors)]
+    one = KERNEL_IDS[(target, 1, "u8", vectors)]
     nr = block_cols(target)
     panel_step = nr * k_step(target)
 
