@@ -415,3 +415,47 @@ def test_attention_module_takes_what_the_reference_takes() -> None:
     q4, k4, v4 = codes(1, 2, 6, 8), codes(1, 2, 6, 8), codes(1, 2, 6, 8)
     half = torch.where(torch.rand(1, 1, 6, 6, generator=g) < 0.7, 0.0, -1e4).to(torch.float16)
     assert torch.equal(mod(q4, k4, v4, half), mod(q4, k4, v4, half.float()))
+
+
+@pytest.mark.parametrize(
+    ("codes_in", "codes_out", "other"),
+    [
+        (True, True, "same"),  # a BERT layer's fused LayerNorm: codes in, floats and codes out
+        (True, False, "same"),
+        (False, True, None),
+        (False, False, "same"),  # float only
+        (True, True, "broadcast"),  # a broadcasting residual: the plain path
+        (False, True, "half"),  # a float16 residual
+    ],
+)
+def test_layer_norm_array_form_gives_the_forwards_results(codes_in, codes_out, other):
+    # the lowered model passes arrays to FloatLayerNorm (ArrayForward): every path of its
+    # forward must come out the same, as arrays
+    g = torch.Generator().manual_seed(3)
+    w, b = torch.randn(24, generator=g), torch.randn(24, generator=g)
+    mod = lm.FloatLayerNorm(
+        w, b, 1e-5, other is not None, "generic",
+        in_qparams=(0.05, 120) if codes_in else None,
+        out_qparams=(0.03, 110) if codes_out else None,
+    )  # fmt: skip
+    x = (
+        torch.randint(0, 256, (2, 5, 24), dtype=torch.uint8, generator=g)
+        if codes_in
+        else torch.randn(2, 5, 24, generator=g)
+    )
+    args = [x]
+    if other == "same":
+        args.append(torch.randn(2, 5, 24, generator=g))
+    elif other == "broadcast":
+        args.append(torch.randn(24, generator=g))
+    elif other == "half":
+        args.append(torch.randn(2, 5, 24, generator=g).half())
+    with torch.no_grad():
+        want = mod(*args)
+        got = mod.forward_arrays(*(a.numpy() for a in args))
+    wants = want if isinstance(want, tuple) else (want,)
+    gots = got if isinstance(got, tuple) else (got,)
+    assert len(gots) == len(wants)
+    for g_, w_ in zip(gots, wants, strict=True):
+        assert g_.dtype == w_.numpy().dtype
+        assert torch.equal(torch.from_numpy(g_), w_)

@@ -348,6 +348,7 @@ class FloatLayerNorm(LoweredModule):
     """
 
     kernel = "kernels.layer_norm"
+    array_input = "strided"  # the prepared call takes any layout (a copy when not C-contiguous)
     weight: torch.Tensor | None
     bias: torch.Tensor | None
 
@@ -401,6 +402,23 @@ class FloatLayerNorm(LoweredModule):
         else:
             o, c = self._prepared_call(x, other)
             out, codes = torch.from_numpy(o), None if c is None else torch.from_numpy(c)
+        return out if self._codes_qp is None else (out, codes)
+
+    def forward_arrays(self, *arrays: Any) -> Any:
+        x, other = arrays[0], (arrays[1] if len(arrays) > 1 else None)
+        want = np.uint8 if self._x_qp is not None else np.float32
+        if (
+            (self._x_qp is None and self._codes_qp is None)
+            or x.dtype != want
+            or (other is not None and other.shape != x.shape)
+        ):  # the float-only, other-dtype and broadcasting paths: as forward runs them
+            out = self.forward(*(torch.from_numpy(np.ascontiguousarray(a)) for a in arrays))
+            if isinstance(out, tuple):
+                return tuple(t.detach().numpy() for t in out)
+            return out.detach().numpy()
+        if other is not None and other.dtype != np.float32:
+            other = other.astype(np.float32)
+        out, codes = self._prepared(x, other)
         return out if self._codes_qp is None else (out, codes)
 
     def _prepared_call(self, x: torch.Tensor, other: torch.Tensor | None) -> Any:
