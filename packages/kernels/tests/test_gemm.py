@@ -61,7 +61,7 @@ def test_prefetch_fetches_the_next_panel_in_disjoint_slices():
 
     step, nk, npanels = 128, 37, 4  # a VNNI panel of 37 k steps, 128 bytes (2 lines) each
     panel = step * nk
-    for rows in range(1, 8 * _PREFETCH_MAX_BLOCKS + 9):
+    for rows in range(1, 8 * _PREFETCH_MAX_BLOCKS + 9, 3):
         for p in range(npanels):
             lines: list[set[int]] = []
             for i in range(0, rows, 8):
