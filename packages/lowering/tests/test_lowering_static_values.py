@@ -140,6 +140,30 @@ def test_values_a_node_or_the_caller_could_change_are_not_kept(
     assert (add in part.static) == add_kept
 
 
+class _ViewWrites(nn.Module):
+    def __init__(self, use: str) -> None:
+        super().__init__()
+        self.use = use
+
+    def forward(self, x: torch.Tensor) -> object:
+        r = torch.ops.aten.arange.default(x.size(1))
+        v = r.view(1, -1)  # a view: writing to it writes to r
+        if self.use == "write":
+            v.add_(1)
+            return x + v
+        if self.use == "return":
+            return x + v, v
+        return x + v.add(1)
+
+
+@pytest.mark.parametrize(("use", "kept"), [("read", True), ("write", False), ("return", False)])
+def test_a_value_whose_view_is_written_or_returned_is_not_kept(use, kept):
+    gm = symbolic_trace(_ViewWrites(use))
+    part = partition(gm)
+    arange = next(n for n in gm.graph.nodes if "arange" in str(n.target))
+    assert (arange in part.static) == kept
+
+
 def test_values_with_autograd_history_are_not_kept():
     cache = StaticCache([], [])
     w = torch.ones(3, requires_grad=True)

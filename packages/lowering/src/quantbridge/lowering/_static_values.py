@@ -14,9 +14,10 @@ counters, as they bypass autograd's checks: a buffer changed that way in place i
 Float modules, whose parameters users do change, are never static.)
 
 A value is kept only when nothing can change it after it is handed out: every node that
-reads it must leave it as it is (pure, or a float module that only reads its input; a node
-that could write to its input gets a fresh value each call), and the graph's output never is
-one (the caller could change it).
+reads it, or reads a view of it (followed through every node whose result may alias its
+input), must leave it as it is (pure, or a float module that only reads its input; a value a
+node could write to is computed fresh each call), and neither it nor a view of it is the
+graph's output (the caller could change it).
 """
 
 from __future__ import annotations
@@ -82,6 +83,46 @@ def _reads_only(node: Node, gm: GraphModule) -> bool:
     return _pure(node, gm)
 
 
+# methods whose result may be their receiver or a view of it
+_ALIASING_METHODS = {
+    "reshape", "view", "expand", "expand_as", "transpose", "permute", "unsqueeze", "squeeze",
+    "flatten", "contiguous", "to", "float", "bool", "long", "int", "type_as", "t",
+}  # fmt: skip
+
+
+def _may_alias(node: Node, gm: GraphModule) -> bool:
+    """Whether ``node``'s result may share memory with an input (a view, an element of a
+    list, the receiver returned as it is)."""
+    if node.op == "call_function":
+        target = node.target
+        if isinstance(target, torch._ops.OpOverload):
+            return any(r.alias_info is not None for r in target._schema.returns)
+        return target is operator.getitem
+    if node.op == "call_method":
+        return node.target in _ALIASING_METHODS
+    return node.op == "call_module" and not isinstance(
+        gm.get_submodule(str(node.target)), _READING_MODULES
+    )  # a lowered module may hand an input back (a requantize to the same qparams)
+
+
+def _never_changed(node: Node, gm: GraphModule) -> bool:
+    """Whether nothing can write to ``node``'s value once computed: every node that reads it,
+    or a view of it (followed through aliasing nodes), leaves it as it is, and neither it nor a
+    view of it is the graph's output (the caller's to change)."""
+    seen: set[Node] = set()
+    todo = list(node.users)
+    while todo:
+        user = todo.pop()
+        if user in seen:
+            continue
+        seen.add(user)
+        if user.op == "output" or not _reads_only(user, gm):
+            return False
+        if _may_alias(user, gm):
+            todo.extend(user.users)
+    return True
+
+
 def _size_query(node: Node) -> bool:
     """A size of a model input: computed every call, part of the key."""
     inputs = node.all_input_nodes
@@ -123,8 +164,7 @@ def partition(gm: GraphModule) -> Partition:
             if ok and node.op == "call_module":
                 mod = gm.get_submodule(str(node.target))
                 ok = not any(t.is_inference() for t in _tensors(mod))
-        # handed out only to readers that cannot change it, never to the caller
-        if ok and all(u.op != "output" and _reads_only(u, gm) for u in node.users):
+        if ok and _never_changed(node, gm):
             part.static.add(node)
     for node in nodes:
         if node in part.static:
