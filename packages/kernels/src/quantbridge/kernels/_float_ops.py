@@ -40,11 +40,11 @@ from quantbridge.kernels._qparams import QParams, as_qparams
 from quantbridge.kernels._threads import apply_num_threads, with_threads
 
 F32A = npt.NDArray[np.float32]
-# rows x columns below which one thread runs (a parallel launch costs ~20 us). On a 2-core Xeon
-# two threads already gain at 64 K elements (layer_norm 35 -> 27 us, softmax 67 -> 49, gelu
-# 37 -> 34) and 1.5-1.9x at 1 M; it was 1 << 20, which left a BERT LayerNorm at batch 16
-# (0.8 M elements) on one thread
-PARALLEL_MIN_FLOAT_WORK = 1 << 16
+# rows x columns below which one thread runs. On a 2-core Xeon (one process, interleaved, 300
+# calls) two threads gain from ~12 K elements: at 16 K gelu 1.09x, softmax 1.22x; layer_norm
+# (uint8 in, residual, codes out) 1.03x at 12 K, 1.29x at 24 K, 1.22x at 48 K (a BERT
+# LayerNorm at batch 1, which 1 << 16 left on one thread); below 8 K they lose (0.85-0.90x)
+PARALLEL_MIN_FLOAT_WORK = 1 << 14
 GELU_MODES = {"none": 0, "tanh": 1}
 
 
