@@ -53,6 +53,7 @@ from quantbridge.kernels._ir import (
     I64,
     ROUND_MAGIC,
     ROUND_MAGIC_BITS,
+    arrays_data,
     clamp_round_splats,
     declare,
     lanes_below,
@@ -191,29 +192,14 @@ def _make_kernel(target: str, mr: int, ku: int, mode: str, nvec: int) -> Any:
     bvt = ir.VectorType(belt, lanes * kstep)  # one vector of packed B: lanes cols x kstep
 
     def codegen(context: Any, builder: ir.IRBuilder, sig: Any, args: Any) -> ir.Value:
-        (a, rowoffs, r0, koffs, nk, bp, boff, c, ldc, mvalid) = args[:10]
-        (colcorr, wzp, rowsum, biasq, mult, j0, ozp, qmin, qmax, res, addp, lut) = args[10:22]
+        (_a, _rowoffs, r0, _koffs, nk, _bp, boff, _c, ldc, mvalid) = args[:10]
+        (_colcorr, _wzp, _rowsum, _biasq, _mult, j0, ozp, qmin, qmax, _res, _addp,
+         lut) = args[10:22]  # fmt: skip
         pfoff, pfshift = args[22:]
         aty = sig.args
-
-        def data(i: int, v: ir.Value) -> ir.Value:
-            return context.make_array(aty[i])(context, builder, v).data
-
-        a_p, ro_p, ko_p, b_p, c_p = (
-            data(0, a),
-            data(1, rowoffs),
-            data(3, koffs),
-            data(5, bp),
-            data(7, c),
+        a_p, ro_p, ko_p, b_p, c_p, cc_p, wz_p, rs_p, bq_p, mu_p, res_p, ap_p, lut_p = arrays_data(
+            context, builder, sig, args, (0, 1, 3, 5, 7, 10, 11, 12, 13, 14, 19, 20, 21)
         )
-        cc_p, wz_p, rs_p, bq_p, mu_p = (
-            data(10, colcorr),
-            data(11, wzp),
-            data(12, rowsum),
-            data(13, biasq),
-            data(14, mult),
-        )
-        res_p, ap_p, lut_p = data(19, res), data(20, addp), data(21, lut)
         # a fused activation table (uint8[256], checked by the callers) or none (empty)
         lut_n = context.make_array(aty[21])(context, builder, lut).nitems
         has_lut = builder.icmp_signed(">", lut_n, ir.Constant(I64, 0))

@@ -43,7 +43,7 @@ from quantbridge.kernels._ir import (
     F32T,
     I8,
     I64,
-    array_data,
+    arrays_data,
     clamp_round_splats,
     declare,
     load_vec,
@@ -152,17 +152,10 @@ def _make_block(lanes: int, kw: int, sw: int, pix: int) -> Any:
     vf = _vf(lanes)
 
     def codegen(context: Any, builder: ir.IRBuilder, sig: Any, args: Any) -> ir.Value:
-        (x, xbase, rowstep, c, kh, w, cp, c0, corr, biasq, mult, ozp, qmin, qmax, out, obase) = args
-        aty = sig.args
-        x_p, w_p = array_data(context, builder, aty[0], x), array_data(context, builder, aty[5], w)
-        co_p, bq_p = (
-            array_data(context, builder, aty[8], corr),
-            array_data(context, builder, aty[9], biasq),
-        )
-        mu_p, o_p = (
-            array_data(context, builder, aty[10], mult),
-            array_data(context, builder, aty[14], out),
-        )
+        (_x, xbase, rowstep, c, kh, _w, cp, c0, _corr, _biasq, _mult, ozp, qmin, qmax, _out,
+         obase) = args  # fmt: skip
+        x_p, w_p, co_p, bq_p, mu_p, o_p = arrays_data(context, builder, sig, args,
+                                                      (0, 5, 8, 9, 10, 14))  # fmt: skip
         fma = _fmuladd(builder, lanes)
         accs = [stack_slot(builder, ir.Constant(vf, [0.0] * lanes)) for _ in range(pix)]
         with cgutils.for_range(builder, kh) as loop:
@@ -248,17 +241,10 @@ dw_block: Any = intrinsic(_dw_block)
 def _emit_taps(
     context: Any, builder: ir.IRBuilder, sig: Any, args: Any, masked: bool, nch: ir.Value
 ) -> None:
-    (x, xbase, toffs, twidx, ntaps, w, cp, c0, zpf, biasq, mult, ozp, qmin, qmax, out, obase) = (
-        args[:16]
-    )
-    aty = sig.args
-    x_p, to_p = array_data(context, builder, aty[0], x), array_data(context, builder, aty[2], toffs)
-    tw_p, w_p = array_data(context, builder, aty[3], twidx), array_data(context, builder, aty[5], w)
-    bq_p, mu_p = (
-        array_data(context, builder, aty[9], biasq),
-        array_data(context, builder, aty[10], mult),
-    )
-    o_p = array_data(context, builder, aty[14], out)
+    (_x, xbase, _toffs, _twidx, ntaps, _w, cp, c0, zpf, _biasq, _mult, ozp, qmin, qmax, _out,
+     obase) = args[:16]  # fmt: skip
+    x_p, to_p, tw_p, w_p, bq_p, mu_p, o_p = arrays_data(context, builder, sig, args,
+                                                        (0, 2, 3, 5, 9, 10, 14))  # fmt: skip
     mask = None
     if masked:
         lane = ir.Constant(ir.VectorType(I64, LANES), list(range(LANES)))

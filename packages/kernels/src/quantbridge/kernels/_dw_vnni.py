@@ -39,7 +39,7 @@ from quantbridge.kernels._ir import (
     I8,
     I32,
     I64,
-    array_data,
+    arrays_data,
     clamp_round_splats,
     load_vec,
     rint_clamp_codes,
@@ -163,19 +163,10 @@ def _make_block(kw: int, sw: int, pix: int, group: int) -> Any:
     ncols = (pix - 1) * step + kw  # input vectors per kernel row
 
     def codegen(context: Any, builder: ir.IRBuilder, sig: Any, args: Any) -> ir.Value:
-        (x, xbase, rowstep, c, kh, w, cp4, c0, acc0, biasq, mult, ozp, qmin, qmax, out, obase) = (
-            args
-        )
-        aty = sig.args
-        x_p, w_p = array_data(context, builder, aty[0], x), array_data(context, builder, aty[5], w)
-        a0_p, bq_p = (
-            array_data(context, builder, aty[8], acc0),
-            array_data(context, builder, aty[9], biasq),
-        )
-        mu_p, o_p = (
-            array_data(context, builder, aty[10], mult),
-            array_data(context, builder, aty[14], out),
-        )
+        (_x, xbase, rowstep, c, kh, _w, cp4, c0, _acc0, _biasq, _mult, ozp, qmin, qmax, _out,
+         obase) = args  # fmt: skip
+        x_p, w_p, a0_p, bq_p, mu_p, o_p = arrays_data(context, builder, sig, args,
+                                                      (0, 5, 8, 9, 10, 14))  # fmt: skip
         dot = declare_dot(builder.module, _VI32, _VI32)
 
         def at(p: ir.Value, base: ir.Value, offset: int) -> ir.Value:
@@ -302,26 +293,11 @@ def _dw64_taps(
     sig = types.void(*args, out, obase)
 
     def codegen(context: Any, builder: ir.IRBuilder, sig: Any, cargs: Any) -> ir.Value:
-        (x, xbase, toffs, inside, ntaps, w, cp4, c0, acc0, biasq, mult, xzp, ozp, qmin, qmax) = (
-            cargs[:15]
-        )
-        out, obase = cargs[15:]
-        aty = sig.args
-        x_p, to_p = (
-            array_data(context, builder, aty[0], x),
-            array_data(context, builder, aty[2], toffs),
-        )
-        in_p, w_p = (
-            array_data(context, builder, aty[3], inside),
-            array_data(context, builder, aty[5], w),
-        )
-        a0_p, bq_p = (
-            array_data(context, builder, aty[8], acc0),
-            array_data(context, builder, aty[9], biasq),
-        )
-        mu_p, o_p = (
-            array_data(context, builder, aty[10], mult),
-            array_data(context, builder, aty[15], out),
+        (_x, xbase, _toffs, _inside, ntaps, _w, cp4, c0, _acc0, _biasq, _mult, xzp, ozp,
+         qmin, qmax) = cargs[:15]  # fmt: skip
+        _out, obase = cargs[15:]
+        x_p, to_p, in_p, w_p, a0_p, bq_p, mu_p, o_p = arrays_data(
+            context, builder, sig, cargs, (0, 2, 3, 5, 8, 9, 10, 15)
         )
         dot = declare_dot(builder.module, _VI32, _VI32)
         pad = vec_broadcast(builder, builder.trunc(xzp, I8), CHANNELS)

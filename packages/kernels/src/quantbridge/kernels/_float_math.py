@@ -36,7 +36,16 @@ from numba.core import cgutils
 from numba.core.extending import intrinsic
 
 from quantbridge.kernels._fma import fma32
-from quantbridge.kernels._ir import declare, load_vec, stack_slot, store_vec, vec_broadcast
+from quantbridge.kernels._ir import (
+    declare,
+    lanes_below,
+    load_vec,
+    masked_load,
+    masked_store,
+    stack_slot,
+    store_vec,
+    vec_broadcast,
+)
 from quantbridge.kernels._threads import with_threads
 
 F32 = np.float32
@@ -236,17 +245,8 @@ class RowSteps:
 
     def __init__(self, builder: ir.IRBuilder, n: ir.Value) -> None:
         self.builder, self.n = builder, n
-        f32, i32 = ir.FloatType(), ir.IntType(32)
-        self.vt = vt = ir.VectorType(f32, _VLANES)
-        vbool = ir.VectorType(ir.IntType(1), _VLANES)
-        mod = builder.module
-        self._mload = declare(mod, ir.FunctionType(vt, [vt.as_pointer(), i32, vbool, vt]),
-                              f"llvm.masked.load.v{_VLANES}f32.p0v{_VLANES}f32")  # fmt: skip
-        self._mstore = declare(mod, ir.FunctionType(ir.VoidType(), [vt, vt.as_pointer(), i32,
-                                                                    vbool]),
-                               f"llvm.masked.store.v{_VLANES}f32.p0v{_VLANES}f32")  # fmt: skip
-        self._align = ir.Constant(i32, 4)
-        self.zero = ir.Constant(vt, [0.0] * _VLANES)
+        self.vt = ir.VectorType(ir.FloatType(), _VLANES)
+        self.zero = ir.Constant(self.vt, [0.0] * _VLANES)
 
     def each(self, body: Any) -> None:
         """``body(at, valid)`` for every step: ``valid`` None for whole vectors, then the lane
@@ -272,9 +272,7 @@ class RowSteps:
                 body(b.mul(b.add(done, rest.index), step), None, 0)
         at = b.mul(nfull, step)
         with b.if_then(b.icmp_signed("<", at, self.n)):
-            lanes = ir.Constant(ir.VectorType(i64, _VLANES), list(range(_VLANES)))
-            at_v = vec_broadcast(b, at, _VLANES)
-            body(at, b.icmp_signed("<", b.add(lanes, at_v), vec_broadcast(b, self.n, _VLANES)), 0)
+            body(at, lanes_below(b, b.sub(self.n, at), _VLANES), 0)
 
     def _ptr(self, base: ir.Value, off: ir.Value, at: ir.Value) -> ir.Value:
         b = self.builder
@@ -284,8 +282,7 @@ class RowSteps:
         """The step at ``base[off + at]`` (masked lanes read as 0)."""
         if valid is None:
             return load_vec(self.builder, self._ptr(base, off, at), self.vt)
-        args = [self._ptr(base, off, at), self._align, valid, self.zero]
-        return self.builder.call(self._mload, args)
+        return masked_load(self.builder, self._ptr(base, off, at), self.vt, valid, align=4)
 
     def store(
         self, v: ir.Value, base: ir.Value, off: ir.Value, at: ir.Value, valid: ir.Value | None
@@ -293,7 +290,7 @@ class RowSteps:
         if valid is None:
             store_vec(self.builder, v, self._ptr(base, off, at))
         else:
-            self.builder.call(self._mstore, [v, self._ptr(base, off, at), self._align, valid])
+            masked_store(self.builder, v, self._ptr(base, off, at), valid, align=4)
 
     def load_bytes(
         self, base: ir.Value, off: ir.Value, at: ir.Value, valid: ir.Value | None
@@ -301,26 +298,18 @@ class RowSteps:
         """The 16 uint8 codes at ``base[off + at]`` (masked lanes read as 0)."""
         b = self.builder
         vb = ir.VectorType(ir.IntType(8), _VLANES)
-        ptr = b.bitcast(b.gep(base, [b.add(off, at)]), vb.as_pointer())
-        if valid is None:
-            return load_vec(b, ptr, vb)
-        i32 = ir.IntType(32)
-        fn = declare(b.module, ir.FunctionType(vb, [vb.as_pointer(), i32, valid.type, vb]),
-                     f"llvm.masked.load.v{_VLANES}i8.p0v{_VLANES}i8")  # fmt: skip
-        return b.call(fn, [ptr, ir.Constant(i32, 1), valid, ir.Constant(vb, [0] * _VLANES)])
+        ptr = b.gep(base, [b.add(off, at)])
+        return load_vec(b, ptr, vb) if valid is None else masked_load(b, ptr, vb, valid)
 
     def store_bytes(
         self, v: ir.Value, base: ir.Value, off: ir.Value, at: ir.Value, valid: ir.Value | None
     ) -> None:
         b = self.builder
-        ptr = b.bitcast(b.gep(base, [b.add(off, at)]), v.type.as_pointer())
+        ptr = b.gep(base, [b.add(off, at)])
         if valid is None:
             store_vec(b, v, ptr)
-            return
-        fn = declare(b.module, ir.FunctionType(ir.VoidType(), [v.type, v.type.as_pointer(),
-                                                               ir.IntType(32), valid.type]),
-                     f"llvm.masked.store.v{_VLANES}i8.p0v{_VLANES}i8")  # fmt: skip
-        b.call(fn, [v, ptr, ir.Constant(ir.IntType(32), 1), valid])
+        else:
+            masked_store(b, v, ptr, valid)
 
     def only(self, valid: ir.Value | None, v: ir.Value, other: ir.Value) -> ir.Value:
         """``v`` in the valid lanes, ``other`` in the masked ones."""

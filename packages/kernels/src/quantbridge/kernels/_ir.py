@@ -24,6 +24,14 @@ def array_data(context: Any, builder: ir.IRBuilder, ty: Any, value: ir.Value) ->
     return context.make_array(ty)(context, builder, value).data
 
 
+def arrays_data(
+    context: Any, builder: ir.IRBuilder, sig: Any, args: Any, indices: tuple[int, ...]
+) -> list[ir.Value]:
+    """The data pointers of the array arguments at ``indices`` of an intrinsic's
+    ``(sig, args)``."""
+    return [array_data(context, builder, sig.args[i], args[i]) for i in indices]
+
+
 def stack_slot(builder: ir.IRBuilder, value: ir.Value) -> ir.Value:
     """An entry-block stack slot; LLVM promotes these accumulators to registers."""
     return cgutils.alloca_once_value(builder, value)  # type: ignore[no-untyped-call]
@@ -53,26 +61,29 @@ def _suffix(vt: ir.VectorType) -> str:
 
 
 def masked_load(
-    builder: ir.IRBuilder, ptr: ir.Value, vt: ir.VectorType, mask: ir.Value
+    builder: ir.IRBuilder, ptr: ir.Value, vt: ir.VectorType, mask: ir.Value, align: int = 1
 ) -> ir.Value:
     """The lanes of ``vt`` at ``ptr`` where ``mask`` (``<count x i1>``) is set, zero elsewhere;
-    masked-off lanes never touch memory (they may lie past an array's end)."""
+    masked-off lanes never touch memory (they may lie past an array's end). ``align``: the
+    alignment LLVM may assume, in bytes."""
     vmask = ir.VectorType(ir.IntType(1), vt.count)
     fn = declare(builder.module, ir.FunctionType(vt, [vt.as_pointer(), I32, vmask, vt]),
                  f"llvm.masked.load.{_suffix(vt)}")  # fmt: skip
     zero = ir.Constant(vt, [0.0 if isinstance(vt.element, ir.FloatType) else 0] * vt.count)
-    return builder.call(
-        fn, [builder.bitcast(ptr, vt.as_pointer()), ir.Constant(I32, 1), mask, zero]
-    )
+    ptr = builder.bitcast(ptr, vt.as_pointer())
+    return builder.call(fn, [ptr, ir.Constant(I32, align), mask, zero])
 
 
-def masked_store(builder: ir.IRBuilder, value: ir.Value, ptr: ir.Value, mask: ir.Value) -> None:
+def masked_store(
+    builder: ir.IRBuilder, value: ir.Value, ptr: ir.Value, mask: ir.Value, align: int = 1
+) -> None:
     """Store the lanes of ``value`` where ``mask`` is set; the others' memory is untouched."""
     vt = value.type
     vmask = ir.VectorType(ir.IntType(1), vt.count)
     fn = declare(builder.module, ir.FunctionType(ir.VoidType(), [vt, vt.as_pointer(), I32, vmask]),
                  f"llvm.masked.store.{_suffix(vt)}")  # fmt: skip
-    builder.call(fn, [value, builder.bitcast(ptr, vt.as_pointer()), ir.Constant(I32, 1), mask])
+    ptr = builder.bitcast(ptr, vt.as_pointer())
+    builder.call(fn, [value, ptr, ir.Constant(I32, align), mask])
 
 
 def lanes_below(builder: ir.IRBuilder, count: ir.Value, lanes: int) -> ir.Value:

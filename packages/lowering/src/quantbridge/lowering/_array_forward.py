@@ -34,7 +34,7 @@ from torch.fx.node import map_aggregate, map_arg
 from quantbridge.lowering import _lowered_ops as lowered
 from quantbridge.lowering._custom_ops import is_tracing
 from quantbridge.lowering._modules import LoweredModule
-from quantbridge.lowering._static_values import StaticCache, partition
+from quantbridge.lowering._static_values import StaticCache, attr, partition
 
 # step kinds: a kernel module on arrays, a call (function or module), a method, an attribute,
 # a shape method (``_SHAPE_METHODS``) on its receiver as it is
@@ -143,7 +143,7 @@ class _Plan:
                 else:  # e.g. a Python number where codes were expected: the module decides
                     env[i] = what(*[_tensor(v) for v in values])
             elif kind == _ATTR:
-                env[i] = _attr(gm, what)
+                env[i] = attr(gm, what)
             elif kind == _SHAPE:
                 env[i] = what(env[args_[0].index], *map_aggregate(args_[1:], load))
             else:
@@ -158,13 +158,6 @@ class _Plan:
         return map_aggregate(self.output, load)
 
 
-def _attr(gm: GraphModule, path: str) -> Any:
-    attr: Any = gm
-    for part in str(path).split("."):
-        attr = getattr(attr, part)
-    return attr
-
-
 def _compile(plan: _Plan) -> Any:
     """``plan``'s steps as one generated function ``run(gm, args)``: straight-line code with a
     local per value, where ``run_steps`` loops over the steps and rebuilds every argument
@@ -172,7 +165,7 @@ def _compile(plan: _Plan) -> Any:
     by name in the function's globals; lists and dicts are built anew at each call, as
     ``map_aggregate`` builds them."""
     scope: dict[str, Any] = {"_t": _tensor, "_as": lowered.as_array, "_CODES": _CODES,
-                             "_attr": _attr, "immutable_list": immutable_list,
+                             "attr": attr, "immutable_list": immutable_list,
                              "immutable_dict": immutable_dict}  # fmt: skip
 
     def bind(value: Any) -> str:
@@ -209,7 +202,7 @@ def _compile(plan: _Plan) -> Any:
             tensors = ", ".join(f"_t({n})" for n in names)
             line = f"    v{i} = {mod}.forward_arrays({arrays}) if {codes} else {mod}({tensors})"
         elif kind == _ATTR:
-            line = f"    v{i} = _attr(gm, {bind(what)})"
+            line = f"    v{i} = attr(gm, {bind(what)})"
         elif kind == _SHAPE:  # the receiver as it is: an array stays an array
             rest = "".join(f", {render(a)}" for a in args_[1:])
             line = f"    v{i} = {bind(what)}(v{args_[0].index}{rest})"

@@ -533,10 +533,7 @@ class QuantizedAttention(LoweredModule):
                     q, k, v, flat, out_qp, self.attention_scale, mask, self.target, self.causal
                 )
             )
-        return lowered.attention(
-            q, k, v, self._qparams, self._out_qp, self.attention_scale, mask, self.target,
-            self.causal,
-        )  # fmt: skip
+        return self._eager(q, k, v) if mask is None else self._eager(q, k, v, mask)
 
     def forward_arrays(self, *arrays: Any) -> Any:
         q, k, v = arrays[:3]

@@ -155,7 +155,7 @@ def partition(gm: GraphModule) -> Partition:
             part.keys.append(node)
             continue
         if node.op == "get_attr":
-            value = _get_attr(gm, str(node.target))
+            value = attr(gm, str(node.target))
             ok = isinstance(value, torch.Tensor) and not value.is_inference()
         else:
             ok = _pure(node, gm) and all(
@@ -177,10 +177,11 @@ def partition(gm: GraphModule) -> Partition:
     return part
 
 
-def _get_attr(gm: GraphModule, path: str) -> Any:
+def attr(gm: GraphModule, path: str) -> Any:
+    """The value a ``get_attr`` node of ``gm`` reads (``path``: dotted)."""
     value: Any = gm
-    for name in path.split("."):
-        value = getattr(value, name, None)
+    for name in str(path).split("."):
+        value = getattr(value, name)
     return value
 
 
@@ -206,7 +207,7 @@ class StaticCache:
         """``sizes`` with the identity and version of every tensor the static nodes read."""
         seen: list[Any] = list(sizes)
         for path in self._attrs:
-            t = _get_attr(gm, path)
+            t = attr(gm, path)
             seen.append(_version(t))
         for mod in self._modules:
             seen.extend(_version(t) for t in _tensors(mod))
