@@ -83,20 +83,22 @@ def test_fusion_is_taken_where_documented():
 
 @pytest.mark.parametrize("target", TARGETS)
 @pytest.mark.parametrize("oc", [10, 20, 24, 40])
-def test_rows_ending_inside_a_panel_with_redone_rows(target, oc):
+@pytest.mark.parametrize("c", [16, 112])
+def test_rows_ending_inside_a_panel_with_redone_rows(target, oc, c):
     # 10 ... 40 channels end part-way through a 16-column vector or a panel: the fused add
     # reads the residual and writes the output at exactly oc columns per row (VNNI: through
     # masks, even inside a vector); full-range codes make the byte kernels' pair scan redo
     # rows on the int16 kernels (AVX2), which must land in the same rows. The reference is
-    # the generic target's conv and add, which share no code with the SIMD kernels.
+    # the generic target's conv and add, which share no code with the SIMD kernels. 112
+    # input channels: K = 1008 streams its panels (VNNI's prefetching loops).
     rng = np.random.default_rng(oc)
-    x = rng.integers(0, 256, (2, 16, 7, 7), dtype=np.uint8)
-    x[:, :, 2:5] = rng.integers(0, 60, (2, 16, 3, 7), dtype=np.uint8)  # some clean rows
-    w = rng.integers(-128, 128, (oc, 16, 3, 3), dtype=np.int8)
+    x = rng.integers(0, 256, (2, c, 7, 7), dtype=np.uint8)
+    x[:, :, 2:5] = rng.integers(0, 60, (2, c, 3, 7), dtype=np.uint8)  # some clean rows
+    w = rng.integers(-128, 128, (oc, c, 3, 3), dtype=np.int8)
     bias = rng.normal(0, 2, oc).astype(np.float32)
     packed = PackedConvWeight(w, 0.01, 0, bias, padding=1, target=target)
     generic = PackedConvWeight(w, 0.01, 0, bias, padding=1, target="generic")
-    conv_s = 0.04 * 0.01 * 60 * 12
+    conv_s = 0.04 * 0.01 * 60 * np.sqrt(9 * c)
     y = qk.conv2d(x, generic, 0.04, 7, conv_s, 90, channels_last=True)
     other = channels_last(rng.integers(0, 256, y.shape, dtype=np.uint8))
     want = qk.add(y, (conv_s, 90), other, (0.06, 120), (0.09, 100))

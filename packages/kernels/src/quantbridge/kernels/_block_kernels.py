@@ -67,9 +67,14 @@ from quantbridge.kernels._ir import (
     vec_broadcast,
 )
 
-# k steps ahead that the one-row kernels prefetch packed weights (they stream from L2); 16
-# (2 KB ahead) was fastest of 8-64 at M = 1, 768x768
+# k steps ahead that a block prefetches packed weights streaming from L2; 16 (2 KB ahead)
+# was fastest of 8-64 for one-row blocks at M = 1, 768x768, and of 4-32 for VNNI's 8-row
+# blocks (K = 1536 or 2304: 8-15 % faster than none, one process, interleaved)
 PREFETCH_STEPS = 16
+# VNNI panels of more k steps than this (24 KB, half of a 48 KB L1) no longer stay in L1
+# between the row blocks that share them: their multi-row blocks prefetch ahead too. Below
+# it the extra instructions cost 0-3 % (K = 384, 576) and gain nothing.
+STREAMED_PANEL_STEPS = 192
 
 _TARGETS: dict[str, ModuleType] = {
     "avx512_vnni": _vnni,
@@ -237,6 +242,19 @@ def _make_kernel(target: str, mr: int, ku: int, mode: str, nvec: int) -> Any:
         line_elems = 64 * 8 // belt.width  # packed B elements per cache line
         step_lines = max(1, nr * kstep // line_elems)
         nouter = builder.sdiv(nk, ir.Constant(I64, ku))
+        # what the prefetch ahead fetches, in packed B elements from a step's start: VNNI the
+        # lines its ku steps' vectors read PREFETCH_STEPS later (a 1-vector block reads half
+        # of each step); AVX2 ku * nvec lines in a row
+        if target == "avx512_vnni":
+            per_vec = lanes * kstep
+            ahead_lines = sorted(
+                {((PREFETCH_STEPS + u) * nr * kstep + v * per_vec) // line_elems * line_elems
+                 for u in range(ku) for v in range(nvec)}
+            )  # fmt: skip
+        else:
+            ahead_lines = [
+                PREFETCH_STEPS * nr * kstep + line * line_elems for line in range(ku * nvec)
+            ]
 
         def emit_step(step: ir.Value, u: int, prefetch_ahead: bool, next_panel: bool) -> None:
             koff = builder.load(builder.gep(ko_p, [step]))
@@ -255,14 +273,9 @@ def _make_kernel(target: str, mr: int, ku: int, mode: str, nvec: int) -> Any:
                          ir.Constant(I32, 0), ir.Constant(I32, 2), ir.Constant(I32, 1)],
                     )  # fmt: skip
             if prefetch_ahead:
-                # one row streams the weights from L2; fetch a few steps ahead
-                for line in range(ku * nvec):
-                    ahead = builder.add(
-                        bbase,
-                        ir.Constant(
-                            I64, (PREFETCH_STEPS * nr * kstep) + line * 64 // belt.width * 8
-                        ),
-                    )
+                # the weights stream from L2 (one row, or a panel past L1): fetch ahead
+                for elems in ahead_lines:
+                    ahead = builder.add(bbase, ir.Constant(I64, elems))
                     pf_ptr = builder.bitcast(builder.gep(b_p, [ahead]), I8.as_pointer())
                     builder.call(
                         prefetch,
@@ -286,26 +299,37 @@ def _make_kernel(target: str, mr: int, ku: int, mode: str, nvec: int) -> Any:
                     acc = spec.accumulate(builder, dot, builder.load(acc_slot), a_words, b)
                     builder.store(acc, acc_slot)
 
-        def emit_loop(next_panel: bool) -> None:
+        def emit_loop(next_panel: bool, ahead: bool) -> None:
             with cgutils.for_range(builder, nouter) as loop:
                 for u in range(ku):
                     step = builder.add(
                         builder.mul(loop.index, ir.Constant(I64, ku)), ir.Constant(I64, u)
                     )
-                    emit_step(step, u, mr == 1 and u == 0, next_panel)
+                    emit_step(step, u, ahead and u == 0, next_panel)
             if ku > 1:  # the steps past the last full interleave, on the first accumulator set
                 done = builder.mul(nouter, ir.Constant(I64, ku))
                 with cgutils.for_range(builder, builder.sub(nk, done)) as rest:
                     emit_step(builder.add(done, rest.index), 0, False, next_panel)
 
-        # two copies of the loop, so the one that prefetches nothing (pfshift < 0, most
-        # blocks) carries no per-step test
+        def emit_loops(next_panel: bool) -> None:
+            if mr == 1 or target != "avx512_vnni":  # one row streams the weights from L2
+                emit_loop(next_panel, mr == 1)
+                return
+            streamed = builder.icmp_signed(">", nk, ir.Constant(I64, STREAMED_PANEL_STEPS))
+            with builder.if_else(streamed) as (large, small):
+                with large:
+                    emit_loop(next_panel, True)
+                with small:
+                    emit_loop(next_panel, False)
+
+        # a copy of the loop per case, so the one that prefetches nothing (pfshift < 0, most
+        # blocks; a panel that stays in L1) carries no per-step test
         fetch = builder.icmp_signed(">=", pfshift, ir.Constant(I64, 0))
         with builder.if_else(fetch, likely=False) as (with_prefetch, without):
             with with_prefetch:
-                emit_loop(True)
+                emit_loops(True)
             with without:
-                emit_loop(False)
+                emit_loops(False)
         # epilogue, in registers
         ozp_v = vec_broadcast(builder, builder.sitofp(builder.trunc(ozp, I32), F32T), lanes)
         lo_v, hi_v, zpbits_v = clamp_round_splats(builder, ozp, qmin, qmax, lanes)
