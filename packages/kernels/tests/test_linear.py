@@ -114,6 +114,31 @@ def test_last_panels_within_one_vector(target, n, m):
 
 
 @pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("n", [48, 64, 96, 150, 176])
+def test_two_panel_blocks_and_their_tails(target, n):
+    # VNNI runs neighbouring panels in pairs (6-row blocks of 4 vectors, 4-row blocks for a
+    # tile's last rows, a single row on each panel's own kernels); 96 and 150 leave a single
+    # panel after the pairs, 48 a narrow last panel that stays single
+    rng = np.random.default_rng(n)
+    for m in [*range(1, 22), 26, 128]:
+        a, a_s, a_zp, w, w_s, w_zp, bias, o_s, o_zp = _case(rng, m, 52, n, True, False, True)
+        packed = PackedLinearWeight(w, w_s, w_zp, bias, target=target)
+        want = reference_linear(a, a_s, a_zp, w, w_s, w_zp, bias, o_s, o_zp)
+        for threads in (1, 2):
+            got = linear(a, packed, a_s, a_zp, o_s, o_zp, num_threads=threads)
+            np.testing.assert_array_equal(got, want, err_msg=f"m={m} threads={threads}")
+    from quantbridge.kernels._linear import choose_dynamic_qparams
+
+    for m in (5, 8, 14):  # the float epilogue's pair blocks
+        x = (rng.normal(size=(m, 52)) * 3).astype(F32)
+        w = rng.integers(-128, 128, (n, 52), dtype=np.int8)
+        w_s = rng.uniform(0.001, 0.02, n)
+        got = linear_dynamic(x, PackedLinearWeight(w, w_s, 0, None, target=target), num_threads=1)
+        want = reference_dynamic(x, w, w_s, None, *choose_dynamic_qparams(x))
+        np.testing.assert_array_max_ulp(got, want, maxulp=1)
+
+
+@pytest.mark.parametrize("target", TARGETS)
 @pytest.mark.parametrize("extra", [0, 1, 18])
 def test_panels_streamed_from_l2(target, extra):
     # panels of more than STREAMED_PANEL_STEPS k steps run VNNI's multi-row blocks in a loop

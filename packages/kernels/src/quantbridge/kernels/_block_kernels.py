@@ -188,7 +188,8 @@ def _lookup(
 
 def _make_kernel(target: str, mr: int, ku: int, mode: str, nvec: int) -> Any:
     """IR codegen for an ``mr x (nvec vectors)`` block of a panel of ``NR`` columns, ``ku``
-    interleaved k accumulators."""
+    interleaved k accumulators; with more vectors than a panel holds (VNNI's 4-vector blocks)
+    the block spans two neighbouring panels, the second ``nk`` k steps of packed B further."""
     spec = _TARGETS[target]
     lanes, kstep, belt = spec.LANES, spec.K_STEP, spec.B_ELEMENT
     nr = lanes * spec.VECTORS_PER_ROW  # the packed panel's width: its k steps' stride
@@ -242,18 +243,24 @@ def _make_kernel(target: str, mr: int, ku: int, mode: str, nvec: int) -> Any:
         line_elems = 64 * 8 // belt.width  # packed B elements per cache line
         step_lines = max(1, nr * kstep // line_elems)
         nouter = builder.sdiv(nk, ir.Constant(I64, ku))
-        # what the prefetch ahead fetches, in packed B elements from a step's start: VNNI the
-        # lines its ku steps' vectors read PREFETCH_STEPS later (a 1-vector block reads half
-        # of each step); AVX2 ku * nvec lines in a row
+        # a block wider than a panel (VNNI's 4-vector blocks) spans two neighbouring panels:
+        # its vectors past the first panel's read the next one, pair_off elements further
+        per_panel = nr // lanes
+        pair_off = builder.mul(nk, panel_elems)
+        # what the prefetch ahead fetches, as (packed B elements from a step's start, in the
+        # second panel): VNNI the lines its ku steps' vectors read PREFETCH_STEPS later (a
+        # 1-vector block reads half of each step); AVX2 ku * nvec lines in a row
         if target == "avx512_vnni":
             per_vec = lanes * kstep
             ahead_lines = sorted(
-                {((PREFETCH_STEPS + u) * nr * kstep + v * per_vec) // line_elems * line_elems
+                {(((PREFETCH_STEPS + u) * nr * kstep + (v % per_panel) * per_vec)
+                  // line_elems * line_elems, v >= per_panel)
                  for u in range(ku) for v in range(nvec)}
             )  # fmt: skip
         else:
             ahead_lines = [
-                PREFETCH_STEPS * nr * kstep + line * line_elems for line in range(ku * nvec)
+                (PREFETCH_STEPS * nr * kstep + line * line_elems, False)
+                for line in range(ku * nvec)
             ]
 
         def emit_step(step: ir.Value, u: int, prefetch_ahead: bool, next_panel: bool) -> None:
@@ -274,21 +281,20 @@ def _make_kernel(target: str, mr: int, ku: int, mode: str, nvec: int) -> Any:
                     )  # fmt: skip
             if prefetch_ahead:
                 # the weights stream from L2 (one row, or a panel past L1): fetch ahead
-                for elems in ahead_lines:
+                for elems, second in ahead_lines:
                     ahead = builder.add(bbase, ir.Constant(I64, elems))
+                    if second:
+                        ahead = builder.add(ahead, pair_off)
                     pf_ptr = builder.bitcast(builder.gep(b_p, [ahead]), I8.as_pointer())
                     builder.call(
                         prefetch,
                         [pf_ptr, ir.Constant(I32, 0), ir.Constant(I32, 3), ir.Constant(I32, 1)],
                     )
-            bvecs = [
-                load_vec(
-                    builder,
-                    builder.gep(b_p, [builder.add(bbase, ir.Constant(I64, v * lanes * kstep))]),
-                    bvt,
-                )
-                for v in range(nvec)
-            ]
+            bvecs = []
+            for v in range(nvec):
+                vbase = builder.add(bbase, pair_off) if v >= per_panel else bbase
+                at = builder.add(vbase, ir.Constant(I64, (v % per_panel) * lanes * kstep))
+                bvecs.append(load_vec(builder, builder.gep(b_p, [at]), bvt))
             for r in range(mr):
                 aptr = builder.gep(a_p, [builder.add(rbase[r], koff)])
                 # the step's k activations of this row, as one i32 broadcast to every lane
@@ -323,13 +329,17 @@ def _make_kernel(target: str, mr: int, ku: int, mode: str, nvec: int) -> Any:
                     emit_loop(next_panel, False)
 
         # a copy of the loop per case, so the one that prefetches nothing (pfshift < 0, most
-        # blocks; a panel that stays in L1) carries no per-step test
-        fetch = builder.icmp_signed(">=", pfshift, ir.Constant(I64, 0))
-        with builder.if_else(fetch, likely=False) as (with_prefetch, without):
-            with with_prefetch:
-                emit_loops(True)
-            with without:
-                emit_loops(False)
+        # blocks; a panel that stays in L1) carries no per-step test. Blocks of two panels
+        # never fetch the next ones (faster without it, measured: _gemm_simd)
+        if nvec > per_panel:
+            emit_loops(False)
+        else:
+            fetch = builder.icmp_signed(">=", pfshift, ir.Constant(I64, 0))
+            with builder.if_else(fetch, likely=False) as (with_prefetch, without):
+                with with_prefetch:
+                    emit_loops(True)
+                with without:
+                    emit_loops(False)
         # epilogue, in registers
         ozp_v = vec_broadcast(builder, builder.sitofp(builder.trunc(ozp, I32), F32T), lanes)
         lo_v, hi_v, zpbits_v = clamp_round_splats(builder, ozp, qmin, qmax, lanes)
@@ -491,12 +501,16 @@ def _make_kernel(target: str, mr: int, ku: int, mode: str, nvec: int) -> Any:
 # rows. The 1-row kernels split k over 4 accumulator sets to hide the 4-cycle latency.
 # ``u8t``: conv's NCHW output, channel-major transposed stores (VNNI only). VNNI's narrow
 # kernels (1 vector a row, 16 rows) run a last panel whose second vector lies wholly past N
-# (N = 16, 48, 144...), which the 2-vector kernels would compute for nothing.
+# (N = 16, 48, 144...), which the 2-vector kernels would compute for nothing. VNNI's 4-vector
+# kernels (6 rows, 24 accumulators; 4 rows for a tile's last rows) run two neighbouring panels
+# at once: 0.42 loads per vpdpbusd instead of 0.63, which a busy sibling hyperthread slows
+# less. 12 rows x 2 vectors would load as few, but LLVM hoists the 12 broadcasts and spills.
 _BLOCKS = [
     (target, mr, ku, mode, vectors)
     for target, sizes, modes, vectors in (
         ("avx512_vnni", ((8, 1), (4, 2), (1, 4)), ("u8", "f32", "u8t", "u8add"), 2),
         ("avx512_vnni", ((16, 1), (8, 2), (1, 4)), ("u8", "u8add"), 1),
+        ("avx512_vnni", ((6, 1), (4, 1)), ("u8", "f32", "u8add"), 4),
         ("avx2", ((6, 1), (4, 1), (3, 2), (1, 4)), ("u8", "f32", "u8add"), 2),
         ("avx2_byte", ((6, 1), (4, 1), (3, 2), (1, 4)), ("u8", "f32", "u8add"), 2),
     )

@@ -7,7 +7,10 @@ when M is split (few panels, e.g. a 64-channel conv) each thread reads only its 
 activations, and runs a panel's rows back to back (B stays in L1 or L2) otherwise. Row tails use
 the smaller kernels; rows past the end are recomputed from the last valid row and not stored. A
 tile of few row blocks fetches the next panel into L2 while it runs (``_prefetch``). On VNNI a
-last panel whose rows end within its first vector (N = 16, 48, 144...) runs 1-vector kernels.
+last panel whose rows end within its first vector (N = 16, 48, 144...) runs 1-vector kernels,
+and the other panels run in pairs: one block of 6 rows x 4 vectors covers two neighbouring
+panels (a tile is then a pair of panels times a row chunk; a pair's last rows run as 4-row
+pair blocks, a single row on each panel's own kernels).
 
 The factory closes over ints only (kernel numbers, block sizes): numba folds them as constants,
 so each driver compiles exactly as a hand-written copy did, and its on-disk cache key (which
@@ -35,6 +38,13 @@ _ROWS = {"avx512_vnni": (8, 0, 4), "avx2": (6, 4, 3), "avx2_byte": (6, 4, 3)}
 _SHORT = {"avx512_vnni": "vnni", "avx2": "avx2", "avx2_byte": "avx2b"}
 # rows of the narrow (1-vector) blocks: 16 accumulators, as the 2-vector blocks' 8 rows
 _NARROW_ROWS = 16
+# rows of VNNI's 2-panel blocks (4 vectors a row: 24 accumulators). Per vpdpbusd they load
+# 0.42 vectors and broadcasts where the 8 x 2 blocks load 0.63: what the other hyperthread
+# of a shared core contends for (kernels README, "Two panels a block")
+_PAIR_ROWS = 6
+# rows of the 2-panel blocks that end a tile: 8 rows left run as two of these (M = 128: 20
+# blocks of 6 and 2 of 4, no wasted row), 2-5 as one (its rows past the end recomputed)
+_PAIR_TAIL_ROWS = 4
 # tiles of at most this many blocks prefetch their next panel (see _prefetch)
 _PREFETCH_MAX_BLOCKS = 32
 
@@ -75,6 +85,10 @@ def _make_driver(target: str, mode: str, parallel: bool) -> Any:
     narrow_big = KERNEL_IDS[(target, _NARROW_ROWS, mode, 1)] if narrow else big
     narrow_mid = KERNEL_IDS[(target, _NARROW_ROWS // 2, mode, 1)] if narrow else big
     narrow_one = KERNEL_IDS[(target, 1, mode, 1)] if narrow else big
+    # pairs of neighbouring panels run as one block of 2 * vectors a row where there is one
+    paired = (target, _PAIR_ROWS, mode, 2 * vectors) in KERNEL_IDS
+    pair = KERNEL_IDS[(target, _PAIR_ROWS, mode, 2 * vectors)] if paired else big
+    pair_tail = KERNEL_IDS[(target, _PAIR_TAIL_ROWS, mode, 2 * vectors)] if paired else big
     lanes = block_lanes(target)
     nr = block_cols(target)
     panel_step = nr * k_step(target)  # packed B elements per k step of one panel
@@ -104,69 +118,103 @@ def _make_driver(target: str, mode: str, parallel: bool) -> Any:
     ):
         nmc = (m + mchunk - 1) // mchunk
         panel = nk * panel_step
-        for t in prange(npanels * nmc):  # a plain range when parallel=False
-            p = t % npanels  # row-chunk-major: a thread keeps its rows (activations)
-            start = (t // npanels) * mchunk
+        # groups of panels: pairs first (a last panel that runs the narrow kernels stays
+        # single), then the single panels left
+        pairable = npanels - 1 if narrow and ldc - (npanels - 1) * nr <= lanes else npanels
+        npairs = pairable // 2 if paired else 0
+        ngroups = npanels - npairs
+        for t in prange(ngroups * nmc):  # a plain range when parallel=False
+            g = t % ngroups  # row-chunk-major: a thread keeps its rows (activations)
+            start = (t // ngroups) * mchunk
             end = min(m, start + mchunk)
-            boff = p * panel
-            j0 = p * nr
+            first = 2 * g if g < npairs else g + npairs
             i = start
-            if narrow and ldc - j0 <= lanes:  # (the last panel: nothing to prefetch)
+            if g < npairs:  # the rows on both panels at once, but a last one
+                boff = first * panel
+                # no next-panel prefetch: a pair's blocks ran 0.86-0.97x the time of the same
+                # blocks fetching the next pair (one process, interleaved), and as fast in
+                # ResNet-18/50 and MobileNetV2
+                blocks = (end - i) // _PAIR_ROWS
+                if (end - i) % _PAIR_ROWS == 2 and blocks > 0:
+                    blocks -= 1  # 6 + 2 rows left run as 4 + 4
+                for _ in range(blocks):
+                    block_kernel(
+                        pair, a, rowoffs, i, koffs, nk, bp, boff, c, ldc, _PAIR_ROWS,
+                        colcorr, wzp, rowsum, biasq, mult, first * nr, ozp, qmin, qmax, res,
+                        addp, lut, boff, -1,
+                    )  # fmt: skip
+                    i += _PAIR_ROWS
+                while end - i >= 2:
+                    block_kernel(
+                        pair_tail, a, rowoffs, i, koffs, nk, bp, boff, c, ldc,
+                        min(end - i, _PAIR_TAIL_ROWS), colcorr, wzp, rowsum, biasq, mult,
+                        first * nr, ozp, qmin, qmax, res, addp, lut, boff, -1,
+                    )  # fmt: skip
+                    i += min(end - i, _PAIR_TAIL_ROWS)
+            tail = i  # the rows a pair leaves (fewer than a block), or all of a single panel's
+            for p in range(first, first + 2 if g < npairs else first + 1):
+                boff = p * panel
+                j0 = p * nr
+                i = tail
+                if narrow and ldc - j0 <= lanes:  # (the last panel: nothing to prefetch)
+                    while i < end:
+                        left = end - i
+                        if left > _NARROW_ROWS // 2:
+                            block_kernel(
+                                narrow_big, a, rowoffs, i, koffs, nk, bp, boff, c, ldc,
+                                min(left, _NARROW_ROWS), colcorr, wzp, rowsum, biasq, mult, j0, ozp,
+                                qmin, qmax, res, addp, lut, boff, -1,
+                            )  # fmt: skip
+                            i += _NARROW_ROWS
+                        elif left > 1:
+                            block_kernel(
+                                narrow_mid, a, rowoffs, i, koffs, nk, bp, boff, c, ldc, left,
+                                colcorr, wzp, rowsum, biasq, mult, j0, ozp, qmin, qmax, res, addp,
+                                lut, boff, -1,
+                            )  # fmt: skip
+                            i += _NARROW_ROWS // 2
+                        else:
+                            block_kernel(
+                                narrow_one, a, rowoffs, i, koffs, nk, bp, boff, c, ldc, 1, colcorr,
+                                wzp, rowsum, biasq, mult, j0, ozp, qmin, qmax, res, addp, lut,
+                                boff, -1,
+                            )  # fmt: skip
+                            i += 1
                 while i < end:
                     left = end - i
-                    if left > _NARROW_ROWS // 2:
+                    pfoff, pfshift = _prefetch(
+                        p, npanels, boff, panel, end - start, big_rows, i - start
+                    )
+                    if left > mid_rows and (
+                        quad_rows == 0 or left > 2 * quad_rows or left == big_rows
+                    ):
                         block_kernel(
-                            narrow_big, a, rowoffs, i, koffs, nk, bp, boff, c, ldc,
-                            min(left, _NARROW_ROWS), colcorr, wzp, rowsum, biasq, mult, j0, ozp,
-                            qmin, qmax, res, addp, lut, boff, -1,
+                            big, a, rowoffs, i, koffs, nk, bp, boff, c, ldc, min(left, big_rows),
+                            colcorr, wzp, rowsum, biasq, mult, j0, ozp, qmin, qmax, res, addp, lut,
+                            pfoff, pfshift,
                         )  # fmt: skip
-                        i += _NARROW_ROWS
+                        i += big_rows
+                    elif quad_rows != 0 and left >= quad_rows:
+                        block_kernel(
+                            quad, a, rowoffs, i, koffs, nk, bp, boff, c, ldc, quad_rows,
+                            colcorr, wzp, rowsum, biasq, mult, j0, ozp, qmin, qmax, res, addp, lut,
+                            pfoff, pfshift,
+                        )  # fmt: skip
+                        i += quad_rows
                     elif left > 1:
                         block_kernel(
-                            narrow_mid, a, rowoffs, i, koffs, nk, bp, boff, c, ldc, left, colcorr,
-                            wzp, rowsum, biasq, mult, j0, ozp, qmin, qmax, res, addp, lut,
-                            boff, -1,
+                            mid, a, rowoffs, i, koffs, nk, bp, boff, c, ldc, left,
+                            colcorr, wzp, rowsum, biasq, mult, j0, ozp, qmin, qmax, res, addp, lut,
+                            pfoff, pfshift,
                         )  # fmt: skip
-                        i += _NARROW_ROWS // 2
+                        i += mid_rows
                     else:
                         block_kernel(
-                            narrow_one, a, rowoffs, i, koffs, nk, bp, boff, c, ldc, 1, colcorr, wzp,
-                            rowsum, biasq, mult, j0, ozp, qmin, qmax, res, addp, lut, boff, -1,
+                            one, a, rowoffs, i, koffs, nk, bp, boff, c, ldc, 1,
+                            colcorr, wzp, rowsum, biasq, mult, j0, ozp, qmin, qmax, res, addp, lut,
+                            pfoff, pfshift,
                         )  # fmt: skip
                         i += 1
-            while i < end:
-                left = end - i
-                pfoff, pfshift = _prefetch(
-                    p, npanels, boff, panel, end - start, big_rows, i - start
-                )
-                if left > mid_rows and (quad_rows == 0 or left > 2 * quad_rows or left == big_rows):
-                    block_kernel(
-                        big, a, rowoffs, i, koffs, nk, bp, boff, c, ldc, min(left, big_rows),
-                        colcorr, wzp, rowsum, biasq, mult, j0, ozp, qmin, qmax, res, addp, lut,
-                        pfoff, pfshift,
-                    )  # fmt: skip
-                    i += big_rows
-                elif quad_rows != 0 and left >= quad_rows:
-                    block_kernel(
-                        quad, a, rowoffs, i, koffs, nk, bp, boff, c, ldc, quad_rows,
-                        colcorr, wzp, rowsum, biasq, mult, j0, ozp, qmin, qmax, res, addp, lut,
-                        pfoff, pfshift,
-                    )  # fmt: skip
-                    i += quad_rows
-                elif left > 1:
-                    block_kernel(
-                        mid, a, rowoffs, i, koffs, nk, bp, boff, c, ldc, left,
-                        colcorr, wzp, rowsum, biasq, mult, j0, ozp, qmin, qmax, res, addp, lut,
-                        pfoff, pfshift,
-                    )  # fmt: skip
-                    i += mid_rows
-                else:
-                    block_kernel(
-                        one, a, rowoffs, i, koffs, nk, bp, boff, c, ldc, 1,
-                        colcorr, wzp, rowsum, biasq, mult, j0, ozp, qmin, qmax, res, addp, lut,
-                        pfoff, pfshift,
-                    )  # fmt: skip
-                    i += 1
 
     prefix = "drive" if parallel else "serial"
     # a distinct module-level qualname per driver: its own cache index file, stable across runs
