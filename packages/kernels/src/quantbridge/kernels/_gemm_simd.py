@@ -59,6 +59,7 @@ def _prefetch(p, npanels, boff, panel, rows, big_rows, i):  # type: ignore[no-un
     # the whole tile. Up to 32 blocks (a 14x14 plane, BERT's 128 rows) it still gained 1-2 %
     # (ResNet-18/50, BERT at batch 1, one process, interleaved against 8); tiles of more
     # blocks fetch nothing (the first block's share of the panel is too small to matter).
+    # Blocks of two panels fetch nothing either (see the driver): this serves single panels.
     # Returns the block_kernel arguments of the block at row i of the tile: (start of its
     # slice, log2 of the slice count or -1 for no prefetch).
     blocks = (rows + big_rows - 1) // big_rows
