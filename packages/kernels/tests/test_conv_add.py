@@ -82,14 +82,14 @@ def test_fusion_is_taken_where_documented():
 
 
 @pytest.mark.parametrize("target", TARGETS)
-@pytest.mark.parametrize("oc", [10, 20, 24, 40, 72, 100])
+@pytest.mark.parametrize("oc", [10, 20, 24, 40, 56, 72, 100])
 @pytest.mark.parametrize("c", [16, 112])
 def test_rows_ending_inside_a_panel_with_redone_rows(target, oc, c):
     # 10 ... 40 channels end part-way through a 16-column vector or a panel: the fused add
     # reads the residual and writes the output at exactly oc columns per row (VNNI: through
     # masks, even inside a vector); full-range codes make the byte kernels' pair scan redo
-    # rows on the int16 kernels (AVX2), which must land in the same rows; 72 and 100 run
-    # their first panels in pairs on VNNI. The reference is
+    # rows on the int16 kernels (AVX2), which must land in the same rows; 56, 72 and 100 run
+    # their first panels in pairs on VNNI (56 ends inside the pair). The reference is
     # the generic target's conv and add, which share no code with the SIMD kernels. 112
     # input channels: K = 1008 streams its panels (VNNI's prefetching loops).
     rng = np.random.default_rng(oc)

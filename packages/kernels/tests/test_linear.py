@@ -114,11 +114,12 @@ def test_last_panels_within_one_vector(target, n, m):
 
 
 @pytest.mark.parametrize("target", TARGETS)
-@pytest.mark.parametrize("n", [48, 64, 96, 150, 176])
+@pytest.mark.parametrize("n", [48, 56, 64, 96, 150, 176])
 def test_two_panel_blocks_and_their_tails(target, n):
     # VNNI runs neighbouring panels in pairs (6-row blocks of 4 vectors, 4-row blocks for a
     # tile's last rows, a single row on each panel's own kernels); 96 and 150 leave a single
-    # panel after the pairs, 48 a narrow last panel that stays single
+    # panel after the pairs, 48 and 176 a narrow last panel that stays single; 56 ends its
+    # pair's rows inside the fourth vector (masked stores)
     rng = np.random.default_rng(n)
     for m in [*range(1, 22), 26, 128]:
         a, a_s, a_zp, w, w_s, w_zp, bias, o_s, o_zp = _case(rng, m, 52, n, True, False, True)
