@@ -122,21 +122,9 @@ def test_two_panel_blocks_and_their_tails(target, n):
     # pair's rows inside the fourth vector (masked stores)
     rng = np.random.default_rng(n)
     for m in [*range(1, 22), 26, 128]:
-        a, a_s, a_zp, w, w_s, w_zp, bias, o_s, o_zp = _case(rng, m, 52, n, True, False, True)
-        packed = PackedLinearWeight(w, w_s, w_zp, bias, target=target)
-        want = reference_linear(a, a_s, a_zp, w, w_s, w_zp, bias, o_s, o_zp)
-        for threads in (1, 2):
-            got = linear(a, packed, a_s, a_zp, o_s, o_zp, num_threads=threads)
-            np.testing.assert_array_equal(got, want, err_msg=f"m={m} threads={threads}")
-    from quantbridge.kernels._linear import choose_dynamic_qparams
-
+        _check_one_and_two_threads(rng, target, m, 52, n)
     for m in (5, 8, 14):  # the float epilogue's pair blocks
-        x = (rng.normal(size=(m, 52)) * 3).astype(F32)
-        w = rng.integers(-128, 128, (n, 52), dtype=np.int8)
-        w_s = rng.uniform(0.001, 0.02, n)
-        got = linear_dynamic(x, PackedLinearWeight(w, w_s, 0, None, target=target), num_threads=1)
-        want = reference_dynamic(x, w, w_s, None, *choose_dynamic_qparams(x))
-        np.testing.assert_array_max_ulp(got, want, maxulp=1)
+        _check_dynamic(rng, target, m, 52, n)
 
 
 @pytest.mark.parametrize("target", TARGETS)
@@ -145,21 +133,33 @@ def test_panels_streamed_from_l2(target, extra):
     # panels of more than STREAMED_PANEL_STEPS k steps run VNNI's multi-row blocks in a loop
     # of their own (it prefetches the panel ahead): every block kind at and past the threshold
     from quantbridge.kernels._block_kernels import STREAMED_PANEL_STEPS
-    from quantbridge.kernels._linear import choose_dynamic_qparams
 
     k = 4 * (STREAMED_PANEL_STEPS + extra)
     rng = np.random.default_rng(extra)
     for n in (16, 64, 150):  # 1-vector last panels, 2-vector panels, both
         for m in (1, 4, 7, 13, 20, 40):  # 1-, 4-, 8- and 16-row blocks and their tails
-            a, a_s, a_zp, w, w_s, w_zp, bias, o_s, o_zp = _case(rng, m, k, n, True, False, True)
-            packed = PackedLinearWeight(w, w_s, w_zp, bias, target=target)
-            want = reference_linear(a, a_s, a_zp, w, w_s, w_zp, bias, o_s, o_zp)
-            for threads in (1, 2):
-                got = linear(a, packed, a_s, a_zp, o_s, o_zp, num_threads=threads)
-                np.testing.assert_array_equal(got, want)
-    x = (rng.normal(size=(20, k)) * 3).astype(F32)  # the float epilogue's blocks
-    w = rng.integers(-128, 128, (70, k), dtype=np.int8)
-    w_s = rng.uniform(0.001, 0.02, 70)
+            _check_one_and_two_threads(rng, target, m, k, n)
+    _check_dynamic(rng, target, 20, k, 70)  # the float epilogue's blocks
+
+
+def _check_one_and_two_threads(rng, target, m, k, n):
+    """``linear`` on a random per-channel case at one and two threads against the reference."""
+    a, a_s, a_zp, w, w_s, w_zp, bias, o_s, o_zp = _case(rng, m, k, n, True, False, True)
+    packed = PackedLinearWeight(w, w_s, w_zp, bias, target=target)
+    want = reference_linear(a, a_s, a_zp, w, w_s, w_zp, bias, o_s, o_zp)
+    for threads in (1, 2):
+        got = linear(a, packed, a_s, a_zp, o_s, o_zp, num_threads=threads)
+        np.testing.assert_array_equal(got, want, err_msg=f"m={m} threads={threads}")
+
+
+def _check_dynamic(rng, target, m, k, n):
+    """``linear_dynamic`` (no bias, one thread) on random x and weights against the
+    reference, within the one-ulp double rounding of its float64 emulation."""
+    from quantbridge.kernels._linear import choose_dynamic_qparams
+
+    x = (rng.normal(size=(m, k)) * 3).astype(F32)
+    w = rng.integers(-128, 128, (n, k), dtype=np.int8)
+    w_s = rng.uniform(0.001, 0.02, n)
     got = linear_dynamic(x, PackedLinearWeight(w, w_s, 0, None, target=target), num_threads=1)
     want = reference_dynamic(x, w, w_s, None, *choose_dynamic_qparams(x))
     np.testing.assert_array_max_ulp(got, want, maxulp=1)
