@@ -108,6 +108,26 @@ def test_rows_ending_inside_a_panel_with_redone_rows(target, oc, c):
     np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("oc", [24, 56, 64])
+def test_sums_far_outside_the_codes_saturate(target, oc):
+    # an output scale 1e10 times too small: the add's values reach past 2**31 on both sides
+    # (VNNI rounds them with vcvtps2dq and clamps with saturating packs in 2- and 4-vector rows)
+    rng = np.random.default_rng(oc)
+    x = rng.integers(0, 256, (1, 16, 6, 6), dtype=np.uint8)
+    w = rng.integers(-128, 128, (oc, 16, 1, 1), dtype=np.int8)
+    packed = PackedConvWeight(w, 0.01, 0, None, target=target)
+    conv_qp, other_qp, out_qp = (0.5, 90), (0.06, 120), (0.09e-10, 100)
+    y = qk.conv2d(x, packed, 0.04, 7, *conv_qp, channels_last=True)
+    other = channels_last(rng.integers(0, 256, y.shape, dtype=np.uint8))
+    for relu in (False, True):
+        add = qk.add_relu if relu else qk.add
+        want = add(y, conv_qp, other, other_qp, out_qp)
+        got = qk.conv2d_add(x, packed, (0.04, 7), conv_qp, other, other_qp, out_qp, relu=relu)
+        np.testing.assert_array_equal(got, want)
+        assert {100 if relu else 0, 255} <= set(np.unique(got).tolist())  # both ends
+
+
 def test_conv2d_add_bad_other_shape():
     packed = PackedConvWeight(np.zeros((64, 8, 3, 3), np.int8), 0.01, padding=1)
     x = np.zeros((1, 8, 5, 5), np.uint8)

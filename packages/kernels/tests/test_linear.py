@@ -128,6 +128,27 @@ def test_two_panel_blocks_and_their_tails(target, n):
 
 
 @pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("n", [16, 24, 56, 64, 150])
+@pytest.mark.parametrize("shrink", [1e-3, 1e-9])
+def test_results_far_outside_the_codes_saturate(target, n, shrink):
+    # an output scale 1e3 / 1e9 times too small: requantized values reach past 2**16 and past
+    # 2**31 on both sides. VNNI's 2- and 4-vector rows round with vcvtps2dq and clamp by
+    # saturating packs (large values are first lowered to 2**16), 1-vector rows clamp first:
+    # every kind must give the reference's 0 / 255, and relu's floor at the zero point
+    rng = np.random.default_rng(n)
+    a, a_s, a_zp, w, w_s, w_zp, bias, o_s, o_zp = _case(rng, 13, 40, n, True, False, True)
+    codes = []
+    for relu in (False, True):
+        for threads in (1, 2):
+            got = linear(a, PackedLinearWeight(w, w_s, w_zp, bias, target=target), a_s, a_zp,
+                         o_s * shrink, o_zp, relu=relu, num_threads=threads)  # fmt: skip
+            want = reference_linear(a, a_s, a_zp, w, w_s, w_zp, bias, o_s * shrink, o_zp, relu)
+            np.testing.assert_array_equal(got, want)
+            codes.append(got)
+    assert {0, 255, o_zp} <= set(np.unique(codes).tolist())  # both ends and relu's floor
+
+
+@pytest.mark.parametrize("target", TARGETS)
 @pytest.mark.parametrize("extra", [0, 1, 18])
 def test_panels_streamed_from_l2(target, extra):
     # panels of more than STREAMED_PANEL_STEPS k steps run VNNI's multi-row blocks in a loop

@@ -60,8 +60,10 @@ from quantbridge.kernels._ir import (
     load_vec,
     masked_load,
     masked_store,
+    pack_codes_avx512,
     rint_clamp_codes,
     rint_clamp_float,
+    rint_codes_avx512,
     stack_slot,
     store_vec,
     vec_broadcast,
@@ -169,7 +171,7 @@ def _lookup(
 ) -> ir.Value:
     """``lut[codes]`` lane by lane when a table is fused, else ``outv`` (the codes as i8).
 
-    ``codes`` (i32 lanes) are already clamped to [0, 255], so every load is inside the table.
+    ``codes`` (i32 or i8 lanes) are already in [0, 255], so every load is inside the table.
     """
     before = builder.block
     with builder.if_then(has_lut, likely=False):
@@ -358,9 +360,19 @@ def _make_kernel(target: str, mr: int, ku: int, mode: str, nvec: int) -> Any:
                 ir.Constant(vi32, [ROUND_MAGIC_BITS] * lanes), builder.fptosi(add_zp, vi32)
             )
             mzp_v = builder.fsub(ir.Constant(vf32, [ROUND_MAGIC] * lanes), ozp_v)
+            add_zp_i = builder.fptosi(add_zp, vi32)
         # AVX2 u8 rows (2 vectors of 8 codes) are packed to bytes with vpackssdw/vpackuswb
         packed_rows = mode in ("u8", "u8add") and lanes == 8 and nvec == 2
         masked_cols = mode in ("u8", "u8add") and target == "avx512_vnni"
+        # VNNI rows of 2 or 4 vectors: codes rounded by vcvtps2dq, unclamped, then the row's
+        # vectors packed to bytes with saturation (the clamp to [0, 255]), qmin/qmax applied to
+        # the bytes, and stored at once: ~1.5 uops a vector fewer than clamp, round, truncate
+        packed_wide = masked_cols and nvec > 1
+        if packed_wide:
+            ozp_i = vec_broadcast(builder, builder.trunc(ozp, I32), lanes)
+            row_bytes = ir.VectorType(I8, lanes * nvec)
+            qmin_b = vec_broadcast(builder, builder.trunc(qmin, I8), lanes * nvec)
+            qmax_b = vec_broadcast(builder, builder.trunc(qmax, I8), lanes * nvec)
         row_codes: list[list[ir.Value]] = [[] for _ in range(mr)]
         if packed_rows:
             v16i16 = ir.VectorType(I16, 16)
@@ -444,7 +456,13 @@ def _make_kernel(target: str, mr: int, ku: int, mode: str, nvec: int) -> Any:
                         t = builder.select(builder.fcmp_ordered("<", t, floor), floor, t)
                         # clamp(rint(t * inv) + zp, 0, 255), rounded as the conv's code
                         t = builder.fmul(t, inv)
+                        if packed_wide:  # the add's [0, 255] clamp is the packs' saturation
+                            row_codes[r].append(rint_codes_avx512(builder, t, add_zp_i))
+                            continue
                         codes = rint_clamp_codes(builder, t, add_lo, add_hi, add_bits)
+                    elif packed_wide:
+                        row_codes[r].append(rint_codes_avx512(builder, t, ozp_i))
+                        continue
                     else:
                         # clamp to [qmin - zp, qmax - zp], round by the magic-number add, + zp
                         # as an int subtract: the integers of rint, + zp, clamp (NaN -> qmin)
@@ -467,6 +485,16 @@ def _make_kernel(target: str, mr: int, ku: int, mode: str, nvec: int) -> Any:
                         store_vec(builder, outv, builder.gep(c_p, [cidx]))
             if mode == "u8t":
                 _store_transposed(builder, row_vals, c_p, j0, v * lanes, ldc, r0, mvalid)
+        for r in range(mr) if packed_wide else []:
+            outv = pack_codes_avx512(builder, row_codes[r])
+            if mode == "u8":  # qmin/qmax (a fused relu or clamp) on the bytes
+                outv = builder.select(builder.icmp_unsigned("<", outv, qmin_b), qmin_b, outv)
+                outv = builder.select(builder.icmp_unsigned("<", qmax_b, outv), qmax_b, outv)
+            outv = _lookup(builder, has_lut, lut_p, outv, outv)
+            cidx = builder.add(builder.mul(builder.add(r0, ir.Constant(I64, r)), ldc), j0)
+            with builder.if_then(builder.icmp_signed("<", ir.Constant(I64, r), mvalid)):
+                row_cols = lanes_below(builder, builder.sub(ldc, j0), row_bytes.count)
+                masked_store(builder, outv, builder.gep(c_p, [cidx]), row_cols)
         for r, (lo, hi) in enumerate(row_codes if packed_rows else []):
             # the row's 16 codes, all in [0, 255], as 16 bytes: two saturating packs and one
             # lane fix-up instead of two truncations, and one store instead of two

@@ -140,6 +140,58 @@ def rint_clamp_codes(
     return builder.sub(bits, zp_bits)
 
 
+# rint(t) for t up to this bound; anything above saturates to code 255 the same way
+_SATURATE_ABOVE = 65536.0
+
+
+def rint_codes_avx512(builder: ir.IRBuilder, t: ir.Value, zp: ir.Value) -> ir.Value:
+    """int32 lanes ``rint(t) + zp`` for 16 float32 lanes, unclamped, for ``pack_codes_avx512``
+    (whose saturation is the clamp to [0, 255]). ``zp``: int32 lanes in [0, 255].
+
+    One ``vcvtps2dq`` rounding to nearest even, whatever MXCSR says. Lanes above 2**16 are
+    first lowered to 2**16 (still saturating to 255); NaN stays NaN and converts to INT_MIN,
+    code 0, as ``rint_clamp_codes`` gives qmin = 0."""
+    vt = t.type
+    bound = ir.Constant(vt, [_SATURATE_ABOVE] * vt.count)
+    t = builder.select(builder.fcmp_ordered("<", bound, t), bound, t)  # vminps: NaN kept
+    vi32 = ir.VectorType(I32, vt.count)
+    cvt = declare(builder.module, ir.FunctionType(vi32, [vt, vi32, ir.IntType(16), I32]),
+                  "llvm.x86.avx512.mask.cvtps2dq.512")  # fmt: skip
+    # rounding 8: to nearest even, exceptions suppressed
+    every_lane = ir.Constant(ir.IntType(16), -1)
+    rounded = builder.call(
+        cvt, [t, ir.Constant(vi32, [0] * vt.count), every_lane, ir.Constant(I32, 8)]
+    )
+    return builder.add(rounded, zp)
+
+
+def pack_codes_avx512(builder: ir.IRBuilder, codes: list[ir.Value]) -> ir.Value:
+    """Two or four vectors of 16 int32 codes as 16 x len(codes) bytes in lane order, each
+    clamped to [0, 255] by the saturating packs (``vpackssdw``, ``vpackuswb``; one ``vpermd``
+    puts the 4-byte groups back in order). Two 1-uop packs and a permute for four vectors,
+    where truncating each takes two uops and a store of its own."""
+    v16i32 = ir.VectorType(I32, 16)
+    v32i16 = ir.VectorType(I16, 32)
+    v64i8 = ir.VectorType(I8, 64)
+    pack_dw = declare(builder.module, ir.FunctionType(v32i16, [v16i32, v16i32]),
+                      "llvm.x86.avx512.packssdw.512")  # fmt: skip
+    pack_wb = declare(builder.module, ir.FunctionType(v64i8, [v32i16, v32i16]),
+                      "llvm.x86.avx512.packuswb.512")  # fmt: skip
+    n = len(codes)
+    if n not in (2, 4):
+        raise ValueError(f"pack_codes_avx512 packs 2 or 4 vectors, not {n}")
+    a, b, c, d = (codes * 2)[:4]
+    # per 128-bit lane L the packs leave dword 4L + v = vector v's codes 4L .. 4L + 3
+    low = builder.call(pack_dw, [a, b])
+    high = low if n < 4 else builder.call(pack_dw, [c, d])
+    both = builder.bitcast(builder.call(pack_wb, [low, high]), v16i32)
+    order = [4 * group + v for v in range(n) for group in range(4)]
+    picked = builder.shuffle_vector(
+        both, ir.Constant(v16i32, ir.Undefined), ir.Constant(ir.VectorType(I32, 4 * n), order)
+    )
+    return builder.bitcast(picked, ir.VectorType(I8, 16 * n))
+
+
 def rint_clamp_float(
     builder: ir.IRBuilder, t: ir.Value, lo: ir.Value, hi: ir.Value, magic_minus_zp: ir.Value
 ) -> ir.Value:
