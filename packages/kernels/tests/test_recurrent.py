@@ -53,6 +53,30 @@ def test_gru_cell(batch: int, hidden: int) -> None:
     np.testing.assert_allclose(got, (1 - z) * n + z * h, rtol=0, atol=2e-6)
 
 
+@pytest.mark.parametrize("scale", [5.0, 30.0])
+def test_cells_keep_their_accuracy_on_large_states(scale: float) -> None:
+    # the cells divide over common denominators (products of up to three q's): with states
+    # far from 0 the error must stay a few float32 ulps of the state carried in
+    rng = np.random.default_rng(int(scale))
+    ulps = 8 * float(np.finfo(np.float32).eps)
+    gi = (rng.standard_normal((8, 4 * 512)) * 3).astype(np.float32)
+    gh = (rng.standard_normal((8, 4 * 512)) * 3).astype(np.float32)
+    c = (rng.standard_normal((8, 512)) * scale).astype(np.float32)
+    h_out, c_out = K.lstm_cell(gi, gh, c)
+    i, f, gg, o = np.split(gi.astype(np.float64) + gh, 4, axis=1)
+    c_ref = _sigmoid(f) * c + _sigmoid(i) * np.tanh(gg)
+    assert np.all(np.abs(c_out - c_ref) <= ulps * (np.abs(c) + 1))
+    # h' from the c' computed: its own error, not c's carried through tanh
+    np.testing.assert_allclose(h_out, _sigmoid(o) * np.tanh(c_out), rtol=0, atol=2e-6)
+    gi3, gh3 = gi[:, : 3 * 512], gh[:, : 3 * 512]
+    got = K.gru_cell(gi3, gh3, c)
+    ir, iz, in_ = np.split(gi3.astype(np.float64), 3, axis=1)
+    hr, hz, hn = np.split(gh3.astype(np.float64), 3, axis=1)
+    r, z = _sigmoid(ir + hr), _sigmoid(iz + hz)
+    want = (1 - z) * np.tanh(in_ + r * hn) + z * c
+    assert np.all(np.abs(got - want) <= ulps * (np.abs(c) + 1))
+
+
 def test_strided_gates_accepted() -> None:
     rng = np.random.default_rng(0)
     both = rng.standard_normal((2, 8 * 5)).astype(np.float32)
