@@ -19,6 +19,7 @@ from quantbridge.kernels import (
     KernelError,
     PackedConvWeight,
     PreparedConv,
+    PreparedConvAdd,
     add,
     available_targets,
     build_lut,
@@ -27,6 +28,7 @@ from quantbridge.kernels import (
     conv2d_add,
     set_num_threads,
 )
+from quantbridge.kernels._conv import _fusable
 
 HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:  # the references, under --import-mode=importlib
@@ -215,6 +217,82 @@ def test_prepared_conv_refuses_bad_arguments_by_name():
         prepared(x[:, :4].copy())
     with pytest.raises(KernelError, match="zero_point"):
         PreparedConv(packed, (0.05, 300), (0.2, 100))(x)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("oc", [20, 64])  # 20: fused on VNNI only (AVX2 needs whole vectors)
+def test_prepared_conv_add_equals_conv2d_add_through_layout_and_shape_changes(target, oc):
+    rng = np.random.default_rng(oc)
+    w, ws, bias = _weight(rng, 1, 16, oc, 3, target)
+    packed = PackedConvWeight(w, ws, 0, bias, padding=1, target=target)
+    table = build_lut(lambda v: np.tanh(v), 0.09, 100, 0.01, 128).copy()
+    x = rng.integers(0, 256, (2, 16, 9, 7), dtype=np.uint8)
+    other = rng.integers(0, 256, (2, oc, 9, 7), dtype=np.uint8)
+    xcl, ocl = _channels_last(x), _channels_last(other)
+    # repeats take the fast path; a change of either input's layout or shape plans again
+    pairs = [(xcl, ocl), (xcl, ocl), (x, ocl), (x, other), (x, other), (xcl, other),
+             (x[:1].copy(), other[:1].copy()), (xcl, ocl)]  # fmt: skip
+    qps = ((0.05, 3), (0.3, 90), (0.06, 120), (0.09, 100))
+    for relu_conv, relu, lut in ((False, False, None), (True, True, None), (False, True, table)):
+        prepared = PreparedConvAdd(packed, *qps, relu_conv=relu_conv, relu=relu, lut=lut)
+        for i, (xin, oin) in enumerate(pairs):
+            want = conv2d_add(xin, packed, qps[0], qps[1], oin, *qps[2:], relu_conv=relu_conv,
+                              relu=relu, lut=lut)  # fmt: skip
+            got = prepared(xin, oin)
+            np.testing.assert_array_equal(got, want, err_msg=f"inputs {i}, relu {relu}")
+            assert got.strides == want.strides
+            if _fusable(packed):  # the plan is kept for the next call
+                assert prepared._fast is not None
+                assert prepared._fast[2] == oin.shape
+            else:  # conv then add: nothing to keep
+                assert prepared._fast is None
+    if lut is not None:  # the caller's table changes; the prepared call keeps its copy
+        want = prepared(xcl, ocl)
+        lut[:] = 7
+        np.testing.assert_array_equal(prepared(xcl, ocl), want)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_prepared_conv_add_follows_the_thread_setting(threads):
+    rng = np.random.default_rng(6)
+    w, ws, bias = _weight(rng, 1, 32, 64, 3, "generic")
+    packed = PackedConvWeight(w, ws, 0, bias, padding=1)
+    x = rng.integers(0, 256, (1, 32, 40, 40), dtype=np.uint8)
+    other = _channels_last(rng.integers(0, 256, (1, 64, 40, 40), dtype=np.uint8))
+    qps = ((0.05, 3), (0.3, 90), (0.06, 120), (0.09, 100))
+    want = conv2d_add(x, packed, qps[0], qps[1], other, *qps[2:], num_threads=1)
+    prepared = PreparedConvAdd(packed, *qps)
+    try:
+        for n in (threads, 3 - threads, threads):
+            set_num_threads(n)
+            np.testing.assert_array_equal(prepared(x, other), want)
+            assert prepared._fast is not None
+            assert prepared._fast[4] == n  # planned for n
+    finally:
+        set_num_threads(None)
+
+
+def test_prepared_conv_add_refuses_bad_arguments_by_name():
+    rng = np.random.default_rng(2)
+    w, ws, bias = _weight(rng, 1, 8, 16, 3, "generic")
+    packed = PackedConvWeight(w, ws, 0, bias, padding=1)
+    x = rng.integers(0, 256, (1, 8, 6, 6), dtype=np.uint8)
+    other = rng.integers(0, 256, (1, 16, 6, 6), dtype=np.uint8)
+    qps = ((0.05, 3), (0.3, 90), (0.06, 120), (0.09, 100))
+    with pytest.raises(KernelError, match="packed"):
+        PreparedConvAdd(w, *qps)  # type: ignore[arg-type]
+    with pytest.raises(KernelError, match="other_qparams"):
+        PreparedConvAdd(packed, qps[0], qps[1], 0.06, qps[3])  # type: ignore[arg-type]
+    with pytest.raises(KernelError, match="num_threads"):
+        PreparedConvAdd(packed, *qps, num_threads=0)
+    prepared = PreparedConvAdd(packed, *qps)
+    prepared(x, other)  # a good call first: the next ones must not slip through its fast path
+    with pytest.raises(KernelError, match="dtype"):
+        prepared(x, other.astype(np.int8))
+    with pytest.raises(KernelError, match="other: expected the conv output's shape"):
+        prepared(x, other[:, :8].copy())
+    with pytest.raises(KernelError, match="zero_point"):
+        PreparedConvAdd(packed, qps[0], (0.3, 300), *qps[2:])(x, other)
 
 
 def _pointwise_16_to_32(seed, target):

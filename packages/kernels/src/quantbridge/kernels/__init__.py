@@ -13,7 +13,14 @@ from quantbridge.kernels._jitcache import KernelCacheWarning
 # isort: split
 from quantbridge.kernels._activation import clamp, hardtanh, relu, relu6
 from quantbridge.kernels._attention import attention
-from quantbridge.kernels._conv import PackedConvWeight, PreparedConv, conv1d, conv2d, conv2d_add
+from quantbridge.kernels._conv import (
+    PackedConvWeight,
+    PreparedConv,
+    PreparedConvAdd,
+    conv1d,
+    conv2d,
+    conv2d_add,
+)
 from quantbridge.kernels._elementwise import add, add_relu, mul, mul_relu
 from quantbridge.kernels._embedding import (
     PackedEmbedding,
@@ -68,6 +75,7 @@ __all__ = [
     # GEMM family (linear, dynamic linear, conv, matmul) and threads
     "PackedConvWeight",
     "PreparedConv",
+    "PreparedConvAdd",
     "PreparedLayerNorm",
     "QParams",
     "PackedLinearWeight",

@@ -599,7 +599,8 @@ class QuantizedConv(_WeightedBase):
         super().__init__(*args, **kwargs)
         self.kernel = "kernels.conv2d" if self.weight.dim() == 4 else "kernels.conv1d"
 
-    _prepared: Any = None  # K.PreparedConv of forward_arrays (not kept by pickle)
+    # K.PreparedConv (PreparedConvAdd for QuantizedConvAdd) of forward_arrays; not pickled
+    _prepared: Any = None
 
     def _sync(self) -> None:
         super()._sync()
@@ -739,10 +740,18 @@ class QuantizedConvAdd(QuantizedConv):
         return self._eager(x, other)
 
     def forward_arrays(self, *arrays: Any) -> Any:
-        return lowered.conv_add_arrays(
-            arrays[0], self._packed, self.input_qparams, self.conv_qparams, arrays[1],
-            self.other_qparams, self.add_qparams, self.relu, self.add_relu, self._act_table,
-        )  # fmt: skip
+        # as QuantizedConv's: the block with everything but its two inputs fixed
+        prepared = self._prepared
+        if (
+            not isinstance(prepared, K.PreparedConvAdd)
+            or prepared.relu_conv is not self.relu
+            or prepared.relu is not self.add_relu
+        ):
+            prepared = self._prepared = K.PreparedConvAdd(
+                self._packed, self.input_qparams, self.conv_qparams, self.other_qparams,
+                self.add_qparams, relu_conv=self.relu, relu=self.add_relu, lut=self._act_table,
+            )  # fmt: skip
+        return prepared(arrays[0], arrays[1])
 
     def _qparams_repr(self) -> str:
         act = "" if self._act_qparams is None else f", activation_out={_qp(self._act_qparams)}"
