@@ -140,3 +140,48 @@ def test_checked_qparams_are_remembered_but_errors_are_not():
             qk.mul_channels(a, (0.02, -1), b, qps[1], qps[2])
         with pytest.raises(KernelError, match=r"a_qparams\.zero_point"):
             qk.mul_channels(a, [0.02, -1], b, qps[1], qps[2])
+
+
+@pytest.mark.parametrize("relu", [False, True])
+def test_prepared_equals_mul_channels_either_way_round_through_layout_changes(relu):
+    rng = np.random.default_rng(8)
+    a = rng.integers(0, 256, (2, 24, 5, 6), dtype=np.uint8)
+    b = rng.integers(0, 256, (2, 24, 1, 1), dtype=np.uint8)
+    a_cl = channels_last(a)
+    a_qp, b_qp, out_qp = (0.03, 17), (1 / 256, 0), (0.02, 40)
+    prepared = qk.PreparedMulChannels(a_qp, b_qp, out_qp, relu=relu)
+    swapped = qk.PreparedMulChannels(b_qp, a_qp, out_qp, relu=relu)  # per-channel one first
+    # repeats take the fast path; a change of layout, shape or thread count plans again
+    for i, (x, threads) in enumerate(
+        [(a_cl, 1), (a_cl, 1), (a, 1), (a, 2), (a_cl, 2), (a[:1].copy(), 1), (a_cl, 1)]
+    ):
+        f = b[: x.shape[0]]
+        qk.set_num_threads(threads)
+        try:
+            want = qk.mul_channels(x, a_qp, f, b_qp, out_qp, relu=relu)
+            got = prepared(x, f)
+            got_swapped = swapped(f, x)
+        finally:
+            qk.set_num_threads(None)
+        np.testing.assert_array_equal(want, reference(x, a_qp, f, b_qp, out_qp, relu))
+        for result, which in ((got, prepared), (got_swapped, swapped)):
+            np.testing.assert_array_equal(result, want, err_msg=f"call {i}")
+            assert result.strides == want.strides
+            assert which._fast is not None
+            assert which._fast[4] == threads  # planned for this thread count
+    assert prepared._fast[5] is False
+    assert swapped._fast[5] is True
+
+
+def test_prepared_refuses_bad_arguments_by_name():
+    with pytest.raises(KernelError, match="b_qparams"):
+        qk.PreparedMulChannels((0.03, 17), 0.5, (0.02, 40))  # type: ignore[arg-type]
+    with pytest.raises(KernelError, match="zero_point"):
+        qk.PreparedMulChannels((0.03, 17), (0.5, 300), (0.02, 40))
+    prepared = qk.PreparedMulChannels((0.03, 17), (1 / 256, 0), (0.02, 40))
+    a = np.zeros((1, 8, 3, 3), np.uint8)
+    prepared(a, np.zeros((1, 8, 1, 1), np.uint8))  # a good call first: no slipping through
+    with pytest.raises(KernelError, match="dtype"):
+        prepared(a.astype(np.int8), np.zeros((1, 8, 1, 1), np.uint8))
+    with pytest.raises(KernelError, match="not one value per"):
+        prepared(a, np.zeros((1, 4, 1, 1), np.uint8))

@@ -35,7 +35,7 @@ from quantbridge.kernels._float_ops import PreparedLayerNorm, gelu, layer_norm, 
 from quantbridge.kernels._linear import PackedLinearWeight, linear, linear_dynamic
 from quantbridge.kernels._lut import LUT_FUNCTIONS, apply_lut, build_lut
 from quantbridge.kernels._matmul import matmul
-from quantbridge.kernels._mul_channels import mul_channels
+from quantbridge.kernels._mul_channels import PreparedMulChannels, mul_channels
 from quantbridge.kernels._pool import adaptive_avg_pool2d, avg_pool2d, max_pool2d
 from quantbridge.kernels._qparams import QParams
 from quantbridge.kernels._quantize import (
@@ -76,6 +76,7 @@ __all__ = [
     "PackedConvWeight",
     "PreparedConv",
     "PreparedConvAdd",
+    "PreparedMulChannels",
     "PreparedLayerNorm",
     "QParams",
     "PackedLinearWeight",

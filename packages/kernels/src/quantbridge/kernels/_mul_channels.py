@@ -11,6 +11,8 @@ in float32 (a product of two values, so the operand order never changes a bit).
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
+from typing import Any
 
 import numba
 import numpy as np
@@ -20,9 +22,10 @@ from quantbridge.kernels._checks import check_array
 from quantbridge.kernels._elementwise import _mul_params, _requant, binary_qparams
 from quantbridge.kernels._errors import KernelError
 from quantbridge.kernels._layout import check_dense
-from quantbridge.kernels._qparams import QParams
+from quantbridge.kernels._qparams import QParams, as_qparams
 from quantbridge.kernels._quantize import choose_kernel
 from quantbridge.kernels._targets import check_target
+from quantbridge.kernels._threads import get_num_threads
 
 U8 = npt.NDArray[np.uint8]
 QP = QParams | tuple[float, int]
@@ -113,6 +116,88 @@ def mul_channels(
     ...]): ``kernels.mul`` (``mul_relu`` with ``relu=True``) on ``b`` broadcast to ``a``'s
     shape, bit for bit, without the broadcast. ``a`` is C-contiguous or channels-last; the
     result has ``a``'s shape and layout."""
+    run, qa, qb = _checked_plan(a, a_qparams, b, b_qparams, out_qparams, relu, target)
+    return run(qa, qb)
+
+
+class PreparedMulChannels:
+    """``mul_channels`` with the qparams and relu fixed, for a layer called again and again
+    on inputs of one shape and layout (squeeze-excite), and either operand the per-channel one.
+
+    ``prepared(a, b)`` returns exactly ``mul_channels(a, a_qparams, b, b_qparams,
+    out_qparams, relu=relu, target=target)`` when ``b`` holds one value per (image, channel)
+    of ``a``, and ``mul_channels(b, b_qparams, a, a_qparams, ...)`` when ``a`` is the
+    per-channel one (the same numbers: the product does not depend on the order). The first
+    call checks and plans as ``mul_channels`` does; later calls whose operands keep their
+    shapes, strides and dtype, at the same thread count, run that plan without the checks
+    (~5 us a call, and more between a model's layers, where the checks' code is cold).
+    """
+
+    __slots__ = ("_fast", "_qparams", "relu", "target")
+
+    def __init__(
+        self,
+        a_qparams: QP,
+        b_qparams: QP,
+        out_qparams: QP,
+        *,
+        relu: bool = False,
+        target: str | None = None,
+    ) -> None:
+        check_target(target)
+        qa = as_qparams("a_qparams", a_qparams)
+        qb = as_qparams("b_qparams", b_qparams)
+        qo = as_qparams("out_qparams", out_qparams)
+        _constants(qa, qb, qo, relu)  # bad qparams are refused here, by name
+        self._qparams = (qa, qb, qo)
+        self.relu = relu
+        self.target = target
+        # (a shape, a strides, b shape, b strides, thread count, swapped, the planned run)
+        self._fast: tuple[Any, ...] | None = None
+
+    def __call__(self, a: U8, b: U8) -> U8:
+        fast = self._fast
+        if (
+            fast is not None
+            and type(a) is np.ndarray
+            and type(b) is np.ndarray
+            and a.shape == fast[0]
+            and a.strides == fast[1]
+            and b.shape == fast[2]
+            and b.strides == fast[3]
+            and a.dtype is _U8
+            and b.dtype is _U8
+            and get_num_threads() == fast[4]
+        ):
+            out: U8 = fast[6](b, a) if fast[5] else fast[6](a, b)
+            return out
+        return self._plan_and_run(a, b)
+
+    def _plan_and_run(self, a: object, b: object) -> U8:
+        self._fast = None
+        qa_, qb_, qo = self._qparams
+        swapped = (
+            isinstance(a, np.ndarray)
+            and isinstance(b, np.ndarray)
+            and per_channel_operand(b.shape, a.shape)
+            and not per_channel_operand(a.shape, b.shape)
+        )
+        x, xq, f, fq = (b, qb_, a, qa_) if swapped else (a, qa_, b, qb_)
+        run, qx, qf = _checked_plan(x, xq, f, fq, qo, self.relu, self.target)
+        if type(a) is np.ndarray and type(b) is np.ndarray and qx is x and qf is f:
+            self._fast = (a.shape, a.strides, b.shape, b.strides, get_num_threads(), swapped, run)
+        return run(qx, qf)
+
+
+_U8 = np.dtype(np.uint8)  # numpy's built-in dtypes are singletons: an identity test
+
+
+def _checked_plan(
+    a: object, a_qparams: QP, b: object, b_qparams: QP, out_qparams: QP, relu: bool,
+    target: str | None,
+) -> tuple[Callable[[U8, U8], U8], U8, U8]:  # fmt: skip
+    """Every argument checked: the call to run (valid for operands of these shapes, strides
+    and dtype, at this thread count) and the checked operands."""
     check_target(target)
     qa, order = check_dense("a", a, np.uint8)
     qb = check_array("b", b, np.uint8, contiguous=False)
@@ -123,20 +208,33 @@ def mul_channels(
             "and rank (use kernels.mul for equal shapes)"
         )
     consts = _constants(a_qparams, b_qparams, out_qparams, relu)
-    factors = np.ascontiguousarray(qb.reshape(qb.shape[0], qb.shape[1]))
-    n, c = qa.shape[0], qa.shape[1]
-    last = (0, *range(2, qa.ndim), 1)
-    if order != last:  # C-contiguous, or any other dense order (read as NCHW)
-        src = np.ascontiguousarray(qa)
-        out = np.empty(qa.shape, np.uint8)
+    if order != (0, *range(2, qa.ndim), 1):  # C-contiguous, or any other dense order
         kernel = choose_kernel(qa.size, "mul_channels", _nchw, _nchw_par)
-        kernel(src.reshape(n, c, -1), factors, out.reshape(n, c, -1), *consts)
-        return out
-    nhwc = qa.transpose(last)  # C-contiguous [N, *spatial, C]
-    out_nhwc = np.empty(nhwc.shape, np.uint8)
+        return functools.partial(_run_planes, kernel, consts), qa, qb
     kernel = choose_kernel(qa.size, "mul_channels", _nhwc, _nhwc_par)
-    kernel(nhwc.reshape(n, -1, c), factors, out_nhwc.reshape(n, -1, c), *consts)
-    result: U8 = out_nhwc.transpose(0, qa.ndim - 1, *range(1, qa.ndim - 1))
+    return functools.partial(_run_channels_last, kernel, consts), qa, qb
+
+
+def _factors(b: U8) -> U8:
+    return np.ascontiguousarray(b.reshape(b.shape[0], b.shape[1]))
+
+
+def _run_planes(kernel: Any, consts: _Consts, a: U8, b: U8) -> U8:
+    """NCHW (or any dense order, read as NCHW): one plane of ``a`` per (image, channel)."""
+    n, c = a.shape[0], a.shape[1]
+    src = np.ascontiguousarray(a)
+    out = np.empty(a.shape, np.uint8)
+    kernel(src.reshape(n, c, -1), _factors(b), out.reshape(n, c, -1), *consts)
+    return out
+
+
+def _run_channels_last(kernel: Any, consts: _Consts, a: U8, b: U8) -> U8:
+    """Channels-last ``a``: rows of C codes, the result channels-last too."""
+    n, c, nd = a.shape[0], a.shape[1], a.ndim
+    nhwc = a.transpose(0, *range(2, nd), 1)  # C-contiguous [N, *spatial, C]
+    out_nhwc = np.empty(nhwc.shape, np.uint8)
+    kernel(nhwc.reshape(n, -1, c), _factors(b), out_nhwc.reshape(n, -1, c), *consts)
+    result: U8 = out_nhwc.transpose(0, nd - 1, *range(1, nd - 1))
     return result
 
 

@@ -787,12 +787,18 @@ class QuantizedBinary(LoweredModule):
         self.register_buffer("input2_zero_point", torch.tensor(b_qparams[1], dtype=torch.int64))
         super().__init__(target, a_qparams, out_qparams)
 
+    # K.PreparedMulChannels of a squeeze-excite mul and the operand shapes it was made for
+    # (not pickled; remade when the qparams are, see _sync)
+    _prepared: Any = None
+    _prepared_shapes: Any = None
+
     def _sync(self) -> None:
         super()._sync()
         self._other_scale, self._other_zero_point = (
             float(self.input2_scale),
             int(self.input2_zero_point),
         )
+        self._prepared = None
 
     def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         if is_tracing(a, b):
@@ -804,9 +810,28 @@ class QuantizedBinary(LoweredModule):
         return self._eager(a, b)
 
     def forward_arrays(self, *arrays: Any) -> Any:
+        a, b = arrays[0], arrays[1]
+        prepared = self._prepared
+        if prepared is not None and (a.shape, b.shape) == self._prepared_shapes:
+            return prepared(a, b)
+        if (
+            self.kind in ("mul", "mul_relu")
+            and a.shape != b.shape
+            and (
+                lowered.per_channel_operand(a.shape, b.shape)
+                or lowered.per_channel_operand(b.shape, a.shape)
+            )
+        ):
+            # squeeze-excite: one value per (image, channel), planned once for its layout
+            prepared = self._prepared = K.PreparedMulChannels(
+                self.input_qparams, self.other_qparams, self.output_qparams,
+                relu=self.kind == "mul_relu", target=self.target,
+            )  # fmt: skip
+            self._prepared_shapes = (a.shape, b.shape)
+            return prepared(a, b)
         return lowered.binary_arrays(
-            self.kind, arrays[0], self.input_qparams, arrays[1], self.other_qparams,
-            self.output_qparams, self.target,
+            self.kind, a, self.input_qparams, b, self.other_qparams, self.output_qparams,
+            self.target,
         )  # fmt: skip
 
     def _qparams_repr(self) -> str:
