@@ -149,6 +149,44 @@ def test_adaptive_avg_pool_matches_reference():
     np.testing.assert_array_equal(qk.adaptive_avg_pool2d(x, 1), [[[[8]]]])  # mean 7.5 -> 8
 
 
+def test_prepared_adaptive_avg_pool_equals_the_function_through_layout_changes():
+    rng = np.random.default_rng(3)
+    x = rng.integers(0, 256, (2, 40, 7, 9), dtype=np.uint8)
+    x_cl = np.ascontiguousarray(x.transpose(0, 2, 3, 1)).transpose(0, 3, 1, 2)
+    chw = x[0].copy()
+    for size in ((1, 1), (2, 3)):
+        prepared = qk.PreparedAdaptiveAvgPool2d(size)
+        # repeats take the fast path; a change of layout, shape or thread count plans again
+        for i, (xin, threads) in enumerate(
+            [(x_cl, 1), (x_cl, 1), (x, 1), (x, 2), (x_cl, 2), (chw, 1), (x[:1].copy(), 1)]
+        ):
+            qk.set_num_threads(threads)
+            try:
+                want = qk.adaptive_avg_pool2d(xin, size)
+                got = prepared(xin)
+            finally:
+                qk.set_num_threads(None)
+            np.testing.assert_array_equal(got, want, err_msg=f"call {i}")
+            np.testing.assert_array_equal(got, ref_adaptive(xin, *size))
+            assert got.strides == want.strides
+            assert prepared._fast is not None
+            assert prepared._fast[2] == threads
+
+
+def test_prepared_adaptive_avg_pool_refuses_bad_arguments_by_name():
+    with pytest.raises(KernelError, match="output_size"):
+        qk.PreparedAdaptiveAvgPool2d((0, 2))
+    with pytest.raises(KernelError, match="unknown kernel target"):
+        qk.PreparedAdaptiveAvgPool2d(1, target="nope")
+    prepared = qk.PreparedAdaptiveAvgPool2d(1)
+    x = np.zeros((1, 2, 5, 5), np.uint8)
+    prepared(x)  # a good call first: the next ones must not slip through its fast path
+    with pytest.raises(KernelError, match="x: expected dtype uint8"):
+        prepared(x.astype(np.int8))
+    with pytest.raises(KernelError, match="C-contiguous"):
+        prepared(x[..., ::2])
+
+
 @pytest.mark.parametrize(
     ("call", "message"),
     [

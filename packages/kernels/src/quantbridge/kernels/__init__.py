@@ -36,7 +36,12 @@ from quantbridge.kernels._linear import PackedLinearWeight, linear, linear_dynam
 from quantbridge.kernels._lut import LUT_FUNCTIONS, apply_lut, build_lut
 from quantbridge.kernels._matmul import matmul
 from quantbridge.kernels._mul_channels import PreparedMulChannels, mul_channels
-from quantbridge.kernels._pool import adaptive_avg_pool2d, avg_pool2d, max_pool2d
+from quantbridge.kernels._pool import (
+    PreparedAdaptiveAvgPool2d,
+    adaptive_avg_pool2d,
+    avg_pool2d,
+    max_pool2d,
+)
 from quantbridge.kernels._qparams import QParams
 from quantbridge.kernels._quantize import (
     dequantize_per_channel,
@@ -74,6 +79,7 @@ __all__ = [
     "target_supported",
     # GEMM family (linear, dynamic linear, conv, matmul) and threads
     "PackedConvWeight",
+    "PreparedAdaptiveAvgPool2d",
     "PreparedConv",
     "PreparedConvAdd",
     "PreparedMulChannels",

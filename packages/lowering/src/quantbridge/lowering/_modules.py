@@ -1076,8 +1076,15 @@ class QuantizedAdaptiveAvgPool2d(LoweredModule):
             return _as_tensor(ops.adaptive_avg_pool2d_op(x, self.output_size, self.target))
         return self._eager(x)
 
+    _prepared: Any = None  # K.PreparedAdaptiveAvgPool2d of forward_arrays (not pickled)
+
     def forward_arrays(self, *arrays: Any) -> Any:
-        return lowered.adaptive_avg_pool2d_arrays(arrays[0], self.output_size, self.target)
+        # planned once for the input's layout, as the conv modules' calls are
+        size = lowered.pair(self.output_size)
+        prepared = self._prepared
+        if prepared is None or prepared.output_size != size or prepared.target != self.target:
+            prepared = self._prepared = K.PreparedAdaptiveAvgPool2d(size, target=self.target)
+        return prepared(arrays[0])
 
     def _details(self) -> str:
         return f"output_size={tuple(self.output_size)}"
