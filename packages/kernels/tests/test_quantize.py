@@ -67,6 +67,20 @@ def test_quantize_per_tensor_matches_reference(dtype, scale):
         np.testing.assert_array_equal(got.astype(np.int64), want)
 
 
+def test_quantize_uint8_every_vector_tail():
+    # uint8's full range runs in 16-float vectors, the last one masked: every tail length,
+    # with NaN, infinities and ties at both ends of the vector
+    rng = np.random.default_rng(5)
+    for n in [*range(1, 40), 255, 256, 257]:  # (zero-size arrays are refused)
+        x = _tie_data(rng, n, 0.05)
+        if n > 3:
+            x[[0, n // 2, n - 1]] = [np.nan, np.inf, -np.inf]
+        got = qk.quantize_per_tensor(x, 0.05, 131)
+        np.testing.assert_array_equal(
+            got.astype(np.int64), ref_quantize_per_tensor(x, 0.05, 131, 0, 255)
+        )
+
+
 def test_quantize_special_values_and_custom_range():
     x = np.array([np.nan, np.inf, -np.inf, 1e30, -1e30, 0.0, 0.26, -0.26], np.float32)
     got = qk.quantize_per_tensor(x, 0.1, 10, np.uint8)

@@ -27,6 +27,9 @@ from typing import Any, TypeVar
 import numba
 import numpy as np
 import numpy.typing as npt
+from llvmlite import ir
+from numba import types
+from numba.extending import intrinsic
 
 from quantbridge.kernels._checks import (
     INT_RANGES,
@@ -39,7 +42,9 @@ from quantbridge.kernels._checks import (
     check_zero_point,
 )
 from quantbridge.kernels._errors import KernelError
+from quantbridge.kernels._float_math import RowSteps, codes_lanes, flat_f32
 from quantbridge.kernels._fma import fma32
+from quantbridge.kernels._ir import arrays_data, vec_broadcast
 from quantbridge.kernels._layout import check_dense, empty_in_order, flat
 from quantbridge.kernels._targets import check_target
 from quantbridge.kernels._threads import apply_num_threads, with_threads
@@ -197,6 +202,49 @@ def _quantize_flat_par(x, out, scale, zp, lo, hi):  # type: ignore[no-untyped-de
         _quantize_span(x[lo:hi], out[lo:hi], inv, zpf, lof, hif, 0, hi - lo)
 
 
+@intrinsic
+def _quantize_u8_vectors(typingctx, x, out, inv, zp):  # type: ignore[no-untyped-def]
+    """``out[j] = clamp(rint(fma(x[j], inv, zp)), 0, 255)`` (NaN -> 255), every ``j``, in
+    16-float vectors: ``_quantize_one`` for uint8's full range, the same bytes."""
+    if not (flat_f32(x) and _flat_u8(out) and inv == types.float32 and zp == types.float32):
+        return None
+
+    def codegen(context: Any, builder: ir.IRBuilder, sig: Any, args: Any) -> ir.Value:
+        x_p, out_p = arrays_data(context, builder, sig, args, (0, 1))
+        n = context.make_array(sig.args[0])(context, builder, args[0]).nitems
+        steps = RowSteps(builder, n)
+        inv_v, zp_v = (vec_broadcast(builder, v, 16) for v in args[2:])
+        start = ir.Constant(ir.IntType(64), 0)
+
+        def body(at: ir.Value, valid: ir.Value | None) -> None:
+            codes = codes_lanes(builder, steps.load(x_p, start, at, valid), inv_v, zp_v)
+            steps.store_bytes(codes, out_p, start, at, valid)
+
+        steps.each(body)
+        return context.get_dummy_value()
+
+    return types.void(x, out, inv, zp), codegen
+
+
+def _flat_u8(t: Any) -> bool:
+    return isinstance(t, types.Array) and t.ndim == 1 and t.layout == "C" and t.dtype == types.uint8
+
+
+@numba.njit(cache=True)
+def _quantize_u8_flat(x, out, scale, zp, lo, hi):  # type: ignore[no-untyped-def]
+    inv, zpf, _, _ = _f32_params(scale, zp, lo, hi)
+    _quantize_u8_vectors(x, out, inv, zpf)  # type: ignore[call-arg]  # an intrinsic
+
+
+@numba.njit(cache=True, parallel=True)
+def _quantize_u8_flat_par(x, out, scale, zp, lo, hi):  # type: ignore[no-untyped-def]
+    inv, zpf, _, _ = _f32_params(scale, zp, lo, hi)
+    n = x.size
+    for c in numba.prange((n + _CHUNK - 1) // _CHUNK):
+        lo, hi = c * _CHUNK, min(c * _CHUNK + _CHUNK, n)
+        _quantize_u8_vectors(x[lo:hi], out[lo:hi], inv, zpf)  # type: ignore[call-arg]
+
+
 @numba.njit(cache=True)
 def _quantize_rows(x, out, inv, zp, lo, hi, channels, start, stop):  # type: ignore[no-untyped-def]
     for r in range(start, stop):
@@ -293,9 +341,11 @@ def quantize_per_tensor(
         out = empty_in_order(x, qdtype)
     else:
         check_out(out, x.shape, qdtype, x, order=order)
-    kernel = choose_kernel(
-        x.size, "quantize_per_tensor", _quantize_flat, _quantize_flat_par, stream=True
-    )
+    if qdtype == np.uint8 and lo == 0 and hi == 255:  # 16-float vectors, ~2x faster
+        serial, parallel = _quantize_u8_flat, _quantize_u8_flat_par
+    else:
+        serial, parallel = _quantize_flat, _quantize_flat_par
+    kernel = choose_kernel(x.size, "quantize_per_tensor", serial, parallel, stream=True)
     kernel(flat(x, order), flat(out, order), s32, zp, lo, hi)
     return out
 
