@@ -516,12 +516,13 @@ def _layer_norm_row(
     if not isinstance(flags, types.IntegerLiteral):
         return None
     codes_in = isinstance(x, types.Array) and x.ndim == 1 and x.dtype == types.uint8
-    flat_u8 = all(
-        isinstance(t, types.Array) and t.ndim == 1 and t.layout == "C" and t.dtype == types.uint8
-        for t in ((x,) if codes_in else ()) + (codes,)
-    )
+    byte_arrays = ((x,) if codes_in else ()) + (codes,)
     floats = (r, w, b, out) if codes_in else (x, r, w, b, out)
-    if not (flat_u8 and all(map(flat_f32, floats)) and eps == xs == inv == zp == types.float32):
+    if not (
+        all(map(flat_u8, byte_arrays))
+        and all(map(flat_f32, floats))
+        and eps == xs == inv == zp == types.float32
+    ):
         return None
     inner = _layer_norm_row_codegen(flags.literal_value, codes_in)
     args = (x, xoff, xs, xz, r, roff, w, b, out, ooff, n, eps, codes, coff, inv, zp)
@@ -571,6 +572,11 @@ def flat_f32(t: Any) -> bool:
     return (
         isinstance(t, types.Array) and t.ndim == 1 and t.layout == "C" and t.dtype == types.float32
     )
+
+
+def flat_u8(t: Any) -> bool:
+    """A C-contiguous 1-D uint8 array type (codes the IR vectors read or write)."""
+    return isinstance(t, types.Array) and t.ndim == 1 and t.layout == "C" and t.dtype == types.uint8
 
 
 if TYPE_CHECKING:

@@ -20,6 +20,7 @@ from numba.extending import intrinsic
 
 from quantbridge.kernels._checks import check_array, check_out, check_quant_range, check_zero_point
 from quantbridge.kernels._errors import KernelError
+from quantbridge.kernels._float_math import flat_u8
 from quantbridge.kernels._ir import I64, declare, load_vec, store_vec
 from quantbridge.kernels._layout import check_dense, empty_in_order, flat
 from quantbridge.kernels._quantize import (
@@ -83,9 +84,7 @@ def _lookup64_codegen(context: Any, builder: ir.IRBuilder, sig: Any, args: Any) 
 def _lookup64_typing(typingctx: Any, q: Any, qoff: Any, table: Any, out: Any, ooff: Any) -> Any:
     """``out[ooff : ooff + 64] = table[q[qoff : qoff + 64]]`` (C-contiguous 1-D uint8 arrays;
     the caller keeps every byte in bounds and the table 256 entries)."""
-    flat_u8 = [isinstance(a, types.Array) and a.ndim == 1 and a.layout == "C"
-               and a.dtype == types.uint8 for a in (q, table, out)]  # fmt: skip
-    if not all(flat_u8):
+    if not all(map(flat_u8, (q, table, out))):
         return None
     return types.void(q, qoff, table, out, ooff), _lookup64_codegen
 

@@ -42,7 +42,7 @@ from quantbridge.kernels._checks import (
     check_zero_point,
 )
 from quantbridge.kernels._errors import KernelError
-from quantbridge.kernels._float_math import RowSteps, codes_lanes, flat_f32
+from quantbridge.kernels._float_math import RowSteps, codes_lanes, flat_f32, flat_u8
 from quantbridge.kernels._fma import fma32
 from quantbridge.kernels._ir import arrays_data, vec_broadcast
 from quantbridge.kernels._layout import check_dense, empty_in_order, flat
@@ -206,7 +206,7 @@ def _quantize_flat_par(x, out, scale, zp, lo, hi):  # type: ignore[no-untyped-de
 def _quantize_u8_vectors(typingctx, x, out, inv, zp):  # type: ignore[no-untyped-def]
     """``out[j] = clamp(rint(fma(x[j], inv, zp)), 0, 255)`` (NaN -> 255), every ``j``, in
     16-float vectors: ``_quantize_one`` for uint8's full range, the same bytes."""
-    if not (flat_f32(x) and _flat_u8(out) and inv == types.float32 and zp == types.float32):
+    if not (flat_f32(x) and flat_u8(out) and inv == types.float32 and zp == types.float32):
         return None
 
     def codegen(context: Any, builder: ir.IRBuilder, sig: Any, args: Any) -> ir.Value:
@@ -224,10 +224,6 @@ def _quantize_u8_vectors(typingctx, x, out, inv, zp):  # type: ignore[no-untyped
         return context.get_dummy_value()
 
     return types.void(x, out, inv, zp), codegen
-
-
-def _flat_u8(t: Any) -> bool:
-    return isinstance(t, types.Array) and t.ndim == 1 and t.layout == "C" and t.dtype == types.uint8
 
 
 @numba.njit(cache=True)
