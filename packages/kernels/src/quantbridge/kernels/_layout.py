@@ -20,6 +20,15 @@ from quantbridge.kernels._errors import KernelError
 Order = tuple[int, ...]
 
 
+_U8 = np.dtype(np.uint8)  # numpy's built-in dtypes are singletons: an identity test
+
+
+def same_u8_layout(x: object, shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:
+    """``x`` is a plain uint8 ndarray of this shape and these strides: what a prepared call's
+    plan was made for (anything else is checked and planned again)."""
+    return type(x) is np.ndarray and x.shape == shape and x.strides == strides and x.dtype is _U8
+
+
 def memory_order(array: npt.NDArray[Any]) -> Order | None:
     """Axes from outermost to innermost in memory if ``array`` is dense, else None."""
     if array.flags.c_contiguous:

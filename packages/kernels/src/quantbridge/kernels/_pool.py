@@ -42,7 +42,7 @@ from quantbridge.kernels._checks import (
 )
 from quantbridge.kernels._errors import KernelError
 from quantbridge.kernels._ir import I8, I64, load_vec, store_vec
-from quantbridge.kernels._layout import channels_last_data
+from quantbridge.kernels._layout import channels_last_data, same_u8_layout
 from quantbridge.kernels._quantize import choose_kernel, f32_scale
 from quantbridge.kernels._targets import check_target
 from quantbridge.kernels._threads import get_num_threads
@@ -569,10 +569,7 @@ class PreparedAdaptiveAvgPool2d:
         fast = self._fast
         if (
             fast is not None
-            and type(x) is np.ndarray
-            and x.shape == fast[0]
-            and x.strides == fast[1]
-            and x.dtype is _U8
+            and same_u8_layout(x, fast[0], fast[1])
             and get_num_threads() == fast[2]
         ):
             out: U8 = fast[3](x, None)
@@ -583,9 +580,6 @@ class PreparedAdaptiveAvgPool2d:
         if arr is x:
             self._fast = (arr.shape, arr.strides, get_num_threads(), run)
         return run(arr, None)
-
-
-_U8 = np.dtype(np.uint8)  # numpy's built-in dtypes are singletons: an identity test
 
 
 def _adaptive_plan(x: object, output_size: object) -> tuple[U8, Callable[[U8, U8 | None], U8]]:
