@@ -270,3 +270,100 @@ def _force_threaded_path(monkeypatch, threads):
     monkeypatch.setattr(_quantize_module, "PARALLEL_MIN_WORK", 1)
     monkeypatch.setattr(_quantize_module, "STREAM_MIN_WORK", 1)
     numba.set_num_threads(numba.config.NUMBA_NUM_THREADS if threads == 1 else 1)
+
+
+def _layouts(shape, dtype, rng, make):
+    """The same values C-contiguous, channels-last, transposed, a smaller batch, CHW."""
+    x = make(rng, shape).astype(dtype)
+    cl = np.ascontiguousarray(x.transpose(0, 2, 3, 1)).transpose(0, 3, 1, 2)
+    return [x, x, cl, cl, np.ascontiguousarray(x[:1]), x[0].copy(), x.T.copy().T]
+
+
+def _floats(rng, shape):
+    x = (rng.standard_normal(shape) * 3).astype(np.float32)
+    x.reshape(-1)[:4] = [np.nan, np.inf, -np.inf, 0.5]  # NaN, saturations, a tie
+    return x
+
+
+def _codes(rng, shape):
+    return rng.integers(0, 256, shape)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("shape", [(2, 3, 5, 7), (1, 3, 224, 224)])  # the large one splits
+def test_prepared_conversions_equal_the_functions_through_layout_changes(threads, shape):
+    rng = np.random.default_rng(11)
+    cases = [
+        (qk.PreparedQuantize(0.05, 128), lambda x: qk.quantize_per_tensor(x, 0.05, 128),
+         np.float32, _floats),
+        (qk.PreparedQuantize(0.02, -3, np.int8, -100, 90),
+         lambda x: qk.quantize_per_tensor(x, 0.02, -3, np.int8, -100, 90), np.float32, _floats),
+        (qk.PreparedDequantize(0.1, 7), lambda q: qk.dequantize_per_tensor(q, 0.1, 7), np.uint8,
+         _codes),
+        (qk.PreparedDequantize(0.1, -7), lambda q: qk.dequantize_per_tensor(q, 0.1, -7),
+         np.int8, lambda rng, s: rng.integers(-128, 128, s)),
+        (qk.PreparedRequantize((0.1, 3), (0.07, 200)),
+         lambda q: qk.requantize(q, 0.1, 3, 0.07, 200), np.uint8, _codes),
+        (qk.PreparedRequantize((0.1, 3), (0.3, 20), 10, 240),
+         lambda q: qk.requantize(q, 0.1, 3, 0.3, 20, 10, 240), np.uint8, _codes),
+    ]  # fmt: skip
+    qk.set_num_threads(threads)
+    try:
+        for prepared, function, dtype, make in cases:
+            for i, x in enumerate(_layouts(shape, dtype, rng, make)):
+                want = function(x)
+                got = prepared(x)
+                np.testing.assert_array_equal(got, want, err_msg=f"{prepared!r} input {i}")
+                assert got.dtype == want.dtype
+                assert got.strides == want.strides
+                # the call was planned for this layout and thread count: the next takes it
+                assert prepared._fast[:4] == (x.shape, x.strides, x.dtype, threads)
+            # the plan reads its input: new values through the fast path
+            again = make(rng, x.shape).astype(dtype)
+            np.testing.assert_array_equal(prepared(again), function(again))
+    finally:
+        qk.set_num_threads(None)
+    # one against the reference rule itself, not only against the function
+    x = _floats(rng, (4, 33))
+    got = qk.PreparedQuantize(0.05, 128)(x)
+    np.testing.assert_array_equal(got, ref_quantize_per_tensor(x, 0.05, 128, 0, 255))
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda: qk.PreparedQuantize(0.0, 128), "scale"),
+        (lambda: qk.PreparedQuantize(0.1, 300), "zero_point"),
+        (lambda: qk.PreparedQuantize(0.1, 0, np.int16), "dtype"),
+        (lambda: qk.PreparedQuantize(0.1, 0, np.uint8, 10, 5), "quant_min"),
+        (lambda: qk.PreparedQuantize(0.1, 0, target="nope"), "unknown kernel target"),
+        (lambda: qk.PreparedDequantize(float("nan"), 0), "scale"),
+        (lambda: qk.PreparedDequantize(0.1, 256), "zero_point"),
+        (lambda: qk.PreparedRequantize((0.1, 0), (-1.0, 0)), "out_qparams.scale"),
+        (lambda: qk.PreparedRequantize((0.1, 256), (1.0, 0)), "in_qparams.zero_point"),
+        (lambda: qk.PreparedRequantize((0.1, 0), (1.0, 3), 10, 200), "out_qparams.zero_point"),
+        (lambda: qk.PreparedRequantize(0.1, (1.0, 3)), "in_qparams"),
+    ],
+)
+def test_prepared_conversions_refuse_bad_arguments_by_name(make, message):
+    with pytest.raises(KernelError, match=message):
+        make()
+
+
+def test_prepared_conversions_refuse_bad_inputs_after_a_good_call():
+    x = np.zeros((2, 3), np.float32)
+    codes = np.zeros((2, 3), np.uint8)
+    quantize, dequantize = qk.PreparedQuantize(0.1, 3), qk.PreparedDequantize(0.1, 200)
+    requantize = qk.PreparedRequantize((0.1, 3), (0.2, 5))
+    quantize(x), dequantize(codes), requantize(codes)  # good calls: their fast paths exist
+    with pytest.raises(KernelError, match="x: expected dtype float32"):
+        quantize(x.astype(np.float64))
+    with pytest.raises(KernelError, match="C-contiguous"):
+        quantize(np.zeros((2, 6), np.float32)[:, ::2])
+    with pytest.raises(KernelError, match="q: expected dtype"):
+        dequantize(codes.astype(np.int16))
+    # the zero point fits uint8 codes, not int8 ones
+    with pytest.raises(KernelError, match="zero_point"):
+        dequantize(codes.astype(np.int8))
+    with pytest.raises(KernelError, match="q: expected dtype uint8"):
+        requantize(codes.astype(np.int8))

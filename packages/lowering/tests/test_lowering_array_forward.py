@@ -253,3 +253,42 @@ def test_the_compiled_steps_equal_the_step_loop_and_the_generated_forward():
         x3 = (torch.randn(3, 3, 4, 4),)
         _same(gm(*x3), _generated(gm, *x3))
         _same(gm(*x3), plan.run_steps(gm, x3))
+
+
+_SHAPE_CASES = [
+    ("reshape", (2, -1, 4)),
+    ("reshape", ((6, 4),)),
+    ("reshape", (5, -1)),  # no such shape: torch's error
+    ("view", (3, 8)),
+    ("transpose", (1, 2)),
+    ("transpose", (-1, 0)),
+    ("transpose", (-3, -2)),
+    ("transpose", (0, 3)),  # out of range: torch's error
+    ("transpose", (-4, 1)),
+    ("transpose", (1,)),
+    ("transpose", (1.0, 2)),  # not ints: torch's error
+    ("permute", (2, 0, 1)),
+    ("unsqueeze", (-1,)),
+    ("contiguous", ()),
+]
+
+
+@pytest.mark.parametrize(("name", "args"), _SHAPE_CASES)
+def test_shape_methods_on_arrays_are_torch_methods(name: str, args: tuple[object, ...]):
+    # the steps between kernel modules run shape methods on numpy views: each must give
+    # torch's values, shape and strides, or the error torch gives
+    from quantbridge.lowering._array_forward import _SHAPE_METHODS
+
+    array = torch.arange(24, dtype=torch.uint8).reshape(2, 3, 4).numpy().swapaxes(0, 0)
+    tensor = torch.from_numpy(array)
+    try:
+        want = getattr(tensor, name)(*args)
+    except (RuntimeError, TypeError, IndexError) as e:
+        with pytest.raises(type(e)):
+            _SHAPE_METHODS[name](array, *args)
+        return
+    got = _SHAPE_METHODS[name](array, *args)
+    got_t = torch.from_numpy(got) if not isinstance(got, torch.Tensor) else got
+    assert got_t.shape == want.shape
+    assert got_t.stride() == want.stride()
+    assert torch.equal(got_t, want)

@@ -44,6 +44,9 @@ from quantbridge.kernels._pool import (
 )
 from quantbridge.kernels._qparams import QParams
 from quantbridge.kernels._quantize import (
+    PreparedDequantize,
+    PreparedQuantize,
+    PreparedRequantize,
     dequantize_per_channel,
     dequantize_per_tensor,
     quantize_per_channel,
@@ -82,8 +85,11 @@ __all__ = [
     "PreparedAdaptiveAvgPool2d",
     "PreparedConv",
     "PreparedConvAdd",
-    "PreparedMulChannels",
+    "PreparedDequantize",
     "PreparedLayerNorm",
+    "PreparedMulChannels",
+    "PreparedQuantize",
+    "PreparedRequantize",
     "QParams",
     "PackedLinearWeight",
     "conv1d",

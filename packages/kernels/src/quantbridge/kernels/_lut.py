@@ -118,20 +118,23 @@ def table_as_pass(table: U8) -> bool:
     return VBMI and table.size > 0
 
 
+def table_kernel(size: int, threads: int | None = None) -> Any:
+    """The gather ``apply_table`` runs on ``size`` codes: ``kernel(q, table, out)`` on flat
+    views. ``threads``: the calling kernel's thread count (default: the package setting)."""
+    if VBMI:
+        if threads is None:
+            threads = apply_num_threads(None, "apply_lut")
+        if threads > 1 and size >= VBMI_PARALLEL_MIN:
+            return with_threads(_gather_vbmi_par, threads)
+        return _gather_vbmi
+    return choose_kernel(size, "apply_lut", _gather, _gather_par, stream=True)
+
+
 def apply_table(q: U8, table: U8, out: U8, threads: int | None = None) -> None:
     """Unchecked gather ``out = table[q]`` on validated flat (1-D) uint8 views and a
     C-contiguous table (``out`` may be ``q``: each 64-byte step reads its codes before
     writing). ``threads``: the calling kernel's thread count (default: the package setting)."""
-    if VBMI:
-        if threads is None:
-            threads = apply_num_threads(None, "apply_lut")
-        kernel = _gather_vbmi
-        if threads > 1 and q.size >= VBMI_PARALLEL_MIN:
-            kernel = with_threads(_gather_vbmi_par, threads)
-        kernel(q.reshape(-1), table, out.reshape(-1))
-        return
-    kernel = choose_kernel(q.size, "apply_lut", _gather, _gather_par, stream=True)
-    kernel(q.reshape(-1), table, out.reshape(-1))
+    table_kernel(q.size, threads)(q.reshape(-1), table, out.reshape(-1))
 
 
 # Float32 definitions of the named functions (each maps a float32 array to a float32 array).

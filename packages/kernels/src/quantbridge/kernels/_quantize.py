@@ -46,8 +46,9 @@ from quantbridge.kernels._float_math import RowSteps, codes_lanes, flat_f32, fla
 from quantbridge.kernels._fma import fma32
 from quantbridge.kernels._ir import arrays_data, vec_broadcast
 from quantbridge.kernels._layout import check_dense, empty_in_order, flat
+from quantbridge.kernels._qparams import QParams, as_qparams
 from quantbridge.kernels._targets import check_target
-from quantbridge.kernels._threads import apply_num_threads, with_threads
+from quantbridge.kernels._threads import apply_num_threads, get_num_threads, with_threads
 
 # Work (elements touched) from which a call splits across threads. These kernels stream memory
 # at near bandwidth on one core, while a parallel region costs microseconds to tens of them,
@@ -337,13 +338,17 @@ def quantize_per_tensor(
         out = empty_in_order(x, qdtype)
     else:
         check_out(out, x.shape, qdtype, x, order=order)
+    _quantize_kernel(x.size, qdtype, lo, hi)(flat(x, order), flat(out, order), s32, zp, lo, hi)
+    return out
+
+
+def _quantize_kernel(size: int, qdtype: np.dtype[np.generic], lo: int, hi: int) -> Any:
+    """The per-tensor quantizer for ``size`` elements at this thread count."""
     if qdtype == np.uint8 and lo == 0 and hi == 255:  # 16-float vectors, ~2x faster
         serial, parallel = _quantize_u8_flat, _quantize_u8_flat_par
     else:
         serial, parallel = _quantize_flat, _quantize_flat_par
-    kernel = choose_kernel(x.size, "quantize_per_tensor", serial, parallel, stream=True)
-    kernel(flat(x, order), flat(out, order), s32, zp, lo, hi)
-    return out
+    return choose_kernel(size, "quantize_per_tensor", serial, parallel, stream=True)
 
 
 def quantize_per_channel(
@@ -406,11 +411,15 @@ def dequantize_per_tensor(
         out = empty_in_order(q, np.float32)
     else:
         check_out(out, q.shape, np.float32, q, order=order)
-    kernel = choose_kernel(
-        q.size, "dequantize_per_tensor", _dequantize_flat, _dequantize_flat_par, stream=True
-    )
-    kernel(flat(q, order), flat(out, order), s32, zp)
+    _dequantize_kernel(q.size)(flat(q, order), flat(out, order), s32, zp)
     return out
+
+
+def _dequantize_kernel(size: int) -> Any:
+    """The per-tensor dequantizer for ``size`` elements at this thread count."""
+    return choose_kernel(
+        size, "dequantize_per_tensor", _dequantize_flat, _dequantize_flat_par, stream=True
+    )
 
 
 def dequantize_per_channel(
@@ -490,3 +499,171 @@ def requantize(
     table = requantize_table(s_in, zp_in, s_out, zp_out, lo, hi)
     apply_table(flat(q, order), table, flat(out, order))
     return out
+
+
+# --------------------------------------------------------------------------- prepared calls
+
+
+def _flat_in(order: tuple[int, ...]) -> Callable[[npt.NDArray[Any]], npt.NDArray[Any]]:
+    """``flat(a, order)`` for arrays laid out in ``order`` (one reshape when C-contiguous)."""
+    if order == tuple(range(len(order))):
+        return _c_flat
+    return lambda a: flat(a, order)
+
+
+def _c_flat(a: npt.NDArray[Any]) -> npt.NDArray[Any]:
+    return a.reshape(-1)
+
+
+class _PreparedPerTensor:
+    """The fast path the prepared per-tensor conversions share: the first call on an input
+    layout checks the input and plans the call (``_plan``); a later input of the same shape,
+    strides and dtype, at the same thread count, runs that plan without the checks."""
+
+    __slots__ = ("_fast", "target")
+
+    def __init__(self, target: str | None) -> None:
+        check_target(target)
+        self.target = target
+        # (shape, strides, dtype, thread count, the planned run)
+        self._fast: tuple[Any, ...] | None = None
+
+    def __call__(self, x: npt.NDArray[Any]) -> npt.NDArray[Any]:
+        fast = self._fast
+        if (
+            fast is not None
+            and type(x) is np.ndarray
+            and x.dtype is fast[2]
+            and x.shape == fast[0]
+            and x.strides == fast[1]
+            and get_num_threads() == fast[3]
+        ):
+            out: npt.NDArray[Any] = fast[4](x)
+            return out
+        self._fast = None
+        check_target(self.target)
+        arr, run = self._plan(x)
+        if arr is x:
+            self._fast = (arr.shape, arr.strides, arr.dtype, get_num_threads(), run)
+        result: npt.NDArray[Any] = run(arr)
+        return result
+
+    def _plan(self, x: object) -> tuple[npt.NDArray[Any], Callable[[Any], Any]]:
+        raise NotImplementedError
+
+
+class PreparedQuantize(_PreparedPerTensor):
+    """``quantize_per_tensor`` with its qparams, dtype and range fixed, for a value quantized
+    again and again in one shape and layout (a model's input).
+
+    ``prepared(x)`` returns exactly ``quantize_per_tensor(x, scale, zero_point, dtype,
+    quant_min, quant_max, target=target)``; bad arguments are refused here, by name.
+    """
+
+    __slots__ = ("_params",)
+
+    def __init__(
+        self,
+        scale: float,
+        zero_point: int,
+        dtype: npt.DTypeLike = np.uint8,
+        quant_min: int | None = None,
+        quant_max: int | None = None,
+        *,
+        target: str | None = None,
+    ) -> None:
+        super().__init__(target)
+        qdtype = quant_dtype(dtype)
+        lo, hi = check_quant_range(qdtype, quant_min, quant_max)
+        s32 = check_scale("scale", scale, inverted=True)
+        zp = check_zero_point("zero_point", zero_point, lo, hi)
+        self._params = (qdtype, s32, zp, lo, hi)
+
+    def _plan(self, x: object) -> tuple[npt.NDArray[Any], Callable[[Any], Any]]:
+        xa, order = check_dense("x", x, np.float32)
+        qdtype, s32, zp, lo, hi = self._params
+        kernel = _quantize_kernel(xa.size, qdtype, lo, hi)
+        flat_of = _flat_in(order)
+
+        def run(a: F32) -> npt.NDArray[Any]:
+            out = empty_in_order(a, qdtype)
+            kernel(flat_of(a), flat_of(out), s32, zp, lo, hi)
+            return out
+
+        return xa, run
+
+
+class PreparedDequantize(_PreparedPerTensor):
+    """``dequantize_per_tensor`` with its qparams fixed (a model's output, say).
+
+    ``prepared(q)`` returns exactly ``dequantize_per_tensor(q, scale, zero_point,
+    target=target)`` for uint8 or int8 ``q``: the zero point is checked against the range of
+    each input's dtype.
+    """
+
+    __slots__ = ("_scale", "_zero_point")
+
+    def __init__(self, scale: float, zero_point: int, *, target: str | None = None) -> None:
+        super().__init__(target)
+        self._scale = check_scale("scale", scale)
+        # in the range of uint8 or int8 codes here; of the input's dtype at the first call
+        self._zero_point = check_zero_point("zero_point", zero_point, -128, 255)
+
+    def _plan(self, x: object) -> tuple[npt.NDArray[Any], Callable[[Any], Any]]:
+        q, order = check_dense("q", x, _QDTYPES)
+        zp = check_zero_point("zero_point", self._zero_point, *INT_RANGES[q.dtype])
+        s32 = self._scale
+        kernel = _dequantize_kernel(q.size)
+        flat_of = _flat_in(order)
+
+        def run(a: npt.NDArray[Any]) -> F32:
+            out = empty_in_order(a, np.float32)
+            kernel(flat_of(a), flat_of(out), s32, zp)
+            return out
+
+        return q, run
+
+
+class PreparedRequantize(_PreparedPerTensor):
+    """``requantize`` between fixed qparams (its table made once), for codes that cross
+    between two quantized ops that disagree, call after call.
+
+    ``prepared(q)`` returns exactly ``requantize(q, *in_qparams, *out_qparams, quant_min,
+    quant_max, target=target)``; bad arguments are refused here, by name.
+    """
+
+    __slots__ = ("_table",)
+
+    def __init__(
+        self,
+        in_qparams: QParams | tuple[float, int],
+        out_qparams: QParams | tuple[float, int],
+        quant_min: int = 0,
+        quant_max: int = 255,
+        *,
+        target: str | None = None,
+    ) -> None:
+        super().__init__(target)
+        in_scale, in_zero_point = as_qparams("in_qparams", in_qparams)
+        out_scale, out_zero_point = as_qparams("out_qparams", out_qparams)
+        lo, hi = check_quant_range(np.uint8, quant_min, quant_max)
+        s_in = check_scale("in_qparams.scale", in_scale)
+        s_out = check_scale("out_qparams.scale", out_scale, inverted=True)
+        zp_in = check_zero_point("in_qparams.zero_point", in_zero_point, 0, 255)
+        zp_out = check_zero_point("out_qparams.zero_point", out_zero_point, lo, hi)
+        self._table = requantize_table(s_in, zp_in, s_out, zp_out, lo, hi)
+
+    def _plan(self, x: object) -> tuple[npt.NDArray[Any], Callable[[Any], Any]]:
+        from quantbridge.kernels._lut import table_kernel  # deferred: _lut builds on this module
+
+        q, order = check_dense("q", x, np.uint8)
+        table = self._table
+        kernel = table_kernel(q.size)
+        flat_of = _flat_in(order)
+
+        def run(a: U8) -> U8:
+            out = empty_in_order(a, np.uint8)
+            kernel(flat_of(a), table, flat_of(out))
+            return out
+
+        return q, run

@@ -268,7 +268,10 @@ _CODES = (np.ndarray, torch.Tensor)
 def _ints(values: tuple[Any, ...]) -> tuple[int, ...] | None:
     if len(values) == 1 and isinstance(values[0], (tuple, list)):  # reshape((2, 3))
         values = tuple(values[0])
-    return values if all(type(v) is int for v in values) else None
+    for v in values:  # a loop: all() over a generator costs a few times more per call
+        if type(v) is not int:
+            return None
+    return values
 
 
 def _torch_method(name: str, x: Any, args: tuple[Any, ...]) -> Any:
@@ -300,9 +303,11 @@ def _view(x: Any, *shape: Any) -> Any:
 
 
 def _transpose(x: Any, *dims: Any) -> Any:
-    pair = _ints(dims) if type(x) is np.ndarray else None
-    if pair is not None and len(pair) == 2 and all(-x.ndim <= d < x.ndim for d in pair):
-        return np.swapaxes(x, *pair)
+    if type(x) is np.ndarray and len(dims) == 2:
+        d0, d1 = dims
+        n = x.ndim
+        if type(d0) is int and type(d1) is int and -n <= d0 < n and -n <= d1 < n:
+            return x.swapaxes(d0, d1)  # the method: np.swapaxes adds a Python-level wrapper
     return _torch_method("transpose", x, dims)
 
 

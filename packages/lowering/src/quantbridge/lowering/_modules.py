@@ -108,8 +108,14 @@ class LoweredModule(nn.Module):
         super().__setstate__(state)  # type: ignore[no-untyped-call]
         self._sync()
 
+    # the kernels package's prepared call (K.Prepared*) of forward_arrays, planned for one
+    # input layout: made on first use, dropped whenever the buffers change (_sync) and not
+    # pickled
+    _prepared: Any = None
+
     def _sync(self) -> None:
         """Refresh the Python mirrors of the buffers (and repack weights in subclasses)."""
+        self._prepared = None
         b = dict(self.named_buffers(recurse=False))
         self._in_scale = float(b["input_scale"]) if "input_scale" in b else 1.0
         self._in_zero_point = int(b["input_zero_point"]) if "input_zero_point" in b else 0
@@ -599,13 +605,9 @@ class QuantizedConv(_WeightedBase):
         super().__init__(*args, **kwargs)
         self.kernel = "kernels.conv2d" if self.weight.dim() == 4 else "kernels.conv1d"
 
-    # K.PreparedConv (PreparedConvAdd for QuantizedConvAdd) of forward_arrays; not pickled
-    _prepared: Any = None
-
     def _sync(self) -> None:
         super()._sync()
         self._sync_activation()
-        self._prepared = None
         w, ws, wz, bias = self._weight_args()
         self._packed = K.PackedConvWeight(
             w,
@@ -787,9 +789,7 @@ class QuantizedBinary(LoweredModule):
         self.register_buffer("input2_zero_point", torch.tensor(b_qparams[1], dtype=torch.int64))
         super().__init__(target, a_qparams, out_qparams)
 
-    # K.PreparedMulChannels of a squeeze-excite mul and the operand shapes it was made for
-    # (not pickled; remade when the qparams are, see _sync)
-    _prepared: Any = None
+    # the operand shapes the K.PreparedMulChannels of a squeeze-excite mul was made for
     _prepared_shapes: Any = None
 
     def _sync(self) -> None:
@@ -798,7 +798,6 @@ class QuantizedBinary(LoweredModule):
             float(self.input2_scale),
             int(self.input2_zero_point),
         )
-        self._prepared = None
 
     def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         if is_tracing(a, b):
@@ -906,7 +905,21 @@ class QuantizedLookupTable(LoweredModule):
         return f"fn={self.what}"
 
 
-class Quantize(LoweredModule):
+class _PreparedConversion(LoweredModule):
+    """A per-tensor conversion whose ``forward_arrays`` runs a kernels prepared call (the
+    checks and plan made once per input layout, see ``LoweredModule._prepared``)."""
+
+    def _make_prepared(self) -> Any:
+        raise NotImplementedError
+
+    def forward_arrays(self, *arrays: Any) -> Any:
+        prepared = self._prepared
+        if prepared is None or prepared.target != self.target:
+            prepared = self._prepared = self._make_prepared()
+        return prepared(arrays[0])
+
+
+class Quantize(_PreparedConversion):
     """float32 → uint8 where a float value enters a quantized chain (``quantize_per_tensor``).
 
     Same numbers as the reference ``quantbridge::quantize_per_tensor`` op (both follow
@@ -925,13 +938,11 @@ class Quantize(LoweredModule):
             )
         return self._eager(x)
 
-    def forward_arrays(self, *arrays: Any) -> Any:
-        return K.quantize_per_tensor(
-            arrays[0], self._out_scale, self._out_zero_point, target=self.target
-        )
+    def _make_prepared(self) -> Any:
+        return K.PreparedQuantize(self._out_scale, self._out_zero_point, target=self.target)
 
 
-class Dequantize(LoweredModule):
+class Dequantize(_PreparedConversion):
     """uint8 → float32 where a quantized chain ends (``dequantize_per_tensor``).
 
     The result is C-contiguous whatever the layout of the codes, as the reference model's is.
@@ -951,13 +962,11 @@ class Dequantize(LoweredModule):
             )
         return self._eager(x)
 
-    def forward_arrays(self, *arrays: Any) -> Any:
-        return K.dequantize_per_tensor(
-            arrays[0], self._in_scale, self._in_zero_point, target=self.target
-        )
+    def _make_prepared(self) -> Any:
+        return K.PreparedDequantize(self._in_scale, self._in_zero_point, target=self.target)
 
 
-class Requantize(LoweredModule):
+class Requantize(_PreparedConversion):
     """uint8 → uint8 between two sets of qparams (when consecutive ops disagree)."""
 
     kernel = "kernels.requantize"
@@ -971,10 +980,8 @@ class Requantize(LoweredModule):
             ))  # fmt: skip
         return self._eager(x)
 
-    def forward_arrays(self, *arrays: Any) -> Any:
-        return lowered.requantize_arrays(
-            arrays[0], self.input_qparams, self.output_qparams, self.target
-        )
+    def _make_prepared(self) -> Any:
+        return K.PreparedRequantize(self.input_qparams, self.output_qparams, target=self.target)
 
 
 class QuantizedMaxPool2d(LoweredModule):
@@ -1075,8 +1082,6 @@ class QuantizedAdaptiveAvgPool2d(LoweredModule):
         if is_tracing(x):
             return _as_tensor(ops.adaptive_avg_pool2d_op(x, self.output_size, self.target))
         return self._eager(x)
-
-    _prepared: Any = None  # K.PreparedAdaptiveAvgPool2d of forward_arrays (not pickled)
 
     def forward_arrays(self, *arrays: Any) -> Any:
         # planned once for the input's layout, as the conv modules' calls are
