@@ -231,8 +231,12 @@ def test_large_inputs_threads_and_targets(threads, target, monkeypatch):
     x = np.random.default_rng(3).integers(0, 256, (2, 16, 48, 48)).astype(np.uint8)
     _force_threaded_path(monkeypatch, threads)
     qk.set_num_threads(threads)
+    x_cl = np.ascontiguousarray(x.transpose(0, 2, 3, 1)).transpose(0, 3, 1, 2)
     try:
         mx = qk.max_pool2d(x, 3, 2, 1, target=target)
+        # channels-last: output rows split between the threads, windows at every edge
+        mx_cl = qk.max_pool2d(x_cl, 3, 2, 1, target=target)
+        mx_cl_dilated = qk.max_pool2d(x_cl, 3, 2, 2, 2, True, target=target)
         av = qk.avg_pool2d(x, 3, 2, 1, scale=0.1, zero_point=10, target=target)
         ad = qk.adaptive_avg_pool2d(x, (5, 7), target=target)
     finally:
@@ -240,6 +244,11 @@ def test_large_inputs_threads_and_targets(threads, target, monkeypatch):
     # numba's own per-thread count (set above to differ from the call's) is left as it was
     assert numba.get_num_threads() == (numba.config.NUMBA_NUM_THREADS if threads == 1 else 1)
     np.testing.assert_array_equal(mx, ref_max_pool(x, (3, 3), (2, 2), (1, 1), (1, 1), False))
+    np.testing.assert_array_equal(mx_cl, mx)
+    assert mx_cl.transpose(0, 2, 3, 1).flags.c_contiguous  # the input's layout
+    np.testing.assert_array_equal(
+        mx_cl_dilated, ref_max_pool(x, (3, 3), (2, 2), (2, 2), (2, 2), True)
+    )
     want = ref_avg_pool(x, (3, 3), (2, 2), (1, 1), False, True, None, 0.1, 10, 0.1, 10)
     np.testing.assert_array_equal(av, want)
     np.testing.assert_array_equal(ad, ref_adaptive(x, 5, 7))
@@ -283,4 +292,5 @@ def _force_threaded_path(monkeypatch, threads):
         pytest.skip("numba runs with fewer threads on this machine")
     # the size threshold is tuned for speed; lower it so these inputs take the threaded path
     monkeypatch.setattr(_quantize_module, "PARALLEL_MIN_WORK", 1)
+    monkeypatch.setattr(_quantize_module, "STREAM_MIN_WORK", 1)
     numba.set_num_threads(numba.config.NUMBA_NUM_THREADS if threads == 1 else 1)

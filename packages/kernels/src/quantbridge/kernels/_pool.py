@@ -239,30 +239,44 @@ _max_into: Any = intrinsic(_max_into_typing)
 
 
 @numba.njit(cache=True)
-def _max_pool_nhwc(x, out, kh, kw, sh, sw, ph, pw, dh, dw):  # type: ignore[no-untyped-def]
-    # x [N, H, W, C], out [N, OH, OW, C]: each in-bounds tap's C channels maxed into the output
-    # pixel with byte vectors (numba's own loop here ran ~10x slower: it did not vectorize)
-    n, h, w, c = x.shape
+def _max_pool_nhwc_rows(x, out, kh, kw, sh, sw, ph, pw, dh, dw, r0, r1):  # type: ignore[no-untyped-def]
+    # x [N, H, W, C], out [N, OH, OW, C]; output rows r0..r1-1 of the N * OH: each in-bounds
+    # tap's C channels maxed into the output pixel with byte vectors (numba's own loop here
+    # ran ~10x slower: it did not vectorize)
+    h, w, c = x.shape[1], x.shape[2], x.shape[3]
     oh, ow = out.shape[1], out.shape[2]
     xf, of = x.reshape(-1), out.reshape(-1)
-    for b in range(n):
-        for oy in range(oh):
-            y0 = oy * sh - ph
-            i0, i1 = _taps(y0, kh, dh, h)
-            for ox in range(ow):
-                x0 = ox * sw - pw
-                j0, j1 = _taps(x0, kw, dw, w)
-                o = ((b * oh + oy) * ow + ox) * c
-                if i0 == i1 or j0 == j1:  # a window entirely in the padding gives 0, as torch
-                    for ch in range(c):
-                        of[o + ch] = 0
-                    continue
-                first = True
-                for i in range(i0, i1):
-                    for j in range(j0, j1):
-                        at = ((b * h + y0 + i * dh) * w + x0 + j * dw) * c
-                        _max_into(of, np.int64(o), xf, np.int64(at), np.int64(c), first)
-                        first = False
+    for r in range(r0, r1):
+        b = r // oh
+        oy = r - b * oh
+        y0 = oy * sh - ph
+        i0, i1 = _taps(y0, kh, dh, h)
+        for ox in range(ow):
+            x0 = ox * sw - pw
+            j0, j1 = _taps(x0, kw, dw, w)
+            o = (r * ow + ox) * c
+            if i0 == i1 or j0 == j1:  # a window entirely in the padding gives 0, as torch
+                for ch in range(c):
+                    of[o + ch] = 0
+                continue
+            first = True
+            for i in range(i0, i1):
+                for j in range(j0, j1):
+                    at = ((b * h + y0 + i * dh) * w + x0 + j * dw) * c
+                    _max_into(of, np.int64(o), xf, np.int64(at), np.int64(c), first)
+                    first = False
+
+
+@numba.njit(cache=True)
+def _max_pool_nhwc(x, out, kh, kw, sh, sw, ph, pw, dh, dw):  # type: ignore[no-untyped-def]
+    rows = x.shape[0] * out.shape[1]
+    _max_pool_nhwc_rows(x, out, kh, kw, sh, sw, ph, pw, dh, dw, 0, rows)
+
+
+@numba.njit(cache=True, parallel=True)
+def _max_pool_nhwc_par(x, out, kh, kw, sh, sw, ph, pw, dh, dw):  # type: ignore[no-untyped-def]
+    for r in numba.prange(x.shape[0] * out.shape[1]):  # each thread a run of output rows
+        _max_pool_nhwc_rows(x, out, kh, kw, sh, sw, ph, pw, dh, dw, r, r + 1)
 
 
 @numba.njit(cache=True, parallel=True)
@@ -292,8 +306,11 @@ def max_pool2d(
         h, w, kernel_size, stride, padding, dilation, ceil_mode, True
     )
     result, result_nhwc = _output(arr, oh, ow, out, nhwc)
-    if nhwc is not None:
-        _max_pool_nhwc(nhwc, result_nhwc, kh, kw, sh, sw, ph, pw, dh, dw)
+    if nhwc is not None:  # channels-last: a stream over the output rows
+        run = choose_kernel(
+            result.size * kh * kw, "max_pool2d", _max_pool_nhwc, _max_pool_nhwc_par, stream=True
+        )
+        run(nhwc, result_nhwc, kh, kw, sh, sw, ph, pw, dh, dw)
         return result
     work = result.size * kh * kw if planes > 1 else 0
     kernel = choose_kernel(work, "max_pool2d", _max_pool, _max_pool_par)
