@@ -49,7 +49,7 @@ from quantbridge.kernels._gemm_run import (
     row_chunk,
 )
 from quantbridge.kernels._gemm_simd import drive_vnni_u8t, serial_vnni_u8t
-from quantbridge.kernels._layout import channels_last_data, same_u8_layout
+from quantbridge.kernels._layout import channels_last_data, same_layout
 from quantbridge.kernels._linear import PackedLinearWeight, _fast_zp
 from quantbridge.kernels._lut import apply_lut, apply_table, table_as_pass
 from quantbridge.kernels._pack import (
@@ -389,7 +389,7 @@ class PreparedConv:
         fast = self._fast
         if (
             fast is not None
-            and same_u8_layout(x, fast[0], fast[1])
+            and same_layout(x, fast[0], fast[1])
             and (self._threads or get_num_threads()) == fast[2]
         ):
             out: npt.NDArray[np.uint8] = fast[3](x, None)
@@ -971,8 +971,8 @@ class PreparedConvAdd:
         fast = self._fast
         if (
             fast is not None
-            and same_u8_layout(x, fast[0], fast[1])
-            and same_u8_layout(other, fast[2], fast[3])
+            and same_layout(x, fast[0], fast[1])
+            and same_layout(other, fast[2], fast[3])
             and (self._threads or get_num_threads()) == fast[4]
         ):
             flat = other.ravel(order="K") if fast[5] else other.transpose(0, 2, 3, 1).ravel()

@@ -23,10 +23,13 @@ Order = tuple[int, ...]
 _U8 = np.dtype(np.uint8)  # numpy's built-in dtypes are singletons: an identity test
 
 
-def same_u8_layout(x: object, shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:
-    """``x`` is a plain uint8 ndarray of this shape and these strides: what a prepared call's
-    plan was made for (anything else is checked and planned again)."""
-    return type(x) is np.ndarray and x.shape == shape and x.strides == strides and x.dtype is _U8
+def same_layout(
+    x: object, shape: tuple[int, ...], strides: tuple[int, ...], dtype: np.dtype[Any] = _U8
+) -> bool:
+    """``x`` is a plain ndarray of this shape, these strides and this dtype (uint8 codes
+    unless told): what a prepared call's plan was made for (anything else is checked and
+    planned again)."""
+    return type(x) is np.ndarray and x.shape == shape and x.strides == strides and x.dtype is dtype
 
 
 def memory_order(array: npt.NDArray[Any]) -> Order | None:

@@ -27,7 +27,7 @@ from quantbridge.kernels._elementwise import _mul_params, binary_qparams
 from quantbridge.kernels._errors import KernelError
 from quantbridge.kernels._float_math import RowSteps, flat_f32, flat_u8
 from quantbridge.kernels._ir import arrays_data, declare, vec_broadcast
-from quantbridge.kernels._layout import check_dense, same_u8_layout
+from quantbridge.kernels._layout import check_dense, same_layout
 from quantbridge.kernels._qparams import QParams, as_qparams
 from quantbridge.kernels._quantize import choose_kernel
 from quantbridge.kernels._targets import check_target
@@ -206,8 +206,8 @@ class PreparedMulChannels:
         fast = self._fast
         if (
             fast is not None
-            and same_u8_layout(a, fast[0], fast[1])
-            and same_u8_layout(b, fast[2], fast[3])
+            and same_layout(a, fast[0], fast[1])
+            and same_layout(b, fast[2], fast[3])
             and get_num_threads() == fast[4]
         ):
             out: U8 = fast[6](b, a) if fast[5] else fast[6](a, b)

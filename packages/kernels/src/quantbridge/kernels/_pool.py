@@ -42,7 +42,7 @@ from quantbridge.kernels._checks import (
 )
 from quantbridge.kernels._errors import KernelError
 from quantbridge.kernels._ir import I8, I64, load_vec, store_vec
-from quantbridge.kernels._layout import channels_last_data, same_u8_layout
+from quantbridge.kernels._layout import channels_last_data, same_layout
 from quantbridge.kernels._quantize import choose_kernel, f32_scale
 from quantbridge.kernels._targets import check_target
 from quantbridge.kernels._threads import get_num_threads
@@ -584,11 +584,7 @@ class PreparedAdaptiveAvgPool2d:
 
     def __call__(self, x: U8) -> U8:
         fast = self._fast
-        if (
-            fast is not None
-            and same_u8_layout(x, fast[0], fast[1])
-            and get_num_threads() == fast[2]
-        ):
+        if fast is not None and same_layout(x, fast[0], fast[1]) and get_num_threads() == fast[2]:
             out: U8 = fast[3](x, None)
             return out
         self._fast = None

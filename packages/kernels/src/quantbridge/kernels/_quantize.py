@@ -45,7 +45,7 @@ from quantbridge.kernels._errors import KernelError
 from quantbridge.kernels._float_math import RowSteps, codes_lanes, flat_f32, flat_u8
 from quantbridge.kernels._fma import fma32
 from quantbridge.kernels._ir import arrays_data, vec_broadcast
-from quantbridge.kernels._layout import check_dense, empty_in_order, flat
+from quantbridge.kernels._layout import check_dense, empty_in_order, flat, same_layout
 from quantbridge.kernels._qparams import QParams, as_qparams
 from quantbridge.kernels._targets import check_target
 from quantbridge.kernels._threads import apply_num_threads, get_num_threads, with_threads
@@ -532,10 +532,7 @@ class _PreparedPerTensor:
         fast = self._fast
         if (
             fast is not None
-            and type(x) is np.ndarray
-            and x.dtype is fast[2]
-            and x.shape == fast[0]
-            and x.strides == fast[1]
+            and same_layout(x, fast[0], fast[1], fast[2])
             and get_num_threads() == fast[3]
         ):
             out: npt.NDArray[Any] = fast[4](x)
