@@ -166,9 +166,10 @@ def _force_threaded_path(monkeypatch, threads):
 
 
 @pytest.mark.skipif(not _lut.VBMI, reason="this CPU has no AVX-512 VBMI")
-@pytest.mark.parametrize("size", [1, 63, 64, 65, 127, 128, 200, 4096 + 7])
+@pytest.mark.parametrize("size", [1, 63, 64, 65, 127, 128, 192, 200, 320 + 9, 4096 + 7])
 def test_vbmi_table_pass_equals_numpy(size):
-    # 64 codes a vpermi2b pair, the tail byte by byte; in place too (a fused activation's pass)
+    # 64 codes a vpermi2b pair, two such steps a loop turn (an odd count ends with one), the
+    # tail byte by byte; in place too (a fused activation's pass)
     rng = np.random.default_rng(size)
     table = rng.integers(0, 256, 256, dtype=np.uint8)
     q = rng.integers(0, 256, size, dtype=np.uint8)

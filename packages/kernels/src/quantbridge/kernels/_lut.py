@@ -16,6 +16,7 @@ import numpy as np
 import numpy.typing as npt
 from llvmlite import ir
 from numba import types
+from numba.core import cgutils
 from numba.extending import intrinsic
 
 from quantbridge.kernels._checks import check_array, check_out, check_quant_range, check_zero_point
@@ -63,34 +64,50 @@ VBMI = "avx512vbmi" in cpu_features()
 _V64 = ir.VectorType(ir.IntType(8), 64)
 
 
-def _lookup64_codegen(context: Any, builder: ir.IRBuilder, sig: Any, args: Any) -> ir.Value:
-    q, qoff, table, out, ooff = args
+def _lookup_span_codegen(context: Any, builder: ir.IRBuilder, sig: Any, args: Any) -> ir.Value:
+    q, table, out, start, stop = args
     q_p = context.make_array(sig.args[0])(context, builder, q).data
-    t_p = context.make_array(sig.args[2])(context, builder, table).data
-    o_p = context.make_array(sig.args[3])(context, builder, out).data
-
+    t_p = context.make_array(sig.args[1])(context, builder, table).data
+    o_p = context.make_array(sig.args[2])(context, builder, out).data
+    # the table's four 64-byte quarters stay in registers for the whole span
     quarters = [load_vec(builder, builder.gep(t_p, [ir.Constant(I64, 64 * k)]), _V64)
                 for k in range(4)]  # fmt: skip
-    codes = load_vec(builder, builder.gep(q_p, [qoff]), _V64)
     perm = declare(builder.module, ir.FunctionType(_V64, [_V64, _V64, _V64]),
                    "llvm.x86.avx512.vpermi2var.qi.512")  # fmt: skip
-    low = builder.call(perm, [quarters[0], codes, quarters[1]])  # codes 0-127 (7 low bits)
-    high = builder.call(perm, [quarters[2], codes, quarters[3]])  # codes 128-255
-    top = builder.icmp_unsigned(">=", codes, ir.Constant(_V64, [128] * 64))
-    store_vec(builder, builder.select(top, high, low), builder.gep(o_p, [ooff]))
+    top_bit = ir.Constant(_V64, [128] * 64)
+
+    def step(at: ir.Value) -> None:
+        codes = load_vec(builder, builder.gep(q_p, [at]), _V64)
+        low = builder.call(perm, [quarters[0], codes, quarters[1]])  # codes 0-127 (7 low bits)
+        high = builder.call(perm, [quarters[2], codes, quarters[3]])  # codes 128-255
+        top = builder.icmp_unsigned(">=", codes, top_bit)
+        store_vec(builder, builder.select(top, high, low), builder.gep(o_p, [at]))
+
+    # two 64-byte steps a turn (each reads its codes before writing: out may be q)
+    pairs = builder.sdiv(builder.sub(stop, start), ir.Constant(I64, 128))
+    with cgutils.for_range(builder, pairs) as loop:
+        at = builder.add(start, builder.mul(loop.index, ir.Constant(I64, 128)))
+        step(at)
+        step(builder.add(at, ir.Constant(I64, 64)))
+    done = builder.add(start, builder.mul(pairs, ir.Constant(I64, 128)))
+    with builder.if_then(builder.icmp_signed("<", done, stop)):
+        step(done)
     return context.get_dummy_value()
 
 
-def _lookup64_typing(typingctx: Any, q: Any, qoff: Any, table: Any, out: Any, ooff: Any) -> Any:
-    """``out[ooff : ooff + 64] = table[q[qoff : qoff + 64]]`` (C-contiguous 1-D uint8 arrays;
-    the caller keeps every byte in bounds and the table 256 entries)."""
+def _lookup_span_typing(
+    typingctx: Any, q: Any, table: Any, out: Any, start: Any, stop: Any
+) -> Any:  # fmt: skip
+    """``out[start:stop] = table[q[start:stop]]`` (C-contiguous 1-D uint8 arrays; ``stop -
+    start`` a multiple of 64; the caller keeps every byte in bounds and the table 256
+    entries)."""
     if not all(map(flat_u8, (q, table, out))):
         return None
-    return types.void(q, qoff, table, out, ooff), _lookup64_codegen
+    return types.void(q, table, out, start, stop), _lookup_span_codegen
 
 
 # typed Any: callers pass the five arguments, not numba's typing context
-_lookup64: Any = intrinsic(_lookup64_typing)
+_lookup_span: Any = intrinsic(_lookup_span_typing)
 
 
 def _make_gather_vbmi(parallel: bool) -> Any:
@@ -98,8 +115,7 @@ def _make_gather_vbmi(parallel: bool) -> Any:
         n = q.size
         full = n - n % 64
         for c in numba.prange((full + _VBMI_CHUNK - 1) // _VBMI_CHUNK):  # plain range if serial
-            for i in range(c * _VBMI_CHUNK, min(full, c * _VBMI_CHUNK + _VBMI_CHUNK), 64):
-                _lookup64(q, i, table, out, i)
+            _lookup_span(q, table, out, c * _VBMI_CHUNK, min(full, c * _VBMI_CHUNK + _VBMI_CHUNK))
         _gather_span(q, table, out, full, n)
 
     gather.__name__ = gather.__qualname__ = "gather_vbmi_parallel" if parallel else "gather_vbmi"
