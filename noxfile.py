@@ -2,6 +2,7 @@
 
     nox -s tests        every package's tests and the cross-package tests in tests/, in one
                         virtualenv, two pytest-xdist workers; `-- packages/qconfig/tests` runs one
+    nox -s tests_targets  the target matrix: kernels and model zoo at every x86 level
     nox -s lint         ruff check + ruff format --check
     nox -s typecheck    mypy --strict, one package at a time
     nox -s build        wheels + sdists; each wheel installed alone in a fresh venv and imported
@@ -113,6 +114,18 @@ def tests(session: nox.Session) -> None:
     # Two workers for two cores (`-- -n 0` runs in one process). numba's on-disk cache lives
     # beside the editable sources, so the workers and later runs reuse each other's kernels.
     session.run("pytest", "-n", TEST_WORKERS, *session.posargs)
+
+
+@nox.session
+def tests_targets(session: nox.Session) -> None:
+    """The target matrix (targets/): each x86 kernel level forced through numba's CPU settings.
+
+    Per level this host runs: the kernels suite and the model zoo's lowered outputs (equal
+    bytes at every level). Per level above AVX2, on any host: every kernel family compiled for
+    that CPU, nothing run. Arguments after ``--`` go to pytest (``-k avx2``).
+    """
+    _install(session, *TEST_REQUIREMENTS, *_editable(*PACKAGES), *TEST_EXTRAS)
+    session.run("pytest", str(ROOT / "targets"), "-v", *session.posargs)
 
 
 @nox.session

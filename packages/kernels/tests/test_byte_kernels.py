@@ -32,6 +32,7 @@ F32 = np.float32
 needs_avx2 = pytest.mark.skipif("avx2" not in available_targets(), reason="needs an AVX2 CPU")
 
 
+@needs_avx2
 @pytest.mark.parametrize(
     ("low", "high", "limit"),
     [(-64, 64, 510), (-65, 0, 504), (0, 65, 504), (-128, 127, 256), (-127, 127, 258)],
@@ -50,6 +51,7 @@ def test_avx2_runs_every_weight_on_byte_kernels_guarded_past_7_bits(low, high, l
     assert not generic.guarded
 
 
+@needs_avx2
 def test_a_conv_chooses_one_family_for_all_groups():
     w = np.zeros((4, 2, 3, 3), np.int8)
     w[0] = 100  # only the first group is past 7 bits: only its pairs need the guard
@@ -167,6 +169,7 @@ def test_conv_add_on_byte_kernels_equals_conv_then_add():
     np.testing.assert_array_equal(got, want)
 
 
+@needs_avx2
 @pytest.mark.parametrize("w_range", [(-64, 65), (-128, 128)], ids=["byte", "guarded"])
 @pytest.mark.parametrize("m", list(range(1, 20)))
 def test_every_row_count_splits_into_exact_blocks(w_range, m):

@@ -3,6 +3,8 @@ targets this CPU cannot run."""
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -12,6 +14,7 @@ from quantbridge.kernels import (
     KernelError,
     PackedLinearWeight,
     TargetUnavailableError,
+    _targets,
     available_targets,
     best_target,
     cpu_features,
@@ -70,3 +73,113 @@ def test_this_machine_runs_every_target(target):
     if not target_supported(target):
         pytest.skip(f"this CPU lacks {target}")
     assert resolve_target(target) == target
+
+
+# --- the CPU numba compiles for: NUMBA_CPU_NAME / NUMBA_CPU_FEATURES --------------------------
+
+
+def _numba_cpu(monkeypatch, name, features):
+    from numba.core import config
+
+    monkeypatch.setattr(config, "CPU_NAME", name)
+    monkeypatch.setattr(config, "CPU_FEATURES", features)
+
+
+@pytest.mark.parametrize(
+    ("name", "features", "targets"),
+    [
+        ("x86-64", "", ["generic"]),
+        ("generic", "", ["generic"]),
+        ("x86-64-v3", "", ["avx2", "generic"]),
+        ("haswell", "", ["avx2", "generic"]),
+        ("znver3", "", ["avx2", "generic"]),
+        ("alderlake", "", ["avx2", "generic"]),
+        ("skylake-avx512", "", ["avx2", "generic"]),  # AVX-512 without VNNI
+        ("cascadelake", "", ["avx512_vnni", "avx2", "generic"]),
+        ("x86-64-v4", "+avx512vnni", ["avx512_vnni", "avx2", "generic"]),
+        ("generic", "+avx2,+fma", ["avx2", "generic"]),
+        # +avx512vnni brings avx512f (and so avx2, fma) but not avx512bw
+        ("generic", "+avx512vnni", ["avx2", "generic"]),
+        # turning a feature off turns off everything built on it
+        ("icelake-server", "-avx512f", ["avx2", "generic"]),
+        ("icelake-server", "-avx", ["generic"]),
+        ("sapphirerapids", "-avx512vnni", ["avx2", "generic"]),
+        ("a-cpu-llvm-does-not-know", "", ["generic"]),
+    ],
+)
+def test_targets_follow_numba_cpu_settings(monkeypatch, name, features, targets):
+    _numba_cpu(monkeypatch, name, features)
+    assert available_targets() == targets
+    if "avx512_vnni" not in targets:
+        with pytest.raises(TargetUnavailableError, match="NUMBA_CPU_NAME"):
+            resolve_target("avx512_vnni")
+
+
+def test_a_cpu_name_without_features_keeps_the_host_features(monkeypatch):
+    # numba then hands LLVM the host's feature list, which overrides the name's defaults
+    import llvmlite.binding as llvm
+
+    host = frozenset(f for f, on in llvm.get_host_cpu_features().items() if on)
+    _numba_cpu(monkeypatch, "x86-64", None)
+    assert cpu_features() == host
+
+
+def test_numba_enable_avx_off_leaves_generic(monkeypatch):
+    from numba.core import config
+
+    monkeypatch.setattr(config, "ENABLE_AVX", 0)
+    assert available_targets() == ["generic"]
+
+
+# feature -> (LLVM IR of a function using it, the instruction showing LLVM had the feature)
+_PROBES = {
+    "avx2": ("<8 x i32>", "add", r"vpaddd\s+%ymm"),
+    "fma": ("<8 x float>", "fma", r"vfmadd\d{3}"),  # FMA3, not FMA4's vfmaddps
+    "avx512f": ("<16 x i32>", "add", r"vpaddd\s+%zmm"),
+    "avx512bw": ("<64 x i8>", "add", r"vpaddb\s+%zmm"),
+}
+
+
+def _probe_ir(vtype, op):
+    if op == "fma":
+        body = f"%r = call {vtype} @llvm.fma.v8f32({vtype} %a, {vtype} %b, {vtype} %a)"
+        head = f"declare {vtype} @llvm.fma.v8f32({vtype}, {vtype}, {vtype})\n"
+    else:
+        body, head = f"%r = add {vtype} %a, %b", ""
+    return f"{head}define {vtype} @f({vtype} %a, {vtype} %b) {{\n  {body}\n  ret {vtype} %r\n}}\n"
+
+
+@pytest.mark.parametrize("cpu", sorted(_targets._CPU_DEFAULTS))
+def test_cpu_table_agrees_with_llvm(cpu):
+    """The table of named CPUs' features against the code LLVM emits for each (generic IR,
+    which LLVM compiles for any CPU: nothing here can abort)."""
+    import llvmlite.binding as llvm
+
+    llvm.initialize_native_target()
+    llvm.initialize_native_asmprinter()
+    machine = llvm.Target.from_triple("x86_64-unknown-linux-gnu").create_target_machine(
+        cpu=cpu, features="", opt=2
+    )
+    table = _targets._CPU_DEFAULTS[cpu]
+    for feature, (vtype, op, instruction) in _PROBES.items():
+        module = llvm.parse_assembly(_probe_ir(vtype, op))
+        asm = machine.emit_assembly(module)
+        assert bool(re.search(instruction, asm)) == (feature in table), (cpu, feature)
+
+
+def test_weights_packed_for_a_target_this_cpu_lacks_refuse_to_unpickle(monkeypatch):
+    import pickle
+
+    from quantbridge.kernels import PackedConvWeight
+
+    w = np.ones((8, 4, 3, 3), np.int8)
+    blobs = [
+        pickle.dumps(PackedConvWeight(w, 0.1, target=best_target())),
+        pickle.dumps(PackedLinearWeight(np.ones((8, 4), np.int8), 0.1, target=best_target())),
+    ]
+    if best_target() == "generic":
+        pytest.skip("this CPU runs only the generic target, which every CPU runs")
+    monkeypatch.setattr(_targets, "cpu_features", lambda: frozenset({"sse2"}))
+    for blob in blobs:
+        with pytest.raises(TargetUnavailableError, match="pack the weights again"):
+            pickle.loads(blob)

@@ -70,21 +70,40 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import torch
-from torch import nn
+# ``--isa avx2`` caps every runtime at AVX2 + FMA, as on a CPU without AVX-512, through the
+# variables each one reads when it loads, so they are set before any is imported: numba's
+# CPU (quantbridge's kernel target follows it), oneDNN's (OpenVINO's and torch's), fbgemm's
+# (torch.ao x86) and ATen's. ONNX Runtime's MLAS has no such setting: its column keeps the
+# host's instructions.
+ISA_CAPS = {
+    "avx2": {
+        "NUMBA_CPU_NAME": "x86-64-v3",
+        "NUMBA_CPU_FEATURES": "",
+        "ONEDNN_MAX_CPU_ISA": "AVX2",
+        "DNNL_MAX_CPU_ISA": "AVX2",
+        "FBGEMM_ENABLE_INSTRUCTIONS": "AVX2",
+        "ATEN_CPU_CAPABILITY": "avx2",
+    }
+}
+if "--isa" in sys.argv[:-1]:
+    os.environ.update(ISA_CAPS.get(sys.argv[sys.argv.index("--isa") + 1], {}))
 
-from quantbridge.fx_quant import calibrate, prepare_fx
-from quantbridge.lowering import LoweredModule, get_backend, numba_backend
-from quantbridge.qconfig import QConfigMapping
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+import quantbridge.kernels as qk  # noqa: E402
+from quantbridge.fx_quant import calibrate, prepare_fx  # noqa: E402
+from quantbridge.lowering import LoweredModule, get_backend, numba_backend  # noqa: E402
+from quantbridge.qconfig import QConfigMapping  # noqa: E402
 
 # The peers' quantization recipes are shared with the asv suite (importable there).
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "asv_bench" / "benchmarks"))
-import _peers
+import _peers  # noqa: E402
 
 # torchvision-style networks (torchvision itself does not import under the pinned torch)
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "tests"))
-import real_models
+import real_models  # noqa: E402
 
 MODELS = ("resnet18", "mobilenet_v2", "bert", "lstm")
 # more torchvision-style networks, run only when named in --models
@@ -714,6 +733,18 @@ def _markdown(results: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def _cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo), else what platform knows."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--models", nargs="*", default=list(MODELS), choices=MODELS + OTHER_CNNS)
@@ -723,6 +754,12 @@ def main() -> int:
     parser.add_argument("--bert-batches", nargs="*", type=int, default=[1, 16])
     parser.add_argument("--sentences", type=int, default=256)
     parser.add_argument("--json", metavar="OUT", help="also write the results as JSON")
+    parser.add_argument(
+        "--isa",
+        choices=sorted(ISA_CAPS),
+        help="cap every runtime at this instruction set (ONNX Runtime excepted), to measure "
+        "a CPU without the host's newer instructions",
+    )
     parser.add_argument(
         "--profile",
         action="store_true",
@@ -736,8 +773,12 @@ def main() -> int:
 
     load = os.getloadavg()
     print(
-        f"torch {torch.__version__}, {platform.processor() or platform.machine()}, "
-        f"{os.cpu_count()} CPUs, load average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f} at start"
+        f"torch {torch.__version__}, {_cpu_model()}, {os.cpu_count()} CPUs, load average "
+        f"{load[0]:.1f} {load[1]:.1f} {load[2]:.1f} at start"
+    )
+    print(
+        f"quantbridge kernel target {qk.best_target()}"
+        + (f"; every runtime capped at {args.isa} (ONNX Runtime excepted)" if args.isa else "")
     )
     for peer in ("onnxruntime", "openvino", "nncf", "transformers", "onnx"):
         try:
@@ -774,7 +815,14 @@ def main() -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(
-                {"command": " ".join(sys.argv), "results": results, "profiles": profiles},
+                {
+                    "command": " ".join(sys.argv),
+                    "cpu": _cpu_model(),
+                    "kernel_target": qk.best_target(),
+                    "isa": args.isa,
+                    "results": results,
+                    "profiles": profiles,
+                },
                 f,
                 indent=2,
             )

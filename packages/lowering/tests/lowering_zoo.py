@@ -290,14 +290,17 @@ def qconfig_mapping_for(case: Case, backend: Backend) -> QConfigMapping:
     )
 
 
-def reference_model(case: Case, backend: Backend, seed: int = 0) -> GraphModule:
-    """Prepare with ``backend``'s config and defaults, calibrate on a few batches, convert."""
+def reference_model(
+    case: Case, backend: Backend, seed: int = 0, mapping: QConfigMapping | None = None
+) -> GraphModule:
+    """Prepare with ``backend``'s config and defaults (or ``mapping``), calibrate on a few
+    batches, convert."""
     torch.manual_seed(seed)
     model = case.model().eval()
     example = case.inputs(0)
-    prepared = prepare_fx(
-        model, qconfig_mapping_for(case, backend), example, backend_config=backend.backend_config
-    )
+    if mapping is None:
+        mapping = qconfig_mapping_for(case, backend)
+    prepared = prepare_fx(model, mapping, example, backend_config=backend.backend_config)
     with torch.no_grad():
         for i in range(4):
             prepared(*case.inputs(100 + i))

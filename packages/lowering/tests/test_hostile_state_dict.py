@@ -402,3 +402,32 @@ def test_pickle_leaves_out_the_packed_layout() -> None:
         if isinstance(module, L.LoweredModule) and hasattr(module, "_packed"):
             assert "_packed" not in module.__getstate__()
             assert "weight" in module.__getstate__()["_buffers"]
+
+
+@pytest.mark.parametrize("model_name", list(PICKLE_MODELS))
+def test_a_model_saved_where_a_better_target_ran_loads_and_runs_here(
+    model_name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Saved on a CPU with a better kernel target, loaded where numba compiles for plain
+    x86-64 (numba's own CPU settings): each lowered module repacks for the best target
+    there, says so, and computes the same bytes."""
+    from numba.core import config
+
+    if K.best_target() == "generic":
+        pytest.skip("this CPU runs only the generic target")
+    model, x = _lower_for(model_name, "numba")
+    with torch.no_grad():
+        want = model(x)
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    monkeypatch.setattr(config, "CPU_NAME", "x86-64")
+    monkeypatch.setattr(config, "CPU_FEATURES", "")
+    assert K.available_targets() == ["generic"]
+    buf.seek(0)
+    with pytest.warns(RuntimeWarning, match="repacked for 'generic'"):
+        loaded = torch.load(buf, weights_only=False)
+    lowered = [m for m in loaded.modules() if isinstance(m, L.LoweredModule)]
+    assert lowered
+    assert {m.target for m in lowered} == {"generic"}
+    with torch.no_grad():
+        assert torch.equal(loaded(x), want)

@@ -4,6 +4,7 @@ its outputs are within one quantization step of the reference model, element by 
 from __future__ import annotations
 
 import copy
+import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,7 @@ import lowering_zoo as zoo
 
 import quantbridge.lowering as L
 from quantbridge import kernels as K
-from quantbridge.lowering._modules import Dequantize, Quantize
+from quantbridge.lowering._modules import Dequantize, Quantize, QuantizedConvAdd
 
 _Q = torch.ops.quantbridge.quantize_per_tensor.tensor
 _DQ = torch.ops.quantbridge.dequantize_per_tensor.tensor
@@ -73,6 +74,16 @@ class _Recorder(Interpreter):
         return out
 
 
+def _allowed_codes(gm: GraphModule, n: Node) -> int:
+    """How many codes a lowered op may be from the reference quantize it replaced: one, plus,
+    for a fused conv + add, the conv's own rounding point carried through the add (the
+    reference conv sums in float, the kernel in integers: one conv code apart near a tie)."""
+    module = gm.get_submodule(str(n.target)) if n.op == "call_module" else None
+    if isinstance(module, QuantizedConvAdd):
+        return 1 + math.ceil(float(module.scale) / float(module.add_scale))
+    return 1
+
+
 class _TeacherForced(Interpreter):
     """Runs the lowered graph; each lowered op's output is compared with the reference
     quantize it replaced (at most one code apart), then replaced by the reference value so
@@ -96,7 +107,7 @@ class _TeacherForced(Interpreter):
             assert out.dtype == torch.uint8, n.name
             codes = (out.to(torch.int16) - want.to(torch.int16)).abs()
             worst = int(codes.max()) if codes.numel() else 0
-            assert worst <= 1, (n.name, origin, worst)
+            assert worst <= _allowed_codes(self.module, n), (n.name, origin, worst)
             self.worst = max(self.worst, worst)
             self.checked += 1
         elif n.op == "call_module" and isinstance(self.module.get_submodule(str(n.target)),

@@ -44,7 +44,7 @@ from quantbridge.kernels._errors import KernelError
 from quantbridge.kernels._float_math import FAST, RowSteps, flat_f32, scaled_row, vexp
 from quantbridge.kernels._ir import declare, load_vec, stack_slot, store_vec, vec_broadcast
 from quantbridge.kernels._qparams import QParams, as_qparams
-from quantbridge.kernels._targets import resolve_target
+from quantbridge.kernels._targets import needs_features, resolve_target, target_features
 from quantbridge.kernels._threads import apply_num_threads, with_threads
 from quantbridge.kernels._vnni import accumulate, declare_dot
 
@@ -378,9 +378,10 @@ def _make_heads(parallel: bool, vnni: bool) -> Any:
 
     name = ("attention_vnni_" if vnni else "attention_") + ("parallel" if parallel else "serial")
     heads.__name__ = heads.__qualname__ = name
-    return njit(cache=True, parallel=parallel, nogil=True, fastmath=FAST, error_model="numpy")(
+    compiled = njit(cache=True, parallel=parallel, nogil=True, fastmath=FAST, error_model="numpy")(
         heads
     )
+    return needs_features(target_features("avx512_vnni"), compiled) if vnni else compiled
 
 
 # [vnni][parallel]: the VNNI ones compile on first use only, on CPUs that have it

@@ -32,7 +32,8 @@ from numba import njit
 from quantbridge.kernels import _depthwise as depthwise_module
 from quantbridge.kernels._block_kernels import block_lanes
 from quantbridge.kernels._checks import check_array, check_zero_point
-from quantbridge.kernels._depthwise import MAX_TAPS, depthwise_parallel, depthwise_serial
+from quantbridge.kernels._depthwise import DRIVERS as DEPTHWISE_DRIVERS
+from quantbridge.kernels._depthwise import MAX_TAPS
 from quantbridge.kernels._dw_simd import LANES
 from quantbridge.kernels._dw_vnni import CHANNELS as VNNI_CHANNELS
 from quantbridge.kernels._dw_vnni import GROUPS as VNNI_GROUPS
@@ -63,7 +64,12 @@ from quantbridge.kernels._pack import (
 from quantbridge.kernels._pair_guard import window_rows
 from quantbridge.kernels._qparams import QParams, as_qparams
 from quantbridge.kernels._quantize import f32_scale
-from quantbridge.kernels._targets import resolve_target
+from quantbridge.kernels._targets import (
+    check_unpickled_target,
+    needs_features,
+    resolve_target,
+    target_features,
+)
 from quantbridge.kernels._threads import apply_num_threads, get_num_threads, with_threads
 from quantbridge.kernels._transpose import (
     nchw_into_padded_nhwc,
@@ -209,6 +215,10 @@ class PackedConvWeight:
         state["_plans"] = {}
         state["_add_args"] = {}
         return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        check_unpickled_target("PackedConvWeight", state["target"])
+        self.__dict__.update(state)
 
     def koffs(self, wp: int) -> list[npt.NDArray[np.int64]]:
         """Per-group activation offsets of each k step for padded input width ``wp``."""
@@ -581,10 +591,11 @@ def _depthwise_plan(packed: PackedConvWeight, geo: _Geometry, epi: _Epilogue) ->
     biasq, mult = packed.depthwise_epilogue(x_scale, out_scale)
     corr = np.float32(a_zp) * packed._dw_wsum  # x_zp * sum(w - w_zp) per channel, exact
     rows = n * oh
+    serial, parallel = DEPTHWISE_DRIVERS[packed.target]
     if threads > 1 and rows * ow * c * packed.kh * packed.kw >= depthwise_module.PARALLEL_MIN_MACS:
-        drv, per_task = with_threads(depthwise_parallel, threads), -(-rows // (4 * threads))
+        drv, per_task = with_threads(parallel, threads), -(-rows // (4 * threads))
     else:
-        drv, per_task = depthwise_serial, rows
+        drv, per_task = serial, rows
     kh, kw = packed.kh, packed.kw
     weights, cp = packed._dw_weight, packed._dw_cp
     c64, w8 = packed._dw_c64, packed._dw_w8
@@ -596,8 +607,6 @@ def _depthwise_plan(packed: PackedConvWeight, geo: _Geometry, epi: _Epilogue) ->
         biasq64, mult64 = biasq[order], mult[order]
     xh, xw, xph, xpw = (hp, wp, 0, 0) if pad else (h, w, ph, pw)
     zpf = float(a_zp)  # a Python float: numba's dispatcher types it faster than np.float32
-    # zmm blocks where the target guarantees AVX-512 (16 channels per FMA instead of 8)
-    wide = packed.target == "avx512_vnni"
     # with VBMI a pass over the output beats the driver's byte-by-byte row lookup (~20x)
     drive_table = NO_LUT if table_as_pass(table) else table
 
@@ -619,7 +628,7 @@ def _depthwise_plan(packed: PackedConvWeight, geo: _Geometry, epi: _Epilogue) ->
         drv(
             nhwc.reshape(-1), n, xh, xw, c, oh, ow, kh, kw, sh, sw, dh, dw, xph, xpw, weights,
             cp, corr, biasq, mult, zpf, o_zp, qmin, qmax, drive_table, out.reshape(-1),
-            per_task, wide, c64, w8, 4 * c64, acc0, biasq64, mult64, packed._dw_group,
+            per_task, c64, w8, 4 * c64, acc0, biasq64, mult64, packed._dw_group,
         )  # fmt: skip
         if drive_table is not table:  # VBMI: the table as one pass over the output
             apply_table(out.reshape(-1), table, out.reshape(-1), threads)
@@ -737,6 +746,9 @@ def _serial_u8t_batch(  # type: ignore[no-untyped-def]  # numba types the argume
             flat_res[b * per : (b + 1) * per], hw, colcorr, wzp, rowsum[b * hw : (b + 1) * hw],
             biasq, mult, ozp, qmin, qmax, hw, NO_RESIDUAL, NO_ADD, lut,
         )  # fmt: skip
+
+
+needs_features(target_features("avx512_vnni"), _serial_u8t_batch)
 
 
 def _conv_nchw_direct(
@@ -1057,6 +1069,11 @@ def _checked_add_args(
     f32_scale("conv_qparams.scale", conv_scale)
     f32_scale("other_qparams.scale", other_scale)
     f32_scale("out_qparams.scale", out_scale, inverted=True)
+    xa = check_array("x", x, np.uint8, 4, contiguous=False)
+    ob = check_array("other", other, np.uint8, 4, contiguous=False)
+    want = (xa.shape[0], packed.oc, *packed.output_size(xa.shape[2], xa.shape[3]))
+    if ob.shape != want:
+        raise KernelError(f"other: expected the conv output's shape {want}, got {ob.shape}")
     if not _fusable(packed):
         conv = conv2d(
             x, packed, x_scale, x_zero_point, conv_scale, conv_zero_point,
@@ -1068,11 +1085,6 @@ def _checked_add_args(
             (out_scale, out_zero_point),
         )  # fmt: skip
         return summed if lut is None else apply_lut(summed, lut, out=summed)
-    xa = check_array("x", x, np.uint8, 4, contiguous=False)
-    ob = check_array("other", other, np.uint8, 4, contiguous=False)
-    want = (xa.shape[0], packed.oc, *packed.output_size(xa.shape[2], xa.shape[3]))
-    if ob.shape != want:
-        raise KernelError(f"other: expected the conv output's shape {want}, got {ob.shape}")
     sa, pa, sb, pb, inv, zp = _add_params(
         f32_scale("conv_qparams.scale", conv_scale),
         check_zero_point("conv_qparams.zero_point", conv_zero_point, 0, 255),

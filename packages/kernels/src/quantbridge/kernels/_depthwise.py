@@ -3,7 +3,8 @@
 Through the GEMM every channel is its own group, padded to a 32-wide panel and 4 input
 channels: ~128x the useful work. Here the drivers walk output rows of unpadded NHWC input and
 call the IR micro-kernels of ``_dw_simd.py`` (8 channels per vector, or 16 for the block
-kernels when the caller says the CPU has AVX-512: ``wide``):
+kernels of the AVX-512 VNNI target). Each target has its own driver (``DRIVERS``): only the
+VNNI one holds AVX-512 code.
 
 - interior pixels (every tap inside the input) of 3x3 / 5x5 kernels with stride 1 or 2 along W
   and no W dilation: ``dw_block``, several pixels per call, register-blocked along W;
@@ -46,6 +47,7 @@ from quantbridge.kernels._dw_vnni import BLOCK_PIXELS as BLOCK_PIXELS_64
 from quantbridge.kernels._dw_vnni import CHANNELS as VNNI_CHANNELS
 from quantbridge.kernels._dw_vnni import KIND_IDS as KIND_IDS_64
 from quantbridge.kernels._dw_vnni import dw64_block, dw64_taps
+from quantbridge.kernels._targets import needs_features, target_features
 
 # taps per output for which float32 sums stay exact (255 * 255 * 256 < 2**24)
 MAX_TAPS = 256
@@ -71,21 +73,22 @@ def _split_run(n, big, alt):  # type: ignore[no-untyped-def]  # numba types the 
     return nbig, 0, rem
 
 
-def _make_row(kw: int, sw: int) -> Any:
+def _make_row(kw: int, sw: int, wide: int) -> Any:
     """The interior pixels ``lo..hi-1`` of one output row through the ``(kw, sw)`` block kinds.
 
     Blocks of ``P`` pixels cover the run; the remainder goes the cheapest of three ways,
     counting a block pixel as 1 and a one-pixel call as 2 (it reloads every input vector for
     each pixel): one more ``P`` block moved back to end at ``hi``, or blocks of the second size
     ``Q`` (the last one moved back), or one-pixel calls. A moved-back block recomputes pixels
-    already written, with the same bytes. Channels ``0..c16-1`` run the 16-lane kinds, then
-    ``c16..c8-1`` the 8-lane ones, from channel ``cs`` on (those before it ran the 64-channel
-    kinds, ``_make_row64``).
+    already written, with the same bytes. Channels ``cs..c16-1`` run the ``wide``-lane kinds,
+    then ``c16..c8-1`` the 8-lane ones (those before ``cs`` ran the 64-channel kinds,
+    ``_make_row64``). ``wide`` is 16 for AVX-512 CPUs only: elsewhere it is 8, and the row
+    holds no 16-lane code at all.
     """
     big, alt = BLOCK_PIXELS[(kw, sw)]
     kbig, kalt, kone = (KIND_IDS[(LANES, kw, sw, p)] for p in (big, alt, 1))
-    wbig, walt, wone = (KIND_IDS[(WIDE_LANES, kw, sw, p)] for p in (big, alt, 1))
-    lanes, wide = LANES, WIDE_LANES
+    wbig, walt, wone = (KIND_IDS[(wide, kw, sw, p)] for p in (big, alt, 1))
+    lanes = LANES
 
     def row(  # type: ignore[no-untyped-def]  # numba types the arguments
         x, xrow, pw, c, cs, c16, c8, rowstep, kh, wf, cp, corr, biasq, mult, ozp, qmin, qmax,
@@ -122,7 +125,7 @@ def _make_row(kw: int, sw: int) -> Any:
                 dw_block(kone, x, xb + c0, rowstep, c, kh, wf, cp, c0, corr, biasq, mult,
                          ozp, qmin, qmax, out, ob + c0)  # fmt: skip
 
-    row.__name__ = row.__qualname__ = f"depthwise_row_{kw}x{kw}_s{sw}"
+    row.__name__ = row.__qualname__ = f"depthwise_row{wide}_{kw}x{kw}_s{sw}"
     return njit(cache=True, nogil=True)(row)
 
 
@@ -174,26 +177,69 @@ def _make_row64(kw: int, sw: int, group: int) -> Any:
     return njit(cache=True, nogil=True)(row64)
 
 
-_row_3s1, _row_3s2, _row_5s1, _row_5s2 = (_make_row(kw, sw) for kw, sw in BLOCK_PIXELS)
 _row64_3s1, _row64_3s2, _row64_5s1, _row64_5s2 = (_make_row64(kw, sw, 1) for kw, sw in BLOCK_PIXELS)
 # 32 channels at stride 1 (GROUPS of _dw_vnni: 2 pixels a vector)
 _row32_3s1, _row32_5s1 = (_make_row64(kw, 1, 2) for kw in (3, 5))
 
 
-def _make_driver(parallel: bool) -> Any:
+# vector width -> the interior rows of each (kernel width, stride) block kind
+_ROWS = {
+    wide: tuple(_make_row(kw, sw, wide) for kw, sw in BLOCK_PIXELS) for wide in (LANES, WIDE_LANES)
+}
+
+
+@njit(cache=True, nogil=True)
+def _vnni_interior(spec, group, args64):  # type: ignore[no-untyped-def]  # numba types them
+    """The 64-channel ``vpdpbusd`` blocks of a row's interior (``spec``: see the driver)."""
+    if group == 2:  # stride 1 (spec 1 or 3)
+        if spec == 1:
+            _row32_3s1(*args64)
+        else:
+            _row32_5s1(*args64)
+    elif spec == 1:
+        _row64_3s1(*args64)
+    elif spec == 2:
+        _row64_3s2(*args64)
+    elif spec == 3:
+        _row64_5s1(*args64)
+    else:
+        _row64_5s2(*args64)
+
+
+@njit(cache=True, nogil=True)
+def _no_vnni_interior(spec, group, args64):  # type: ignore[no-untyped-def]  # numba types them
+    """Targets without AVX-512 VNNI: their packed weights have no 64-channel blocks."""
+
+
+@njit(cache=True, nogil=True)
+def _no_vnni_taps(  # type: ignore[no-untyped-def]  # numba types the arguments
+    x, base, aoffs, ains, ntap, w8, cp4, c0, acc0, biasq, mult, xzp, ozp, qmin, qmax, out, obase
+):
+    """Targets without AVX-512 VNNI: their packed weights have no 64-channel blocks."""
+
+
+def _make_driver(target: str, parallel: bool) -> Any:
+    """The depthwise driver of one kernel target: the VNNI one runs 64-channel ``vpdpbusd``
+    blocks and 16-lane float blocks; the others hold no AVX-512 code (LLVM cannot select it
+    for a CPU without AVX-512, and aborts the process rather than raise)."""
     lanes = LANES
+    vnni = target == "avx512_vnni"
+    wide = WIDE_LANES if vnni else LANES
+    interior64 = _vnni_interior if vnni else _no_vnni_interior
+    taps64 = dw64_taps if vnni else _no_vnni_taps
+    row_3s1, row_3s2, row_5s1, row_5s2 = _ROWS[wide]
 
     def driver(  # type: ignore[no-untyped-def]  # numba types the arguments
         x, n, h, w, c, oh, ow, kh, kw, sh, sw, dh, dw, ph, pw,
-        wf, cp, corr, biasq, mult, zpf, ozp, qmin, qmax, lut, out, rows_per_task, wide,
+        wf, cp, corr, biasq, mult, zpf, ozp, qmin, qmax, lut, out, rows_per_task,
         c64, w8, cp4, acc0, biasq64, mult64, group,
     ):  # fmt: skip
         """``out`` [N*OH*OW*C] from ``x`` [N*H*W*C] (both flat NHWC uint8).
 
         Codes are clamped to ``[qmin, qmax]``, then mapped through ``lut`` (uint8[256], a fused
-        activation, ``_epilogue_lut.py``) unless it is empty. ``wide``: the interior blocks run
-        16 channels per vector (only on CPUs with AVX-512: elsewhere LLVM splits each vector).
-        ``c64`` (0, or a multiple of 64 on AVX-512 VNNI CPUs): the interior of channels
+        activation, ``_epilogue_lut.py``) unless it is empty. On the VNNI target the interior
+        blocks run 16 channels per vector.
+        ``c64`` (0, or a multiple of 64 on the VNNI target): the interior of channels
         ``0..c64-1`` runs the 64-channel ``vpdpbusd`` blocks, with ``w8`` (``split_weights``, a
         tap every ``cp4`` bytes) and ``acc0``, ``biasq64``, ``mult64`` in their channel order.
         ``group`` > 1 (C = 64 / group, stride 1, ``c64`` = 64): those blocks carry ``group``
@@ -210,7 +256,7 @@ def _make_driver(parallel: bool) -> Any:
             elif kw == 5:
                 spec = 3 if sw == 1 else (4 if sw == 2 else 0)
         c8 = c - c % lanes
-        c16 = c - c % WIDE_LANES if wide else 0
+        c16 = c - c % wide
         ntap = kh * kw
         rowstep = dh * w * c
         # tap offsets from the window origin, for interior pixels' channel tail
@@ -248,30 +294,18 @@ def _make_driver(parallel: bool) -> Any:
                         vnni_c = c64 if group == 1 else c
                         args64 = (x, xrow, pw, c, c64, rowstep, kh, w8, cp4, acc0, biasq64,
                                   mult64, ozp, qmin, qmax, out, obase, rlo, rhi)  # fmt: skip
-                        if group == 2:  # stride 1 (spec 1 or 3)
-                            if spec == 1:
-                                _row32_3s1(*args64)
-                            else:
-                                _row32_5s1(*args64)
-                        elif spec == 1:
-                            _row64_3s1(*args64)
-                        elif spec == 2:
-                            _row64_3s2(*args64)
-                        elif spec == 3:
-                            _row64_5s1(*args64)
-                        else:
-                            _row64_5s2(*args64)
+                        interior64(spec, group, args64)
                     args = (x, xrow, pw, c, vnni_c, c16, c8, rowstep, kh, wf, cp, corr, biasq,
                             mult, ozp, qmin, qmax, out, obase, rlo, rhi)  # fmt: skip
                     if vnni_c < c8:  # full vectors left after the vpdpbusd blocks
                         if spec == 1:
-                            _row_3s1(*args)
+                            row_3s1(*args)
                         elif spec == 2:
-                            _row_3s2(*args)
+                            row_3s2(*args)
                         elif spec == 3:
-                            _row_5s1(*args)
+                            row_5s1(*args)
                         else:
-                            _row_5s2(*args)
+                            row_5s2(*args)
                     if c8 < c:  # the channel tail of the interior pixels
                         for ox in range(rlo, rhi):
                             dw_taps(x, xrow + (ox * sw - pw) * c + c8, full_offs, full_idx,
@@ -296,7 +330,7 @@ def _make_driver(parallel: bool) -> Any:
                                 tidx[nt] = i * kw + j
                                 nt += 1
                     for c0 in range(0, c64 if group == 1 else 0, step64):
-                        dw64_taps(x, img + c0, aoffs, ains, ntap, w8, cp4, c0, acc0, biasq64,
+                        taps64(x, img + c0, aoffs, ains, ntap, w8, cp4, c0, acc0, biasq64,
                                   mult64, xzp, ozp, qmin, qmax, out,
                                   obase + ox * c + c0)  # fmt: skip
                     for c0 in range(c64 if group == 1 else 0, c, lanes):
@@ -307,11 +341,16 @@ def _make_driver(parallel: bool) -> Any:
                     for k in range(obase, obase + ow * c):
                         out[k] = lut[out[k]]
 
-    name = "depthwise_parallel" if parallel else "depthwise_serial"
+    name = f"depthwise_{target}_{'parallel' if parallel else 'serial'}"
     # a distinct module-level qualname per driver: its own cache index file
     driver.__name__ = driver.__qualname__ = name
-    return njit(cache=True, parallel=parallel, nogil=True)(driver)
+    return needs_features(
+        target_features(target), njit(cache=True, parallel=parallel, nogil=True)(driver)
+    )
 
 
-depthwise_serial = _make_driver(False)
-depthwise_parallel = _make_driver(True)
+# target -> (serial driver, parallel driver)
+DRIVERS = {
+    target: (_make_driver(target, False), _make_driver(target, True))
+    for target in ("avx512_vnni", "avx2", "generic")
+}

@@ -157,7 +157,7 @@ def _binary(
     if qa.shape != qb.shape:
         raise KernelError(
             f"b: shape {qb.shape} differs from a's shape {qa.shape}; quantized {kind} needs "
-            "equal shapes (no broadcasting, like torch.ops.quantized.{kind})"
+            f"equal shapes (no broadcasting, like torch.ops.quantized.{kind})"
         )
     sa, za, sb, zb, so, zo = binary_qparams(a_qparams, b_qparams, out_qparams, kind == "mul")
     qb = in_order(qb, order)  # b in a's layout (a copy only when the layouts differ)

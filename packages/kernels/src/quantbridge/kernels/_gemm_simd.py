@@ -30,6 +30,7 @@ from quantbridge.kernels._block_kernels import (
     block_lanes,
     k_step,
 )
+from quantbridge.kernels._targets import needs_features, target_features
 
 # target -> rows of its (big, quad, mid) blocks; the 1-row kernel ends every tail. AVX2's
 # 4-row block (0: none) splits 4, 5, 7 and 8 remaining rows without computing a wasted row
@@ -220,7 +221,9 @@ def _make_driver(target: str, mode: str, parallel: bool) -> Any:
     prefix = "drive" if parallel else "serial"
     # a distinct module-level qualname per driver: its own cache index file, stable across runs
     driver.__name__ = driver.__qualname__ = f"{prefix}_{_SHORT[target]}_{mode}"
-    return njit(cache=True, parallel=parallel, nogil=True)(driver)
+    return needs_features(
+        target_features(target), njit(cache=True, parallel=parallel, nogil=True)(driver)
+    )
 
 
 def _make_batched_driver(target: str, parallel: bool) -> Any:
@@ -297,7 +300,9 @@ def _make_batched_driver(target: str, parallel: bool) -> Any:
 
     prefix = "batched_drive" if parallel else "batched_serial"
     driver.__name__ = driver.__qualname__ = f"{prefix}_{_SHORT[target]}_u8"
-    return njit(cache=True, parallel=parallel, nogil=True)(driver)
+    return needs_features(
+        target_features(target), njit(cache=True, parallel=parallel, nogil=True)(driver)
+    )
 
 
 drive_vnni_u8 = _make_driver("avx512_vnni", "u8", True)

@@ -52,7 +52,7 @@ from quantbridge.kernels._pack import (
 )
 from quantbridge.kernels._pair_guard import PairGuard, split_steps, unsafe_rows
 from quantbridge.kernels._requant import multipliers, scaled_bias
-from quantbridge.kernels._targets import resolve_target
+from quantbridge.kernels._targets import check_unpickled_target, resolve_target
 from quantbridge.kernels._threads import apply_num_threads, max_threads
 
 _CACHE_LIMIT = 64
@@ -310,6 +310,10 @@ class PackedLinearWeight:
                 "overflows float32 "
                 f"(bias {float(self.bias[j])!r}); the scales are far too small for this bias"
             )
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        check_unpickled_target("PackedLinearWeight", state["target"])
+        self.__dict__.update(state)
 
     def __repr__(self) -> str:
         kind = "per-channel" if self.per_channel else "per-tensor"

@@ -30,7 +30,7 @@ from quantbridge.kernels._quantize import (
     choose_kernel,
     f32_scale,
 )
-from quantbridge.kernels._targets import check_target, cpu_features
+from quantbridge.kernels._targets import check_target, cpu_features, needs_features
 from quantbridge.kernels._threads import apply_num_threads, with_threads
 
 U8 = npt.NDArray[np.uint8]
@@ -60,7 +60,8 @@ def _gather_par(q, table, out):  # type: ignore[no-untyped-def]
 # AVX-512 VBMI (Ice Lake, Zen 4 and later): ``vpermi2b`` looks 64 codes up in a 128-byte table
 # held in two registers, so a whole 256-entry table is two of them and a select: ~20x the
 # byte-by-byte gather. Compiled only on CPUs that have it (LLVM cannot emit it elsewhere).
-VBMI = "avx512vbmi" in cpu_features()
+_VBMI_FEATURES = ("avx512f", "avx512bw", "avx512vbmi")
+VBMI = set(_VBMI_FEATURES) <= cpu_features()
 _V64 = ir.VectorType(ir.IntType(8), 64)
 
 
@@ -119,7 +120,7 @@ def _make_gather_vbmi(parallel: bool) -> Any:
         _gather_span(q, table, out, full, n)
 
     gather.__name__ = gather.__qualname__ = "gather_vbmi_parallel" if parallel else "gather_vbmi"
-    return numba.njit(cache=True, parallel=parallel)(gather)
+    return needs_features(_VBMI_FEATURES, numba.njit(cache=True, parallel=parallel)(gather))
 
 
 _VBMI_CHUNK = 1 << 16  # codes per parallel task (a multiple of 64)

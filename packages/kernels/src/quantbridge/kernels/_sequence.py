@@ -40,6 +40,7 @@ from quantbridge.kernels._linear import (
     linear_dynamic,
 )
 from quantbridge.kernels._recurrent import _gru_rows, _lstm_rows, gru_cell, lstm_cell
+from quantbridge.kernels._targets import needs_features, target_features
 from quantbridge.kernels._threads import apply_num_threads, with_threads
 
 F32 = npt.NDArray[np.float32]
@@ -122,7 +123,8 @@ def _make_loop(which: int, lstm: bool) -> Any:
 
     kind = "lstm" if lstm else "gru"
     loop.__name__ = loop.__qualname__ = f"sequence_{kind}_{which}"
-    return njit(cache=True, nogil=True)(loop)
+    family = _FAMILIES[which % len(_FAMILIES)]
+    return needs_features(target_features(family), njit(cache=True, nogil=True)(loop))
 
 
 _LOOPS = {(w, lstm): _make_loop(w, lstm) for w in range(len(_DRIVERS)) for lstm in (True, False)}

@@ -32,7 +32,12 @@ import numpy as np
 
 from quantbridge.kernels._conv import PackedConvWeight, conv2d
 from quantbridge.kernels._linear import PackedLinearWeight, linear
-from quantbridge.kernels._targets import available_targets, target_supported
+from quantbridge.kernels._targets import (
+    available_targets,
+    needs_features,
+    target_features,
+    target_supported,
+)
 from quantbridge.kernels._threads import apply_num_threads, max_threads
 from quantbridge.kernels._vnni import vpdpbusd_peak_loop
 
@@ -60,6 +65,10 @@ def _peak_many(iters: int, workers: int) -> int:
     for t in numba.prange(workers):
         acc[t] = vpdpbusd_peak_loop(iters)  # type: ignore[call-arg]
     return int(acc.sum())
+
+
+for _probe in (_peak_one, _peak_many):
+    needs_features(target_features("avx512_vnni"), _probe)
 
 
 def measure_peak_gops(threads: int, seconds: float = 0.5) -> float | None:

@@ -15,6 +15,7 @@ the kernels cannot use, raises a LoweringError naming its key (``_state_dict.py`
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import numpy as np
@@ -106,6 +107,16 @@ class LoweredModule(nn.Module):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)  # type: ignore[no-untyped-call]
+        if not K.target_supported(self.target):
+            # saved on a CPU with a better target: every target computes the same bytes, so
+            # repacking for the best one here loses nothing
+            warnings.warn(
+                f"{type(self).__name__}: lowered for kernel target {self.target!r}, which this "
+                f"CPU cannot run; repacked for {K.best_target()!r} (same results)",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            self.target = K.best_target()
         self._sync()
 
     # the kernels package's prepared call (K.Prepared*) of forward_arrays, planned for one
