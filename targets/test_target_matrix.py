@@ -71,10 +71,12 @@ def _run(what: str, cmd: list[str], env: dict[str, str], ok: tuple[int, ...] = (
 
 @pytest.mark.parametrize("level", RUNNABLE, ids=lambda level: level.name)
 def test_kernels_suite(level: Level) -> None:
+    env = level.env()
+    env["QUANTBRIDGE_TEST_TARGETS"] = level.target  # lower targets ran at their own level
     _run(
         f"kernels suite at {level.name}",
         ["-m", "pytest", "packages/kernels/tests", "-n", "2", "-q", "-p", "no:cacheprovider"],
-        level.env(),
+        env,
     )
 
 
