@@ -9,6 +9,7 @@ model name.
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -54,6 +55,7 @@ BY_NAME = {level.name: level for level in LEVELS}
 DRY_RUN_LEVEL = BY_NAME["avx2"]
 
 
+@functools.cache
 def host_features() -> frozenset[str]:
     """The host CPU's features (LLVM names)."""
     return frozenset(f for f, on in llvm.get_host_cpu_features().items() if on)

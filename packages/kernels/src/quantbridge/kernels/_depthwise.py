@@ -3,8 +3,8 @@
 Through the GEMM every channel is its own group, padded to a 32-wide panel and 4 input
 channels: ~128x the useful work. Here the drivers walk output rows of unpadded NHWC input and
 call the IR micro-kernels of ``_dw_simd.py`` (8 channels per vector, or 16 for the block
-kernels of the AVX-512 VNNI target). Each target has its own driver (``DRIVERS``): only the
-VNNI one holds AVX-512 code.
+kernels of the AVX-512 VNNI target). ``DRIVERS`` gives each target its driver: the VNNI
+target's holds AVX-512 code, the one every other target shares holds none.
 
 - interior pixels (every tap inside the input) of 3x3 / 5x5 kernels with stride 1 or 2 along W
   and no W dilation: ``dw_block``, several pixels per call, register-blocked along W;
@@ -182,10 +182,10 @@ _row64_3s1, _row64_3s2, _row64_5s1, _row64_5s2 = (_make_row64(kw, sw, 1) for kw,
 _row32_3s1, _row32_5s1 = (_make_row64(kw, 1, 2) for kw in (3, 5))
 
 
-# vector width -> the interior rows of each (kernel width, stride) block kind
-_ROWS = {
-    wide: tuple(_make_row(kw, sw, wide) for kw, sw in BLOCK_PIXELS) for wide in (LANES, WIDE_LANES)
-}
+# the interior rows of each (kernel width, stride) block kind, 8 and 16 lanes (module-level
+# tuples: the jit cache hardening finds dispatchers one level down)
+_ROWS_8 = tuple(_make_row(kw, sw, LANES) for kw, sw in BLOCK_PIXELS)
+_ROWS_16 = tuple(_make_row(kw, sw, WIDE_LANES) for kw, sw in BLOCK_PIXELS)
 
 
 @njit(cache=True, nogil=True)
@@ -218,16 +218,15 @@ def _no_vnni_taps(  # type: ignore[no-untyped-def]  # numba types the arguments
     """Targets without AVX-512 VNNI: their packed weights have no 64-channel blocks."""
 
 
-def _make_driver(target: str, parallel: bool) -> Any:
-    """The depthwise driver of one kernel target: the VNNI one runs 64-channel ``vpdpbusd``
-    blocks and 16-lane float blocks; the others hold no AVX-512 code (LLVM cannot select it
+def _make_driver(vnni: bool, parallel: bool) -> Any:
+    """A depthwise driver: the VNNI one runs 64-channel ``vpdpbusd`` blocks and 16-lane float
+    blocks; the other, for every other target, holds no AVX-512 code (LLVM cannot select it
     for a CPU without AVX-512, and aborts the process rather than raise)."""
     lanes = LANES
-    vnni = target == "avx512_vnni"
     wide = WIDE_LANES if vnni else LANES
     interior64 = _vnni_interior if vnni else _no_vnni_interior
     taps64 = dw64_taps if vnni else _no_vnni_taps
-    row_3s1, row_3s2, row_5s1, row_5s2 = _ROWS[wide]
+    row_3s1, row_3s2, row_5s1, row_5s2 = _ROWS_16 if vnni else _ROWS_8
 
     def driver(  # type: ignore[no-untyped-def]  # numba types the arguments
         x, n, h, w, c, oh, ow, kh, kw, sh, sw, dh, dw, ph, pw,
@@ -341,16 +340,14 @@ def _make_driver(target: str, parallel: bool) -> Any:
                     for k in range(obase, obase + ow * c):
                         out[k] = lut[out[k]]
 
-    name = f"depthwise_{target}_{'parallel' if parallel else 'serial'}"
+    name = f"depthwise_{'vnni' if vnni else 'float'}_{'parallel' if parallel else 'serial'}"
     # a distinct module-level qualname per driver: its own cache index file
     driver.__name__ = driver.__qualname__ = name
-    return needs_features(
-        target_features(target), njit(cache=True, parallel=parallel, nogil=True)(driver)
-    )
+    compiled = njit(cache=True, parallel=parallel, nogil=True)(driver)
+    return needs_features(target_features("avx512_vnni"), compiled) if vnni else compiled
 
 
-# target -> (serial driver, parallel driver)
-DRIVERS = {
-    target: (_make_driver(target, False), _make_driver(target, True))
-    for target in ("avx512_vnni", "avx2", "generic")
-}
+# (serial driver, parallel driver)
+_VNNI_DRIVERS = (_make_driver(True, False), _make_driver(True, True))
+_FLOAT_DRIVERS = (_make_driver(False, False), _make_driver(False, True))
+DRIVERS = {"avx512_vnni": _VNNI_DRIVERS, "avx2": _FLOAT_DRIVERS, "generic": _FLOAT_DRIVERS}

@@ -67,8 +67,8 @@ def _peak_many(iters: int, workers: int) -> int:
     return int(acc.sum())
 
 
-for _probe in (_peak_one, _peak_many):
-    needs_features(target_features("avx512_vnni"), _probe)
+needs_features(target_features("avx512_vnni"), _peak_one)
+needs_features(target_features("avx512_vnni"), _peak_many)
 
 
 def measure_peak_gops(threads: int, seconds: float = 0.5) -> float | None:

@@ -110,13 +110,14 @@ class LoweredModule(nn.Module):
         if not K.target_supported(self.target):
             # saved on a CPU with a better target: every target computes the same bytes, so
             # repacking for the best one here loses nothing
+            best = K.best_target()
             warnings.warn(
                 f"{type(self).__name__}: lowered for kernel target {self.target!r}, which this "
-                f"CPU cannot run; repacked for {K.best_target()!r} (same results)",
+                f"CPU cannot run; repacked for {best!r} (same results)",
                 RuntimeWarning,
                 stacklevel=2,
             )
-            self.target = K.best_target()
+            self.target = best
         self._sync()
 
     # the kernels package's prepared call (K.Prepared*) of forward_arrays, planned for one
