@@ -15,6 +15,7 @@ from quantbridge.kernels import (
     cpu_features,
     linear,
     linear_dynamic,
+    linear_float,
 )
 
 TARGETS = available_targets()
@@ -331,6 +332,79 @@ def test_linear_dynamic_matches_reference(target, m, k, n, seed):
     # the float64 emulation of fma can double-round; allow only that one-ulp case
     np.testing.assert_array_max_ulp(got, want, maxulp=1)
     assert np.mean(got == want) > 0.999
+
+
+def reference_float(a, a_s, a_zp, w, w_s, w_zp, bias):
+    """int64 accumulation on static codes, then one float32 fma per output."""
+    n = w.shape[0]
+    w_zp = np.broadcast_to(np.asarray(w_zp, np.int64), (n,))
+    acc = (a.astype(np.int64) - a_zp) @ (w.astype(np.int64) - w_zp[:, None]).T
+    atws = (F32(a_s) * np.broadcast_to(np.asarray(w_s, np.float64), (n,)).astype(F32)).astype(F32)
+    b = np.zeros(n, np.float64) if bias is None else bias.astype(np.float64)
+    return (acc.astype(np.int32).astype(F32).astype(np.float64) * atws + b).astype(F32)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@settings(max_examples=20, deadline=None)
+@given(
+    m=st.integers(1, 40),
+    k=st.integers(1, 200),
+    n=st.integers(1, 80),
+    per_channel=st.booleans(),
+    wzp=st.booleans(),
+    with_bias=st.booleans(),
+    threads=st.sampled_from([1, 2]),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_linear_float_matches_integer_reference(
+    target, m, k, n, per_channel, wzp, with_bias, threads, seed
+):
+    rng = np.random.default_rng(seed)
+    a, a_s, a_zp, w, w_s, w_zp, bias, _, _ = _case(rng, m, k, n, per_channel, wzp, with_bias)
+    packed = PackedLinearWeight(w, w_s, w_zp, bias, target=target)
+    got = linear_float(a, packed, a_s, a_zp, num_threads=threads)
+    assert got.dtype == np.float32
+    assert got.shape == (m, n)
+    want = reference_float(a, a_s, a_zp, w, w_s, w_zp, bias)
+    # the float64 emulation of fma can double-round; allow only that one-ulp case
+    np.testing.assert_array_max_ulp(got, want, maxulp=1)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("activation", ["relu", "gelu"])
+def test_linear_float_applies_the_activation_and_keeps_leading_dims(target, activation):
+    rng = np.random.default_rng(5)
+    a = rng.integers(0, 256, (2, 3, 70), dtype=np.uint8)
+    w = rng.integers(-128, 128, (33, 70), dtype=np.int8)
+    w_s = rng.uniform(0.002, 0.02, 33)
+    bias = rng.normal(size=33).astype(F32)
+    packed = PackedLinearWeight(w, w_s, 0, bias, target=target)
+    plain = linear_float(a, packed, 0.03, 17)
+    got = linear_float(a, packed, 0.03, 17, activation=activation)
+    assert got.shape == (2, 3, 33)
+    want = reference_float(a.reshape(-1, 70), 0.03, 17, w, w_s, 0, bias).reshape(2, 3, 33)
+    np.testing.assert_array_max_ulp(plain, want, maxulp=1)
+    if activation == "relu":
+        np.testing.assert_array_equal(got, np.maximum(plain, 0))
+    else:
+        x = plain.astype(np.float64)
+        exact = 0.5 * x * (1 + np.vectorize(__import__("math").erf)(x / np.sqrt(2)))
+        np.testing.assert_allclose(got, exact, rtol=1e-5, atol=1e-5)
+
+
+def test_linear_float_refuses_bad_arguments():
+    packed = PackedLinearWeight(np.ones((4, 8), np.int8), 0.1, 0, None)
+    x = np.zeros((2, 8), np.uint8)
+    with pytest.raises(KernelError, match="last dimension 7"):
+        linear_float(np.zeros((2, 7), np.uint8), packed, 0.1, 0)
+    with pytest.raises(KernelError, match="x_zero_point"):
+        linear_float(x, packed, 0.1, 300)
+    with pytest.raises(KernelError, match="x_scale"):
+        linear_float(x, packed, float("nan"), 0)
+    with pytest.raises(KernelError, match="activation"):
+        linear_float(x, packed, 0.1, 0, activation="tanh")
+    with pytest.raises(KernelError, match="uint8"):
+        linear_float(x.astype(np.float32), packed, 0.1, 0)
 
 
 def test_linear_dynamic_rejects_non_finite_input():

@@ -80,6 +80,7 @@ def test_default_table_lists_every_family_in_matching_order() -> None:
         "cat",
         "identity in eval",
         "shape ops",
+        "linear, float output",
         "dynamic linear",
         "dynamic lstm / gru",
         "embedding",

@@ -50,6 +50,10 @@ from quantbridge.fx_quant._errors import FxQuantError
 from quantbridge.fx_quant._explain import ExplainReport, explain
 from quantbridge.fx_quant._export_capture import ExportCaptureError, equivalence_table
 from quantbridge.fx_quant._fuse import FusionError
+from quantbridge.fx_quant._outlier_channels import (
+    OutlierChannelsConfig,
+    keep_outlier_channels_float,
+)
 from quantbridge.fx_quant._prepare import ExampleInputsError, StrictPrepareError
 from quantbridge.fx_quant._qconfig_propagation import FusionQConfigError
 from quantbridge.fx_quant._range_check import HUGE_RANGE, RangeFinding, find_dominated_ranges
@@ -90,6 +94,8 @@ __all__ = [
     "find_dominated_ranges",
     "smooth_quant",
     "SmoothQuantConfig",
+    "keep_outlier_channels_float",
+    "OutlierChannelsConfig",
     "SmoothQuantReport",
     "HUGE_RANGE",
     "RangeFinding",

@@ -44,6 +44,7 @@ __all__ = [
     "describe_dtype_config",
     "dtype_config_rejection",
     "format_number",
+    "inputs_rejection",
 ]
 
 Ctor = Callable[..., Any] | None
@@ -229,6 +230,22 @@ def _input_rejection(
     return None
 
 
+def inputs_rejection(
+    dc: DTypeConfig,
+    root: Node,
+    infos: dict[Node, TargetInfo],
+    qconfig: QConfigAny,
+    probe: ObserverProbe,
+) -> str | None:
+    """Why ``dc`` cannot take the inputs (activations, weight, bias) of ``root``; None if it can."""
+    info = infos.get(root)
+    for arg in list(root.args) + list(root.kwargs.values()):
+        reason = _input_rejection(arg, root, info, qconfig, dc, probe)
+        if reason is not None:
+            return reason
+    return None
+
+
 def dtype_config_rejection(
     dc: DTypeConfig,
     root: Node,
@@ -239,11 +256,9 @@ def dtype_config_rejection(
     default_output: Ctor,
 ) -> str | None:
     """Why ``dc`` cannot serve this match; None when it can (torch.ao's decision)."""
-    info = infos.get(root)
-    for arg in list(root.args) + list(root.kwargs.values()):
-        reason = _input_rejection(arg, root, info, qconfig, dc, probe)
-        if reason is not None:
-            return reason
+    reason = inputs_rejection(dc, root, infos, qconfig, probe)
+    if reason is not None:
+        return reason
     if dc.output_dtype is None:
         return None
     out_info = infos.get(output_node)

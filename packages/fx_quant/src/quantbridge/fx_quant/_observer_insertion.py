@@ -35,6 +35,7 @@ from quantbridge.fx_quant._dtype_matching import (
     ObserverProbe,
     TargetInfo,
     dtype_config_rejection,
+    inputs_rejection,
 )
 from quantbridge.fx_quant._errors import FxQuantError
 from quantbridge.fx_quant._qconfig_propagation import is_observer_module
@@ -219,6 +220,8 @@ class _Inserter:
         self.no_tensors = NoTensorCache(self.modules, scalars)
         self.next_index = 0
         self.device = _unique_device(model)
+        # nodes the QConfigMapping keeps float (set by insert_observers)
+        self.float_by_mapping: set[str] = set()
 
     # -- target dtype info ---------------------------------------------------------------------
 
@@ -309,6 +312,35 @@ class _Inserter:
             return True
         result = self.rejections(match, qconfig)
         return result is None or any(r is None for r in result)
+
+    def float_output(self, node: Node, match: PatternMatch, qconfig: QConfigAny) -> bool:
+        """Whether ``node`` (a match's last node) leaves its output float: the backend
+        computes the pattern from quantized inputs straight to float32 (a static DTypeConfig
+        with ``output_dtype=torch.float32`` whose inputs this qconfig satisfies), and every
+        user of the output is an op the QConfigMapping keeps float (qconfig None). Quantizing
+        the output would then only add rounding (a transformer's residual add after its
+        projections). Users that are float only because the backend has no pattern for them
+        keep the quantized input torch.ao gives them (a lowering may run them on the codes)."""
+        if match.config is None or match.pattern is None or match.is_standalone:
+            return False
+        if not node.users or not all(self._takes_float(user, node) for user in node.users):
+            return False
+        return any(
+            dc.output_dtype == torch.float32
+            and not dc.is_dynamic
+            and dc.input_dtype not in (None, torch.float32, torch.float16)
+            and inputs_rejection(dc, match.root, self.infos, qconfig, self.probe) is None
+            for dc in match.config.dtype_configs
+        )
+
+    def _takes_float(self, user: Node, value: Node) -> bool:
+        # graph outputs keep torch.ao's quantize / dequantize pair (a classifier's logits)
+        if user.op not in ("call_module", "call_method", "call_function"):
+            return False
+        if user.name not in self.float_by_mapping or self.no_tensors(user):
+            return False
+        dtype, _ = self.probe.dtype(self.input_ctor(user, value))
+        return dtype == torch.float32
 
     # -- graph edits ------------------------------------------------------------------------------
 
@@ -540,6 +572,7 @@ def insert_observers(
     """
     ins = _Inserter(model, backend_config, probe, scalars)
     graph = model.graph
+    ins.float_by_mapping = {n.name for n in graph.nodes if qconfigs.get(n.name) is None}
     for node in graph.nodes:
         ins.infos[node] = TargetInfo(FP32_CTOR, FP32_CTOR)
 
@@ -600,6 +633,9 @@ def insert_observers(
         if node is not match.anchor:
             continue
         info = ins.infos[node]
+        if ins.float_output(node, match, qconfig):
+            info.output_act = FP32_CTOR
+            continue
         obs_node = ins.observe_output(node)
         if obs_node is None:
             continue

@@ -56,6 +56,7 @@ from quantbridge.fx_quant._transformer_swap import (
     swap_transformer_modules,
 )
 from quantbridge.fx_quant.nn.intrinsic import FusedModule
+from quantbridge.fx_quant.nn.quantizable import FLOAT_ONLY
 from quantbridge.patterns import Nested, describe_pattern_element, find_matches
 from quantbridge.qconfig import BackendConfig, QConfigAny, QConfigMapping
 
@@ -481,9 +482,10 @@ def _capture_with_export(
         )  # fmt: skip
     lifted = lift_exported(exported, training=is_qat)
     # Non-traceable modules stay float: export inlines them, so their ops get no qconfig.
+    # So do the flow's float-only helpers (an outlier split's float columns).
     for path, kind in lifted.module_classes.items():
         if path in skipped_names or any(
-            isinstance(c, type) and issubclass(kind, c) for c in skipped_classes
+            isinstance(c, type) and issubclass(kind, c) for c in (*skipped_classes, *FLOAT_ONLY)
         ):
             mapping.set_module_name(path, None)
     for name in skipped_names + lifted.guards:

@@ -127,12 +127,12 @@ def gemm_runner(
     pass (the thread and driver choice and the argument tuple) made once; a conv's call plan
     keeps it. ``guard`` (byte kernels on weights past 7 bits): rows a saturating pair could
     spoil are recomputed on the int16 kernels (``_pair_guard``)."""
-    if guard is not None and target == "avx2_byte" and not f32_out:
+    if guard is not None and target == "avx2_byte":
 
         def same_epilogue(family: str, rows: Any, steps: Any, packed: Any, nthreads: int) -> Any:
             return gemm_runner(
                 family, rows, steps, packed, n, colcorr, wzp, biasq, mult, out_zero_point,
-                qmin, False, nthreads, fused_add, lut, qmax,
+                qmin, f32_out, nthreads, fused_add, lut, qmax,
             )  # fmt: skip
 
         return _guarded_runner(rowoffs, koffs, bp, threads, guard, same_epilogue)
@@ -220,24 +220,26 @@ def _guarded_runner(
     ) -> npt.NDArray[np.generic]:
         # the usual call has no code of 128 or more: one scan, then the byte kernels
         if not any_high_code(a, nbytes):
-            return run_byte(a, rowsum, residual, add_params)  # type: ignore[no-any-return]
+            return run_byte(a, rowsum, residual, add_params, post)  # type: ignore[no-any-return]
         rows = unsafe_rows_of_high(a, guard, m)
         if rows is None:
-            return run_byte(a, rowsum, residual, add_params)  # type: ignore[no-any-return]
+            return run_byte(a, rowsum, residual, add_params, post)  # type: ignore[no-any-return]
         if 4 * rows.shape[0] > m:  # mostly unsafe (e.g. full-range activations): int16 only
             if not exact:
                 exact.append(
                     runner("avx2", rowoffs, split_steps(koffs), guard.pack_exact(), threads)
                 )
-            return exact[0](a, rowsum, residual, add_params)  # type: ignore[no-any-return]
-        out: npt.NDArray[np.generic] = run_byte(a, rowsum, residual, add_params)
+            return exact[0](a, rowsum, residual, add_params, post)  # type: ignore[no-any-return]
+        out: npt.NDArray[np.generic] = run_byte(a, rowsum, residual, add_params, post)
         dense = gather_rows(a, rowoffs, rows, koffs)
         fix = runner(
             "avx2", np.arange(rows.shape[0], dtype=np.int64) * dense.shape[1],
             np.arange(steps, dtype=np.int64) * 2, guard.pack_exact(), 1,
         )  # fmt: skip
         res = None if residual is None else residual.reshape(m, -1)[rows].reshape(-1)
-        out[rows] = fix(dense.reshape(-1), rowsum[rows], res, add_params)
+        if post is not None and post[2]:  # per-row scales: the redone rows' own
+            post = (post[0], post[1][rows], True, post[3])
+        out[rows] = fix(dense.reshape(-1), rowsum[rows], res, add_params, post)
         return out
 
     return run

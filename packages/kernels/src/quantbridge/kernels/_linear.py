@@ -522,6 +522,42 @@ def linear(
     return out.reshape((*lead, packed.n))  # type: ignore[return-value]
 
 
+def linear_float(
+    x: npt.NDArray[np.uint8],
+    packed: PackedLinearWeight,
+    x_scale: float,
+    x_zero_point: int,
+    *,
+    activation: str = "none",
+    num_threads: int | None = None,
+) -> npt.NDArray[np.float32]:
+    """Float ``act(x @ W.T + bias)`` [..., N] from uint8 codes ``x`` on static qparams.
+
+    The integer accumulator becomes ``fma(float(acc), float32(x_scale * w_scale[j]), bias[j])``
+    in float32, with no output quantization: for a layer whose consumer runs in float (a
+    transformer's residual add), where requantizing and dequantizing would only lose precision.
+    ``activation`` as in :func:`linear_dynamic`.
+    """
+    if type(packed) is not PackedLinearWeight:
+        raise KernelError(f"packed: expected a PackedLinearWeight, got {type(packed).__name__}")
+    act = ACTIVATIONS.get(activation) if isinstance(activation, str) else None
+    if act is None:
+        raise KernelError(f"activation: expected one of {_ACTIVATIONS}, got {activation!r}")
+    x = check_array("x", x, np.uint8, None)
+    if not x.ndim:
+        raise KernelError(f"x: expected at least 1 dimension [..., K], got shape {x.shape}")
+    a_zp = check_zero_point("x_zero_point", x_zero_point, 0, 255)
+    biasq, mult = packed.epilogue(check_scale("x_scale", x_scale), None)
+    threads = apply_num_threads(num_threads, "linear_float")
+    a, m, lead = _activation_rows(x, packed, "x")
+    rowoffs, rowsum = _rows_and_sums(a, m, packed)
+    post = None if act == 0 else (act, _NO_ROWSCALE, False, biasq)
+    out = run_gemm(packed.kernel, a, rowoffs, packed.koffs, packed.packed, packed.n,
+                   packed.colcorr(a_zp), packed.zero_points, rowsum, biasq, mult, 0, 0, True,
+                   threads, post=post, guard=packed.guard(m, packed.lda, True, None))  # fmt: skip
+    return out.reshape((*lead, packed.n))  # type: ignore[return-value]
+
+
 def qparams_from_range(lo: float, hi: float) -> tuple[float, int]:
     """torch's dynamic activation qparams for the range [lo, hi] (uint8, widened to 0)."""
     scale, zp = dynamic_qparams(float(lo), float(hi))

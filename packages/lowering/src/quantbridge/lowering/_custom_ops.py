@@ -116,6 +116,27 @@ def _(x: torch.Tensor, weight: torch.Tensor, *args: Any) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], weight.shape[0]), dtype=torch.uint8)
 
 
+@torch.library.custom_op(f"{_NS}::linear_float", mutates_args=())
+def linear_float_op(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    w_scale: torch.Tensor,
+    w_zero_point: torch.Tensor,
+    bias: torch.Tensor | None,
+    x_scale: float,
+    x_zero_point: int,
+    target: str,
+    activation: str = "none",
+) -> torch.Tensor:
+    packed = _packed_linear(weight, w_scale, w_zero_point, bias, target)
+    return lowered.linear_float(x, packed, (x_scale, x_zero_point), activation)
+
+
+@linear_float_op.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, *args: Any) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], weight.shape[0]), dtype=torch.float32)
+
+
 @torch.library.custom_op(f"{_NS}::linear_dynamic", mutates_args=())
 def linear_dynamic_op(
     x: torch.Tensor,

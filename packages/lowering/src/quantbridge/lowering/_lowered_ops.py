@@ -108,6 +108,19 @@ def linear_arrays(
     return K.linear(a, packed, *in_qp, *out_qp, relu=relu, lut=lut)
 
 
+def linear_float(
+    x: torch.Tensor, packed: K.PackedLinearWeight, in_qp: QParams, activation: str = "none"
+) -> torch.Tensor:
+    return torch.from_numpy(linear_float_arrays(numpy_view(x), packed, in_qp, activation))
+
+
+def linear_float_arrays(
+    a: Any, packed: K.PackedLinearWeight, in_qp: QParams, activation: str
+) -> Any:
+    """``linear_float`` on a C-contiguous array."""
+    return K.linear_float(a, packed, *in_qp, activation=activation)
+
+
 def linear_dynamic(
     x: torch.Tensor, packed: K.PackedLinearWeight, activation: str = "none", per_row: bool = False
 ) -> torch.Tensor:

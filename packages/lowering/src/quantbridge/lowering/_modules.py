@@ -37,6 +37,7 @@ __all__ = [
     "QuantizedConv",
     "QuantizedConvAdd",
     "QuantizedDynamicLinear",
+    "QuantizedLinearFloat",
     "FloatLayerNorm",
     "FloatSoftmax",
     "QuantizedEmbedding",
@@ -314,6 +315,41 @@ class QuantizedLinear(_WeightedBase):
 
     def _details(self) -> str:
         return f"relu={self.relu}{self._activation_details()}, {self._pack_details()}"
+
+
+class QuantizedLinearFloat(_WeightedBase):
+    """uint8 ``[..., K]`` → float32 ``[..., N]``: ``kernels.linear_float``, no output
+    quantization (the layer's consumer runs in float). ``activation`` (``"none"``,
+    ``"relu"``) runs in the kernel's float epilogue."""
+
+    kernel = "kernels.linear_float"
+    array_input = "c"
+
+    def __init__(self, *args: Any, activation: str = "none", **kwargs: Any) -> None:
+        self.epilogue = activation
+        super().__init__(*args, **kwargs)
+
+    def _sync(self) -> None:
+        super()._sync()
+        w, ws, wz, bias = self._weight_args()
+        self._packed = K.PackedLinearWeight(w, ws, wz, bias, target=self.target)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if is_tracing(x):
+            return _as_tensor(ops.linear_float_op(
+                x, self.weight, self.weight_scale, self.weight_zero_point, self.bias,
+                self._in_scale, self._in_zero_point, self.target, self.epilogue,
+            ))  # fmt: skip
+        return self._eager(x)
+
+    def forward_arrays(self, *arrays: Any) -> Any:
+        return lowered.linear_float_arrays(
+            arrays[0], self._packed, self.input_qparams, self.epilogue
+        )
+
+    def _details(self) -> str:
+        extra = "" if self.epilogue == "none" else f"activation={self.epilogue}, "
+        return f"{extra}float output, {self._pack_details()}"
 
 
 class QuantizedDynamicLinear(_WeightedBase):

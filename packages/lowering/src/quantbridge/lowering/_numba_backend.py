@@ -39,13 +39,16 @@ from quantbridge.qconfig import (
 __all__ = ["NumbaBackend", "numba_backend_config"]
 
 # kept float by qconfig_mapping(transformer=True): the residual stream, the norms and the
-# attention-mask arithmetic (elementwise ops on tensors of very different ranges)
+# attention-mask arithmetic (elementwise ops on tensors of very different ranges), and dropout
+# (identity in eval) between a projection and its residual add, so the projection's output
+# reaches the add in float
 _TRANSFORMER_FLOAT_OPS: tuple[Callable[..., Any] | str, ...] = (
     operator.add, operator.iadd, torch.add, "add", "add_",
     operator.sub, operator.isub, torch.sub, torch.rsub, "sub", "sub_",
     operator.mul, operator.imul, torch.mul, "mul", "mul_",
     operator.truediv, operator.itruediv, torch.div, "div", "div_",
     nn.LayerNorm, F.layer_norm, nn.GroupNorm, F.group_norm,
+    nn.Dropout, F.dropout, "dropout",
 )  # fmt: skip
 
 

@@ -53,7 +53,7 @@ __all__ = [
 
 RuleKind: TypeAlias = Literal["static", "float_output", "fusion"]
 # dtype modes a rule can declare; BackendConfig dtype configs are classified into these
-MODES = ("static", "dynamic", "weight_only", "fp16", "dynamic_fp16")
+MODES = ("static", "static_float_output", "dynamic", "weight_only", "fp16", "dynamic_fp16")
 
 
 @dataclass(frozen=True, eq=False)
@@ -145,8 +145,9 @@ class LoweringRule:
         match_filter: a final test on the ``RewriteMatch`` (``match.anchor``, ``.nodes``).
         description: the op family as the support table shows it (default: ``name``).
         kernel: what runs it, for the support table.
-        modes: the dtype modes it lowers (``"static"``, ``"dynamic"``, ``"weight_only"``):
-            a backend built from the table allows exactly these.
+        modes: the dtype modes it lowers (``"static"``, ``"dynamic"``, ``"weight_only"``,
+            ``"static_float_output"``: quantized inputs, float output): a backend built from
+            the table allows exactly these.
         config_ops: operators of BackendConfig patterns (the float model's modules,
             functions and methods, before convert) whose quantized form this rule lowers,
             besides the operators named in ``ops``.
@@ -255,6 +256,8 @@ def dtype_mode(dc: DTypeConfig) -> str:
         return "fp16"
     if dc.input_dtype in (None, torch.float32) and dc.weight_dtype is not None:
         return "weight_only"
+    if dc.output_dtype == torch.float32:
+        return "static_float_output"
     return "static"
 
 
@@ -290,7 +293,8 @@ def backend_config_from_rules(
 ) -> BackendConfig:
     """The BackendConfig named ``name`` allowing what ``rules`` lower: the entries of
     ``source`` (in order) whose every operator a rule covers, each with only the dtype
-    configs of the modes its covering rules declare."""
+    configs of the modes its covering rules declare. Where they declare
+    ``"static_float_output"``, each static dtype config gets a twin with a float32 output."""
     config = BackendConfig(name)
     for entry in source.configs:
         owners = _covering_rules(entry.complex_pattern, rules)
@@ -298,6 +302,19 @@ def backend_config_from_rules(
             continue
         modes = {m for rule in owners for m in rule.modes}
         kept = [dc for dc in entry.dtype_configs if dtype_mode(dc) in modes]
+        if "static_float_output" in modes:
+            kept += [_float_output_twin(dc) for dc in kept if dtype_mode(dc) == "static"]
         if kept:
             config.set_backend_pattern_config(entry.set_dtype_configs(kept))
     return config
+
+
+def _float_output_twin(dc: DTypeConfig) -> DTypeConfig:
+    """``dc`` with its inputs, weight and bias, and a float32 output."""
+    return DTypeConfig(
+        input_dtype=dc.input_dtype_with_constraints,
+        output_dtype=torch.float32,
+        weight_dtype=dc.weight_dtype_with_constraints,
+        bias_dtype=dc.bias_dtype,
+        is_dynamic=False,
+    )

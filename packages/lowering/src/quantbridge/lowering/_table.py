@@ -521,6 +521,29 @@ def _make_build_dynamic_linear(per_row: bool) -> Any:
 _build_dynamic_linear = _make_build_dynamic_linear(False)
 
 
+def _build_float_linear(ctx: LoweringContext, m: RuleMatch) -> Node:
+    """A static Linear (+relu) left with a float output by prepare: its consumers run in float."""
+    node = m.node
+    fused = ctx.module(node)
+    assert fused is not None
+    mod, relu = _fused_relu_parts(fused)
+    if not isinstance(mod, nnqr.Linear):
+        raise NotLowerableError("fused module holds a float (not reference) Linear")
+    if len(node.args) != 1 or node.kwargs:
+        raise NotLowerableError("Linear called with extra arguments")
+    qin = ctx.quantized_input(node.args[0])
+    assert qin is not None  # the rule's constraint
+    w, ws, wz = _int8_weight(mod)
+    new_mod = lm.QuantizedLinearFloat(
+        w, ws, wz, mod.bias, ctx.target, qin[1], None, activation="relu" if relu else "none"
+    )
+    new = ctx.add_module(f"{node.target}", new_mod, (qin[0],))
+    ctx.record(
+        new, f"{new_mod.kernel} ({ctx.target}), float output" + (", relu fused" if relu else "")
+    )
+    return new
+
+
 def _build_dynamic_rnn(ctx: LoweringContext, m: RuleMatch) -> Node:
     node = m.node
     mod = ctx.module(node)
@@ -590,6 +613,14 @@ def _is_dynamic_quantized_input(value: Any) -> bool:
 
 def _no_kwargs(match: RewriteMatch) -> bool:
     return not match.anchor.kwargs
+
+
+def _float_result(match: RewriteMatch) -> bool:
+    """No keyword arguments, and no user quantizes the result (prepare left it float)."""
+    anchor = match.anchor
+    return not anchor.kwargs and not any(
+        u.op == "call_function" and u.target is QUANTIZE for u in anchor.users
+    )
 
 
 def _relu_over(binary_ops: tuple[Any, ...]) -> tuple[Pattern, ...]:
@@ -694,6 +725,9 @@ _WEIGHTED_CONFIG_OPS: tuple[Any, ...] = (
     nniqat.LinearReLU, nniqat.LinearBn1d, nniqat.ConvReLU1d, nniqat.ConvReLU2d,
     nniqat.ConvBn1d, nniqat.ConvBn2d, nniqat.ConvBnReLU1d, nniqat.ConvBnReLU2d,
 )  # fmt: skip
+_FLOAT_OUTPUT_CONFIG_OPS: tuple[Any, ...] = (
+    nn.Linear, F.linear, nnqat.Linear, nni.LinearBn1d, nniqat.LinearBn1d, nniqat.LinearReLU,
+)  # fmt: skip
 _DYNAMIC_CONFIG_OPS: tuple[Any, ...] = (
     nn.Linear, F.linear, nnqat.Linear, nni.LinearBn1d, nniqat.LinearBn1d, nniqat.LinearReLU,
     nn.ReLU, F.relu,
@@ -791,6 +825,19 @@ _DEFAULT_RULES: tuple[LoweringRule, ...] = (
         _build_shape,
         description="flatten, reshape, view (as reshape), permute, getitem, ...",
         kernel="the op on uint8 (+kernels.requantize)",
+    ),
+    LoweringRule(
+        "linear, float output",
+        (Nested(nnqr.Linear, MatchAllNode), Nested(nni.LinearReLU, MatchAllNode)),
+        _build_float_linear,
+        kind="float_output",
+        constraints=(ArgConstraint(op=0, position=0, predicate=_is_static_dequantize),),
+        match_filter=_float_result,
+        description="Linear (+relu) on a static uint8 input whose consumers run in float: "
+        "float output, no requantization",
+        kernel="kernels.linear_float",
+        modes=("static_float_output",),
+        config_ops=_FLOAT_OUTPUT_CONFIG_OPS,
     ),
     LoweringRule(
         "dynamic linear",

@@ -7,12 +7,19 @@ The role ``torch.ao.nn.quantizable`` has for ``nn.MultiheadAttention`` in torch.
 ``nn.TransformerDecoder`` and ``nn.Transformer`` for these classes before tracing, so the
 tracer reaches their ``nn.Linear`` projections and feed-forward layers and the normal flow
 quantizes them. :class:`AttentionCore` (softmax attention between the projections) stays a
-float leaf.
+float leaf. :class:`OutlierSplitLinear` (made by ``keep_outlier_channels_float``) is traced
+through too; its float parts (``FLOAT_ONLY``) never get quantized.
 """
 
 from torch import nn
 
 from quantbridge.fx_quant.nn.quantizable._activation import AttentionCore, MultiheadAttention
+from quantbridge.fx_quant.nn.quantizable._outliers import (
+    FLOAT_ONLY,
+    FloatColumns,
+    OutlierSplitLinear,
+    ZeroedChannels,
+)
 from quantbridge.fx_quant.nn.quantizable._transformer import (
     FLOAT_TO_TRACEABLE,
     Transformer,
@@ -30,12 +37,17 @@ TRACED_THROUGH: tuple[type[nn.Module], ...] = (
     TransformerDecoderLayer,
     TransformerEncoder,
     TransformerEncoderLayer,
+    OutlierSplitLinear,
 )
 
 __all__ = [
+    "FLOAT_ONLY",
     "FLOAT_TO_TRACEABLE",
     "TRACED_THROUGH",
     "AttentionCore",
+    "FloatColumns",
+    "OutlierSplitLinear",
+    "ZeroedChannels",
     "MultiheadAttention",
     "Transformer",
     "TransformerDecoder",
