@@ -20,10 +20,12 @@ Models and columns:
   init: nothing is downloaded), random sentences padded to 128 tokens with an attention mask,
   batch 1 and 16. fp32 eager, torch.ao ``quantize_dynamic``, ONNX Runtime
   ``quantize_dynamic``, OpenVINO int8 (``nncf.quantize``, ``ModelType.TRANSFORMER``),
-  quantbridge dynamic and static (the model captured unmodified with
-  ``prepare_fx(..., capture="export")``; dynamic with ``qconfig_mapping(dynamic=True)``,
+  quantbridge dynamic (per tensor and per token) and static (the model captured unmodified
+  with ``prepare_fx(..., capture="export")``; dynamic with ``qconfig_mapping(dynamic=True)``,
   static with ``qconfig_mapping(transformer=True)``: the backend's default bits, on ``avx2``
-  8-bit weights and 7-bit activations). Fidelity on
+  8-bit weights and 7-bit activations; "static recipe" after
+  ``keep_outlier_channels_float``). ``--trained-outliers`` gives the encoder the activation
+  statistics of a trained BERT first (``bert_zoo.add_trained_outliers``). Fidelity on
   ``--sentences`` random sentences: mean cosine of the mean-pooled embeddings against fp32,
   the mean overlap of each sentence's 10 nearest neighbours (cosine) with fp32's, and the
   SQNR of the pooled embeddings.
@@ -93,7 +95,11 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 import quantbridge.kernels as qk  # noqa: E402
-from quantbridge.fx_quant import calibrate, prepare_fx  # noqa: E402
+from quantbridge.fx_quant import (  # noqa: E402
+    calibrate,
+    keep_outlier_channels_float,
+    prepare_fx,
+)
 from quantbridge.lowering import LoweredModule, get_backend, numba_backend  # noqa: E402
 from quantbridge.qconfig import QConfigMapping  # noqa: E402
 
@@ -104,6 +110,10 @@ import _peers  # noqa: E402
 # torchvision-style networks (torchvision itself does not import under the pinned torch)
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "tests"))
 import real_models  # noqa: E402
+
+# the trained-like encoder statistics of the lowering tests' BERT zoo
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from bert_zoo import add_trained_outliers, hf_bert_parts  # noqa: E402
 
 MODELS = ("resnet18", "mobilenet_v2", "bert", "lstm")
 # more torchvision-style networks, run only when named in --models
@@ -342,7 +352,9 @@ class _Hidden(nn.Module):
         return out
 
 
-def bert_suites(batches: Sequence[int], sentences: int, calib_sentences: int) -> list[Suite]:
+def bert_suites(
+    batches: Sequence[int], sentences: int, calib_sentences: int, trained_outliers: bool = False
+) -> list[Suite]:
     transformers = importlib.import_module("transformers")
     config = transformers.BertConfig(
         num_hidden_layers=6, hidden_size=384, num_attention_heads=12, intermediate_size=1536
@@ -352,6 +364,9 @@ def bert_suites(batches: Sequence[int], sentences: int, calib_sentences: int) ->
     model = _Hidden(bert).eval()
     ids, mask = _sentences(sentences, config.vocab_size, seed=3)
     calib_ids, calib_mask = _sentences(calib_sentences, config.vocab_size, seed=4)
+    if trained_outliers:  # the activation statistics of a trained BERT (bert_zoo)
+        settle = [(calib_ids[i : i + 8], calib_mask[i : i + 8]) for i in range(0, 32, 8)]
+        add_trained_outliers(model, hf_bert_parts(bert), settle)
     eval_batch = max(batches)  # fidelity runs each column on this batch size
     with torch.no_grad():
         reference = np.concatenate(
@@ -388,12 +403,23 @@ def bert_suites(batches: Sequence[int], sentences: int, calib_sentences: int) ->
         return quantized
 
     def quantbridge(mode: str) -> nn.Module:
+        example = (calib_ids[:1], calib_mask[:1])
+        if mode == "dynamic per token":  # int8 weights, each token's own activation scale
+            backend = numba_backend.with_options(per_token_activations=True)
+            prepared = prepare_fx(
+                copy.deepcopy(bert), backend.qconfig_mapping(dynamic=True), example,
+                backend_config=backend.backend_config, capture="export",
+            )  # fmt: skip
+            lowered: nn.Module = backend.convert(prepared)
+            return lowered
         if mode == "dynamic":  # int8 per-channel Linear weights (7-bit on avx2)
             mapping = numba_backend.qconfig_mapping(dynamic=True)
         else:  # residual stream, norms and mask arithmetic float: the transformer mapping
             mapping = numba_backend.qconfig_mapping(transformer=True)
-        example = (calib_ids[:1], calib_mask[:1])
-        return _quantbridge(bert, mapping, example, calib_pairs, capture="export")
+        source = bert
+        if mode == "static recipe":  # outlier input channels in float (the README's recipe)
+            source = keep_outlier_channels_float(bert, calib_pairs)
+        return _quantbridge(source, mapping, example, calib_pairs, capture="export")
 
     suites = []
     for batch in batches:
@@ -435,7 +461,7 @@ def bert_suites(batches: Sequence[int], sentences: int, calib_sentences: int) ->
             return _openvino_column(quantized, feeds)
 
         suite.add("OpenVINO int8", openvino)
-        for mode in ("dynamic", "static"):
+        for mode in ("dynamic", "dynamic per token", "static", "static recipe"):
 
             def qb(
                 mode: str = mode,
@@ -752,6 +778,12 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--calib-batches", type=int, default=8)
     parser.add_argument("--bert-batches", nargs="*", type=int, default=[1, 16])
+    parser.add_argument(
+        "--trained-outliers",
+        action="store_true",
+        help="give the BERT the activation statistics of a trained one (outlier dimensions, "
+        "an attention sink with massive activations; bert_zoo.add_trained_outliers)",
+    )
     parser.add_argument("--sentences", type=int, default=256)
     parser.add_argument("--json", metavar="OUT", help="also write the results as JSON")
     parser.add_argument(
@@ -792,7 +824,10 @@ def main() -> int:
         print(f"\n== {name}", flush=True)
         try:
             if name == "bert":
-                suites = bert_suites(args.bert_batches, args.sentences, args.calib_batches * 4)
+                suites = bert_suites(
+                    args.bert_batches, args.sentences, args.calib_batches * 4,
+                    trained_outliers=args.trained_outliers,
+                )  # fmt: skip
             elif name == "lstm":
                 suites = [lstm_suite(args.calib_batches)]
             else:

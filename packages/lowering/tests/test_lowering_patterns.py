@@ -85,6 +85,7 @@ def test_default_table_lists_every_family_in_matching_order() -> None:
         "dynamic lstm / gru",
         "embedding",
         "conv + add (+relu)",
+        "linear + float columns",
         "conv / linear + activation",
         "dynamic linear + GELU",
         "float layer_norm (+ residual add)",

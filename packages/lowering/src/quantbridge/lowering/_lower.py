@@ -21,11 +21,14 @@ from __future__ import annotations
 from collections.abc import Iterable
 from itertools import product
 
+import torch
 from torch import nn
 from torch.fx import GraphModule, Node
 from torch.nn.utils.parametrize import type_before_parametrizations
 
 from quantbridge.fx_quant import QUANTIZED_OUTPUTS_KEY
+from quantbridge.fx_quant.nn import reference as nnqr
+from quantbridge.fx_quant.nn.quantizable import ZeroedChannels
 from quantbridge.lowering import _modules as lm
 from quantbridge.lowering._array_forward import install as install_array_forward
 from quantbridge.lowering._context import (
@@ -34,6 +37,7 @@ from quantbridge.lowering._context import (
     LoweringContext,
     LoweringReport,
     NotLowerableError,
+    QParams,
 )
 from quantbridge.lowering._errors import LoweringError
 from quantbridge.lowering._rules import LoweringRule, RuleMatch
@@ -56,6 +60,7 @@ from quantbridge.patterns import (
 __all__ = ["LoweringReport", "lower_to_kernels", "lowering_report"]
 
 _REPORT_KEY = "quantbridge_lowering"
+_INDEX_FILL = torch.ops.aten.index_fill.int_Scalar
 
 
 def lowering_report(model: GraphModule) -> LoweringReport:
@@ -145,6 +150,8 @@ class _Pass:
         # graph module classes that subclass a class the table names (rarely any)
         named = {c for rule in self.rules for c in rule._module_classes}
         self._types = {t for t in _module_types(gm) if any(b in named for b in t.__mro__[1:])}
+        self._bypass_zeroed_channels()
+        self._merge_equal_quantizes()
         static = self._find("static")
         floats = self._find("float_output")
         for node in list(gm.graph.nodes):
@@ -160,6 +167,60 @@ class _Pass:
                 else:
                     self._unmatched_quantize(node)
         self._cleanup()
+
+    def _bypass_zeroed_channels(self) -> None:
+        """An outlier split's zeroing (``ZeroedChannels``) before the quantize of its int8
+        Linear: the channels it zeroes meet weights that are zero, so the Linear computes the
+        same bytes from the unzeroed value (codes past the range saturate and are multiplied
+        by zero). Without it, the quantize reads the value every other reader quantizes."""
+        gm = self.ctx.graph_module
+        for node in list(gm.graph.nodes):
+            found = self._zeroed_channels(node)
+            if found is None:
+                continue
+            channels = found
+            if all(_zero_weight_reader(gm, q, channels) for q in node.users):
+                source = node.args[0]
+                assert isinstance(source, Node)  # checked by _zeroed_channels
+                node.replace_all_uses_with(source)
+                gm.graph.erase_node(node)
+                self.ctx.record_removed(
+                    node, "zeroed outlier channels (the int8 Linear's weights there are zero)"
+                )
+
+    def _zeroed_channels(self, node: Node) -> torch.Tensor | None:
+        """The channels ``node`` zeroes (its input is ``node.args[0]``): a ``ZeroedChannels``
+        call (fx capture), or the ``index_fill`` it is under torch.export."""
+        if node.kwargs or not node.args or not isinstance(node.args[0], Node):
+            return None
+        mod = self.ctx.module(node)
+        if isinstance(mod, ZeroedChannels):
+            return mod.channels if len(node.args) == 1 else None
+        if node.op != "call_function" or node.target is not _INDEX_FILL or len(node.args) != 4:
+            return None
+        _, dim, channels, value = node.args
+        shape = node.meta.get("val", None)
+        last = dim == -1 or (shape is not None and dim == len(shape.shape) - 1)
+        index = self.ctx.constant(channels)
+        if not last or value != 0.0 or index is None:
+            return None
+        return index
+
+    def _merge_equal_quantizes(self) -> None:
+        """Quantizes of one value with equal qparams (q, k and v of one LayerNorm output
+        after an outlier split) become one."""
+        seen: dict[tuple[Node, QParams], Node] = {}
+        for node in list(self.ctx.graph.nodes):
+            if node.op != "call_function" or node.target is not QUANTIZE:
+                continue
+            qp = self.ctx.static_qparams(node)
+            src = node.args[0]
+            if qp is None or not isinstance(src, Node):
+                continue
+            first = seen.setdefault((src, qp), node)
+            if first is not node:
+                node.replace_all_uses_with(first)
+                self.ctx.graph.erase_node(node)
 
     def _fuse(self) -> None:
         """The fusion rules, on the lowered graph: each merges lowered modules into one. A
@@ -289,6 +350,24 @@ class _Pass:
                 continue  # a run-time argument: not provably an identity
             node.replace_all_uses_with(node.args[0])
             self.ctx.record_removed(node, f"{what} (identity in eval, float): removed")
+
+
+def _zero_weight_reader(gm: GraphModule, quantize: Node, channels: torch.Tensor) -> bool:
+    """``quantize`` feeds only dequantizes read only by reference Linears whose weight
+    columns ``channels`` are all zero."""
+    if quantize.op != "call_function" or quantize.target is not QUANTIZE or not quantize.users:
+        return False
+    for dq in quantize.users:
+        if dq.op != "call_function" or dq.target is not DEQUANTIZE or not dq.users:
+            return False
+        for user in dq.users:
+            mod = gm.get_submodule(str(user.target)) if user.op == "call_module" else None
+            if not isinstance(mod, nnqr.Linear) or user.args[:1] != (dq,):
+                return False
+            weight = mod.get_weight()
+            if bool(weight[:, channels].any()):
+                return False
+    return True
 
 
 def _check_rules(rules: Iterable[LoweringRule]) -> tuple[LoweringRule, ...]:

@@ -325,30 +325,59 @@ class QuantizedLinearFloat(_WeightedBase):
     kernel = "kernels.linear_float"
     array_input = "c"
 
+    side_channels: torch.Tensor | None
+    side_weight: torch.Tensor | None
+
     def __init__(self, *args: Any, activation: str = "none", **kwargs: Any) -> None:
         self.epilogue = activation
         super().__init__(*args, **kwargs)
+        self.register_buffer("side_channels", None)
+        self.register_buffer("side_weight", None)
+
+    def add_float_columns(self, channels: torch.Tensor, weight: torch.Tensor) -> None:
+        """Also add ``x[..., channels] @ weight.T`` in float, ``x`` the float value the codes
+        came from (an outlier split's float columns): ``forward(codes, x)``."""
+        if self.epilogue != "none":
+            raise LoweringError("QuantizedLinearFloat: float columns go before the activation")
+        self.register_buffer("side_channels", channels.detach().to(torch.int64).contiguous())
+        self.register_buffer("side_weight", weight.detach().to(torch.float32).contiguous())
+        self._sync()
 
     def _sync(self) -> None:
         super()._sync()
         w, ws, wz, bias = self._weight_args()
         self._packed = K.PackedLinearWeight(w, ws, wz, bias, target=self.target)
+        side = getattr(self, "side_weight", None)
+        self._side_t = None if side is None else side.t()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, floats: torch.Tensor | None = None) -> torch.Tensor:
         if is_tracing(x):
-            return _as_tensor(ops.linear_float_op(
+            out = _as_tensor(ops.linear_float_op(
                 x, self.weight, self.weight_scale, self.weight_zero_point, self.bias,
                 self._in_scale, self._in_zero_point, self.target, self.epilogue,
             ))  # fmt: skip
-        return self._eager(x)
+            if floats is None or self.side_channels is None or self._side_t is None:
+                return out
+            summed: torch.Tensor = out + floats.index_select(-1, self.side_channels) @ self._side_t
+            return summed
+        return self._eager(x) if floats is None else self._eager(x, floats)
 
     def forward_arrays(self, *arrays: Any) -> Any:
-        return lowered.linear_float_arrays(
+        out = lowered.linear_float_arrays(
             arrays[0], self._packed, self.input_qparams, self.epilogue
         )
+        if len(arrays) > 1 and self.side_channels is not None and self._side_t is not None:
+            # one BLAS call adds the columns into the kernel's result (beta = 1)
+            rows = torch.from_numpy(out).view(-1, out.shape[-1])
+            x = torch.from_numpy(arrays[1])
+            picked = x.reshape(-1, x.shape[-1]).index_select(1, self.side_channels)
+            rows.addmm_(picked, self._side_t)
+        return out
 
     def _details(self) -> str:
         extra = "" if self.epilogue == "none" else f"activation={self.epilogue}, "
+        if self.side_channels is not None:
+            extra += f"float columns {self.side_channels.tolist()}, "
         return f"{extra}float output, {self._pack_details()}"
 
 

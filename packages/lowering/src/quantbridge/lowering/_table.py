@@ -7,6 +7,7 @@ classes in patterns also match their subclasses (``isinstance``; the pass adds t
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import operator
 import re
@@ -22,6 +23,7 @@ from quantbridge.fx_quant.nn import intrinsic as nni
 from quantbridge.fx_quant.nn import qat as nnqat
 from quantbridge.fx_quant.nn import reference as nnqr
 from quantbridge.fx_quant.nn.intrinsic import qat as nniqat
+from quantbridge.fx_quant.nn.quantizable import FloatColumns
 from quantbridge.lowering import _modules as lm
 from quantbridge.lowering._context import (
     DEQUANTIZE,
@@ -29,6 +31,7 @@ from quantbridge.lowering._context import (
     LoweringContext,
     NotLowerableError,
     QParams,
+    constant_tensor,
     quantized_input,
     static_qparams,
 )
@@ -683,6 +686,68 @@ def _build_conv_add(ctx: LoweringContext, m: RuleMatch) -> Node:
     return new
 
 
+def _float_columns(match: RewriteMatch) -> tuple[Node, Node, torch.Tensor, torch.Tensor] | None:
+    """(float-output linear node, float value, channels, weight) when a lowered float-output
+    Linear is added to the float columns of its outlier split: ``FloatColumns(x)`` (fx
+    capture) or ``linear(index_select(x, -1, channels), weight)`` (torch.export)."""
+    add = match.anchor
+    gm = add.graph.owning_module
+    assert gm is not None
+    if len(add.args) != 2 or add.kwargs:
+        return None
+    for position in (0, 1):
+        lin, side = add.args[position], add.args[1 - position]
+        if not (isinstance(lin, Node) and isinstance(side, Node) and lin.op == "call_module"):
+            continue
+        mod = gm.get_submodule(str(lin.target))
+        if type(mod) is not lm.QuantizedLinearFloat or mod.epilogue != "none":
+            continue
+        if mod.side_channels is not None or len(lin.users) != 1 or len(lin.args) != 1:
+            continue
+        found = _side_columns(gm, side)
+        if found is not None and found[2].shape[0] == mod.weight.shape[0]:
+            return (lin, *found)
+    return None
+
+
+def _side_columns(gm: Any, side: Node) -> tuple[Node, torch.Tensor, torch.Tensor] | None:
+    if side.op == "call_module":
+        mod = gm.get_submodule(str(side.target))
+        if isinstance(mod, FloatColumns) and len(side.args) == 1 and isinstance(side.args[0], Node):
+            return side.args[0], mod.channels, mod.weight
+        return None
+    if side.op != "call_function" or side.target is not F.linear or side.kwargs:
+        return None
+    if len(side.args) not in (2, 3) or (len(side.args) == 3 and side.args[2] is not None):
+        return None
+    picked, weight = side.args[0], constant_tensor(gm, side.args[1])
+    if not isinstance(picked, Node) or weight is None or picked.kwargs:
+        return None
+    if picked.target is not torch.ops.aten.index_select.default or len(picked.args) != 3:
+        return None
+    x, dim, channels = picked.args
+    index = constant_tensor(gm, channels)
+    if dim != -1 or index is None or not isinstance(x, Node):
+        return None
+    return x, index, weight
+
+
+def _build_float_columns(ctx: LoweringContext, m: RuleMatch) -> Node:
+    found = _float_columns(RewriteMatch(m.rule._compiled[0], m.nodes, m.anchor, ()))
+    if found is None:
+        raise NotLowerableError("not a float-output linear plus its float columns")
+    lin, x, channels, weight = found
+    mod = ctx.module(lin)
+    assert isinstance(mod, lm.QuantizedLinearFloat)
+    fused = copy.deepcopy(mod)
+    fused.add_float_columns(channels, weight)
+    new = ctx.add_module(f"{lin.name}_columns", fused, (lin.args[0], x), before=m.anchor)
+    ctx.record(
+        new, f"{fused.kernel} ({ctx.target}), float output + float columns {channels.tolist()}"
+    )
+    return new
+
+
 def _activation_epilogue(match: RewriteMatch) -> tuple[Any, Any] | None:
     """(lookup-table module, weighted module) when a lowered conv / linear (or conv + add)
     without an activation feeds only a lowered lookup table reading its output codes."""
@@ -888,6 +953,18 @@ _DEFAULT_RULES: tuple[LoweringRule, ...] = (
         match_filter=lambda match: _residual_conv(match) is not None,
         description="Conv2d whose only user is an add (+relu): a residual block",
         kernel="kernels.conv2d_add (the add in the conv's epilogue)",
+    ),
+    LoweringRule(
+        "linear + float columns",
+        (
+            Nested(operator.add, lm.QuantizedLinearFloat, MatchAllNode),
+            Nested(operator.add, MatchAllNode, lm.QuantizedLinearFloat),
+        ),
+        _build_float_columns,
+        kind="fusion",
+        match_filter=lambda match: _float_columns(match) is not None,
+        description="float-output Linear plus the float columns of its outlier split",
+        kernel="kernels.linear_float, then the columns added in one BLAS call",
     ),
     LoweringRule(
         "conv / linear + activation",
