@@ -501,6 +501,9 @@ class FloatLayerNorm(LoweredModule):
             return out.detach().numpy()
         if other is not None and other.dtype != np.float32:
             other = other.astype(np.float32)
+        # a transposed view (attention heads merged in float) is copied: the kernel reads rows
+        x = np.ascontiguousarray(x)
+        other = None if other is None else np.ascontiguousarray(other)
         out, codes = self._prepared(x, other)
         return out if self._codes_qp is None else (out, codes)
 
