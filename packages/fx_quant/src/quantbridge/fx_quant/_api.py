@@ -29,6 +29,7 @@ from quantbridge.fx_quant._registry import (
     backend_registry,
     warn_not_lowered,
 )
+from quantbridge.fx_quant._dtype_matching import DTypeMismatch
 from quantbridge.fx_quant._state import OBSERVED_KEY, ObservedState
 from quantbridge.fx_quant._torch_ao_names import port_backend_config
 from quantbridge.qconfig import BackendConfig, QConfigMapping
@@ -263,8 +264,7 @@ def _warn_ignored_qconfigs(prepared: GraphModule, where: str) -> None:
     for d in state.decisions:
         if d.qconfig is None or d.status != "float" or d.chosen is not None:
             continue
-        # dtype mismatches read "<what> dtype X != backend <what>_dtype Y" (_dtype_matching)
-        broken = [r for _, r in d.candidates if r is not None and " != backend " not in r]
+        broken = [r for _, r in d.candidates if r is not None and not isinstance(r, DTypeMismatch)]
         if broken:
             ignored.append(f"{d.node} ({broken[0]})")
     if not ignored:

@@ -39,6 +39,7 @@ from quantbridge.qconfig import (
 )
 
 __all__ = [
+    "DTypeMismatch",
     "ObserverProbe",
     "TargetInfo",
     "describe_dtype_config",
@@ -48,6 +49,13 @@ __all__ = [
 ]
 
 Ctor = Callable[..., Any] | None
+
+
+class DTypeMismatch(str):
+    """A rejection because a dtype (or ``is_dynamic``) differs from the DTypeConfig's, as
+    opposed to a constraint the qconfig breaks; the text says which."""
+
+    __slots__ = ()
 
 
 @dataclass
@@ -205,19 +213,21 @@ def _input_rejection(
             return None
         dtype, dynamic = probe.dtype(info.input_act if info is not None else None)
         if dtype != dc.input_dtype:
-            return (
+            return DTypeMismatch(
                 f"input dtype {_dtype_name(dtype)} != backend input_dtype "
                 f"{_dtype_name(dc.input_dtype)}"
             )
         if bool(dc.is_dynamic) != dynamic:
-            return f"is_dynamic {dynamic} != backend is_dynamic {bool(dc.is_dynamic)}"
+            return DTypeMismatch(
+                f"is_dynamic {dynamic} != backend is_dynamic {bool(dc.is_dynamic)}"
+            )
         return constraint_violation(qconfig, dc.input_dtype_with_constraints, "input", probe)
     if role == "weight":
         if dc.weight_dtype is None:
             return None
         dtype, _ = probe.dtype(info.weight if info is not None else None)
         if dtype != dc.weight_dtype:
-            return (
+            return DTypeMismatch(
                 f"weight dtype {_dtype_name(dtype)} != backend weight_dtype "
                 f"{_dtype_name(dc.weight_dtype)}"
             )
@@ -226,7 +236,9 @@ def _input_rejection(
         return None
     dtype, _ = probe.dtype(info.bias if info is not None else None)
     if dtype != dc.bias_dtype:
-        return f"bias dtype {_dtype_name(dtype)} != backend bias_dtype {_dtype_name(dc.bias_dtype)}"
+        return DTypeMismatch(
+            f"bias dtype {_dtype_name(dtype)} != backend bias_dtype {_dtype_name(dc.bias_dtype)}"
+        )
     return None
 
 
@@ -267,7 +279,7 @@ def dtype_config_rejection(
     if dynamic:
         dtype = torch.float32  # dynamic quantization leaves the output in float
     if dtype != dc.output_dtype:
-        return (
+        return DTypeMismatch(
             f"output dtype {_dtype_name(dtype)} != backend output_dtype "
             f"{_dtype_name(dc.output_dtype)}"
         )
