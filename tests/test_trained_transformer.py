@@ -32,9 +32,13 @@ from bert_zoo import add_trained_outliers, hf_bert_parts
 import quantbridge.lowering as L
 from quantbridge.fx_quant import (
     OutlierChannelsConfig,
+    SmoothQuantConfig,
+    bias_correction,
     calibrate,
+    convert_to_reference_fx,
     keep_outlier_channels_float,
     prepare_fx,
+    smooth_quant,
 )
 from quantbridge.fx_quant.nn.quantizable import OutlierSplitLinear
 from quantbridge.qconfig import BackendConfig
@@ -157,6 +161,35 @@ def test_the_recipe_holds_on_it(trained: Any) -> None:
     print(f"trained-like encoder, static int8 recipe: cosine {cosine:.5f}, top-10 {overlap:.3f}")
     assert cosine >= 0.995
     assert overlap >= 0.95
+
+
+def test_smooth_quant_and_bias_correction_take_an_exported_model(trained: Any) -> None:
+    model, _ = trained
+    smoothed = smooth_quant(model, CALIB, SmoothQuantConfig(alpha=0.5), capture="export")
+    assert type(smoothed) is type(model)
+    report = smoothed.smooth_quant_report
+    # q, k and v read one LayerNorm output that is also the residual: a ChannelScale each
+    assert any(len(linears) == 3 and "ChannelScale" in into for linears, into, *_ in report.groups)
+    for ids, mask in TEST[:2]:  # the migration keeps the float function
+        want = _pooled(model, ids, mask)
+        torch.testing.assert_close(_pooled(smoothed, ids, mask), want, rtol=1e-4, atol=1e-4)
+    backend = L.get_backend("numba")
+    prepared = prepare_fx(
+        copy.deepcopy(smoothed),
+        backend.qconfig_mapping(transformer=True),
+        CALIB[0],
+        backend_config=backend.backend_config,
+        capture="export",
+    )
+    calibrate(prepared, CALIB, progress=False)
+    reference = convert_to_reference_fx(prepared, backend_config=backend.backend_config)
+    corrections = bias_correction(reference, CALIB[:2])
+    assert len(corrections) >= 2 * 6
+    lowered = backend.lower(reference)
+    cosine, _ = _fidelity(lowered, model)
+    plain, _ = _fidelity(_static(model), model)
+    print(f"trained-like encoder: smooth_quant + bias_correction {cosine:.5f}, plain {plain:.5f}")
+    assert cosine > 0.99
 
 
 def test_outlier_config_is_checked() -> None:

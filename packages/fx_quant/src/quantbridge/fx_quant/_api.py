@@ -14,6 +14,7 @@ from quantbridge.fx_quant._custom_config import (
     FuseCustomConfig,
     PrepareCustomConfig,
 )
+from quantbridge.fx_quant._dtype_matching import DTypeMismatch
 from quantbridge.fx_quant._equalize import insert_equalization_observers
 from quantbridge.fx_quant._errors import FxQuantError
 from quantbridge.fx_quant._export_capture import is_exported_module
@@ -29,7 +30,6 @@ from quantbridge.fx_quant._registry import (
     backend_registry,
     warn_not_lowered,
 )
-from quantbridge.fx_quant._dtype_matching import DTypeMismatch
 from quantbridge.fx_quant._state import OBSERVED_KEY, ObservedState
 from quantbridge.fx_quant._torch_ao_names import port_backend_config
 from quantbridge.qconfig import BackendConfig, QConfigMapping

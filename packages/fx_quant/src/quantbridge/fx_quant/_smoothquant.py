@@ -3,10 +3,11 @@
 For a group of Linears reading the same value X (q/k/v read one LayerNorm output), per input
 channel j: ``s_j = max|X_j|^alpha / max|W_j|^(1 - alpha)`` (W: the group's weights stacked),
 from a calibration pass. Then ``W[:, j] *= s_j`` and X is divided by s: folded into the
-producing LayerNorm's weight and bias when the Linears are its only users, else by an explicit
-per-channel ``mul`` node inserted before them. The float function is unchanged (up to float
-rounding); X's channel ranges are flattened, so a per-tensor activation scale wastes fewer
-levels on outlier channels, while per-channel weight scales absorb the growth of W's columns.
+producing LayerNorm's weight and bias when the Linears are its only users, else by a
+``ChannelScale`` module (``x * (1/s)``, never quantized) before them. The float function is
+unchanged (up to float rounding); X's channel ranges are flattened, so a per-tensor
+activation scale wastes fewer levels on outlier channels, while per-channel weight scales
+absorb the growth of W's columns.
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ from torch.fx import GraphModule, Node
 
 from quantbridge.fx_quant._calibrate import calibrate
 from quantbridge.fx_quant._errors import FxQuantError
+from quantbridge.fx_quant._export_capture import CAPTURES, capture_export, lift_exported
 from quantbridge.fx_quant._tracer import trace
+from quantbridge.fx_quant.nn.quantizable import ChannelScale
 
 __all__ = ["SmoothQuantConfig", "SmoothQuantReport", "smooth_quant"]
 
@@ -74,19 +77,6 @@ class _ChannelMax(nn.Module):
         return x
 
 
-class _ChannelScale(nn.Module):
-    """``x * inv_scale`` per last-axis channel: 1/s where no LayerNorm can absorb it."""
-
-    inv_scale: torch.Tensor
-
-    def __init__(self, inv_scale: torch.Tensor) -> None:
-        super().__init__()
-        self.register_buffer("inv_scale", inv_scale)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * self.inv_scale
-
-
 def _groups(gm: GraphModule) -> dict[Node, list[Node]]:
     """Input value -> the nn.Linear call nodes reading it as their input (in graph order)."""
     groups: dict[Node, list[Node]] = {}
@@ -117,13 +107,20 @@ def smooth_quant(
     *,
     input_fn: Callable[[Any], Any] | None = None,
     max_batches: int | None = None,
-) -> GraphModule:
-    """A traced copy of ``model`` with SmoothQuant's scale migration applied (``model`` is
-    not changed); prepare it as usual (``prepare_fx``), then calibrate again.
+    capture: str = "fx",
+) -> nn.Module:
+    """A copy of ``model`` with SmoothQuant's scale migration applied (``model`` is not
+    changed); prepare it as usual (``prepare_fx``, the same ``capture``), then calibrate again.
 
     ``calibration_data``/``input_fn``/``max_batches`` as in :func:`calibrate`. Each group of
-    ``nn.Linear`` modules reading one value is smoothed (see the module docstring); the
-    result's ``meta["smooth_quant"]`` is a :class:`SmoothQuantReport`.
+    ``nn.Linear`` modules reading one value is smoothed (see the module docstring).
+    ``capture="fx"``: returns the traced GraphModule. ``capture="export"`` (a model fx cannot
+    trace, such as Hugging Face's): the graph comes from ``torch.export`` on the first
+    calibration batch and only tells which Linears read one value and which LayerNorm made it;
+    the copy keeps the model's own class, the Linears' weights scaled, ``1/s`` folded into the
+    LayerNorm or applied by a ``ChannelScale`` before each Linear of the group (``nn.Sequential``
+    in the Linear's place). Either way ``result.smooth_quant_report`` is a
+    :class:`SmoothQuantReport` (for fx also ``result.meta["smooth_quant"]``).
     """
     cfg = SmoothQuantConfig() if config is None else config
     if not isinstance(cfg, SmoothQuantConfig):
@@ -132,6 +129,12 @@ def smooth_quant(
         )
     if not isinstance(model, nn.Module):
         raise FxQuantError(f"smooth_quant: model must be an nn.Module, got {type(model).__name__}")
+    if capture not in CAPTURES:
+        raise FxQuantError(
+            f"smooth_quant: capture must be one of {list(CAPTURES)}, got {capture!r}"
+        )
+    if capture == "export":
+        return _smooth_exported(model, calibration_data, cfg, input_fn, max_batches)
     gm, _ = trace(copy.deepcopy(model).eval())
     groups = _groups(gm)
     recorders: dict[Node, _ChannelMax] = {}
@@ -153,29 +156,20 @@ def smooth_quant(
             linear.replace_input_with(rec_node, value)
         gm.graph.erase_node(rec_node)
         gm.delete_submodule(f"_smooth_quant_max_{i}")
-        amax = recorders[value].amax
         linears: list[nn.Linear] = [gm.get_submodule(str(n.target)) for n in readers]  # type: ignore[misc]
-        if amax is None:
-            continue  # never ran during calibration
-        w_amax = torch.stack([m.weight.detach().abs().amax(0) for m in linears]).amax(0).float()
-        if w_amax.shape != amax.shape:
-            continue  # input not laid out [..., in_features]
-        alpha = float(cfg.alpha)
-        s = amax.clamp(min=cfg.min_scale).pow(alpha) / w_amax.clamp(min=cfg.min_scale).pow(
-            1.0 - alpha
-        )
-        s = torch.where((amax > 0) & (w_amax > 0), s.clamp(min=cfg.min_scale), torch.ones_like(s))
+        s = _scales(recorders[value].amax, linears, cfg)
+        if s is None:
+            continue
         with torch.no_grad():
             for m in linears:
                 m.weight.mul_(s.to(m.weight.dtype))
             norm = _foldable_norm(gm, value, readers)
             if norm is not None:
-                norm.weight.div_(s.to(norm.weight.dtype))
-                norm.bias.div_(s.to(norm.bias.dtype))
+                _fold(norm, s)
                 into = f"LayerNorm {value.target}"
             else:
                 name = f"{str(readers[0].target).replace('.', '_')}_smooth"
-                gm.add_submodule(name, _ChannelScale((1.0 / s).detach()))
+                gm.add_submodule(name, ChannelScale((1.0 / s).detach()))
                 with gm.graph.inserting_after(value):
                     scaled = gm.graph.call_module(name, (value,))
                 for linear in readers:
@@ -184,4 +178,95 @@ def smooth_quant(
         report.append((tuple(str(n.target) for n in readers), into, float(s.min()), float(s.max())))
     gm.recompile()
     gm.meta["smooth_quant"] = SmoothQuantReport(tuple(report))
+    setattr(gm, "smooth_quant_report", gm.meta["smooth_quant"])  # noqa: B010  (not a tensor)
     return gm
+
+
+def _scales(
+    amax: torch.Tensor | None, linears: list[nn.Linear], cfg: SmoothQuantConfig
+) -> torch.Tensor | None:
+    """s per input channel of a group, or None (never ran, or not laid out [..., in])."""
+    if amax is None:
+        return None
+    w_amax = torch.stack([m.weight.detach().abs().amax(0) for m in linears]).amax(0).float()
+    if w_amax.shape != amax.shape:
+        return None
+    alpha = float(cfg.alpha)
+    s = amax.clamp(min=cfg.min_scale).pow(alpha) / w_amax.clamp(min=cfg.min_scale).pow(1.0 - alpha)
+    return torch.where((amax > 0) & (w_amax > 0), s.clamp(min=cfg.min_scale), torch.ones_like(s))
+
+
+def _fold(norm: nn.LayerNorm, s: torch.Tensor) -> None:
+    norm.weight.div_(s.to(norm.weight.dtype))
+    norm.bias.div_(s.to(norm.bias.dtype))
+
+
+def _first_inputs(data: Iterable[Any], input_fn: Callable[[Any], Any] | None) -> tuple[Any, ...]:
+    for batch in data:
+        inputs = input_fn(batch) if input_fn is not None else batch
+        if isinstance(inputs, torch.Tensor):
+            return (inputs,)
+        if isinstance(inputs, (tuple, list)):
+            return tuple(inputs)
+        raise FxQuantError(
+            "smooth_quant(capture='export'): the first calibration batch must be a tensor or a "
+            f"tuple of positional inputs (torch.export takes those), got {type(inputs).__name__}"
+        )
+    raise FxQuantError("smooth_quant: calibration_data is empty")
+
+
+def _smooth_exported(
+    model: nn.Module,
+    data: Iterable[Any],
+    cfg: SmoothQuantConfig,
+    input_fn: Callable[[Any], Any] | None,
+    max_batches: int | None,
+) -> nn.Module:
+    result = copy.deepcopy(model).eval()
+    batches = list(data)  # read twice: the capture's example, then the calibration
+    example = _first_inputs(batches, input_fn)
+    graph = lift_exported(capture_export(copy.deepcopy(result), example), training=False)
+    gm = graph.graph_module
+    groups = _groups(gm)
+    recorders = {value: _ChannelMax() for value in groups}
+
+    def record(rec: _ChannelMax) -> Callable[[nn.Module, tuple[Any, ...]], None]:
+        def hook(module: nn.Module, args: tuple[Any, ...]) -> None:
+            rec(args[0])
+
+        return hook
+
+    handles = [
+        result.get_submodule(str(readers[0].target)).register_forward_pre_hook(
+            record(recorders[value])
+        )
+        for value, readers in groups.items()
+    ]
+    try:
+        calibrate(result, batches, input_fn=input_fn, max_batches=max_batches, progress=False)
+    finally:
+        for h in handles:
+            h.remove()
+    report = []
+    for value, readers in groups.items():
+        names = [str(n.target) for n in readers]
+        linears: list[nn.Linear] = [result.get_submodule(n) for n in names]  # type: ignore[misc]
+        s = _scales(recorders[value].amax, linears, cfg)
+        if s is None:
+            continue
+        with torch.no_grad():
+            for m in linears:
+                m.weight.mul_(s.to(m.weight.dtype))
+            norm = _foldable_norm(gm, value, readers)
+            if norm is not None:
+                _fold(result.get_submodule(str(value.target)), s)  # type: ignore[arg-type]
+                into = f"LayerNorm {value.target}"
+            else:
+                for name, linear in zip(names, linears, strict=True):
+                    parent, _, child = name.rpartition(".")
+                    owner = result.get_submodule(parent) if parent else result
+                    setattr(owner, child, nn.Sequential(ChannelScale((1.0 / s).detach()), linear))
+                into = "ChannelScale before each"
+        report.append((tuple(names), into, float(s.min()), float(s.max())))
+    setattr(result, "smooth_quant_report", SmoothQuantReport(tuple(report)))  # noqa: B010
+    return result

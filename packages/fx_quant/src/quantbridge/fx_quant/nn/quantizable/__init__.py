@@ -16,6 +16,7 @@ from torch import nn
 from quantbridge.fx_quant.nn.quantizable._activation import AttentionCore, MultiheadAttention
 from quantbridge.fx_quant.nn.quantizable._outliers import (
     FLOAT_ONLY,
+    ChannelScale,
     FloatColumns,
     OutlierSplitLinear,
     ZeroedChannels,
@@ -45,6 +46,7 @@ __all__ = [
     "FLOAT_TO_TRACEABLE",
     "TRACED_THROUGH",
     "AttentionCore",
+    "ChannelScale",
     "FloatColumns",
     "OutlierSplitLinear",
     "ZeroedChannels",

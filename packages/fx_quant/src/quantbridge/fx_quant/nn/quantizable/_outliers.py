@@ -43,6 +43,20 @@ class FloatColumns(nn.Module):
         return F.linear(x.index_select(-1, self.channels), self.weight)
 
 
+class ChannelScale(nn.Module):
+    """``x * scale`` per last-axis channel (always float): SmoothQuant's division of a
+    Linear's input where no LayerNorm can absorb it."""
+
+    scale: Tensor
+
+    def __init__(self, scale: Tensor) -> None:
+        super().__init__()
+        self.register_buffer("scale", scale.detach().clone())
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x * self.scale
+
+
 class OutlierSplitLinear(nn.Module):
     """``linear(zeroed(x)) + outliers(x)``, equal in float to the Linear it replaces.
 
@@ -78,6 +92,6 @@ class OutlierSplitLinear(nn.Module):
         return f"float channels {self.channels}"
 
 
-# never quantized: a leaf of the quantization tracer, and under torch.export their ops get no
+# never quantized: leaves of the quantization tracer, and under torch.export their ops get no
 # qconfig
-FLOAT_ONLY: tuple[type[nn.Module], ...] = (ZeroedChannels, FloatColumns)
+FLOAT_ONLY: tuple[type[nn.Module], ...] = (ZeroedChannels, FloatColumns, ChannelScale)
