@@ -22,6 +22,8 @@ dimension, float32 dtype, scalar scale); otherwise the next smaller pattern, or 
 
 from __future__ import annotations
 
+import copy
+
 import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -104,10 +106,15 @@ def _gelu_approximate(node: Node) -> str | None:
     return None
 
 
-def _linear_gelu(match: RewriteMatch) -> tuple[lm.QuantizedDynamicLinear, str] | None:
+def _linear_gelu(
+    match: RewriteMatch,
+) -> tuple[lm.QuantizedDynamicLinear | lm.QuantizedLinearFloat, str] | None:
     act, lin_node = match.anchor, match.nodes[1]
     lin = _module(lin_node)
-    if type(lin) is not lm.QuantizedDynamicLinear or lin.epilogue != "none":
+    if type(lin) not in (lm.QuantizedDynamicLinear, lm.QuantizedLinearFloat):
+        return None
+    assert isinstance(lin, (lm.QuantizedDynamicLinear, lm.QuantizedLinearFloat))
+    if lin.epilogue != "none":
         return None
     if not _sole_user(lin_node):
         return None
@@ -145,10 +152,16 @@ def _build_linear_gelu(ctx: LoweringContext, m: RuleMatch) -> Node:
         raise NotLowerableError("not a dynamic linear followed by GELU")
     lin, approximate = found
     lin_node = m.nodes[1]
-    fused = lm.QuantizedDynamicLinear(
-        lin.weight, lin.weight_scale, lin.weight_zero_point, lin.bias, lin.target, None, None,
-        activation="gelu" if approximate == "none" else "gelu_tanh", per_row=lin.per_row,
-    )  # fmt: skip
+    activation = "gelu" if approximate == "none" else "gelu_tanh"
+    fused: lm.QuantizedDynamicLinear | lm.QuantizedLinearFloat
+    if isinstance(lin, lm.QuantizedLinearFloat):
+        fused = copy.deepcopy(lin)
+        fused.epilogue = activation
+    else:
+        fused = lm.QuantizedDynamicLinear(
+            lin.weight, lin.weight_scale, lin.weight_zero_point, lin.bias, lin.target, None,
+            None, activation=activation, per_row=lin.per_row,
+        )  # fmt: skip
     new = ctx.add_module(f"{lin_node.name}_gelu", fused, lin_node.args, before=m.anchor)
     ctx.record(new, f"{fused.kernel} ({ctx.target}), GELU ({approximate}) fused")
     return new
@@ -470,8 +483,11 @@ def _layer_norm_patterns() -> tuple[Pattern, ...]:
 
 
 def _linear_gelu_patterns() -> tuple[Pattern, ...]:
-    lin = lm.QuantizedDynamicLinear
-    return (Nested(nn.GELU, lin), Nested(F.gelu, lin), Nested(F.gelu, lin, MatchAllNode))
+    return tuple(
+        p
+        for lin in (lm.QuantizedDynamicLinear, lm.QuantizedLinearFloat)
+        for p in (Nested(nn.GELU, lin), Nested(F.gelu, lin), Nested(F.gelu, lin, MatchAllNode))
+    )
 
 
 def _ln_codes_patterns() -> tuple[Pattern, ...]:
@@ -504,8 +520,8 @@ def float_op_rules() -> tuple[LoweringRule, ...]:
     return (
         _fusion(
             "dynamic linear + GELU", _linear_gelu_patterns(), _build_linear_gelu, _linear_gelu,
-            "GELU after a dynamic Linear: in its float epilogue",
-            "kernels.linear_dynamic(activation='gelu' / 'gelu_tanh')",
+            "GELU after a dynamic or float-output Linear: in its float epilogue",
+            "kernels.linear_dynamic / linear_float(activation='gelu' / 'gelu_tanh')",
         ),
         _fusion(
             "float layer_norm (+ residual add)", _layer_norm_patterns(), _build_layer_norm,

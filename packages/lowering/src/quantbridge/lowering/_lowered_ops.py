@@ -121,6 +121,16 @@ def linear_float_arrays(
     return K.linear_float(a, packed, *in_qp, activation=activation)
 
 
+def activation_in_place(out: Any, activation: str) -> None:
+    """``out`` (float32, C-contiguous) through ``activation`` (``linear_dynamic``'s names)."""
+    if activation == "relu":
+        np.maximum(out, 0.0, out=out)
+    elif activation in ("gelu", "gelu_tanh"):
+        K.gelu(out, "none" if activation == "gelu" else "tanh", out=out)
+    elif activation != "none":
+        raise ValueError(f"activation: expected none, relu, gelu or gelu_tanh, got {activation!r}")
+
+
 def linear_dynamic(
     x: torch.Tensor, packed: K.PackedLinearWeight, activation: str = "none", per_row: bool = False
 ) -> torch.Tensor:

@@ -337,8 +337,6 @@ class QuantizedLinearFloat(_WeightedBase):
     def add_float_columns(self, channels: torch.Tensor, weight: torch.Tensor) -> None:
         """Also add ``x[..., channels] @ weight.T`` in float, ``x`` the float value the codes
         came from (an outlier split's float columns): ``forward(codes, x)``."""
-        if self.epilogue != "none":
-            raise LoweringError("QuantizedLinearFloat: float columns go before the activation")
         self.register_buffer("side_channels", channels.detach().to(torch.int64).contiguous())
         self.register_buffer("side_weight", weight.detach().to(torch.float32).contiguous())
         self._sync()
@@ -358,20 +356,27 @@ class QuantizedLinearFloat(_WeightedBase):
             ))  # fmt: skip
             if floats is None or self.side_channels is None or self._side_t is None:
                 return out
+            if self.epilogue != "none":  # the traced op runs its activation after the columns
+                raise LoweringError(
+                    "QuantizedLinearFloat: an activation after float columns has no traced form"
+                )
             summed: torch.Tensor = out + floats.index_select(-1, self.side_channels) @ self._side_t
             return summed
         return self._eager(x) if floats is None else self._eager(x, floats)
 
     def forward_arrays(self, *arrays: Any) -> Any:
-        out = lowered.linear_float_arrays(
-            arrays[0], self._packed, self.input_qparams, self.epilogue
-        )
-        if len(arrays) > 1 and self.side_channels is not None and self._side_t is not None:
+        columns = len(arrays) > 1 and self.side_channels is not None and self._side_t is not None
+        # with float columns the activation follows their addition
+        act = "none" if columns else self.epilogue
+        out = lowered.linear_float_arrays(arrays[0], self._packed, self.input_qparams, act)
+        if columns:
             # one BLAS call adds the columns into the kernel's result (beta = 1)
             rows = torch.from_numpy(out).view(-1, out.shape[-1])
             x = torch.from_numpy(arrays[1])
             picked = x.reshape(-1, x.shape[-1]).index_select(1, self.side_channels)
             rows.addmm_(picked, self._side_t)
+            if self.epilogue != "none":
+                lowered.activation_in_place(out, self.epilogue)
         return out
 
     def _details(self) -> str:
