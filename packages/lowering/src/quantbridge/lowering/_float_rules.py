@@ -23,7 +23,6 @@ dimension, float32 dtype, scalar scale); otherwise the next smaller pattern, or 
 from __future__ import annotations
 
 import copy
-
 import operator
 from collections.abc import Sequence
 from dataclasses import dataclass

@@ -365,16 +365,17 @@ class QuantizedLinearFloat(_WeightedBase):
         return self._eager(x) if floats is None else self._eager(x, floats)
 
     def forward_arrays(self, *arrays: Any) -> Any:
-        columns = len(arrays) > 1 and self.side_channels is not None and self._side_t is not None
+        channels, side_t = self.side_channels, self._side_t
+        columns = len(arrays) > 1 and channels is not None and side_t is not None
         # with float columns the activation follows their addition
         act = "none" if columns else self.epilogue
         out = lowered.linear_float_arrays(arrays[0], self._packed, self.input_qparams, act)
-        if columns:
+        if columns and channels is not None and side_t is not None:
             # one BLAS call adds the columns into the kernel's result (beta = 1)
             rows = torch.from_numpy(out).view(-1, out.shape[-1])
             x = torch.from_numpy(arrays[1])
-            picked = x.reshape(-1, x.shape[-1]).index_select(1, self.side_channels)
-            rows.addmm_(picked, self._side_t)
+            picked = x.reshape(-1, x.shape[-1]).index_select(1, channels)
+            rows.addmm_(picked, side_t)
             if self.epilogue != "none":
                 lowered.activation_in_place(out, self.epilogue)
         return out
