@@ -581,7 +581,7 @@ def _depthwise_plan(packed: PackedConvWeight, geo: _Geometry, epi: _Epilogue) ->
     # makes every pixel interior, so only the block kernels run (the per-pixel tap-list path
     # is several times slower per pixel). 3x3, 7x7x960: 1.46x faster; from 14x14 on, the copy
     # costs what it saves. 5x5 stride 1: 0.81-0.90x the time up to 56x56, 1.76x at 112x112
-    # (measured, kernels README "Depthwise")
+    # (measured, kernels DESIGN.md "Depthwise convs")
     below = _DW_PAD_BELOW_5X5_S1 if packed.kw == 5 and sw == 1 else _DW_PAD_BELOW
     # with the 64-channel kernels a border pixel costs about an interior one: at stride 2 the
     # copy (4x the output's bytes) no longer pays (576x14x14: 1.35x slower with it)

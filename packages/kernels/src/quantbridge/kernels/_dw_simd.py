@@ -61,7 +61,7 @@ WIDE_LANES = 16  # the block kernels' zmm form (AVX-512: twice the multiply-adds
 # (kernel width, stride along W) -> the two block sizes (output pixels per block) of its
 # interior kernels; a one-pixel kind of each finishes short runs. Accumulators + one kernel
 # row's weights + an input vector stay within 16 ymm registers. Measured on this Zen 3 against
-# the earlier (6 | 4)-pixel blocks with one-pixel row tails (kernels README, Depthwise):
+# the earlier (6 | 4)-pixel blocks with one-pixel row tails (kernels DESIGN.md, "Depthwise convs"):
 # 8 / 4 pixels for 3x3 stride 1, 7 / 3 for the rest (widths 7, 14, 28, 56 and 112 divide by 7).
 # The 16-lane kinds have the same block sizes (32 zmm registers leave room to spare).
 BLOCK_PIXELS = {(3, 1): (8, 4), (3, 2): (7, 3), (5, 1): (7, 3), (5, 2): (7, 3)}

@@ -41,7 +41,7 @@ _SHORT = {"avx512_vnni": "vnni", "avx2": "avx2", "avx2_byte": "avx2b"}
 _NARROW_ROWS = 16
 # rows of VNNI's 2-panel blocks (4 vectors a row: 24 accumulators). Per vpdpbusd they load
 # 0.42 vectors and broadcasts where the 8 x 2 blocks load 0.63: what the other hyperthread
-# of a shared core contends for (kernels README, "Two panels a block")
+# of a shared core contends for (kernels DESIGN.md, "Two panels a block")
 _PAIR_ROWS = 6
 # rows of the 2-panel blocks that end a tile: 8 rows left run as two of these (M = 128: 20
 # blocks of 6 and 2 of 4, no wasted row), 2-5 as one (its rows past the end recomputed)
