@@ -298,16 +298,22 @@ def test_bad_weights_raise():
         )
 
 
-def reference_dynamic(x, w, w_s, bias, scale, zp):
-    """fbgemm's dynamic path: fma quantize, int64 accumulate, float32 fma epilogue."""
-    inv = F32(F32(1) / F32(scale))
-    q = np.clip(np.rint((x.astype(np.float64) * np.float64(inv) + zp).astype(F32)), 0, 255)
-    acc = (q.astype(np.int64) - zp) @ w.astype(np.int64).T
+def reference_float(a, a_s, a_zp, w, w_s, w_zp, bias):
+    """int64 accumulation on codes, then one float32 fma per output."""
     n = w.shape[0]
-    atws = (F32(scale) * np.broadcast_to(np.asarray(w_s, np.float64), (n,)).astype(F32)).astype(F32)
+    w_zp = np.broadcast_to(np.asarray(w_zp, np.int64), (n,))
+    acc = (a.astype(np.int64) - a_zp) @ (w.astype(np.int64) - w_zp[:, None]).T
+    atws = (F32(a_s) * np.broadcast_to(np.asarray(w_s, np.float64), (n,)).astype(F32)).astype(F32)
     b = np.zeros(n, np.float64) if bias is None else bias.astype(np.float64)
     # float64 holds the exact product of two float32 values; one rounding to float32 after
     return (acc.astype(np.int32).astype(F32).astype(np.float64) * atws + b).astype(F32)
+
+
+def reference_dynamic(x, w, w_s, bias, scale, zp):
+    """fbgemm's dynamic path: fma quantize, then as ``reference_float``."""
+    inv = F32(F32(1) / F32(scale))
+    q = np.clip(np.rint((x.astype(np.float64) * np.float64(inv) + zp).astype(F32)), 0, 255)
+    return reference_float(q, scale, zp, w, w_s, 0, bias)
 
 
 @pytest.mark.parametrize("target", TARGETS)
@@ -332,16 +338,6 @@ def test_linear_dynamic_matches_reference(target, m, k, n, seed):
     # the float64 emulation of fma can double-round; allow only that one-ulp case
     np.testing.assert_array_max_ulp(got, want, maxulp=1)
     assert np.mean(got == want) > 0.999
-
-
-def reference_float(a, a_s, a_zp, w, w_s, w_zp, bias):
-    """int64 accumulation on static codes, then one float32 fma per output."""
-    n = w.shape[0]
-    w_zp = np.broadcast_to(np.asarray(w_zp, np.int64), (n,))
-    acc = (a.astype(np.int64) - a_zp) @ (w.astype(np.int64) - w_zp[:, None]).T
-    atws = (F32(a_s) * np.broadcast_to(np.asarray(w_s, np.float64), (n,)).astype(F32)).astype(F32)
-    b = np.zeros(n, np.float64) if bias is None else bias.astype(np.float64)
-    return (acc.astype(np.int32).astype(F32).astype(np.float64) * atws + b).astype(F32)
 
 
 @pytest.mark.parametrize("target", TARGETS)

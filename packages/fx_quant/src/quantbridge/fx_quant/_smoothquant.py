@@ -157,12 +157,10 @@ def smooth_quant(
         gm.graph.erase_node(rec_node)
         gm.delete_submodule(f"_smooth_quant_max_{i}")
         linears: list[nn.Linear] = [gm.get_submodule(str(n.target)) for n in readers]  # type: ignore[misc]
-        s = _scales(recorders[value].amax, linears, cfg)
+        s = _scale_weights(recorders[value].amax, linears, cfg)
         if s is None:
             continue
         with torch.no_grad():
-            for m in linears:
-                m.weight.mul_(s.to(m.weight.dtype))
             norm = _foldable_norm(gm, value, readers)
             if norm is not None:
                 _fold(norm, s)
@@ -182,10 +180,11 @@ def smooth_quant(
     return gm
 
 
-def _scales(
+def _scale_weights(
     amax: torch.Tensor | None, linears: list[nn.Linear], cfg: SmoothQuantConfig
 ) -> torch.Tensor | None:
-    """s per input channel of a group, or None (never ran, or not laid out [..., in])."""
+    """s per input channel of a group, each Linear's ``W[:, j] *= s_j`` done; None (nothing
+    done) when the group never ran or its input is not laid out [..., in_features]."""
     if amax is None:
         return None
     w_amax = torch.stack([m.weight.detach().abs().amax(0) for m in linears]).amax(0).float()
@@ -193,7 +192,11 @@ def _scales(
         return None
     alpha = float(cfg.alpha)
     s = amax.clamp(min=cfg.min_scale).pow(alpha) / w_amax.clamp(min=cfg.min_scale).pow(1.0 - alpha)
-    return torch.where((amax > 0) & (w_amax > 0), s.clamp(min=cfg.min_scale), torch.ones_like(s))
+    s = torch.where((amax > 0) & (w_amax > 0), s.clamp(min=cfg.min_scale), torch.ones_like(s))
+    with torch.no_grad():
+        for m in linears:
+            m.weight.mul_(s.to(m.weight.dtype))
+    return s
 
 
 def _fold(norm: nn.LayerNorm, s: torch.Tensor) -> None:
@@ -251,12 +254,10 @@ def _smooth_exported(
     for value, readers in groups.items():
         names = [str(n.target) for n in readers]
         linears: list[nn.Linear] = [result.get_submodule(n) for n in names]  # type: ignore[misc]
-        s = _scales(recorders[value].amax, linears, cfg)
+        s = _scale_weights(recorders[value].amax, linears, cfg)
         if s is None:
             continue
         with torch.no_grad():
-            for m in linears:
-                m.weight.mul_(s.to(m.weight.dtype))
             norm = _foldable_norm(gm, value, readers)
             if norm is not None:
                 _fold(result.get_submodule(str(value.target)), s)  # type: ignore[arg-type]
