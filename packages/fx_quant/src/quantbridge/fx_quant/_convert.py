@@ -208,12 +208,12 @@ class _Converter:
 
     def run_weight_observers(self) -> None:
         """Observe call_function weights (weight-only / dynamic ops observe them here)."""
-        configs = self.bc._pattern_complex_format_to_config
+        configs = self.bc.complex_format_to_config
         for node in self.graph.nodes:
             if node.op != "call_function":
                 continue
             config = configs.get(node.target)
-            index = config._input_type_to_index.get("weight") if config is not None else None
+            index = config.input_type_to_index.get("weight") if config is not None else None
             weight = node.kwargs.get("weight")
             if weight is None and index is not None and index < len(node.args):
                 weight = node.args[index]
@@ -246,7 +246,7 @@ class _Converter:
             or node.name not in self.state.observed_node_names
         ):
             return
-        config = self.bc._pattern_complex_format_to_config.get(type_before_parametrizations(module))
+        config = self.bc.complex_format_to_config.get(type_before_parametrizations(module))
         dtype_configs = config.dtype_configs if config is not None else []
         probe = self.probe
         if not _qconfig_supported(qconfig, dtype_configs, probe):

@@ -71,7 +71,7 @@ def _call_fuser(
     fuser = config.fuser_method
     assert fuser is not None
     try:
-        if config._pattern_complex_format is not None or not isinstance(config.pattern, tuple):
+        if config.pattern_complex_format is not None or not isinstance(config.pattern, tuple):
             fused = fuser(is_qat, *modules)
         else:
             fused = fuser(is_qat, *_chain_forward(modules))
@@ -100,12 +100,12 @@ def fuse(
     """Fuse ``model`` (a traced GraphModule) in place following ``backend_config``."""
     configs = {  # typed patterns: the matcher refuses BackendConfig's bare tuples
         Nested.from_tuple(pattern): config
-        for pattern, config in backend_config._pattern_complex_format_to_config.items()
+        for pattern, config in backend_config.complex_format_to_config.items()
         if config.fuser_method is not None
     }
     if not configs:
         return model
-    getters = {p: c._root_node_getter for p, c in configs.items() if c._root_node_getter}
+    getters = {p: c.root_node_getter for p, c in configs.items() if c.root_node_getter}
     matches = find_matches(model, list(configs), root_node_getters=getters, mode="fuse")
     if not matches:
         return model
@@ -140,8 +140,8 @@ def fuse(
             named[target] = fused
             fused_targets[target] = (match.pattern, members, fused)
         extra: list[Any] = []
-        if config._extra_inputs_getter is not None:
-            extra = list(config._extra_inputs_getter(match.nested_node_pattern))
+        if config.extra_inputs_getter is not None:
+            extra = list(config.extra_inputs_getter(match.nested_node_pattern))
         # The root takes the anchor's place (extra inputs may be computed after the root),
         # the other matched nodes go.
         anchor = match.anchor

@@ -241,10 +241,10 @@ class _Inserter:
         )
         weight_index = bias_index = None
         if node.op == "call_function":
-            config = self.backend_config._pattern_complex_format_to_config.get(node.target)
+            config = self.backend_config.complex_format_to_config.get(node.target)
             if config is not None:
-                weight_index = config._input_type_to_index.get("weight")
-                bias_index = config._input_type_to_index.get("bias")
+                weight_index = config.input_type_to_index.get("weight")
+                bias_index = config.input_type_to_index.get("bias")
         return TargetInfo(
             input_act=qconfig.activation,
             output_act=qconfig.activation,

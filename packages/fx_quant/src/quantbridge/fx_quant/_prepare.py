@@ -321,9 +321,9 @@ def prepare(
     probe = ObserverProbe()
     no_tensors = NoTensorCache(modules, recorded.scalars)
     configs = {  # typed patterns: the matcher refuses BackendConfig's bare tuples
-        Nested.from_tuple(p): c for p, c in bc._pattern_complex_format_to_config.items()
+        Nested.from_tuple(p): c for p, c in bc.complex_format_to_config.items()
     }
-    getters = {p: c._root_node_getter for p, c in configs.items() if c._root_node_getter}
+    getters = {p: c.root_node_getter for p, c in configs.items() if c.root_node_getter}
     found = find_matches(gm, list(configs), root_node_getters=getters, mode="prepare")
     matches: dict[str, PatternMatch] = {}
     for m in found:
@@ -335,7 +335,7 @@ def prepare(
                 f"returned {root!r}, not a node"
             )
         obs_type = config.observation_type
-        by_count = config._num_tensor_args_to_observation_type
+        by_count = config.num_tensor_args_to_observation_type
         if by_count:
             count = count_tensor_args(root, no_tensors)
             if count not in by_count:

@@ -103,7 +103,7 @@ def update_qconfig_for_qat(mapping: QConfigMapping, backend_config: BackendConfi
 def module_to_qat_module(backend_config: BackendConfig) -> dict[Any, type[nn.Module]]:
     return {
         pattern: config.qat_module
-        for pattern, config in backend_config._pattern_complex_format_to_config.items()
+        for pattern, config in backend_config.complex_format_to_config.items()
         if config.qat_module is not None
     }
 

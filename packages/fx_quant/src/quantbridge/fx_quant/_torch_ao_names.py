@@ -157,7 +157,7 @@ def _needs_port(config: BackendPatternConfig) -> bool:
     ).startswith("quantbridge.")
     return (
         any_ao(config.pattern)
-        or any_ao(config._pattern_complex_format)
+        or any_ao(config.pattern_complex_format)
         or foreign_fuser
         or any(map(is_torch_ao, modules))
     )
@@ -168,7 +168,7 @@ def _port_pattern_config(config: BackendPatternConfig, where: str) -> BackendPat
     if config.pattern is not None:
         ported.set_pattern(_port_pattern(config.pattern, where))
     else:
-        ported._set_pattern_complex_format(_port_pattern(config._pattern_complex_format, where))
+        ported.set_pattern_complex_format(_port_pattern(config.pattern_complex_format, where))
     ported.set_root_module(port_class(config.root_module, f"{where} root_module"))
     ported.set_qat_module(port_class(config.qat_module, f"{where} qat_module"))
     ported.set_reference_quantized_module(
@@ -188,7 +188,7 @@ def port_backend_config(config: BackendConfig) -> BackendConfig:
         return config
     ported = BackendConfig(config.name)
     for c in config.configs:
-        pattern = c.pattern if c.pattern is not None else c._pattern_complex_format
+        pattern = c.pattern if c.pattern is not None else c.pattern_complex_format
         where = f"BackendConfig {config.name!r}, BackendPatternConfig for {pattern!r}"
         ported.set_backend_pattern_config(_port_pattern_config(c, where) if _needs_port(c) else c)
     return ported

@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
+from types import MappingProxyType
 from typing import IO, Any
 
 import torch
@@ -389,6 +390,54 @@ class BackendPatternConfig:
         return f"BackendPatternConfig({shown})"
 
     @property
+    def pattern_complex_format(self) -> Pattern | None:
+        """The pattern as given in complex (reverse-nested) form; None if set another way."""
+        return self._pattern_complex_format
+
+    def set_pattern_complex_format(self, pattern: Pattern) -> BackendPatternConfig:
+        """Set a nested pattern in complex form (torch.ao's ``_set_pattern_complex_format``)."""
+        return self._set_pattern_complex_format(pattern)
+
+    def set_root_node_getter(self, getter: Callable[..., Any] | None) -> BackendPatternConfig:
+        """torch.ao's ``_set_root_node_getter`` under a public name."""
+        return self._set_root_node_getter(getter)
+
+    def set_extra_inputs_getter(self, getter: Callable[..., Any] | None) -> BackendPatternConfig:
+        """torch.ao's ``_set_extra_inputs_getter`` under a public name."""
+        return self._set_extra_inputs_getter(getter)
+
+    def set_input_type_to_index(self, input_type_to_index: dict[str, int]) -> BackendPatternConfig:
+        """torch.ao's ``_set_input_type_to_index`` under a public name."""
+        return self._set_input_type_to_index(input_type_to_index)
+
+    def set_num_tensor_args_to_observation_type(
+        self, num_tensor_args_to_observation_type: dict[int, ObservationType]
+    ) -> BackendPatternConfig:
+        """torch.ao's ``_set_num_tensor_args_to_observation_type`` under a public name."""
+        return self._set_num_tensor_args_to_observation_type(num_tensor_args_to_observation_type)
+
+    @property
+    def root_node_getter(self) -> Callable[..., Any] | None:
+        """Picks the root node of a complex pattern's match (None: the default)."""
+        return self._root_node_getter
+
+    @property
+    def extra_inputs_getter(self) -> Callable[..., Any] | None:
+        """Extra inputs of a fused module beyond the root's (None: none)."""
+        return self._extra_inputs_getter
+
+    @property
+    def input_type_to_index(self) -> Mapping[str, int]:
+        """Argument index of ``"weight"`` / ``"bias"`` for functional patterns (read-only)."""
+        return MappingProxyType(self._input_type_to_index)
+
+    @property
+    def num_tensor_args_to_observation_type(self) -> Mapping[int, ObservationType]:
+        """Observation type by the number of tensor arguments (read-only; empty: use
+        ``observation_type``)."""
+        return MappingProxyType(self._num_tensor_args_to_observation_type)
+
+    @property
     def complex_pattern(self) -> Pattern | None:
         """The pattern in complex (reverse-nested) form, whichever way it was set; None if unset."""
         if self._pattern_complex_format is not None:
@@ -679,6 +728,11 @@ class BackendConfig:
             except QConfigError as e:
                 raise type(e)(f"configs[{i}]: {e}") from None
         return self
+
+    @property
+    def complex_format_to_config(self) -> Mapping[Pattern, BackendPatternConfig]:
+        """Each registered pattern in complex form, to its config (read-only, no copy)."""
+        return MappingProxyType(self._pattern_complex_format_to_config)
 
     @property
     def configs(self) -> list[BackendPatternConfig]:

@@ -185,7 +185,7 @@ def conv_configs(
         configs += [
             weighted_root_config(c.root, dtype_configs, c.root, c.reference, c.qat),
             weighted_root_config(c.qat, dtype_configs, c.root, c.reference),
-            op_config(c.func, dtype_configs)._set_input_type_to_index(dict(_WEIGHT_BIAS_1_2)),
+            op_config(c.func, dtype_configs).set_input_type_to_index(dict(_WEIGHT_BIAS_1_2)),
             # conv + relu: fusion, the fused module and its QAT form, functional conv + relu
             fusion_config((c.root, nn.ReLU), dtype_configs, c.relu_fuser, c.fused_conv_relu),
             fusion_config((c.root, F.relu), dtype_configs, c.relu_fuser, c.fused_conv_relu),
@@ -225,7 +225,7 @@ def conv_configs(
                 fusion_config((c.transpose, c.bn), dtype_configs, fuse_convtranspose_bn, None)
                 .set_root_module(c.transpose)
                 .set_reference_quantized_module(c.transpose_reference),
-                op_config(c.func_transpose, dtype_configs)._set_input_type_to_index(
+                op_config(c.func_transpose, dtype_configs).set_input_type_to_index(
                     dict(_WEIGHT_BIAS_1_2)
                 ),
             ]
@@ -241,7 +241,7 @@ def linear_configs(dtype_configs: DTypeConfigs, *, fusions: bool = True) -> Conf
     configs: Configs = [
         weighted_root_config(nn.Linear, dtype_configs, nn.Linear, nnqr.Linear, nnqat.Linear),
         weighted_root_config(nnqat.Linear, dtype_configs, nn.Linear, nnqr.Linear),
-        op_config(F.linear, dtype_configs)._set_input_type_to_index(dict(_WEIGHT_BIAS_1_2)),
+        op_config(F.linear, dtype_configs).set_input_type_to_index(dict(_WEIGHT_BIAS_1_2)),
     ]
     if not fusions:
         return configs
@@ -309,7 +309,7 @@ def binary_op_configs(
             configs.append(
                 BackendPatternConfig(pattern)
                 .set_dtype_configs(list(dtype_configs))
-                ._set_num_tensor_args_to_observation_type(dict(_BINARY_OBSERVATION))
+                .set_num_tensor_args_to_observation_type(dict(_BINARY_OBSERVATION))
             )
     if matmul:
         configs.append(BackendPatternConfig(torch.matmul).set_dtype_configs(list(dtype_configs)))
@@ -344,10 +344,8 @@ DEFAULT_OPS: tuple[Pattern, ...] = (
 def default_op_configs(dtype_configs: DTypeConfigs) -> Configs:
     """Ops with their own output qparams, and the functional norms with float weight/bias."""
     return [op_config(op, dtype_configs) for op in DEFAULT_OPS] + [
-        op_config(F.group_norm, dtype_configs)._set_input_type_to_index({"weight": 2, "bias": 3}),
-        op_config(F.instance_norm, dtype_configs)._set_input_type_to_index(
-            {"weight": 3, "bias": 4}
-        ),
+        op_config(F.group_norm, dtype_configs).set_input_type_to_index({"weight": 2, "bias": 3}),
+        op_config(F.instance_norm, dtype_configs).set_input_type_to_index({"weight": 3, "bias": 4}),
     ]
 
 
@@ -355,7 +353,7 @@ def layer_norm_configs(dtype_configs: DTypeConfigs) -> Configs:
     """LayerNorm module and function (weight and bias stay float)."""
     return [
         op_config(nn.LayerNorm, dtype_configs),
-        op_config(F.layer_norm, dtype_configs)._set_input_type_to_index({"weight": 2, "bias": 3}),
+        op_config(F.layer_norm, dtype_configs).set_input_type_to_index({"weight": 2, "bias": 3}),
     ]
 
 
@@ -560,6 +558,6 @@ def embedding_configs(dtype_configs: DTypeConfigs, *, functional: bool = False) 
         ]
         if functional and float_mod is nn.Embedding:
             configs.append(
-                op_config(F.embedding, dtype_configs)._set_input_type_to_index({"weight": 1})
+                op_config(F.embedding, dtype_configs).set_input_type_to_index({"weight": 1})
             )
     return configs

@@ -82,11 +82,11 @@ def _conv_add_configs(dtype_configs: list[DTypeConfig], *, relu: bool) -> c.Conf
             fuser, root_getter, extra_getter = _CONV_ADD_FUNCTIONS[(relu, conv_left, with_bn)]
             configs.append(
                 BackendPatternConfig()
-                ._set_pattern_complex_format(pattern)
+                .set_pattern_complex_format(pattern)
                 .set_dtype_configs(list(dtype_configs))
                 .set_fuser_method(fuser)
-                ._set_root_node_getter(root_getter)
-                ._set_extra_inputs_getter(extra_getter)
+                .set_root_node_getter(root_getter)
+                .set_extra_inputs_getter(extra_getter)
                 .set_fused_module(fused)
             )
     configs.append(c.weighted_root_config(fused, dtype_configs, nn.Conv2d, nnqr.Conv2d))

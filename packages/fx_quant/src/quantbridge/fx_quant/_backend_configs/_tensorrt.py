@@ -16,7 +16,7 @@ def get_tensorrt_backend_config() -> BackendConfig:
     and shape ops."""
     weighted = d.weighted_op_qint8()
     default_op = d.default_op_qint8()
-    addmm = c.op_config(torch.addmm, [weighted])._set_input_type_to_index(
+    addmm = c.op_config(torch.addmm, [weighted]).set_input_type_to_index(
         {"bias": 0, "input": 1, "weight": 2}
     )
     return (
