@@ -334,7 +334,7 @@ def test_bert_is_quantized_unmodified_and_lowered(mode: str) -> None:
     assert lowering_report(lowered).lowered
 
 
-def test_readme_equivalence_table_is_the_code() -> None:
+def test_readme_equivalence_rows_are_the_code() -> None:
     readme = (Path(__file__).parents[1] / "README.md").read_text()
     section = readme.split("## Models torch.fx cannot trace", 1)[1].split("\n## ", 1)[0]
     rows = [
@@ -342,7 +342,10 @@ def test_readme_equivalence_table_is_the_code() -> None:
         for line in section.splitlines()
         if line.startswith("| `aten.")
     ]
-    assert rows == fq.equivalence_table()
+    table = fq.equivalence_table()
+    assert rows
+    assert all(row in table for row in rows)
+    assert f"({len(table)} rows in all: `equivalence_table()`)" in section
 
 
 def test_sync_observers_on_export_capture(tmp_path: Path) -> None:
