@@ -396,7 +396,7 @@ def _on_range(
     (zero when nothing was observed)."""
     if bool(low == float("inf")) or bool(high == float("-inf")):
         return torch.zeros(obs.bins, dtype=torch.float64, device=hist.device)
-    moved = obs._merge(hist, low, high, torch.zeros_like(hist), new_low, new_high)
+    moved = obs.rebin(hist, low, high, new_low, new_high)
     return moved.double()
 
 
@@ -457,7 +457,7 @@ def _sync_histograms(
                 # Re-binning is not exactly linear across different ranges: clip tiny negatives.
                 total = (total + base).clamp_min(0.0)
             hist = total.to(dtype=obs.histogram.dtype, device=obs.histogram.device)
-            obs._set_histogram(hist)
+            obs.set_histogram(hist)
             setattr(
                 obs,
                 _BASELINE_ATTR,

@@ -152,6 +152,23 @@ class HistogramObserver(UniformQuantizationObserverBase):
         self.histogram.detach_().resize_(hist.shape)
         self.histogram.copy_(hist)
 
+    def rebin(
+        self,
+        hist: torch.Tensor,
+        low: torch.Tensor,
+        high: torch.Tensor,
+        new_low: torch.Tensor,
+        new_high: torch.Tensor,
+    ) -> torch.Tensor:
+        """``hist`` (this observer's bins over [low, high]) moved onto [new_low, new_high] by
+        the rule ``forward`` uses when its range grows."""
+        return self._merge(hist, low, high, torch.zeros_like(hist), new_low, new_high)
+
+    def set_histogram(self, hist: torch.Tensor) -> None:
+        """Replace the bin counts over the current range (``min_val``..``max_val``): a
+        histogram merged from other processes' observers of the same range."""
+        self._set_histogram(hist)
+
     def _start(self, x: torch.Tensor, x_min: torch.Tensor, x_max: torch.Tensor) -> None:
         """First input: the range is its own, the histogram its own."""
         self.min_val.resize_(x_min.shape)
