@@ -28,8 +28,10 @@ from bert_zoo import BertEncoder, add_outliers, token_batches
 import quantbridge.lowering as L
 from quantbridge.fx_quant import (
     calibrate,
+    convert_to_reference_fx,
     explain,
     find_dominated_ranges,
+    keep_outlier_channels_float,
     prepare_fx,
     smooth_quant,
 )
@@ -124,3 +126,36 @@ def test_smooth_quant_improves_static_sqnr_on_outliers() -> None:
     plain, smooth = _sqnr(lowered(model), model), _sqnr(lowered(smoothed), model)
     print(f"outlier encoder, static int8 SQNR: plain {plain:.1f} dB, smooth_quant {smooth:.1f} dB")
     assert smooth > plain + 10.0
+
+
+def test_outlier_split_lowers_to_one_kernel_call_per_linear_under_fx_capture() -> None:
+    torch.manual_seed(0)
+    model = BertEncoder().eval()
+    add_outliers(model, factor=30.0)
+    split = keep_outlier_channels_float(model, CALIB)
+    prepared = _prepared(split, transformer=True)
+    calibrate(prepared, CALIB, progress=False)
+    backend = L.get_backend("numba")
+    reference = convert_to_reference_fx(
+        copy.deepcopy(prepared), backend_config=backend.backend_config
+    )
+    lowered = backend.lower(copy.deepcopy(reference))
+    report = L.lowering_report(lowered)
+    removed = " ".join(what for _, what in report.removed)
+    done = " ".join(what for _, what in report.lowered)
+    # q, k, v and the intermediate Linear read the outlier LayerNorm outputs: split, each one
+    # float-output kernel call with its float columns, the zeroing gone
+    assert removed.count("zeroed outlier channels") == 4 * 2
+    with_columns = [m for m in lowered.modules() if getattr(m, "side_channels", None) is not None]
+    assert len(with_columns) == 4 * 2
+    # the intermediate's GELU runs in its epilogue, after the float columns
+    assert sorted(m.epilogue for m in with_columns).count("gelu") == 2
+    assert "GELU (none) fused" in done
+    assert not any(
+        type(m).__name__ in ("ZeroedChannels", "FloatColumns") for m in lowered.modules()
+    )
+    with torch.no_grad():
+        for ids, mask in TEST[:2]:
+            want, got = reference(ids, mask), lowered(ids, mask)
+            assert float((got - want).abs().max()) <= 0.02 * float(want.abs().max())
+    assert _cosine(lowered, model) >= 0.999
