@@ -10,6 +10,7 @@ the static int8 SQNR.
 from __future__ import annotations
 
 import copy
+import io
 import math
 import sys
 import warnings
@@ -159,3 +160,21 @@ def test_outlier_split_lowers_to_one_kernel_call_per_linear_under_fx_capture() -
             want, got = reference(ids, mask), lowered(ids, mask)
             assert float((got - want).abs().max()) <= 0.02 * float(want.abs().max())
     assert _cosine(lowered, model) >= 0.999
+
+
+def test_lowered_split_model_saves_and_loads() -> None:
+    # bert_zoo's forward annotations are strings (``from __future__ import annotations``),
+    # which fx used to record as a global that torch.save could not pickle
+    torch.manual_seed(0)
+    model = BertEncoder().eval()
+    add_outliers(model, factor=30.0)
+    prepared = _prepared(keep_outlier_channels_float(model, CALIB), transformer=True)
+    calibrate(prepared, CALIB, progress=False)
+    lowered = L.get_backend("numba").convert(prepared)
+    buffer = io.BytesIO()
+    torch.save(lowered, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    with torch.no_grad():
+        for ids, mask in TEST[:2]:
+            assert torch.equal(loaded(ids, mask), lowered(ids, mask))

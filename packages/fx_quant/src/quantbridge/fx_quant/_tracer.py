@@ -168,6 +168,11 @@ def trace(
             f"  at {user_frame(e.__traceback__)}\n"
             f"  fix: {hint}"
         ) from e
+    for node in graph.nodes:
+        # ``from __future__ import annotations`` makes forward's annotations strings; fx
+        # records them as a global named after the string, which torch.save cannot pickle
+        if isinstance(node.type, str):
+            node.type = None
     gm = GraphModule(tracer.root, graph, type(model).__name__)
     scope = {k: (v[0], v[1]) for k, v in tracer.node_name_to_scope.items()}
     return gm, scope
