@@ -210,6 +210,7 @@ class _Inserter:
         backend_config: BackendConfig,
         probe: ObserverProbe,
         scalars: Iterable[str] = (),
+        float_by_mapping: Iterable[str] = (),
     ) -> None:
         self.model = model
         self.graph = model.graph
@@ -220,8 +221,8 @@ class _Inserter:
         self.no_tensors = NoTensorCache(self.modules, scalars)
         self.next_index = 0
         self.device = _unique_device(model)
-        # nodes the QConfigMapping keeps float (set by insert_observers)
-        self.float_by_mapping: set[str] = set()
+        # nodes the QConfigMapping keeps float (qconfig None)
+        self.float_by_mapping = frozenset(float_by_mapping)
 
     # -- target dtype info ---------------------------------------------------------------------
 
@@ -570,9 +571,9 @@ def insert_observers(
 
     ``scalars``: nodes holding Python numbers (see :class:`NoTensorCache`).
     """
-    ins = _Inserter(model, backend_config, probe, scalars)
     graph = model.graph
-    ins.float_by_mapping = {n.name for n in graph.nodes if qconfigs.get(n.name) is None}
+    floats = (n.name for n in graph.nodes if qconfigs.get(n.name) is None)
+    ins = _Inserter(model, backend_config, probe, scalars, floats)
     for node in graph.nodes:
         ins.infos[node] = TargetInfo(FP32_CTOR, FP32_CTOR)
 

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from quantbridge.fx_quant._calibrate import calibrate
+from quantbridge.fx_quant._channel_max import ChannelMax, replace_submodule
 from quantbridge.fx_quant._errors import FxQuantError
 from quantbridge.fx_quant.nn.quantizable import OutlierSplitLinear
 
@@ -52,20 +53,6 @@ class OutlierChannelsConfig:
             raise FxQuantError(
                 f"OutlierChannelsConfig: max_fraction must be in (0, 1], got {self.max_fraction!r}"
             )
-
-
-class _InputChannelMax:
-    """Forward pre-hook recording max |x| per last-axis channel of a Linear's input."""
-
-    def __init__(self) -> None:
-        self.amax: torch.Tensor | None = None
-
-    def __call__(self, module: nn.Module, args: tuple[Any, ...]) -> None:
-        x = args[0] if args else None
-        if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.numel() == 0:
-            return
-        m = x.detach().abs().reshape(-1, x.shape[-1]).amax(0).float()
-        self.amax = m if self.amax is None else torch.maximum(self.amax, m)
 
 
 def outlier_channels(amax: torch.Tensor, config: OutlierChannelsConfig) -> torch.Tensor:
@@ -110,8 +97,8 @@ def keep_outlier_channels_float(
         )
     result = copy.deepcopy(model)
     linears = {name: m for name, m in result.named_modules() if _plain_linear(result, name, m)}
-    recorders = {name: _InputChannelMax() for name in linears}
-    handles = [m.register_forward_pre_hook(recorders[n]) for n, m in linears.items()]
+    recorders = {name: ChannelMax() for name in linears}
+    handles = [m.register_forward_pre_hook(recorders[n].pre_hook) for n, m in linears.items()]
     try:
         calibrate(result, calibration_data, input_fn=input_fn, max_batches=max_batches,
                   progress=False, sync=False)  # fmt: skip
@@ -124,7 +111,7 @@ def keep_outlier_channels_float(
             continue  # never ran, or its input is not laid out [..., in_features]
         channels = outlier_channels(amax, cfg)
         if channels.numel():
-            _set_submodule(result, name, OutlierSplitLinear(linear, channels))
+            replace_submodule(result, name, OutlierSplitLinear(linear, channels))
     return result
 
 
@@ -134,9 +121,3 @@ def _plain_linear(root: nn.Module, name: str, module: nn.Module) -> bool:
         return False
     parent = root.get_submodule(name.rpartition(".")[0]) if "." in name else root
     return not isinstance(parent, OutlierSplitLinear)
-
-
-def _set_submodule(root: nn.Module, name: str, module: nn.Module) -> None:
-    parent_name, _, child = name.rpartition(".")
-    parent = root.get_submodule(parent_name) if parent_name else root
-    setattr(parent, child, module)

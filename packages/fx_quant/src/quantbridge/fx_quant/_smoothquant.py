@@ -22,6 +22,7 @@ from torch import nn
 from torch.fx import GraphModule, Node
 
 from quantbridge.fx_quant._calibrate import calibrate
+from quantbridge.fx_quant._channel_max import ChannelMax, replace_submodule
 from quantbridge.fx_quant._errors import FxQuantError
 from quantbridge.fx_quant._export_capture import CAPTURES, capture_export, lift_exported
 from quantbridge.fx_quant._tracer import trace
@@ -58,23 +59,6 @@ class SmoothQuantReport:
         for linears, into, lo, hi in self.groups:
             lines.append(f"  {', '.join(linears)} <- {into} | {lo:.4g} .. {hi:.4g}")
         return "\n".join(lines)
-
-
-class _ChannelMax(nn.Module):
-    """Records max |x| per last-axis channel; returns x unchanged (calibration only)."""
-
-    amax: torch.Tensor | None
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.amax: torch.Tensor | None = None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if isinstance(x, torch.Tensor) and x.is_floating_point():
-            m = x.detach().abs().reshape(-1, x.shape[-1]).amax(0).float()
-            seen = self.amax
-            self.amax = m if seen is None else torch.maximum(seen, m)
-        return x
 
 
 def _groups(gm: GraphModule) -> dict[Node, list[Node]]:
@@ -137,10 +121,10 @@ def smooth_quant(
         return _smooth_exported(model, calibration_data, cfg, input_fn, max_batches)
     gm, _ = trace(copy.deepcopy(model).eval())
     groups = _groups(gm)
-    recorders: dict[Node, _ChannelMax] = {}
+    recorders: dict[Node, ChannelMax] = {}
     for i, value in enumerate(groups):
         name = f"_smooth_quant_max_{i}"
-        recorders[value] = _ChannelMax()
+        recorders[value] = ChannelMax()
         gm.add_submodule(name, recorders[value])
         with gm.graph.inserting_after(value):
             rec = gm.graph.call_module(name, (value,))
@@ -228,20 +212,13 @@ def _smooth_exported(
     result = copy.deepcopy(model).eval()
     batches = list(data)  # read twice: the capture's example, then the calibration
     example = _first_inputs(batches, input_fn)
-    graph = lift_exported(capture_export(copy.deepcopy(result), example), training=False)
-    gm = graph.graph_module
+    # the graph only says which Linears read one value: the changes go to ``result``
+    gm = lift_exported(capture_export(result, example), training=False).graph_module
     groups = _groups(gm)
-    recorders = {value: _ChannelMax() for value in groups}
-
-    def record(rec: _ChannelMax) -> Callable[[nn.Module, tuple[Any, ...]], None]:
-        def hook(module: nn.Module, args: tuple[Any, ...]) -> None:
-            rec(args[0])
-
-        return hook
-
+    recorders = {value: ChannelMax() for value in groups}
     handles = [
         result.get_submodule(str(readers[0].target)).register_forward_pre_hook(
-            record(recorders[value])
+            recorders[value].pre_hook
         )
         for value, readers in groups.items()
     ]
@@ -264,9 +241,8 @@ def _smooth_exported(
                 into = f"LayerNorm {value.target}"
             else:
                 for name, linear in zip(names, linears, strict=True):
-                    parent, _, child = name.rpartition(".")
-                    owner = result.get_submodule(parent) if parent else result
-                    setattr(owner, child, nn.Sequential(ChannelScale((1.0 / s).detach()), linear))
+                    scaled = nn.Sequential(ChannelScale((1.0 / s).detach()), linear)
+                    replace_submodule(result, name, scaled)
                 into = "ChannelScale before each"
         report.append((tuple(names), into, float(s.min()), float(s.max())))
     setattr(result, "smooth_quant_report", SmoothQuantReport(tuple(report)))  # noqa: B010

@@ -320,7 +320,8 @@ class QuantizedLinear(_WeightedBase):
 class QuantizedLinearFloat(_WeightedBase):
     """uint8 ``[..., K]`` → float32 ``[..., N]``: ``kernels.linear_float``, no output
     quantization (the layer's consumer runs in float). ``activation`` (``"none"``,
-    ``"relu"``) runs in the kernel's float epilogue."""
+    ``"relu"``, ``"gelu"``, ``"gelu_tanh"``) runs in the kernel's float epilogue, or after
+    the float columns when there are some."""
 
     kernel = "kernels.linear_float"
     array_input = "c"
@@ -366,18 +367,18 @@ class QuantizedLinearFloat(_WeightedBase):
 
     def forward_arrays(self, *arrays: Any) -> Any:
         channels, side_t = self.side_channels, self._side_t
-        columns = len(arrays) > 1 and channels is not None and side_t is not None
+        if len(arrays) == 1 or channels is None or side_t is None:
+            return lowered.linear_float_arrays(
+                arrays[0], self._packed, self.input_qparams, self.epilogue
+            )
         # with float columns the activation follows their addition
-        act = "none" if columns else self.epilogue
-        out = lowered.linear_float_arrays(arrays[0], self._packed, self.input_qparams, act)
-        if columns and channels is not None and side_t is not None:
-            # one BLAS call adds the columns into the kernel's result (beta = 1)
-            rows = torch.from_numpy(out).view(-1, out.shape[-1])
-            x = torch.from_numpy(arrays[1])
-            picked = x.reshape(-1, x.shape[-1]).index_select(1, channels)
-            rows.addmm_(picked, side_t)
-            if self.epilogue != "none":
-                lowered.activation_in_place(out, self.epilogue)
+        out = lowered.linear_float_arrays(arrays[0], self._packed, self.input_qparams, "none")
+        # one BLAS call adds the columns into the kernel's result (beta = 1)
+        rows = torch.from_numpy(out).view(-1, out.shape[-1])
+        x = torch.from_numpy(arrays[1])
+        rows.addmm_(x.reshape(-1, x.shape[-1]).index_select(1, channels), side_t)
+        if self.epilogue != "none":
+            lowered.activation_in_place(out, self.epilogue)
         return out
 
     def _details(self) -> str:
