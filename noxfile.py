@@ -8,6 +8,7 @@
     nox -s build        wheels + sdists; each wheel installed alone in a fresh venv and imported
     nox -s demo         the project's main job
     nox -s bench_peers  int8 against ONNX Runtime, OpenVINO/NNCF and torch.ao (installs them)
+    nox -s docs         the documentation site (docs/, mkdocs.yml): mkdocs build --strict
 
 Every install goes through constraints.txt. Virtualenvs are reused, and a session skips pip
 entirely when nothing it installs from (constraints, pyproject files, its requirement list)
@@ -196,6 +197,34 @@ for name in names:
     importlib.import_module(name)
 print(f"imported {len(names)} modules of {sys.argv[1]}")
 """
+
+
+# The documentation site (mkdocs.yml, docs/). mkdocstrings reads the packages' sources
+# statically (the handler's `paths`), so this session installs neither the packages nor torch.
+DOCS_REQUIREMENTS = (
+    "mkdocs",
+    "mkdocs-material",
+    "mkdocstrings",
+    "mkdocstrings-python",
+    "griffe",
+    "mkdocs-autorefs",
+    "pymdown-extensions",
+    "ruff",  # mkdocstrings formats the signatures with it
+)
+
+
+@nox.session
+def docs(session: nox.Session) -> None:
+    """The documentation site: ``mkdocs build --strict`` into site/.
+
+    Strict: a broken link, an unresolved cross-reference or a docstring griffe cannot parse
+    fails the build. Arguments after ``--`` go to ``mkdocs build`` (``-- --site-dir /tmp/x``).
+    """
+    _install(session, *DOCS_REQUIREMENTS)
+    session.run(
+        "mkdocs", "build", "--strict", "--config-file", str(ROOT / "mkdocs.yml"), *session.posargs,
+        env={"NO_MKDOCS_2_WARNING": "1"},
+    )
 
 
 @nox.session

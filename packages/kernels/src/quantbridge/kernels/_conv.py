@@ -97,9 +97,14 @@ class PackedConvWeight:
 
     Args:
         weight: int8 [OC, C/groups, KH, KW] (conv2d) or [OC, C/groups, KW] (conv1d).
-        scale / zero_point: per-tensor scalars or per-output-channel arrays [OC].
-        bias: optional float32 [OC]. stride, padding, dilation: int or per-dim tuple.
+        scale: the weight's scale: a per-tensor scalar or a per-output-channel array [OC].
+        zero_point: the weight's zero point: a per-tensor scalar or an array [OC].
+        bias: optional float32 [OC].
+        stride: int or per-dim tuple.
+        padding: int or per-dim tuple.
+        dilation: int or per-dim tuple.
         groups: channel groups (groups == C and OC multiple of C is depthwise).
+        target: kernel target to pack for (None: ``resolve_target``'s choice).
     """
 
     def __init__(
