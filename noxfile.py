@@ -222,7 +222,12 @@ def docs(session: nox.Session) -> None:
     """
     _install(session, *DOCS_REQUIREMENTS)
     session.run(
-        "mkdocs", "build", "--strict", "--config-file", str(ROOT / "mkdocs.yml"), *session.posargs,
+        "mkdocs",
+        "build",
+        "--strict",
+        "--config-file",
+        str(ROOT / "mkdocs.yml"),
+        *session.posargs,
         env={"NO_MKDOCS_2_WARNING": "1"},
     )
 

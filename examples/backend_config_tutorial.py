@@ -5,7 +5,7 @@ BackendConfig; a QConfigMapping that satisfies its constraints; prepare_fx / con
 the tutorial's two faulty setups (conv-bn-relu, which no pattern covers, and the default
 QConfigMapping, whose qconfig breaks the backend's scale constraint).
 
-Ported by changing imports (see "Porting from torch.ao" in quantbridge-fx-quant's README).
+Ported by changing imports (see docs/porting.md, "Porting from torch.ao").
 Two kinds of lines changed beyond the imports:
 
 * the tutorial names torch.ao.nn classes inline (``torch.ao.nn.intrinsic.ConvReLU2d``,
