@@ -16,9 +16,10 @@ Semantics per observer kind:
 - ``HistogramObserver``: the common range is the global [min, max]; each rank moves its
   histogram onto it with the observer's own re-binning (the rule it applies when its range
   grows) and the histograms are summed. Exact when every rank's range already is the common
-  one; otherwise each count moves by less than one bin of the common range (see the README
-  for the tested bound). Repeated syncs do not double count: the state agreed at the last
-  sync is remembered on the observer and only what each rank added since is summed.
+  one; otherwise each count moves by less than one bin of the common range (the docs'
+  "Calibration and QAT across processes" page gives the tested bound). Repeated syncs do not
+  double count: the state agreed at the last sync is remembered on the observer and only what
+  each rank added since is summed.
 - ``PercentileObserver`` / ``EntropyObserver``: exact. Their integer histograms have
   power-of-two bin widths anchored at 0, so each rank coarsens its histogram to the largest
   width of any rank (summing whole bins) and the counts are summed: the result equals one

@@ -1,7 +1,7 @@
 """Input-weight equalization in the graph: observers after prepare, scaling at convert.
 
-Behaviour follows torch.ao 2.13's ``fx/_equalize.py`` (the README, "Input-weight
-equalization", lists the rules):
+Behaviour follows torch.ao 2.13's ``fx/_equalize.py`` (the documentation's
+"Debugging accuracy" page, "Input-weight equalization", lists the rules):
 
 prepare (``insert_equalization_observers``): for every Linear / Conv1-3d module (also fused
 with ReLU) and every ``F.linear`` / ``F.conv1-3d`` call that is observed and has an

@@ -315,7 +315,7 @@ class DTypeConfig:
         return d
 
     def to_json(self, file: str | Path | IO[str] | None = None, *, indent: int | None = 2) -> str:
-        """JSON text of this config (see the README's "JSON" section); also written to ``file``."""
+        """JSON text of this config (docs: "Configuration files"); also written to ``file``."""
         from quantbridge.qconfig._json import dump_config
 
         return dump_config(self, "DTypeConfig", self.to_dict(), file, indent)
@@ -664,7 +664,7 @@ class BackendPatternConfig:
         return d
 
     def to_json(self, file: str | Path | IO[str] | None = None, *, indent: int | None = 2) -> str:
-        """JSON text of this config (see the README's "JSON" section); also written to ``file``."""
+        """JSON text of this config (docs: "Configuration files"); also written to ``file``."""
         from quantbridge.qconfig._json import dump_config
 
         return dump_config(self, "BackendPatternConfig", self.to_dict(), file, indent)
@@ -773,7 +773,7 @@ class BackendConfig:
         }
 
     def to_json(self, file: str | Path | IO[str] | None = None, *, indent: int | None = 2) -> str:
-        """JSON text of this backend (see the README's "JSON" section); also written to ``file``."""
+        """JSON text of this backend (docs: "Configuration files"); also written to ``file``."""
         from quantbridge.qconfig._json import dump_config
 
         return dump_config(self, "BackendConfig", self.to_dict(), file, indent)
@@ -786,7 +786,7 @@ class BackendConfig:
 
         The file is untrusted input: it may only call registered callables and the
         functions and classes of your own ``allowed_prefixes`` modules (e.g.
-        ``("my_backend",)``); see the README's "Security" section.
+        ``("my_backend",)``); see "Security" on the docs' "Configuration files" page.
         """
         from quantbridge.qconfig._json import build_from_json
 

@@ -8,7 +8,7 @@ of batches, in any order, on any number of ranks, is exactly the histogram of al
 the width that its overall largest magnitude requires. That makes merging across ranks exact
 (``quantbridge.fx_quant.sync_observers``).
 
-The README of quantbridge-qconfig ("Percentile and entropy calibration") states the formulas.
+The documentation's "Observers and calibration" page states the formulas.
 """
 
 from __future__ import annotations
@@ -316,8 +316,8 @@ class EntropyObserver(_PowerOfTwoHistogramObserver):
 
     Keeps a histogram of ``|x|`` (for every qscheme). ``calculate_qparams`` tries every
     candidate of ``i`` bins, ``levels <= i <= used bins`` where ``levels = (quant_max -
-    quant_min + 1) // 2`` (128 for 8 bits), and picks the smallest KL divergence (README:
-    "Percentile and entropy calibration"); ``T = min(i * bin_width, max|x|)``. The range is
+    quant_min + 1) // 2`` (128 for 8 bits), and picks the smallest KL divergence (docs:
+    "Observers and calibration"); ``T = min(i * bin_width, max|x|)``. The range is
     ``[max(min_val, -T), min(max_val, T)]``. ``bins`` must be a power of two.
     """
 

@@ -293,7 +293,7 @@ class QConfigMapping:
         return mapping
 
     def to_json(self, file: str | Path | IO[str] | None = None, *, indent: int | None = 2) -> str:
-        """JSON text of this mapping (see the README's "JSON" section); also written to ``file``
+        """JSON text of this mapping (docs: "Configuration files"); also written to ``file``
         (a path or an open text file) when given."""
         from quantbridge.qconfig._json import dump_config
 
@@ -306,8 +306,8 @@ class QConfigMapping:
         """Load from JSON text, a file path or an open text file.
 
         The file is untrusted input: it may only call registered callables and the
-        functions and classes of your own ``allowed_prefixes`` modules; see the README's
-        "Security" section.
+        functions and classes of your own ``allowed_prefixes`` modules; see "Security" on the
+        docs' "Configuration files" page.
         """
         from quantbridge.qconfig._json import build_from_json
 
