@@ -3,12 +3,15 @@ byte-for-byte against torch's x86 engine where torch.ao still exists."""
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from quantbridge.kernels import (
+    FloatColumns,
     KernelError,
     PackedLinearWeight,
     available_targets,
@@ -16,6 +19,7 @@ from quantbridge.kernels import (
     linear,
     linear_dynamic,
     linear_float,
+    quantize_per_tensor,
 )
 
 TARGETS = available_targets()
@@ -401,6 +405,72 @@ def test_linear_float_refuses_bad_arguments():
         linear_float(x, packed, 0.1, 0, activation="tanh")
     with pytest.raises(KernelError, match="uint8"):
         linear_float(x.astype(np.float32), packed, 0.1, 0)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("activation", ["none", "relu", "gelu", "gelu_tanh"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_linear_float_adds_float_columns_and_quantizes_in_one_pass(target, activation, threads):
+    # an outlier split: int8 codes for most channels, a few channels' float values and float
+    # weight columns; at two threads big enough (m * n past a million) for the parallel pass
+    rng = np.random.default_rng(11)
+    m, k, n = (700, 40, 1536) if threads == 2 else (37, 40, 21)
+    a = rng.integers(0, 256, (m, k), dtype=np.uint8)
+    floats = rng.normal(size=(m, k)).astype(F32) * 30
+    w = rng.integers(-128, 128, (n, k), dtype=np.int8)
+    w_s = rng.uniform(0.002, 0.02, n)
+    bias = rng.normal(size=n).astype(F32)
+    channels = np.array([3, 17, 39])
+    side = rng.normal(size=(n, 3)).astype(F32)
+    packed = PackedLinearWeight(w, w_s, 0, bias, target=target)
+    codes = np.empty((m, n), np.uint8)
+    got = linear_float(
+        a, packed, 0.03, 17, activation=activation, columns=FloatColumns(channels, side),
+        float_input=floats, codes=codes, codes_qparams=(0.05, 60), num_threads=threads,
+    )  # fmt: skip
+    # the integer reference, then each column added by one fma (rounded once) in order
+    y = reference_float(a, 0.03, 17, w, w_s, 0, bias)
+    for s, c in enumerate(channels):
+        y = (floats[:, c : c + 1].astype(np.float64) * side[:, s] + y).astype(F32)
+    if activation == "relu":
+        y = np.maximum(y, 0)
+    elif activation == "gelu":
+        x = y.astype(np.float64)
+        y = 0.5 * x * (1 + np.vectorize(math.erf)(x / np.sqrt(2)))
+    elif activation == "gelu_tanh":
+        x = y.astype(np.float64)
+        y = 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x**3)))
+    if activation.startswith("gelu"):
+        np.testing.assert_allclose(got, y, rtol=1e-5, atol=1e-5)
+    else:  # float64 sums before the float32 rounding may round twice: one ulp
+        np.testing.assert_array_max_ulp(got, y, maxulp=1)
+    # the codes are exactly quantize_per_tensor's of the float result
+    np.testing.assert_array_equal(codes, quantize_per_tensor(got, 0.05, 60))
+
+
+def test_linear_float_refuses_mismatched_columns_and_codes():
+    packed = PackedLinearWeight(np.ones((4, 8), np.int8), 0.1, 0, None)
+    x, floats = np.zeros((2, 8), np.uint8), np.zeros((2, 8), F32)
+    cols = FloatColumns([1, 5], np.ones((4, 2), F32))
+    with pytest.raises(KernelError, match="columns, float_input: give both"):
+        linear_float(x, packed, 0.1, 0, columns=cols)
+    with pytest.raises(KernelError, match="float_input: expected x's shape"):
+        linear_float(x, packed, 0.1, 0, columns=cols, float_input=floats[:1])
+    with pytest.raises(KernelError, match="does not fit the weight"):
+        linear_float(x, packed, 0.1, 0, columns=FloatColumns([8], np.ones((4, 1), F32)),
+                     float_input=floats)  # fmt: skip
+    with pytest.raises(KernelError, match="codes, codes_qparams: give both"):
+        linear_float(x, packed, 0.1, 0, codes=np.empty((2, 4), np.uint8))
+    with pytest.raises(KernelError, match=r"codes: expected a uint8 array of shape \(2, 4\)"):
+        linear_float(x, packed, 0.1, 0, codes=np.empty((2, 8), np.uint8), codes_qparams=(0.1, 0))
+    with pytest.raises(KernelError, match="codes_qparams zero point"):
+        linear_float(x, packed, 0.1, 0, codes=np.empty((2, 4), np.uint8), codes_qparams=(0.1, 300))
+    with pytest.raises(KernelError, match="one column per channel"):
+        FloatColumns([1, 2], np.ones((4, 3), F32))
+    with pytest.raises(KernelError, match="must be finite"):
+        FloatColumns([1], np.full((4, 1), np.nan, F32))
+    with pytest.raises(KernelError, match="non-empty 1-D integer"):
+        FloatColumns([], np.ones((4, 0), F32))
 
 
 def test_linear_dynamic_rejects_non_finite_input():

@@ -93,6 +93,7 @@ def test_default_table_lists_every_family_in_matching_order() -> None:
         "attention on codes",
         "layer_norm reads codes",
         "layer_norm + quantize",
+        "float linear + quantize",
     ]
     by_name = {r.name: r for r in default_lowering_rules()}
     assert Nested(nn.ReLU, operator.add) in by_name["add / mul + relu"].ops

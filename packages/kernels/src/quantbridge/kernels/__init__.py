@@ -32,7 +32,13 @@ from quantbridge.kernels._embedding import (
 )
 from quantbridge.kernels._errors import KernelError, TargetUnavailableError
 from quantbridge.kernels._float_ops import PreparedLayerNorm, gelu, layer_norm, softmax
-from quantbridge.kernels._linear import PackedLinearWeight, linear, linear_dynamic, linear_float
+from quantbridge.kernels._linear import (
+    FloatColumns,
+    PackedLinearWeight,
+    linear,
+    linear_dynamic,
+    linear_float,
+)
 from quantbridge.kernels._lut import LUT_FUNCTIONS, apply_lut, build_lut
 from quantbridge.kernels._matmul import matmul
 from quantbridge.kernels._mul_channels import PreparedMulChannels, mul_channels
@@ -91,6 +97,7 @@ __all__ = [
     "PreparedQuantize",
     "PreparedRequantize",
     "QParams",
+    "FloatColumns",
     "PackedLinearWeight",
     "conv1d",
     "conv2d",

@@ -638,7 +638,7 @@ def _make_post(parallel: bool) -> Any:
 
 
 _POST = (_make_post(False), _make_post(True))
-_PARALLEL_POST_MIN = 1 << 20
+PARALLEL_POST_MIN = 1 << 20
 
 
 def post_rows(
@@ -656,7 +656,7 @@ def post_rows(
     scales, computed in ``c``), then the activation ``act`` (``ACTIVATIONS``)."""
     out = np.empty_like(c)
     # a parallel region costs more than it saves below ~1M elements (~1 ms of GELU)
-    if threads == 1 or m * ldc < _PARALLEL_POST_MIN:
+    if threads == 1 or m * ldc < PARALLEL_POST_MIN:
         _POST[0](c, ldc, m, act, rowscale, has_rowscale, bias, out)
     else:
         with_threads(_POST[1], threads)(c, ldc, m, act, rowscale, has_rowscale, bias, out)

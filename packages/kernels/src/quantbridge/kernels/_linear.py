@@ -16,6 +16,7 @@ from typing import Any
 import numba
 import numpy as np
 import numpy.typing as npt
+from numba import prange
 
 from quantbridge.kernels._checks import (
     F32_MAX,
@@ -35,7 +36,18 @@ from quantbridge.kernels._dynamic_act import (
 )
 from quantbridge.kernels._epilogue_lut import NO_LUT, epilogue_lut
 from quantbridge.kernels._errors import KernelError
-from quantbridge.kernels._float_math import ACTIVATIONS
+from quantbridge.kernels._float_math import (
+    ACT_GELU,
+    ACT_GELU_TANH,
+    ACT_RELU,
+    ACTIVATIONS,
+    FAST,
+    PARALLEL_POST_MIN,
+    gelu_erf,
+    gelu_tanh,
+    gelu_vectors,
+)
+from quantbridge.kernels._fma import fma32
 from quantbridge.kernels._gemm import quantize_u8_fma
 from quantbridge.kernels._gemm_run import NO_ADD, NO_RESIDUAL, SERIAL_BELOW, run_gemm, serial_driver
 from quantbridge.kernels._lut import apply_table, table_as_pass
@@ -51,9 +63,10 @@ from quantbridge.kernels._pack import (
     weight_zero_points,
 )
 from quantbridge.kernels._pair_guard import PairGuard, split_steps, unsafe_rows
+from quantbridge.kernels._quantize import f32_params, quantize_u8_vectors
 from quantbridge.kernels._requant import multipliers, scaled_bias
 from quantbridge.kernels._targets import check_unpickled_target, resolve_target
-from quantbridge.kernels._threads import apply_num_threads, max_threads
+from quantbridge.kernels._threads import apply_num_threads, max_threads, with_threads
 
 _CACHE_LIMIT = 64
 # One thread walks the weight panels over a block of activation rows, block after block. The
@@ -522,6 +535,76 @@ def linear(
     return out.reshape((*lead, packed.n))  # type: ignore[return-value]
 
 
+class FloatColumns:
+    """Input channels a Linear computes in float beside its int8 product (an outlier split,
+    as in LLM.int8()): :func:`linear_float` adds ``x[..., channels] @ weight.T``, from the
+    float ``x`` the codes came from, to its result before the activation.
+
+    Args:
+        channels: integer array [S]: the input channels (each in ``[0, K)`` of the Linear).
+        weight: float32 [N, S]: those channels' columns of the float weight (torch's layout).
+    """
+
+    def __init__(self, channels: npt.ArrayLike, weight: npt.NDArray[np.float32]) -> None:
+        ch = np.asarray(channels)
+        if ch.ndim != 1 or ch.size == 0 or ch.dtype.kind not in "iu":
+            raise KernelError(
+                f"channels: expected a non-empty 1-D integer array, got {ch.dtype} of shape "
+                f"{ch.shape}"
+            )
+        if int(ch.min()) < 0:
+            raise KernelError(f"channels: input channels are >= 0, got {int(ch.min())}")
+        w = check_array("weight", weight, np.float32, 2, contiguous=False)
+        if w.shape[1] != ch.shape[0]:
+            raise KernelError(
+                f"weight: expected [N, {ch.shape[0]}] (one column per channel), got {w.shape}"
+            )
+        if not np.all(np.isfinite(w)):
+            raise KernelError("weight: the float columns must be finite")
+        self.channels = np.ascontiguousarray(ch, dtype=np.int64)
+        self.n = int(w.shape[0])
+        # [S, N]: each channel's row of output contributions, read along the output row
+        self.weight_t = np.ascontiguousarray(w.T)
+
+    def __repr__(self) -> str:
+        return f"FloatColumns(channels={self.channels.tolist()}, N={self.n})"
+
+
+def _make_finish(parallel: bool) -> Any:
+    def finish(y, n, m, act, xf, k, channels, weight_t, codes, scale, zp):  # type: ignore[no-untyped-def]  # fmt: skip
+        # y: flat float32 [m * n], completed in place: + the float columns, the activation;
+        # codes (unless empty): y also quantized as quantize_per_tensor does
+        quantize = codes.shape[0] > 0
+        inv, zpf, _, _ = f32_params(scale, zp, 0, 255)
+        for r in prange(m):  # a plain range when parallel=False
+            base = r * n
+            for s in range(channels.shape[0]):
+                v = xf[r * k + channels[s]]
+                wb = s * n
+                for j in range(n):
+                    y[base + j] = fma32(v, weight_t[wb + j], y[base + j])
+            if act == ACT_RELU:
+                for j in range(n):
+                    y[base + j] = max(y[base + j], np.float32(0.0))
+            elif act == ACT_GELU:
+                for j in range(gelu_vectors(ACT_GELU, y, base, y, base, n), n):
+                    y[base + j] = gelu_erf(y[base + j])
+            elif act == ACT_GELU_TANH:
+                for j in range(gelu_vectors(ACT_GELU_TANH, y, base, y, base, n), n):
+                    y[base + j] = gelu_tanh(y[base + j])
+            if quantize:
+                quantize_u8_vectors(y[base : base + n], codes[base : base + n], inv, zpf)  # type: ignore[call-arg]  # an intrinsic
+
+    finish.__name__ = finish.__qualname__ = "finish_parallel" if parallel else "finish_serial"
+    return numba.njit(cache=True, parallel=parallel, nogil=True, fastmath=FAST,
+                      error_model="numpy")(finish)  # fmt: skip
+
+
+_FINISH = (_make_finish(False), _make_finish(True))
+_NO_COLUMNS = (np.zeros(0, np.float32), np.zeros(0, np.int64), np.zeros(0, np.float32))
+_NO_CODES = np.zeros(0, np.uint8)
+
+
 def linear_float(
     x: npt.NDArray[np.uint8],
     packed: PackedLinearWeight,
@@ -529,6 +612,10 @@ def linear_float(
     x_zero_point: int,
     *,
     activation: str = "none",
+    columns: FloatColumns | None = None,
+    float_input: npt.NDArray[np.float32] | None = None,
+    codes: npt.NDArray[np.uint8] | None = None,
+    codes_qparams: tuple[float, int] | None = None,
     num_threads: int | None = None,
 ) -> npt.NDArray[np.float32]:
     """Float ``act(x @ W.T + bias)`` [..., N] from uint8 codes ``x`` on static qparams.
@@ -537,6 +624,12 @@ def linear_float(
     in float32, with no output quantization: for a layer whose consumer runs in float (a
     transformer's residual add), where requantizing and dequantizing would only lose precision.
     ``activation`` as in :func:`linear_dynamic`.
+
+    ``columns`` (:class:`FloatColumns`) with ``float_input`` (float32, ``x``'s shape: the
+    values ``x``'s codes came from): ``float_input[..., channels] @ weight.T`` is added before
+    the activation. ``codes`` (uint8 [..., N], C-contiguous) with ``codes_qparams``
+    ``(scale, zero_point)``: the result is also quantized into ``codes`` as
+    ``quantize_per_tensor`` does, in the same pass.
     """
     if type(packed) is not PackedLinearWeight:
         raise KernelError(f"packed: expected a PackedLinearWeight, got {type(packed).__name__}")
@@ -550,12 +643,66 @@ def linear_float(
     biasq, mult = packed.epilogue(check_scale("x_scale", x_scale), None)
     threads = apply_num_threads(num_threads, "linear_float")
     a, m, lead = _activation_rows(x, packed, "x")
+    finish = _finish_arguments(packed, x.shape, columns, float_input, codes, codes_qparams)
     rowoffs, rowsum = _rows_and_sums(a, m, packed)
-    post = None if act == 0 else (act, _NO_ROWSCALE, False, biasq)
+    post = None if act == 0 or finish is not None else (act, _NO_ROWSCALE, False, biasq)
     out = run_gemm(packed.kernel, a, rowoffs, packed.koffs, packed.packed, packed.n,
                    packed.colcorr(a_zp), packed.zero_points, rowsum, biasq, mult, 0, 0, True,
                    threads, post=post, guard=packed.guard(m, packed.lda, True, None))  # fmt: skip
+    if finish is not None:
+        y = out.reshape(-1)
+        run = _FINISH[0]
+        if threads > 1 and m * packed.n >= PARALLEL_POST_MIN:
+            run = with_threads(_FINISH[1], threads)
+        run(y, packed.n, m, act, *finish)
     return out.reshape((*lead, packed.n))  # type: ignore[return-value]
+
+
+def _finish_arguments(
+    packed: PackedLinearWeight,
+    shape: tuple[int, ...],
+    columns: FloatColumns | None,
+    float_input: npt.NDArray[np.float32] | None,
+    codes: npt.NDArray[np.uint8] | None,
+    codes_qparams: tuple[float, int] | None,
+) -> tuple[Any, ...] | None:
+    """``linear_float``'s completing pass arguments after ``act``: (float input, K, channels,
+    columns' weight, codes, scale, zero point), or None when there is nothing to complete."""
+    if (columns is None) != (float_input is None):
+        raise KernelError(
+            "columns, float_input: give both (the float columns and the float values x's codes "
+            "came from) or neither"
+        )
+    if (codes is None) != (codes_qparams is None):
+        raise KernelError("codes, codes_qparams: give both (the array and its qparams) or neither")
+    if columns is None and codes is None:
+        return None
+    xf, channels, weight_t = _NO_COLUMNS
+    if columns is not None:
+        if type(columns) is not FloatColumns:
+            raise KernelError(f"columns: expected FloatColumns, got {type(columns).__name__}")
+        if columns.n != packed.n or int(columns.channels.max()) >= packed.k:
+            raise KernelError(
+                f"columns: {columns!r} does not fit the weight [{packed.n}, {packed.k}] "
+                f"(needs N={packed.n} and channels below {packed.k})"
+            )
+        xf = check_array("float_input", float_input, np.float32, None)
+        if xf.shape != shape:
+            raise KernelError(f"float_input: expected x's shape {shape}, got {xf.shape}")
+        xf, channels, weight_t = xf.reshape(-1), columns.channels, columns.weight_t.reshape(-1)
+    scale, zp = 1.0, 0
+    out_codes = _NO_CODES
+    if codes is not None and codes_qparams is not None:
+        want = (*shape[:-1], packed.n)
+        if type(codes) is not np.ndarray or codes.dtype != np.uint8 or codes.shape != want:
+            got = codes.shape if isinstance(codes, np.ndarray) else type(codes).__name__
+            raise KernelError(f"codes: expected a uint8 array of shape {want}, got {got}")
+        if not (codes.flags.c_contiguous and codes.flags.writeable):
+            raise KernelError("codes: must be C-contiguous and writeable (the pass fills it)")
+        scale = check_scale("codes_qparams scale", codes_qparams[0])
+        zp = check_zero_point("codes_qparams zero point", codes_qparams[1], 0, 255)
+        out_codes = codes.reshape(-1)
+    return xf, packed.k, channels, weight_t, out_codes, scale, zp
 
 
 def qparams_from_range(lo: float, hi: float) -> tuple[float, int]:

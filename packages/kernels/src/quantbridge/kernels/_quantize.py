@@ -55,7 +55,7 @@ from quantbridge.kernels._threads import apply_num_threads, get_num_threads, wit
 # so only large inputs are worth splitting: pools, embedding_bag, per-channel (de)quantize and
 # per-channel multiplies from PARALLEL_MIN_WORK, the per-element streams (per-tensor
 # quantize / dequantize, add / mul, clamps, table lookups) from STREAM_MIN_WORK. For those,
-# ``python -m quantbridge.kernels.bench --crossover`` (family ``add``, the public call, on the
+# ``packages/kernels/bench/bench_kernels.py --crossover`` (family ``add``, the public call, on the
 # 2-core AVX-512 Xeon) has 2 threads break even at ~75K elements and gain 1.2x at 113K, 1.4x
 # at 452K and 1.5x at 1.2M. Until their chunks were passed as slices, their parallel versions
 # ran 4-40x slower than the serial ones; STREAM_MIN_WORK was PARALLEL_MIN_WORK then.
@@ -181,7 +181,7 @@ def _quantize_span(x, out, inv, zp, lo, hi, start, stop):  # type: ignore[no-unt
 
 
 @numba.njit(cache=True)
-def _f32_params(scale, zp, lo, hi):  # type: ignore[no-untyped-def]
+def f32_params(scale, zp, lo, hi):  # type: ignore[no-untyped-def]
     # Scalars arrive as Python numbers (cheaper to pass); torch computes 1.0f / float(scale).
     one = np.float32(1.0)
     return one / np.float32(scale), np.float32(zp), np.float32(lo), np.float32(hi)
@@ -189,13 +189,13 @@ def _f32_params(scale, zp, lo, hi):  # type: ignore[no-untyped-def]
 
 @numba.njit(cache=True)
 def _quantize_flat(x, out, scale, zp, lo, hi):  # type: ignore[no-untyped-def]
-    inv, zpf, lof, hif = _f32_params(scale, zp, lo, hi)
+    inv, zpf, lof, hif = f32_params(scale, zp, lo, hi)
     _quantize_span(x, out, inv, zpf, lof, hif, 0, x.size)
 
 
 @numba.njit(cache=True, parallel=True)
 def _quantize_flat_par(x, out, scale, zp, lo, hi):  # type: ignore[no-untyped-def]
-    inv, zpf, lof, hif = _f32_params(scale, zp, lo, hi)
+    inv, zpf, lof, hif = f32_params(scale, zp, lo, hi)
     n = x.size
     for c in numba.prange((n + _CHUNK - 1) // _CHUNK):
         lo, hi = c * _CHUNK, min(c * _CHUNK + _CHUNK, n)
@@ -204,7 +204,7 @@ def _quantize_flat_par(x, out, scale, zp, lo, hi):  # type: ignore[no-untyped-de
 
 
 @intrinsic
-def _quantize_u8_vectors(typingctx, x, out, inv, zp):  # type: ignore[no-untyped-def]
+def quantize_u8_vectors(typingctx, x, out, inv, zp):  # type: ignore[no-untyped-def]
     """``out[j] = clamp(rint(fma(x[j], inv, zp)), 0, 255)`` (NaN -> 255), every ``j``, in
     16-float vectors: ``_quantize_one`` for uint8's full range, the same bytes."""
     if not (flat_f32(x) and flat_u8(out) and inv == types.float32 and zp == types.float32):
@@ -229,17 +229,17 @@ def _quantize_u8_vectors(typingctx, x, out, inv, zp):  # type: ignore[no-untyped
 
 @numba.njit(cache=True)
 def _quantize_u8_flat(x, out, scale, zp, lo, hi):  # type: ignore[no-untyped-def]
-    inv, zpf, _, _ = _f32_params(scale, zp, lo, hi)
-    _quantize_u8_vectors(x, out, inv, zpf)  # type: ignore[call-arg]  # an intrinsic
+    inv, zpf, _, _ = f32_params(scale, zp, lo, hi)
+    quantize_u8_vectors(x, out, inv, zpf)  # type: ignore[call-arg]  # an intrinsic
 
 
 @numba.njit(cache=True, parallel=True)
 def _quantize_u8_flat_par(x, out, scale, zp, lo, hi):  # type: ignore[no-untyped-def]
-    inv, zpf, _, _ = _f32_params(scale, zp, lo, hi)
+    inv, zpf, _, _ = f32_params(scale, zp, lo, hi)
     n = x.size
     for c in numba.prange((n + _CHUNK - 1) // _CHUNK):
         lo, hi = c * _CHUNK, min(c * _CHUNK + _CHUNK, n)
-        _quantize_u8_vectors(x[lo:hi], out[lo:hi], inv, zpf)  # type: ignore[call-arg]
+        quantize_u8_vectors(x[lo:hi], out[lo:hi], inv, zpf)  # type: ignore[call-arg]
 
 
 @numba.njit(cache=True)

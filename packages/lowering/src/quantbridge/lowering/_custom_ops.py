@@ -15,6 +15,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -126,15 +127,39 @@ def linear_float_op(
     x_scale: float,
     x_zero_point: int,
     target: str,
-    activation: str = "none",
-) -> torch.Tensor:
+    activation: str,
+    float_input: torch.Tensor | None,
+    channels: torch.Tensor | None,
+    column_weight: torch.Tensor | None,
+    codes_qparams: list[float] | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float result, its codes when ``codes_qparams`` is given, else an empty tensor)."""
     packed = _packed_linear(weight, w_scale, w_zero_point, bias, target)
-    return lowered.linear_float(x, packed, (x_scale, x_zero_point), activation)
+    columns, floats = None, None
+    if float_input is not None and channels is not None and column_weight is not None:
+        floats = lowered.numpy_view(float_input)
+        columns = _cached(
+            _wkey("float_columns", column_weight, target),
+            lambda: K.FloatColumns(lowered.numpy_view(channels), lowered.numpy_view(column_weight)),
+        )
+    c_qp = None if codes_qparams is None else _qp(codes_qparams)
+    codes = None
+    if c_qp is not None:
+        codes = np.empty((*x.shape[:-1], weight.shape[0]), np.uint8)
+    out = K.linear_float(
+        lowered.numpy_view(x), packed, x_scale, x_zero_point, activation=activation,
+        columns=columns, float_input=floats,
+        codes=codes, codes_qparams=c_qp,
+    )  # fmt: skip
+    empty = torch.empty(0, dtype=torch.uint8)
+    return torch.from_numpy(out), empty if codes is None else torch.from_numpy(codes)
 
 
 @linear_float_op.register_fake
-def _(x: torch.Tensor, weight: torch.Tensor, *args: Any) -> torch.Tensor:
-    return x.new_empty((*x.shape[:-1], weight.shape[0]), dtype=torch.float32)
+def _(x: torch.Tensor, weight: torch.Tensor, *args: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    shape = (*x.shape[:-1], weight.shape[0])
+    codes = x.new_empty(shape if args[-1] is not None else (0,), dtype=torch.uint8)
+    return x.new_empty(shape, dtype=torch.float32), codes
 
 
 @torch.library.custom_op(f"{_NS}::linear_dynamic", mutates_args=())

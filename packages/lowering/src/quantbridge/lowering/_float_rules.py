@@ -347,15 +347,43 @@ def _build_ln_reads_codes(ctx: LoweringContext, m: RuleMatch) -> Node:
     return new
 
 
-def _ln_quantize(match: RewriteMatch) -> tuple[lm.Quantize, Node, lm.FloatLayerNorm] | None:
-    # the pattern is the quantize alone: the LayerNorm has other (float) users, which a
-    # nested pattern does not allow
+def _quantized_result(match: RewriteMatch, kind: type[Any]) -> tuple[Any, Node, Any] | None:
+    """(quantize, producer node, producer) when ``match`` is a quantize of the result of a
+    ``kind`` module that does not return codes yet. The pattern is the quantize alone: the
+    producer may have other (float) users, which a nested pattern does not allow."""
     quantize = _module(match.anchor)
-    ln_node = match.anchor.args[0] if match.anchor.args else None
-    ln = _module(ln_node) if isinstance(ln_node, Node) else None
-    if not isinstance(quantize, lm.Quantize) or not isinstance(ln, lm.FloatLayerNorm):
+    node = match.anchor.args[0] if match.anchor.args else None
+    if not (isinstance(node, Node) and isinstance(quantize, lm.Quantize)):
         return None
-    return None if ln._codes_qp is not None else (quantize, ln_node, ln)  # type: ignore[return-value]
+    producer: Any = _module(node)
+    if type(producer) is not kind or producer._codes_qp is not None:
+        return None
+    return quantize, node, producer
+
+
+def _ln_quantize(match: RewriteMatch) -> tuple[lm.Quantize, Node, lm.FloatLayerNorm] | None:
+    return _quantized_result(match, lm.FloatLayerNorm)
+
+
+def _linear_quantize(
+    match: RewriteMatch,
+) -> tuple[lm.Quantize, Node, lm.QuantizedLinearFloat] | None:
+    return _quantized_result(match, lm.QuantizedLinearFloat)
+
+
+def _with_codes(ctx: LoweringContext, node: Node, mod: lm.LoweredModule) -> Node:
+    """Put ``mod``, which returns ``(float result, codes)``, where ``node`` was: the float
+    users read the first, and the codes node (returned) replaces the fused quantize."""
+    after = node.next  # the producer's float users may come before the quantize
+    new = ctx.add_module(f"{node.name}_codes", mod, node.args, before=after)
+    with ctx.graph.inserting_before(after):
+        result = ctx.graph.call_function(operator.getitem, (new, 0))
+        codes = ctx.graph.call_function(operator.getitem, (new, 1))
+    node.replace_all_uses_with(result)
+    ctx.graph.erase_node(node)
+    ctx.absorb(new, (node,))  # the report names the new module where it named the old
+    ctx.record(new, f"{mod.kernel} ({mod._details()})")
+    return codes
 
 
 def _build_ln_quantize(ctx: LoweringContext, m: RuleMatch) -> Node:
@@ -366,17 +394,21 @@ def _build_ln_quantize(ctx: LoweringContext, m: RuleMatch) -> Node:
     mod = lm.FloatLayerNorm(
         ln.weight, ln.bias, ln.eps, ln.residual, ctx.target, ln._x_qp, quantize.output_qparams
     )
-    # where the LayerNorm was: its float users may come before the quantize
-    after = ln_node.next
-    new = ctx.add_module(f"{ln_node.name}_codes", mod, ln_node.args, before=after)
-    with ctx.graph.inserting_before(after):
-        result = ctx.graph.call_function(operator.getitem, (new, 0))
-        codes = ctx.graph.call_function(operator.getitem, (new, 1))
-    ln_node.replace_all_uses_with(result)
-    ctx.graph.erase_node(ln_node)
-    ctx.absorb(new, (ln_node,))  # the report names the new LayerNorm where it named the old
-    ctx.record(new, f"{mod.kernel} ({mod._details()})")
-    return codes
+    return _with_codes(ctx, ln_node, mod)
+
+
+def _build_linear_quantize(ctx: LoweringContext, m: RuleMatch) -> Node:
+    found = _linear_quantize(RewriteMatch(m.rule._compiled[0], m.nodes, m.anchor, ()))
+    if found is None:
+        raise NotLowerableError("not a quantized float-output Linear result")
+    quantize, lin_node, lin = found
+    mod = lm.QuantizedLinearFloat(
+        lin.weight, lin.weight_scale, lin.weight_zero_point, lin.bias, ctx.target,
+        lin.input_qparams, quantize.output_qparams, activation=lin.epilogue,
+    )  # fmt: skip
+    if lin.side_channels is not None and lin.side_weight is not None:
+        mod.add_float_columns(lin.side_channels, lin.side_weight)
+    return _with_codes(ctx, lin_node, mod)
 
 
 # --- scaled dot-product attention on codes ---------------------------------------------------
@@ -547,5 +579,10 @@ def float_op_rules() -> tuple[LoweringRule, ...]:
             "layer_norm + quantize", (lm.Quantize,), _build_ln_quantize, _ln_quantize,
             "float LayerNorm whose result is also quantized: the quantize fused",
             "kernels.layer_norm(codes=)",
+        ),
+        _fusion(
+            "float linear + quantize", (lm.Quantize,), _build_linear_quantize, _linear_quantize,
+            "float-output Linear whose result is also quantized: the quantize fused",
+            "kernels.linear_float(codes=)",
         ),
     )  # fmt: skip

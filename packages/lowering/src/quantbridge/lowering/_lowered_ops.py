@@ -108,29 +108,6 @@ def linear_arrays(
     return K.linear(a, packed, *in_qp, *out_qp, relu=relu, lut=lut)
 
 
-def linear_float(
-    x: torch.Tensor, packed: K.PackedLinearWeight, in_qp: QParams, activation: str = "none"
-) -> torch.Tensor:
-    return torch.from_numpy(linear_float_arrays(numpy_view(x), packed, in_qp, activation))
-
-
-def linear_float_arrays(
-    a: Any, packed: K.PackedLinearWeight, in_qp: QParams, activation: str
-) -> Any:
-    """``linear_float`` on a C-contiguous array."""
-    return K.linear_float(a, packed, *in_qp, activation=activation)
-
-
-def activation_in_place(out: Any, activation: str) -> None:
-    """``out`` (float32, C-contiguous) through ``activation`` (``linear_dynamic``'s names)."""
-    if activation == "relu":
-        np.maximum(out, 0.0, out=out)
-    elif activation in ("gelu", "gelu_tanh"):
-        K.gelu(out, "none" if activation == "gelu" else "tanh", out=out)
-    elif activation != "none":
-        raise ValueError(f"activation: expected none, relu, gelu or gelu_tanh, got {activation!r}")
-
-
 def linear_dynamic(
     x: torch.Tensor, packed: K.PackedLinearWeight, activation: str = "none", per_row: bool = False
 ) -> torch.Tensor:

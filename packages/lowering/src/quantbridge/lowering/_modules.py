@@ -320,8 +320,12 @@ class QuantizedLinear(_WeightedBase):
 class QuantizedLinearFloat(_WeightedBase):
     """uint8 ``[..., K]`` → float32 ``[..., N]``: ``kernels.linear_float``, no output
     quantization (the layer's consumer runs in float). ``activation`` (``"none"``,
-    ``"relu"``, ``"gelu"``, ``"gelu_tanh"``) runs in the kernel's float epilogue, or after
-    the float columns when there are some."""
+    ``"relu"``, ``"gelu"``, ``"gelu_tanh"``) runs in the kernel's float epilogue.
+
+    With float columns (an outlier split, ``add_float_columns``) it takes ``(codes, x)`` and
+    also adds ``x[..., channels] @ side_weight.T``, before the activation. With
+    ``out_qparams`` (a quantize after it fused) it returns ``(float result, its codes)``.
+    """
 
     kernel = "kernels.linear_float"
     array_input = "c"
@@ -346,45 +350,50 @@ class QuantizedLinearFloat(_WeightedBase):
         super()._sync()
         w, ws, wz, bias = self._weight_args()
         self._packed = K.PackedLinearWeight(w, ws, wz, bias, target=self.target)
-        side = getattr(self, "side_weight", None)
-        self._side_t = None if side is None else side.t()
+        side, channels = getattr(self, "side_weight", None), getattr(self, "side_channels", None)
+        self._columns = None
+        if side is not None and channels is not None:
+            self._columns = K.FloatColumns(lowered.numpy_view(channels), lowered.numpy_view(side))
+        names = dict(self.named_buffers(recurse=False))
+        self._codes_qp = self.output_qparams if "scale" in names else None
 
-    def forward(self, x: torch.Tensor, floats: torch.Tensor | None = None) -> torch.Tensor:
-        if is_tracing(x):
-            out = _as_tensor(ops.linear_float_op(
+    def forward(self, x: torch.Tensor, floats: torch.Tensor | None = None) -> Any:
+        if is_tracing(x) if floats is None else is_tracing(x, floats):
+            codes_qp = None if self._codes_qp is None else [float(v) for v in self._codes_qp]
+            with_columns = floats is not None and self._columns is not None
+            out, codes = ops.linear_float_op(
                 x, self.weight, self.weight_scale, self.weight_zero_point, self.bias,
                 self._in_scale, self._in_zero_point, self.target, self.epilogue,
-            ))  # fmt: skip
-            if floats is None or self.side_channels is None or self._side_t is None:
-                return out
-            if self.epilogue != "none":  # the traced op runs its activation after the columns
-                raise LoweringError(
-                    "QuantizedLinearFloat: an activation after float columns has no traced form"
-                )
-            summed: torch.Tensor = out + floats.index_select(-1, self.side_channels) @ self._side_t
-            return summed
-        return self._eager(x) if floats is None else self._eager(x, floats)
+                floats if with_columns else None,
+                self.side_channels if with_columns else None,
+                self.side_weight if with_columns else None,
+                codes_qp,
+            )  # fmt: skip
+            return out if self._codes_qp is None else (out, codes)
+        arrays = (x,) if floats is None else (x, floats)
+        got = self.forward_arrays(*(lowered.as_array(t, "c") for t in arrays))
+        if self._codes_qp is None:
+            return torch.from_numpy(got)
+        return torch.from_numpy(got[0]), torch.from_numpy(got[1])
 
     def forward_arrays(self, *arrays: Any) -> Any:
-        channels, side_t = self.side_channels, self._side_t
-        if len(arrays) == 1 or channels is None or side_t is None:
-            return lowered.linear_float_arrays(
-                arrays[0], self._packed, self.input_qparams, self.epilogue
-            )
-        # with float columns the activation follows their addition
-        out = lowered.linear_float_arrays(arrays[0], self._packed, self.input_qparams, "none")
-        # one BLAS call adds the columns into the kernel's result (beta = 1)
-        rows = torch.from_numpy(out).view(-1, out.shape[-1])
-        x = torch.from_numpy(arrays[1])
-        rows.addmm_(x.reshape(-1, x.shape[-1]).index_select(1, channels), side_t)
-        if self.epilogue != "none":
-            lowered.activation_in_place(out, self.epilogue)
-        return out
+        columns = self._columns if len(arrays) > 1 else None
+        codes = None
+        if self._codes_qp is not None:
+            codes = np.empty((*arrays[0].shape[:-1], self._packed.n), np.uint8)
+        out = K.linear_float(
+            arrays[0], self._packed, *self.input_qparams, activation=self.epilogue,
+            columns=columns, float_input=None if columns is None else arrays[1],
+            codes=codes, codes_qparams=self._codes_qp,
+        )  # fmt: skip
+        return out if codes is None else (out, codes)
 
     def _details(self) -> str:
         extra = "" if self.epilogue == "none" else f"activation={self.epilogue}, "
         if self.side_channels is not None:
             extra += f"float columns {self.side_channels.tolist()}, "
+        if self._codes_qp is not None:
+            extra += f"also returns codes {_qp(self._codes_qp)}, "
         return f"{extra}float output, {self._pack_details()}"
 
 
