@@ -182,7 +182,8 @@ def test_lowered_within_one_step_of_reference(name: str) -> None:
 
 @pytest.mark.parametrize("name", ["resnet18", "resnet50"])
 def test_readme_recipe_and_reused_relu(name: str) -> None:
-    """The README's three calls; every call of a block's shared ReLU is quantized."""
+    """The Quickstart's three calls (docs/getting-started.md); every call of a block's shared
+    ReLU is quantized."""
     model = zoo.build(name)
     backend = get_backend("numba")
     prepared = fq.prepare_fx(model, backend.qconfig_mapping(), (zoo.example_input(0),))

@@ -1,9 +1,9 @@
 """A torchvision-style ViT (``vit_model.py``), static int8 on the numba backend.
 
-Random init, reduced size (64x64 images, 4 layers, hidden 192) so the test runs in seconds;
-the README gives the full ViT-B/16 figures. ``qconfig_mapping(transformer=True)`` keeps the
-residual stream and LayerNorms float and the projections before the residual adds return
-float; the plain mapping quantizes the residual stream and collapses.
+Random init, reduced size (64x64 images, 4 layers, hidden 192) so the test runs in seconds.
+``qconfig_mapping(transformer=True)`` keeps the residual stream and LayerNorms float and the
+projections before the residual adds return float; the plain mapping quantizes the residual
+stream and collapses.
 """
 
 from __future__ import annotations

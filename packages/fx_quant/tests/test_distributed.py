@@ -46,7 +46,7 @@ WORLD = 2
 _TIMEOUT_S = 300.0  # the whole spawn run: ~30 s normally, far more on a loaded machine
 _TESTS_DIR = Path(__file__).resolve().parent
 
-# The histogram bound (README, "Calibration and QAT across processes"): merged vs. one
+# The histogram bound (docs/guide/distributed.md): merged vs. one
 # process on the union, when the ranks' ranges differ.
 HIST_SCALE_RTOL = 0.02
 HIST_ZERO_POINT_ATOL = 2

@@ -310,7 +310,7 @@ def test_conv2d_byte_identical_to_torch(target, case):
         target=target,
     )
     got = conv2d(x, packed, a_s, a_zp, o_s, o_zp, relu=case["relu"])
-    # torch's x86 conv sometimes rounds an exact .5 tie the other way (README, "Numerics"):
+    # torch's x86 conv sometimes rounds an exact .5 tie the other way (docs/guide/numerics.md):
     # every other element must be identical, and a tie may differ by one code only.
     unrounded = reference_conv2d_unrounded(
         x,

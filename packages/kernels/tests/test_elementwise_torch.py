@@ -45,7 +45,7 @@ def test_byte_identical_to_torch_on_vector_multiples(name):
 @pytest.mark.parametrize("name", ["add", "add_relu", "mul", "mul_relu"])
 def test_any_length_within_one_code_of_torch(name):
     # mul and relu variants are exact everywhere; add may differ by one code in torch's
-    # scalar tail (documented in the README)
+    # scalar tail (documented in docs/guide/numerics.md)
     rng = np.random.default_rng(1)
     ours = getattr(qk, name)
     mismatches = 0

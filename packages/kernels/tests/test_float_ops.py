@@ -13,7 +13,7 @@ from quantbridge.kernels import KernelError, PreparedLayerNorm, gelu, layer_norm
 from quantbridge.kernels._float_math import exp32
 
 F32 = np.float32
-# documented tolerances (README "Float ops")
+# documented tolerances (docs/guide/numerics.md, "Float kernels")
 LN_ATOL = 2e-5  # |y| of a normalized row is O(1); float32 two-pass statistics
 SOFTMAX_ATOL = 2e-7  # probabilities: exp32 within 2 ulp, float32 sum and reciprocal
 SOFTMAX_RTOL = 2e-6

@@ -112,7 +112,7 @@ def test_ties_round_to_even():
 def test_cached_kernels_load_in_a_new_process():
     """Two fresh processes run the same calls; the second loads numba's on-disk cache.
 
-    Timed test: the per-target first-call times are printed for the README, not asserted.
+    Timed test: the per-target first-call times are printed, not asserted.
     The first numba call of any process also pays numba's one-time registry setup.
     """
     script = textwrap.dedent(

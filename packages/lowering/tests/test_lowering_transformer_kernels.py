@@ -20,7 +20,7 @@ from quantbridge.fx_quant import convert_to_reference_fx, prepare_fx
 from quantbridge.lowering import _modules as lm
 from quantbridge.qconfig import QConfigMapping, default_dynamic_qconfig
 
-# documented float32 tolerances (lowering README, "Transformers"; kernels README, "Float ops")
+# documented float32 tolerances (docs/guide/numerics.md, "Float kernels")
 LN_ATOL = 2e-5
 SOFTMAX_ATOL = 2e-7
 SOFTMAX_RTOL = 2e-6

@@ -118,7 +118,7 @@ def build_pair(
 
 
 def deliberately_rejected(dtype: str, qscheme: str, reduce_range: bool, custom: bool) -> bool:
-    """Settings torch.ao accepts but quantbridge rejects (README: deliberate differences):
+    """Settings torch.ao accepts but quantbridge rejects (docs/porting.md: deliberate differences):
     symmetric uint8 with reduce_range (torch.ao rejects it for quint8 min/max observers
     only; its zero point 128 lies outside the reduced range [0, 127] in every case)."""
     return dtype == "uint8" and "symmetric" in qscheme and reduce_range
