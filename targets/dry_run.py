@@ -93,7 +93,7 @@ def compile_level(level_name: str, record_glob: str) -> dict[str, Any]:
             while f.peek(1):
                 name, sig = pickle.load(f)
                 records.setdefault(name, set()).add(sig)
-    for name in records:  # modules the package does not import itself (the bench)
+    for name in records:  # modules the package does not import itself (the bench script)
         importlib.import_module(name.rsplit(".", 1)[0])
     expected = {
         name

@@ -31,14 +31,10 @@ ALLOWED_SIBLINGS: dict[str, set[str]] = {
     "lowering": {"fx_quant", "qconfig", "patterns", "kernels"},
 }
 # Modules allowed to use torch's quantized engine: comparison baselines, never on a
-# quantbridge runtime path. The torch_native backend is rule 2's named exception; the kernels
-# bench (`python -m quantbridge.kernels.bench`, fixed by ARCHITECTURE.md) times torch's engine
-# beside ours when torch is importable, loading torch lazily through importlib so the kernels
-# package itself never depends on it.
-COMPARISON_BASELINE_MODULES = (
-    "quantbridge/lowering/_torch_native.py",
-    "quantbridge/kernels/bench.py",
-)
+# quantbridge runtime path. The torch_native backend is rule 2's named exception. (The kernels
+# bench, which times torch's engine beside ours, is a script outside the package:
+# packages/kernels/bench/bench_kernels.py, not runtime code.)
+COMPARISON_BASELINE_MODULES = ("quantbridge/lowering/_torch_native.py",)
 
 FORBIDDEN_ATTRIBUTES = (
     "torch.ao",
@@ -50,6 +46,8 @@ FORBIDDEN_ATTRIBUTES = (
     "torch.quantize_per_tensor",
     "torch.quantize_per_channel",
     "torch.quantize_per_tensor_dynamic",
+    "torch._make_per_tensor_quantized_tensor",
+    "torch._make_per_channel_quantized_tensor",
     "torch.ops.quantized",
     "torch.nn.quantized",
     "torch.backends.quantized",
@@ -104,6 +102,20 @@ def _imports(tree: ast.AST, module_name: str) -> list[tuple[int, str]]:
     return found
 
 
+def _dynamic_imports(tree: ast.AST) -> list[tuple[int, str]]:
+    """Modules named by a literal in ``import_module(...)`` or ``__import__(...)`` calls."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and node.args:
+            func = _dotted(node.func) or ""
+            first = node.args[0]
+            if func.rsplit(".", 1)[-1] in ("import_module", "__import__") and (
+                isinstance(first, ast.Constant) and isinstance(first.value, str)
+            ):
+                found.append((node.lineno, first.value))
+    return found
+
+
 def _dotted(node: ast.AST) -> str | None:
     parts: list[str] = []
     while isinstance(node, ast.Attribute):
@@ -133,6 +145,10 @@ def test_imports_go_down_the_layers(package: str) -> None:
                     violations.append(f"{path.relative_to(ROOT)}:{lineno} imports {name}")
             if package == "kernels" and parts[0] == "torch":
                 violations.append(f"{path.relative_to(ROOT)}:{lineno} imports torch")
+        if package == "kernels":  # nor lazily: importlib.import_module("torch"), __import__
+            for lineno, name in _dynamic_imports(tree):
+                if name.split(".")[0] == "torch":
+                    violations.append(f"{path.relative_to(ROOT)}:{lineno} imports {name}")
     assert not violations, "rule 1 (imports go down):\n" + "\n".join(violations)
 
 
@@ -224,6 +240,8 @@ def test_rule_checker_catches_violations(tmp_path: Path) -> None:
     assert "torch.ao.quantization" in names
     dotted = [_dotted(n) for n in ast.walk(tree) if isinstance(n, ast.Attribute)]
     assert "torch.quint8" in dotted
+    lazy = "import importlib\nt = importlib.import_module('torch')\nq = __import__('torch.ao')\n"
+    assert [name for _, name in _dynamic_imports(ast.parse(lazy))] == ["torch", "torch.ao"]
     relative = _imports(ast.parse("from ..qconfig import x\n"), "quantbridge.fx_quant._mod")
     assert ("quantbridge.qconfig") in [name for _, name in relative]
     for private in (

@@ -1,14 +1,18 @@
-"""The bench tool runs end to end (tiny shapes) and emits the documented JSON keys."""
+"""The bench script (``packages/kernels/bench/bench_kernels.py``, outside the package) runs end
+to end (tiny shapes) and emits the documented JSON keys."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from quantbridge.kernels import available_targets
+
+BENCH = Path(__file__).resolve().parents[1] / "bench" / "bench_kernels.py"
 
 KEYS = {
     "op",
@@ -28,8 +32,7 @@ def test_bench_json_quick():
     proc = subprocess.run(
         [
             sys.executable,
-            "-m",
-            "quantbridge.kernels.bench",
+            str(BENCH),
             "--json",
             "--quick",
             "--repeat",
@@ -65,7 +68,7 @@ def test_bench_json_quick():
 
 def test_bench_refuses_bad_arguments():
     proc = subprocess.run(
-        [sys.executable, "-m", "quantbridge.kernels.bench", "--threads", "0"],
+        [sys.executable, str(BENCH), "--threads", "0"],
         capture_output=True,
         text=True,
         timeout=300,

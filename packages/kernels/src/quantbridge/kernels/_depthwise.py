@@ -52,7 +52,7 @@ from quantbridge.kernels._targets import needs_features, target_features
 # taps per output for which float32 sums stay exact (255 * 255 * 256 < 2**24)
 MAX_TAPS = 256
 
-# Multiply-adds below which one thread runs the conv. ``python -m quantbridge.kernels.bench
+# Multiply-adds below which one thread runs the conv. ``packages/kernels/bench/bench_kernels.py
 # --crossover`` (kernels README, Threads) on this AMD Zen 3: 2 threads break even at ~170K
 # multiply-adds and gain 1.1-1.4x from ~0.7M.
 PARALLEL_MIN_MACS = 1 << 19

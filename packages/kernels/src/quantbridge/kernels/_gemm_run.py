@@ -71,7 +71,7 @@ NO_ADD = np.zeros(0, np.float32)
 
 
 # m * Np * k-steps below which one thread runs the GEMM, per kernel family. A parallel region
-# costs ~20 us to launch and join on an idle machine. ``python -m quantbridge.kernels.bench
+# costs ~20 us to launch and join on an idle machine. ``packages/kernels/bench/bench_kernels.py
 # --crossover`` (README, Threads) measured the 1 vs 2 thread crossover of a pointwise conv on
 # this AMD Zen 3 (avx2) at ~0.8M multiply-adds (1.08x) and 1.8M (1.21x): 1 << 19 k steps is
 # ~1M multiply-adds for the int16 kernels (2 per step) and ~2M for the byte kernels (4 per

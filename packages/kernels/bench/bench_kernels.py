@@ -1,4 +1,4 @@
-"""Side-by-side throughput of the GEMM-family kernels: ``python -m quantbridge.kernels.bench``.
+"""Side-by-side throughput of the GEMM-family kernels against torch's quantized x86 engine.
 
 For each shape and target this times our kernel and, when torch with its x86 quantized
 engine is importable, torch's prepacked quantized linear/conv on the same inputs, interleaved
@@ -13,8 +13,14 @@ the same inputs).
 ``percent_of_peak`` compares with a vpdpbusd peak that is measured here (register-only
 vpdpbusd loop on every thread), not taken from a datasheet.
 
-torch is only a comparison baseline of this tool; it is imported lazily with
-``importlib.import_module`` and never by the kernel modules.
+torch is only a comparison baseline of this script, which is not part of the kernels package
+(run it with a virtualenv's python where quantbridge-kernels is installed; torch optional);
+torch is imported lazily with ``importlib.import_module``. The asv suite
+(``asv_bench/benchmarks/ops.py``) imports the shape tables and ``measure_peak_gops`` from here,
+so importing this file compiles and runs nothing.
+
+    python packages/kernels/bench/bench_kernels.py [--threads 1] [--repeat 5] [--min-time 0.05]
+        [--targets avx512_vnni,avx2] [--json] [--quick] [--crossover]
 """
 
 from __future__ import annotations
@@ -503,7 +509,7 @@ def _table(rows: list[dict[str, Any]]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m quantbridge.kernels.bench", description=__doc__
+        prog="python packages/kernels/bench/bench_kernels.py", description=__doc__
     )
     parser.add_argument("--json", action="store_true", help="print a JSON list of rows")
     parser.add_argument("--threads", type=int, default=1)
