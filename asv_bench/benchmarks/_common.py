@@ -25,10 +25,13 @@ from ._peers import PEERS
 # Kernel targets, fixed so the parameter grid is the same on every machine; a target this
 # CPU lacks is skipped in setup (asv shows it as n/a).
 NUMBA_BACKENDS = [f"numba_{t}" for t in kernels.TARGETS]
-# Model-level columns: fp32 eager baseline, the lowering backends (plugins and the ``numba``
-# alias are left out: the alias is one of the numba_* targets), then the peers as reference
+# quantbridge's lowering backends (plugins and the ``numba`` alias are left out: the alias is
+# one of the numba_* targets): the columns of the flow benchmarks, which time quantbridge's
+# own steps (a peer has no ``get_backend`` name, nor a lowering step of its own).
+LOWERING_BACKENDS = ["reference", *NUMBA_BACKENDS, "torch_native"]
+# Model-level columns: fp32 eager baseline, the lowering backends, then the peers as reference
 # rows (torch.ao x86, ONNX Runtime int8, OpenVINO int8; see _peers.py).
-MODEL_BACKENDS = ["fp32", "reference", *NUMBA_BACKENDS, "torch_native", *PEERS]
+MODEL_BACKENDS = ["fp32", *LOWERING_BACKENDS, *PEERS]
 # Op-level columns: fp32 torch op, the reference decomposition (dequantize, fp32 op,
 # quantize, on plain tensors), each numba target.
 OP_BACKENDS = ["fp32", "reference", *NUMBA_BACKENDS]

@@ -10,7 +10,7 @@ from typing import ClassVar
 from quantbridge.fx_quant import convert_to_reference_fx
 
 from ._common import (
-    MODEL_BACKENDS,
+    LOWERING_BACKENDS,
     lowered,
     prepare,
     reference_model,
@@ -20,7 +20,8 @@ from ._common import (
 )
 from ._models import MODELS
 
-QUANT_BACKENDS = [b for b in MODEL_BACKENDS if b != "fp32"]
+# quantbridge's flow per lowering backend; the peers are compared at run time (models.Models)
+QUANT_BACKENDS = LOWERING_BACKENDS
 
 
 class Prepare:

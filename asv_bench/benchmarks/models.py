@@ -7,7 +7,8 @@ and torch.fx cannot pickle graphs that call the ``torch.ops.quantbridge`` custom
 The peers (``_peers.PEERS``) are reference rows on the same pages, calibrated on the same
 batches. The file-based ones (ONNX Runtime and OpenVINO int8) are exported and quantized once
 per run in ``setup_cache`` (files in asv's cache directory, the benchmarks' working directory);
-a peer that is not installed, or fails to quantize a model, is skipped (n/a) in ``setup``.
+a peer that is not installed, or fails to quantize or run a model on this machine, is skipped
+(n/a) in ``setup``, the reason in the run's output (``asv: skipped: ...``, with the traceback).
 """
 
 from __future__ import annotations
@@ -80,9 +81,25 @@ class Models:
         else:
             reference = None if backend == "fp32" else reference_model(model)
             self.run = lowered(backend, model, reference)
-        self.run(self.x)  # JIT / first-call costs outside the timing
+            self.run(self.x)  # JIT / first-call costs outside the timing
 
     def _peer(self, peer_files: dict[str, str], peer: str, model: str) -> Callable[..., Any]:
+        """The peer's int8 model, called once; NotImplementedError (skipped) when the peer is
+        missing or cannot quantize, compile or run ``model`` here. Seen: OpenVINO 2026.4.1's
+        CPU plugin refuses to compile the int8 digits CNN ("No suitable implementations") in
+        its default inference precision on an AVX-512 BF16 EPYC, bf16 (f32 compiles)."""
+        try:
+            run = self._build_peer(peer_files, peer, model)
+            run(self.x)  # first-call costs outside the timing
+        except NotImplementedError:
+            raise
+        except Exception as e:
+            traceback.print_exc()
+            reason = f"{peer} fails on {model} here: {type(e).__name__}: {' '.join(str(e).split())}"
+            raise NotImplementedError(reason) from e
+        return run
+
+    def _build_peer(self, peer_files: dict[str, str], peer: str, model: str) -> Callable[..., Any]:
         if peer in FILE_PEERS:
             built = peer_files[f"{peer}/{model}"]
             if built.startswith(("skip: ", "failed: ")):
