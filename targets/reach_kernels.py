@@ -45,6 +45,14 @@ def test_gemm_convs_and_linear(threads):
     lin = qk.PackedLinearWeight(RNG.integers(-128, 128, (512, 512), dtype=np.int8), 0.01)
     qk.linear(a, lin, 0.05, 3, 0.1, 7)
     qk.linear_dynamic(RNG.standard_normal((256, 512)).astype(np.float32), lin)
+    # float output with float columns and codes: m * n past the parallel pass's threshold
+    a = RNG.integers(0, 256, (2048, 512), dtype=np.uint8)
+    cols = qk.FloatColumns([3, 100], RNG.standard_normal((512, 2)).astype(np.float32))
+    floats = RNG.standard_normal((2048, 512)).astype(np.float32)
+    codes = np.empty((2048, 512), np.uint8)
+    for activation in ("none", "gelu"):
+        qk.linear_float(a, lin, 0.05, 3, activation=activation, columns=cols, float_input=floats,
+                        codes=codes, codes_qparams=(0.1, 7))  # fmt: skip
 
 
 def test_matmul_and_attention(threads):
