@@ -143,7 +143,6 @@ def test_outlier_split_lowers_to_one_kernel_call_per_linear_under_fx_capture() -
     lowered = backend.lower(copy.deepcopy(reference))
     report = L.lowering_report(lowered)
     removed = " ".join(what for _, what in report.removed)
-    done = " ".join(what for _, what in report.lowered)
     # q, k, v and the intermediate Linear read the outlier LayerNorm outputs: split, each one
     # float-output kernel call with its float columns, the zeroing gone
     assert removed.count("zeroed outlier channels") == 4 * 2
