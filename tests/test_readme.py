@@ -46,3 +46,14 @@ def test_getting_started_python_blocks_run(tmp_path: Path) -> None:
     )
     assert result.returncode == 0, f"Getting started python blocks failed:\n{result.stderr}"
     assert re.search(r"fp32 [\d.]+ ms, int8 [\d.]+ ms: [\d.]+x", result.stdout), result.stdout
+
+
+def test_backend_guide_lists_every_rule_of_the_table_in_order() -> None:
+    # the guide's rule table is written by hand: it must name each built-in rule, in order
+    from quantbridge.lowering import default_lowering_rules
+
+    page = (ROOT / "docs" / "backend-guide.md").read_text()
+    start = page.index("| rule | float op patterns | kind | the builder emits |")
+    rows = [line for line in page[start:].splitlines()[2:] if line.startswith("|")]
+    listed = [name for row in rows for name in re.findall(r"`([^`]+)`", row.split("|")[1])]
+    assert listed == [rule.name for rule in default_lowering_rules()]
