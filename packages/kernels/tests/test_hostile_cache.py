@@ -23,7 +23,7 @@ import numba
 import numpy as np
 import pytest
 
-from quantbridge.kernels import _jitcache
+from quantbridge.kernels import _numba_compat
 
 SCRIPT = """
 import json, warnings
@@ -98,7 +98,7 @@ def _valid_index(path: Path) -> bool:
 
 
 def _valid_data(path: Path) -> bool:
-    return path.read_bytes().startswith(_jitcache._DATA_MAGIC)
+    return path.read_bytes().startswith(_numba_compat._DATA_MAGIC)
 
 
 @pytest.mark.parametrize("damage", [_garbage, _truncated, _empty, _flipped])
@@ -146,27 +146,27 @@ def test_index_of_another_numba_version_is_replaced_silently(
 
 def test_damaged_entries_are_misses_in_process(tmp_path: Path) -> None:
     # the same rules without a subprocess, on the file class itself
-    cache = _jitcache.KeyNamedCacheFile(str(tmp_path), "f-1.py311", "stamp")
+    cache = _numba_compat.KeyNamedCacheFile(str(tmp_path), "f-1.py311", "stamp")
     cache.save(("sig",), {"code": "A"})
     assert cache.load(("sig",)) == {"code": "A"}
     (data,) = tmp_path.glob("*.nbc")
     data.write_bytes(data.read_bytes()[:-1])
-    _jitcache._warned.clear()
-    with pytest.warns(_jitcache.KernelCacheWarning, match="checksum mismatch"):
+    _numba_compat._warned.clear()
+    with pytest.warns(_numba_compat.KernelCacheWarning, match="checksum mismatch"):
         assert cache.load(("sig",)) is None
     cache.save(("sig",), {"code": "A"})  # what numba does after recompiling
     assert cache.load(("sig",)) == {"code": "A"}
     (index,) = tmp_path.glob("*.nbi")
     index.write_bytes(b"\x80\x05garbage")
-    _jitcache._warned.clear()
-    with pytest.warns(_jitcache.KernelCacheWarning, match="is unreadable"):
+    _numba_compat._warned.clear()
+    with pytest.warns(_numba_compat.KernelCacheWarning, match="is unreadable"):
         assert cache.load(("sig",)) is None
     cache.save(("sig",), {"code": "B"})
     assert cache.load(("sig",)) == {"code": "B"}
     index.unlink()
     index.mkdir()  # a directory where the index belongs: unreadable and unwritable
-    _jitcache._warned.clear()
-    with pytest.warns(_jitcache.KernelCacheWarning, match="is unreadable"):
+    _numba_compat._warned.clear()
+    with pytest.warns(_numba_compat.KernelCacheWarning, match="is unreadable"):
         assert cache.load(("sig",)) is None
-    with pytest.warns(_jitcache.KernelCacheWarning, match="could not be written"):
+    with pytest.warns(_numba_compat.KernelCacheWarning, match="could not be written"):
         cache.save(("sig",), {"code": "C"})  # warned, not raised: the kernel still runs

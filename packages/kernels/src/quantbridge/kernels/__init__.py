@@ -7,8 +7,8 @@ targets (chosen at import, overridable). Layouts: see ``_layout.py``.
 """
 
 # First: numba picks each function's cache locator when its @njit(cache=True) runs.
-from quantbridge.kernels import _jitcache
-from quantbridge.kernels._jitcache import KernelCacheWarning
+from quantbridge.kernels import _numba_compat
+from quantbridge.kernels._numba_compat import KernelCacheWarning
 
 # isort: split
 from quantbridge.kernels._activation import clamp, hardtanh, relu, relu6
@@ -73,7 +73,7 @@ from quantbridge.kernels._targets import (
 from quantbridge.kernels._threads import get_num_threads, set_num_threads, set_num_threads_source
 
 # Every kernel module is imported now: switch their caches to key-named data files.
-_jitcache.harden(_jitcache.package_dispatchers(_jitcache.package_modules()))
+_numba_compat.harden(_numba_compat.package_dispatchers(_numba_compat.package_modules()))
 
 __all__ = [
     "ENV_VAR",

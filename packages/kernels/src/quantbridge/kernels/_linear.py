@@ -51,6 +51,7 @@ from quantbridge.kernels._fma import fma32
 from quantbridge.kernels._gemm import quantize_u8_fma
 from quantbridge.kernels._gemm_run import NO_ADD, NO_RESIDUAL, SERIAL_BELOW, run_gemm, serial_driver
 from quantbridge.kernels._lut import apply_table, table_as_pass
+from quantbridge.kernels._numba_compat import compiled_entry_point
 from quantbridge.kernels._pack import (
     K_ALIGN,
     PAIR_SAFE,
@@ -497,9 +498,9 @@ def linear(
         entry = packed._entry.get(writeable)
         if entry is None:
             fast(*args)
-            entry = fast.overloads.get(tuple(numba.typeof(v) for v in args))  # type: ignore[no-untyped-call]
+            entry = compiled_entry_point(fast, args)
             if entry is not None:
-                packed._entry[writeable] = entry.entry_point
+                packed._entry[writeable] = entry
         else:
             entry(*args)
         if table_pass:

@@ -1,4 +1,9 @@
-"""Keep numba's on-disk cache (``cache=True``) from ever loading machine code built from old source.
+"""Every use of numba's internals, in one place: the cache locators and cache files below, and
+the compiled entry point of a dispatcher (``compiled_entry_point``). ``check_numba`` runs at
+import: a numba release outside ``TESTED_NUMBA`` is warned about, and one that lacks an
+internal this module relies on is refused with the attribute's name, before any kernel runs.
+
+Keep numba's on-disk cache (``cache=True``) from ever loading machine code built from old source.
 
 numba stamps a cached function with a hash of *its own* source file only. Kernels here inline
 code from other modules (``_vnni.py``/``_fma.py`` intrinsics into the GEMM drivers, helpers
@@ -32,6 +37,64 @@ import numba
 from numba.core import caching, config
 
 PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+
+# numba (major, minor) releases these internals were tested with: [first, last]
+TESTED_NUMBA = ((0, 68), (0, 68))
+
+
+class NumbaVersionWarning(RuntimeWarning):
+    """numba is a release quantbridge.kernels was not tested with."""
+
+
+def _internals() -> list[tuple[str, bool]]:
+    """(what, present) for each numba internal this module uses."""
+    probe = numba.njit(lambda: None)  # a dispatcher, never compiled
+    return [
+        ("numba.core.caching.CacheImpl._locator_classes (a list)",
+         isinstance(getattr(caching.CacheImpl, "_locator_classes", None), list)),
+        *(
+            (f"numba.core.caching.IndexDataCacheFile.{m}",
+             callable(getattr(caching.IndexDataCacheFile, m, None)))
+            for m in ("_load_index", "_save_index", "_dump", "_open_for_write", "_data_path")
+        ),
+        *(
+            (f"numba.core.caching.{name}", isinstance(getattr(caching, name, None), type))
+            for name in ("UserProvidedCacheLocator", "InTreeCacheLocator",
+                         "UserWideCacheLocator", "IndexDataCacheFile")
+        ),
+        ("numba.core.dispatcher.Dispatcher.overloads (a mapping)",
+         callable(getattr(getattr(probe, "overloads", None), "get", None))),
+    ]  # fmt: skip
+
+
+def check_numba(version: str = numba.__version__) -> None:
+    """Refuse a numba without the internals used here; warn outside ``TESTED_NUMBA``."""
+    missing = [what for what, present in _internals() if not present]
+    tested = ".".join(map(str, TESTED_NUMBA[0])) + " to " + ".".join(map(str, TESTED_NUMBA[1]))
+    if missing:
+        raise ImportError(
+            f"quantbridge.kernels: numba {version} lacks {', '.join(missing)}, which the "
+            f"kernels' cache and call paths use (tested with numba {tested}); install a "
+            f"tested numba, e.g. pip install 'numba=={TESTED_NUMBA[1][0]}.{TESTED_NUMBA[1][1]}.*'"
+        )
+    try:
+        release = tuple(int(part) for part in version.split(".")[:2])
+    except ValueError:
+        release = ()
+    if not (len(release) == 2 and TESTED_NUMBA[0] <= release <= TESTED_NUMBA[1]):
+        warnings.warn(
+            f"quantbridge.kernels was tested with numba {tested}, not {version}; its internals "
+            "are present, but if kernels fail to compile or load, install a tested numba",
+            NumbaVersionWarning,
+            stacklevel=2,
+        )
+
+
+def compiled_entry_point(dispatcher: Any, args: tuple[Any, ...]) -> Any:
+    """The machine-code entry of ``dispatcher`` for ``args``' exact types (compiled by a call
+    before), or None: calling it skips numba's per-call type dispatch."""
+    entry = dispatcher.overloads.get(tuple(numba.typeof(v) for v in args))  # type: ignore[no-untyped-call]
+    return None if entry is None else entry.entry_point
 
 
 def package_stamp(package_dir: str = PACKAGE_DIR) -> str:
@@ -279,4 +342,5 @@ def locator_of(dispatcher: Any) -> Any:
     return dispatcher._cache._impl.locator
 
 
+check_numba()
 register()

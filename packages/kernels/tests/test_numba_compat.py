@@ -1,4 +1,5 @@
-"""numba's on-disk cache never hands back machine code built from older package source."""
+"""The numba compatibility module: its version check, the compiled entry point, and the
+on-disk cache that never hands back machine code built from older package source."""
 
 from __future__ import annotations
 
@@ -7,12 +8,15 @@ import os
 import shutil
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
+import numba
 import numpy as np
+import pytest
 
 import quantbridge.kernels as qk
-from quantbridge.kernels import _jitcache
+from quantbridge.kernels import _numba_compat
 
 SCRIPT = """
 import json, sys
@@ -69,24 +73,24 @@ def test_package_stamp_covers_every_module(tmp_path: Path) -> None:
     for name in ("a.py", "b.py"):
         (tmp_path / name).write_text("x = 1\n")
     (tmp_path / "notes.txt").write_text("ignored\n")
-    first = _jitcache.package_stamp(str(tmp_path))
+    first = _numba_compat.package_stamp(str(tmp_path))
     (tmp_path / "notes.txt").write_text("still ignored\n")
-    assert _jitcache.package_stamp(str(tmp_path)) == first
+    assert _numba_compat.package_stamp(str(tmp_path)) == first
     (tmp_path / "b.py").write_text("x = 2\n")
-    second = _jitcache.package_stamp(str(tmp_path))
+    second = _numba_compat.package_stamp(str(tmp_path))
     assert second != first
     (tmp_path / "c.py").write_text("")
-    assert _jitcache.package_stamp(str(tmp_path)) not in (first, second)
+    assert _numba_compat.package_stamp(str(tmp_path)) not in (first, second)
 
 
 def test_every_cached_kernel_uses_the_package_stamp() -> None:
-    dispatchers = _jitcache.package_dispatchers(_jitcache.package_modules())
+    dispatchers = _numba_compat.package_dispatchers(_numba_compat.package_modules())
     cached = [d for d in dispatchers if hasattr(d._cache, "_cache_file")]
     assert len(cached) >= 40
     stamps = set()
     for d in cached:
-        assert isinstance(_jitcache.locator_of(d), _jitcache.LOCATORS), d
-        assert type(d._cache._cache_file) is _jitcache.KeyNamedCacheFile, d
+        assert isinstance(_numba_compat.locator_of(d), _numba_compat.LOCATORS), d
+        assert type(d._cache._cache_file) is _numba_compat.KeyNamedCacheFile, d
         stamps.add(d._cache._cache_file._source_stamp[1])
     # one whole-package hash for all (taken at import; the sources may change after that)
     assert len(stamps) == 1
@@ -99,22 +103,22 @@ def test_every_cached_kernel_uses_the_package_stamp() -> None:
 
 def test_concurrent_writers_of_different_keys_keep_both(tmp_path: Path) -> None:
     # two "processes" with the same stamp, each unaware of the other's entry
-    one = _jitcache.KeyNamedCacheFile(str(tmp_path), "f-1.py311", "stamp")
-    two = _jitcache.KeyNamedCacheFile(str(tmp_path), "f-1.py311", "stamp")
+    one = _numba_compat.KeyNamedCacheFile(str(tmp_path), "f-1.py311", "stamp")
+    two = _numba_compat.KeyNamedCacheFile(str(tmp_path), "f-1.py311", "stamp")
     one.save(("sig_a",), {"code": "A"})
     two.save(("sig_b",), {"code": "B"})
-    reader = _jitcache.KeyNamedCacheFile(str(tmp_path), "f-1.py311", "stamp")
+    reader = _numba_compat.KeyNamedCacheFile(str(tmp_path), "f-1.py311", "stamp")
     assert reader.load(("sig_a",)) == {"code": "A"}
     assert reader.load(("sig_b",)) == {"code": "B"}
     assert len(list(tmp_path.glob("*.nbc"))) == 2
-    stale = _jitcache.KeyNamedCacheFile(str(tmp_path), "f-1.py311", "other stamp")
+    stale = _numba_compat.KeyNamedCacheFile(str(tmp_path), "f-1.py311", "other stamp")
     assert stale.load(("sig_a",)) is None
 
 
 def test_writers_of_different_source_versions_never_share_a_data_file(tmp_path: Path) -> None:
     # same key (only a dependency changed, so the function's own bytecode did not)
-    new = _jitcache.KeyNamedCacheFile(str(tmp_path), "f-1.py311", "new stamp")
-    old = _jitcache.KeyNamedCacheFile(str(tmp_path), "f-1.py311", "old stamp")
+    new = _numba_compat.KeyNamedCacheFile(str(tmp_path), "f-1.py311", "new stamp")
+    old = _numba_compat.KeyNamedCacheFile(str(tmp_path), "f-1.py311", "old stamp")
     new.save(("sig",), {"code": "NEW"})
     (new_file,) = tmp_path.glob("*.nbc")
     old.save(("sig",), {"code": "OLD"})  # a process still running the older source
@@ -125,3 +129,42 @@ def test_writers_of_different_source_versions_never_share_a_data_file(tmp_path: 
     new.save(("sig",), {"code": "NEW"})
     assert new.load(("sig",)) == {"code": "NEW"}
     assert old.load(("sig",)) is None
+
+
+# ---- the numba version check ------------------------------------------------------------
+
+
+def test_the_installed_numba_is_a_tested_release_with_every_internal():
+    missing = [what for what, present in _numba_compat._internals() if not present]
+    assert missing == []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _numba_compat.check_numba()  # neither raises nor warns
+
+
+@pytest.mark.parametrize("version", ["0.67.1", "0.69.0", "1.0.0", "0.70.0rc1", "dev"])
+def test_an_untested_numba_release_is_warned_about(version):
+    with pytest.warns(_numba_compat.NumbaVersionWarning, match=f"not {version}"):
+        _numba_compat.check_numba(version)
+
+
+def test_a_numba_without_an_internal_is_refused_by_name(monkeypatch):
+    from numba.core import caching
+
+    monkeypatch.delattr(caching.CacheImpl, "_locator_classes")
+    with pytest.raises(
+        ImportError, match=r"lacks numba\.core\.caching\.CacheImpl\._locator_classes"
+    ):
+        _numba_compat.check_numba("0.99.0")
+
+
+def test_the_compiled_entry_point_runs_the_same_code():
+    @numba.njit
+    def twice(x):
+        return 2 * x
+
+    assert _numba_compat.compiled_entry_point(twice, (3,)) is None  # not compiled yet
+    assert twice(3) == 6
+    entry = _numba_compat.compiled_entry_point(twice, (3,))
+    assert entry is not None
+    assert entry(21) == 42
