@@ -171,6 +171,77 @@ def test_no_private_imports_across_packages(package: str) -> None:
     )
 
 
+# private attribute names of torch and numba objects that a package also happens to define
+# on its own classes (nn.Module's _modules, a tensor's _version, a numba dispatcher's _cache)
+THIRD_PARTY_PRIVATE_ATTRIBUTES = {"_modules", "_version", "_cache"}
+
+
+def _private_members(package: str) -> set[str]:
+    """``_private`` names a package defines on its classes: methods and class attributes,
+    and attributes set on ``self`` / ``cls``."""
+    names: set[str] = set()
+    for path in _runtime_files(package):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ClassDef):
+                for item in node.body:
+                    targets = (
+                        [item.name] if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef))
+                        else [t.id for t in item.targets if isinstance(t, ast.Name)]
+                        if isinstance(item, ast.Assign)
+                        else [item.target.id]
+                        if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name)
+                        else []
+                    )  # fmt: skip
+                    names.update(t for t in targets if _is_private(t))
+            elif (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.ctx, ast.Store)
+                and isinstance(node.value, ast.Name)
+                and node.value.id in ("self", "cls")
+                and _is_private(node.attr)
+            ):
+                names.add(node.attr)
+    return names
+
+
+def _is_private(name: str) -> bool:
+    return name.startswith("_") and not name.endswith("__")
+
+
+def _sibling_private_reads(
+    tree: ast.AST, own: set[str], siblings: set[str]
+) -> list[tuple[int, str]]:
+    """Reads of ``x._name`` where ``_name`` is a sibling's private member and not this
+    package's own (``self._name`` is always the package's own)."""
+    found = []
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.ctx, ast.Load)
+            and node.attr in siblings - own - THIRD_PARTY_PRIVATE_ATTRIBUTES
+            and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))
+        ):
+            found.append((node.lineno, node.attr))
+    return found
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_no_private_attributes_read_across_packages(package: str) -> None:
+    own = _private_members(package)
+    siblings = set().union(*(_private_members(p) for p in PACKAGES if p != package))
+    violations = [
+        f"{path.relative_to(ROOT)}:{lineno} reads .{name}, another package's private member"
+        for path in _runtime_files(package)
+        for lineno, name in _sibling_private_reads(
+            ast.parse(path.read_text(), str(path)), own, siblings
+        )
+    ]
+    assert not violations, (
+        "no package reads another package's _private attributes; give the owner a public "
+        "accessor:\n" + "\n".join(violations)
+    )
+
+
 @pytest.mark.parametrize("package", PACKAGES)
 def test_no_torch_ao_or_quantized_tensors_in_runtime_code(package: str) -> None:
     violations = []
@@ -254,5 +325,11 @@ def test_rule_checker_catches_violations(tmp_path: Path) -> None:
             ast.parse(private), "quantbridge.fx_quant._mod", "fx_quant"
         )
         assert found, private
+    reads = _sibling_private_reads(
+        ast.parse("n = mod._weight_names\nm = self._weight_names\nk = mod._own\n"),
+        own={"_own"},
+        siblings={"_weight_names", "_own"},
+    )
+    assert reads == [(1, "_weight_names")]
     public = "from quantbridge.qconfig import QScheme\nfrom quantbridge.fx_quant import _ops\n"
     assert not _private_sibling_imports(ast.parse(public), "quantbridge.fx_quant._mod", "fx_quant")

@@ -31,7 +31,7 @@ def rnn_unsupported_reason(mod: nnqr.LSTM | nnqr.GRU) -> str | None:
     """Why ``mod`` cannot be lowered (None when it can)."""
     if getattr(mod, "proj_size", 0):
         return "LSTM with proj_size is not supported"
-    for name in mod._weight_names:
+    for name in mod.weight_names:
         qscheme, dtype, _, _ = mod.weight_qparams(name)
         if dtype != torch.int8:  # dtypes are canonical (qint8 arrives as int8)
             return f"weight {name} is {dtype} (int8 weights only)"

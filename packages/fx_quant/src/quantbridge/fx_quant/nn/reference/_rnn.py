@@ -93,6 +93,11 @@ class _PerWeightQParams(nn.Module):
             weight, qscheme, dtype, scale, zero_point, axis, f"{self._where()} {name}"
         )
 
+    @property
+    def weight_names(self) -> tuple[str, ...]:
+        """The names of the quantized weights (``weight_ih_l0``, ...), in parameter order."""
+        return tuple(self._weight_names)
+
     def weight_qparams(self, name: str) -> tuple[QScheme | None, torch.dtype, int, int]:
         """(qscheme, dtype, quant_min, quant_max) of weight ``name``."""
         return self._weight_qparams[name]
