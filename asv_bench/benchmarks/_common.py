@@ -53,10 +53,10 @@ def kernel_target(backend: str) -> str:
 def require_backend(backend: str) -> None:
     if backend in PEERS:
         return  # checked when the peer's model is built
+    if backend.startswith("numba_"):
+        kernel_target(backend)  # first: its reason names the target this CPU lacks
     if backend != "fp32" and backend not in available_backends():
         raise NotImplementedError(f"{backend}: not available here")
-    if backend.startswith("numba_"):
-        kernel_target(backend)
 
 
 def _mapping(base: QConfigMapping, mode: str) -> QConfigMapping:
