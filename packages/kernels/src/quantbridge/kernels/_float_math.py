@@ -567,6 +567,73 @@ def _scaled_row(
     return types.void(x, xoff, scale, out, ooff, n, inv, zp), _scaled_row_codegen
 
 
+def _complete_row_codegen(mode: int, quantize_codes: bool) -> Any:
+    def codegen(context: Any, builder: ir.IRBuilder, sig: Any, args: Any) -> ir.Value:
+        _, _, y, yoff, n, vals, w, codes, coff, inv, zp = args
+        y_p = context.make_array(sig.args[2])(context, builder, y).data
+        side = context.make_array(sig.args[5])(context, builder, vals)
+        v_p, nside = side.data, builder.extract_value(side.shape, 0)
+        w_p = context.make_array(sig.args[6])(context, builder, w).data
+        c_p = context.make_array(sig.args[7])(context, builder, codes).data
+        row = RowSteps(builder, n)
+        vt = row.vt
+        fma = declare(builder.module, ir.FunctionType(vt, [vt, vt, vt]), f"llvm.fma.v{_VLANES}f32")
+        inv_v, zp_v = (vec_broadcast(builder, v, _VLANES) for v in (inv, zp))
+        acc_slot = stack_slot(builder, row.zero)
+
+        def add_columns(at: ir.Value, valid: ir.Value | None) -> None:
+            builder.store(row.load(y_p, yoff, at, valid), acc_slot)
+            # each float column in order, one fma each: the same rounding on every target
+            with cgutils.for_range(builder, nside) as loop:
+                v = vec_broadcast(builder, builder.load(builder.gep(v_p, [loop.index])), _VLANES)
+                wv = row.load(w_p, builder.mul(loop.index, n), at, valid)
+                builder.store(builder.call(fma, [v, wv, builder.load(acc_slot)]), acc_slot)
+            row.store(builder.load(acc_slot), y_p, yoff, at, valid)
+
+        def activate(at: ir.Value, valid: ir.Value | None) -> None:
+            acc = row.load(y_p, yoff, at, valid)
+            if mode == ACT_RELU:  # NaN stays NaN, as numpy's maximum
+                keep = builder.fcmp_unordered("une", acc, acc)
+                keep = builder.or_(keep, builder.fcmp_ordered(">", acc, row.zero))
+                acc = builder.select(keep, acc, row.zero)
+            elif mode in (ACT_GELU, ACT_GELU_TANH):
+                acc = _vgelu(builder, acc, mode)
+            if mode != ACT_NONE:
+                row.store(acc, y_p, yoff, at, valid)
+            if quantize_codes:
+                row.store_bytes(codes_lanes(builder, acc, inv_v, zp_v), c_p, coff, at, valid)
+
+        # two passes over the row while it is in cache: the columns' loop would keep the
+        # activation's constants from staying in registers
+        with builder.if_then(builder.icmp_signed(">", nside, ir.Constant(nside.type, 0))):
+            row.each(add_columns)
+        if mode != ACT_NONE or quantize_codes:
+            row.each(activate)
+        return context.get_dummy_value()
+
+    return codegen
+
+
+@intrinsic
+def _complete_row(
+    typingctx: Any, mode: Any, quantize: Any, y: Any, yoff: Any, n: Any, vals: Any, w: Any,
+    codes: Any, coff: Any, inv: Any, zp: Any,
+) -> Any:  # fmt: skip
+    """``y[yoff + j]`` for ``j < n``, 16 floats a vector, completed in place: plus
+    ``vals[s] * w[s * n + j]`` for each ``s`` in order (one fma each), then the activation
+    ``mode`` (a literal: ``ACT_NONE``, ``ACT_RELU``, ``ACT_GELU``, ``ACT_GELU_TANH``); with
+    ``quantize`` (a literal 0 or 1) 1, also the codes ``quantize_per_tensor`` makes
+    (``1 / scale = inv``, zero point ``zp``) into ``codes[coff + j]``."""
+    if not (isinstance(mode, types.IntegerLiteral) and isinstance(quantize, types.IntegerLiteral)):
+        return None
+    if not (flat_f32(y) and flat_f32(vals) and flat_f32(w) and flat_u8(codes)):
+        return None
+    if not inv == zp == types.float32:
+        return None
+    sig = types.void(mode, quantize, y, yoff, n, vals, w, codes, coff, inv, zp)
+    return sig, _complete_row_codegen(mode.literal_value, bool(quantize.literal_value))
+
+
 def flat_f32(t: Any) -> bool:
     """A C-contiguous 1-D float32 array type: what the IR vectors read and write."""
     return (
@@ -594,6 +661,12 @@ if TYPE_CHECKING:
     ) -> None:
         """See ``_scaled_row`` (numba code only)."""
 
+    def complete_row(
+        mode: int, quantize: int, y: Any, yoff: int, n: int, vals: Any, w: Any, codes: Any,
+        coff: int, inv: float, zp: float,
+    ) -> None:  # fmt: skip
+        """See ``_complete_row`` (numba code only)."""
+
     def layer_norm_row(
         flags: int, x: Any, xoff: int, xs: float, xz: int, r: Any, roff: int, w: Any, b: Any,
         out: Any, ooff: int, n: int, eps: float, codes: Any, coff: int, inv: float, zp: float,
@@ -605,6 +678,7 @@ else:
     softmax_row = _softmax_row
     layer_norm_row = _layer_norm_row
     scaled_row = _scaled_row
+    complete_row = _complete_row
 
 
 ACTIVATIONS = {"none": ACT_NONE, "relu": ACT_RELU, "gelu": ACT_GELU, "gelu_tanh": ACT_GELU_TANH}

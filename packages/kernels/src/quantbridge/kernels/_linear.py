@@ -39,15 +39,13 @@ from quantbridge.kernels._errors import KernelError
 from quantbridge.kernels._float_math import (
     ACT_GELU,
     ACT_GELU_TANH,
+    ACT_NONE,
     ACT_RELU,
     ACTIVATIONS,
     FAST,
     PARALLEL_POST_MIN,
-    gelu_erf,
-    gelu_tanh,
-    gelu_vectors,
+    complete_row,
 )
-from quantbridge.kernels._fma import fma32
 from quantbridge.kernels._gemm import quantize_u8_fma
 from quantbridge.kernels._gemm_run import NO_ADD, NO_RESIDUAL, SERIAL_BELOW, run_gemm, serial_driver
 from quantbridge.kernels._lut import apply_table, table_as_pass
@@ -64,7 +62,7 @@ from quantbridge.kernels._pack import (
     weight_zero_points,
 )
 from quantbridge.kernels._pair_guard import PairGuard, split_steps, unsafe_rows
-from quantbridge.kernels._quantize import f32_params, quantize_u8_vectors
+from quantbridge.kernels._quantize import f32_params
 from quantbridge.kernels._requant import multipliers, scaled_bias
 from quantbridge.kernels._targets import check_unpickled_target, resolve_target
 from quantbridge.kernels._threads import apply_num_threads, max_threads, with_threads
@@ -577,24 +575,31 @@ def _make_finish(parallel: bool) -> Any:
         # codes (unless empty): y also quantized as quantize_per_tensor does
         quantize = codes.shape[0] > 0
         inv, zpf, _, _ = f32_params(scale, zp, 0, 255)
+        nside = channels.shape[0]
+        vals = np.empty(max(m * nside, 1), np.float32)  # each row's float column values
+        for r in range(m):
+            for s in range(nside):
+                vals[r * nside + s] = xf[r * k + channels[s]]
         for r in prange(m):  # a plain range when parallel=False
-            base = r * n
-            for s in range(channels.shape[0]):
-                v = xf[r * k + channels[s]]
-                wb = s * n
-                for j in range(n):
-                    y[base + j] = fma32(v, weight_t[wb + j], y[base + j])
-            if act == ACT_RELU:
-                for j in range(n):
-                    y[base + j] = max(y[base + j], np.float32(0.0))
-            elif act == ACT_GELU:
-                for j in range(gelu_vectors(ACT_GELU, y, base, y, base, n), n):
-                    y[base + j] = gelu_erf(y[base + j])
-            elif act == ACT_GELU_TANH:
-                for j in range(gelu_vectors(ACT_GELU_TANH, y, base, y, base, n), n):
-                    y[base + j] = gelu_tanh(y[base + j])
+            v, at = vals[r * nside : (r + 1) * nside], r * n
+            # (the mode and whether to quantize are literals of the row kernel)
             if quantize:
-                quantize_u8_vectors(y[base : base + n], codes[base : base + n], inv, zpf)  # type: ignore[call-arg]  # an intrinsic
+                if act == ACT_RELU:
+                    complete_row(ACT_RELU, 1, y, at, n, v, weight_t, codes, at, inv, zpf)
+                elif act == ACT_GELU:
+                    complete_row(ACT_GELU, 1, y, at, n, v, weight_t, codes, at, inv, zpf)
+                elif act == ACT_GELU_TANH:
+                    complete_row(ACT_GELU_TANH, 1, y, at, n, v, weight_t, codes, at, inv, zpf)
+                else:
+                    complete_row(ACT_NONE, 1, y, at, n, v, weight_t, codes, at, inv, zpf)
+            elif act == ACT_RELU:
+                complete_row(ACT_RELU, 0, y, at, n, v, weight_t, codes, 0, inv, zpf)
+            elif act == ACT_GELU:
+                complete_row(ACT_GELU, 0, y, at, n, v, weight_t, codes, 0, inv, zpf)
+            elif act == ACT_GELU_TANH:
+                complete_row(ACT_GELU_TANH, 0, y, at, n, v, weight_t, codes, 0, inv, zpf)
+            else:
+                complete_row(ACT_NONE, 0, y, at, n, v, weight_t, codes, 0, inv, zpf)
 
     finish.__name__ = finish.__qualname__ = "finish_parallel" if parallel else "finish_serial"
     return numba.njit(cache=True, parallel=parallel, nogil=True, fastmath=FAST,
