@@ -146,9 +146,7 @@ def _unkeep(ctx: LoweringContext, m: RuleMatch) -> None:
 
 
 def _build_linear_gelu(ctx: LoweringContext, m: RuleMatch) -> Node:
-    found = _linear_gelu(RewriteMatch(m.rule._compiled[0], m.nodes, m.anchor, ()))
-    if found is None:
-        raise NotLowerableError("not a dynamic linear followed by GELU")
+    found = m.recheck(_linear_gelu, "not a dynamic linear followed by GELU")
     lin, approximate = found
     lin_node = m.nodes[1]
     activation = "gelu" if approximate == "none" else "gelu_tanh"
@@ -231,9 +229,7 @@ def _layer_norm_parts(match: RewriteMatch) -> _LayerNormParts | None:
 
 def _build_layer_norm(ctx: LoweringContext, m: RuleMatch) -> Node:
     _refuse_kept(ctx, m)
-    parts = _layer_norm_parts(RewriteMatch(m.rule._compiled[0], m.nodes, m.anchor, ()))
-    if parts is None:
-        raise NotLowerableError("not a LayerNorm over the last dimension")
+    parts = m.recheck(_layer_norm_parts, "not a LayerNorm over the last dimension")
     mod = lm.FloatLayerNorm(
         parts.weight, parts.bias, parts.eps, parts.residual is not None, ctx.target
     )
@@ -308,9 +304,7 @@ def _softmax_parts(match: RewriteMatch) -> _SoftmaxParts | None:
 
 def _build_softmax(ctx: LoweringContext, m: RuleMatch) -> Node:
     _refuse_kept(ctx, m)
-    parts = _softmax_parts(RewriteMatch(m.rule._compiled[0], m.nodes, m.anchor, ()))
-    if parts is None:
-        raise NotLowerableError("not a softmax over the last dimension")
+    parts = m.recheck(_softmax_parts, "not a softmax over the last dimension")
     mod = lm.FloatSoftmax(parts.scale, parts.divide, parts.mask is not None, ctx.target)
     args = (parts.x,) if parts.mask is None else (parts.x, parts.mask)
     new = ctx.add_module(f"{m.anchor.name}_float", mod, args, before=m.anchor)
@@ -335,9 +329,7 @@ def _ln_reads_codes(match: RewriteMatch) -> tuple[lm.FloatLayerNorm, Node, lm.De
 
 
 def _build_ln_reads_codes(ctx: LoweringContext, m: RuleMatch) -> Node:
-    found = _ln_reads_codes(RewriteMatch(m.rule._compiled[0], m.nodes, m.anchor, ()))
-    if found is None:
-        raise NotLowerableError("not a LayerNorm of dequantized codes")
+    found = m.recheck(_ln_reads_codes, "not a LayerNorm of dequantized codes")
     ln, x, dq = found
     mod = lm.FloatLayerNorm(
         ln.weight, ln.bias, ln.eps, ln.residual, ctx.target, dq.input_qparams, ln._codes_qp
@@ -387,9 +379,7 @@ def _with_codes(ctx: LoweringContext, node: Node, mod: lm.LoweredModule) -> Node
 
 
 def _build_ln_quantize(ctx: LoweringContext, m: RuleMatch) -> Node:
-    found = _ln_quantize(RewriteMatch(m.rule._compiled[0], m.nodes, m.anchor, ()))
-    if found is None:
-        raise NotLowerableError("not a quantized LayerNorm result")
+    found = m.recheck(_ln_quantize, "not a quantized LayerNorm result")
     quantize, ln_node, ln = found
     mod = lm.FloatLayerNorm(
         ln.weight, ln.bias, ln.eps, ln.residual, ctx.target, ln._x_qp, quantize.output_qparams
@@ -398,9 +388,7 @@ def _build_ln_quantize(ctx: LoweringContext, m: RuleMatch) -> Node:
 
 
 def _build_linear_quantize(ctx: LoweringContext, m: RuleMatch) -> Node:
-    found = _linear_quantize(RewriteMatch(m.rule._compiled[0], m.nodes, m.anchor, ()))
-    if found is None:
-        raise NotLowerableError("not a quantized float-output Linear result")
+    found = m.recheck(_linear_quantize, "not a quantized float-output Linear result")
     quantize, lin_node, lin = found
     mod = lm.QuantizedLinearFloat(
         lin.weight, lin.weight_scale, lin.weight_zero_point, lin.bias, ctx.target,
@@ -470,9 +458,7 @@ def _attention_parts(match: RewriteMatch) -> _AttentionParts | None:
 
 
 def _build_attention(ctx: LoweringContext, m: RuleMatch) -> Node:
-    parts = _attention_parts(RewriteMatch(m.rule._compiled[0], m.nodes, m.anchor, ()))
-    if parts is None:
-        raise NotLowerableError("not an attention over dequantized codes")
+    parts = m.recheck(_attention_parts, "not an attention over dequantized codes")
     mod = lm.QuantizedAttention(
         parts.qparams, parts.out_qparams, parts.scale, parts.mask is not None, ctx.target,
         parts.causal,

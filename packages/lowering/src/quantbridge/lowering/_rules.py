@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, TypeAlias
+from typing import Any, Literal, TypeAlias, TypeVar
 
 import torch
 from torch import nn
@@ -25,6 +25,7 @@ from torch.fx import Node
 from quantbridge.lowering._context import (
     QUANTIZE,
     LoweringContext,
+    NotLowerableError,
     QParams,
     constant_tensor,
 )
@@ -52,6 +53,7 @@ __all__ = [
 ]
 
 RuleKind: TypeAlias = Literal["static", "float_output", "fusion"]
+_Found = TypeVar("_Found")
 # dtype modes a rule can declare; BackendConfig dtype configs are classified into these
 MODES = ("static", "static_float_output", "dynamic", "weight_only", "fp16", "dynamic_fp16")
 
@@ -72,6 +74,15 @@ class RuleMatch:
     nodes: tuple[Node, ...]
     anchor: Node
     output_qparams: QParams | None
+
+    def recheck(self, analyze: Callable[[RewriteMatch], _Found | None], why: str) -> _Found:
+        """``analyze`` (the rule's ``match_filter`` returning what it found) on this match as
+        the graph is now: an earlier build of the same pass may have replaced a node it
+        names. Raises ``NotLowerableError(why)`` when it no longer finds anything."""
+        found = analyze(RewriteMatch(self.rule._compiled[0], self.nodes, self.anchor, ()))
+        if found is None:
+            raise NotLowerableError(why)
+        return found
 
     @property
     def out_qparams(self) -> QParams:

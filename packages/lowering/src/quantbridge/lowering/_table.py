@@ -670,9 +670,7 @@ def _residual_conv(match: RewriteMatch) -> tuple[int, Any, Any, Any] | None:
 
 
 def _build_conv_add(ctx: LoweringContext, m: RuleMatch) -> Node:
-    found = _residual_conv(RewriteMatch(m.rule._compiled[0], m.nodes, m.anchor, ()))
-    if found is None:
-        raise NotLowerableError("not a residual conv + add")
+    found = m.recheck(_residual_conv, "not a residual conv + add")
     position, add, conv, other = found
     operands = (add.input_qparams, add.other_qparams)
     conv_node = m.nodes[1]
@@ -733,9 +731,7 @@ def _side_columns(gm: Any, side: Node) -> tuple[Node, torch.Tensor, torch.Tensor
 
 
 def _build_float_columns(ctx: LoweringContext, m: RuleMatch) -> Node:
-    found = _float_columns(RewriteMatch(m.rule._compiled[0], m.nodes, m.anchor, ()))
-    if found is None:
-        raise NotLowerableError("not a float-output linear plus its float columns")
+    found = m.recheck(_float_columns, "not a float-output linear plus its float columns")
     lin, x, channels, weight = found
     mod = ctx.module(lin)
     assert isinstance(mod, lm.QuantizedLinearFloat)
@@ -770,9 +766,7 @@ def _activation_epilogue(match: RewriteMatch) -> tuple[Any, Any] | None:
 
 
 def _build_activation_epilogue(ctx: LoweringContext, m: RuleMatch) -> Node:
-    found = _activation_epilogue(RewriteMatch(m.rule._compiled[0], m.nodes, m.anchor, ()))
-    if found is None:
-        raise NotLowerableError("not a conv / linear whose only user is a lookup table")
+    found = m.recheck(_activation_epilogue, "not a conv / linear whose only user is a lookup table")
     lut, wmod = found
     w_node = m.nodes[1]
     wmod.fuse_activation(lut.table, lut.what, lut.output_qparams)
