@@ -196,6 +196,24 @@ def test_unknown_capture_is_refused() -> None:
         )
 
 
+def test_a_model_returning_its_kv_cache_is_told_to_drop_it() -> None:
+    class DynamicCache:  # a generating model's cache object, unknown to torch.export
+        def __init__(self, keys: torch.Tensor) -> None:
+            self.keys = keys
+
+    class Decoder(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, DynamicCache]:
+            y = self.proj(x)
+            return y, DynamicCache(y)
+
+    with pytest.raises(ExportCaptureError, match=r"(?s)key/value cache.*use_cache = False"):
+        fq.prepare_fx(Decoder().eval(), QConfigMapping(), (torch.randn(2, 4),), capture="export")
+
+
 def test_export_failure_names_the_model_and_the_alternative() -> None:
     class DataDependent(nn.Module):
         def forward(self, x: torch.Tensor) -> torch.Tensor:

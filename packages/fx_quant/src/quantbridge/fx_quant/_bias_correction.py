@@ -100,7 +100,9 @@ def bias_correction(
         raise FxQuantError(
             "bias_correction: the model has no quantized Linear/Conv reference module; pass "
             "the result of convert_to_reference_fx (a lowered model's weights are packed "
-            "already: correct the reference model, then lower it)"
+            "already: correct the reference model, then lower it). Only module layers are "
+            "corrected: a functional linear (F.linear, or Hugging Face's Conv1D in GPT-2, "
+            "which torch.export turns into addmm) keeps no float weight to correct from"
         )
     means = {name: _Mean(module) for name, module in layers.items()}
     handles = [layers[name].register_forward_pre_hook(mean) for name, mean in means.items()]

@@ -674,15 +674,31 @@ def capture_export(
             )
     except Exception as e:  # export runs arbitrary user code
         first_line = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        fix = (
+            "make that line exportable (see torch.export's message above), or try "
+            "capture='fx' with PrepareCustomConfig().set_non_traceable_module_names([...]) for "
+            "the part that fails"
+        )
+        if _returns_a_kv_cache(first_line):
+            fix = (
+                "the model returns its key/value cache, an object torch.export cannot flatten "
+                "(a generating model's default); quantize it without one: set "
+                "model.config.use_cache = False (Hugging Face models), or pass use_cache=False "
+                "with the inputs"
+            )
         raise ExportCaptureError(
             f"torch.export cannot capture the model ({type(model).__name__}): "
             f"{type(e).__name__}: {first_line}\n"
             f"  at {user_frame(e.__traceback__)}\n"
-            "  fix: make that line exportable (see torch.export's message above), "
-            "or try capture='fx' with PrepareCustomConfig().set_non_traceable_module_names"
-            "([...]) for the part that fails"
+            f"  fix: {fix}"
         ) from e
     return program.module()
+
+
+def _returns_a_kv_cache(message: str) -> bool:
+    """torch.export's refusal of a Hugging Face ``Cache`` (``DynamicCache``, ...) in the
+    output: a class it has no pytree for, named ``...Cache``."""
+    return "in output, which is not a known type" in message and "Cache'>" in message
 
 
 class _SizeOblivious:
