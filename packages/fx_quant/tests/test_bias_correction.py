@@ -107,5 +107,5 @@ def test_bad_input() -> None:
         bias_correction(ref, ["not a tensor"])
     with pytest.raises(FxQuantError, match="saw no data"):
         bias_correction(ref, [])
-    with pytest.raises(FxQuantError, match="(?s)no quantized Linear/Conv.*functional linear"):
+    with pytest.raises(FxQuantError, match=r"(?s)no quantized Linear/Conv.*functional linear"):
         bias_correction(Net().eval(), data())
