@@ -161,7 +161,7 @@ def test_prepared_conv_equals_conv2d_through_layout_and_shape_changes(target, sh
             np.testing.assert_array_equal(got, want, err_msg=f"input {i}, relu {relu}")
             assert got.strides == want.strides
             assert prepared._fast is not None
-            assert prepared._fast[0] == xin.shape
+            assert prepared._fast.x.shape == xin.shape
 
 
 def test_prepared_conv_1d_and_its_table_is_a_copy():
@@ -191,7 +191,7 @@ def test_prepared_conv_follows_the_thread_setting(threads):
             set_num_threads(n)
             np.testing.assert_array_equal(prepared(x), want)
             assert prepared._fast is not None
-            assert prepared._fast[2] == n  # planned for n
+            assert prepared._fast.threads == n  # planned for n
     finally:
         set_num_threads(None)
     fixed = PreparedConv(packed, (0.05, 3), (0.2, 100), num_threads=1)
@@ -243,7 +243,7 @@ def test_prepared_conv_add_equals_conv2d_add_through_layout_and_shape_changes(ta
             assert got.strides == want.strides
             if _fusable(packed):  # the plan is kept for the next call
                 assert prepared._fast is not None
-                assert prepared._fast[2] == oin.shape
+                assert prepared._fast.other.shape == oin.shape
             else:  # conv then add: nothing to keep
                 assert prepared._fast is None
     if lut is not None:  # the caller's table changes; the prepared call keeps its copy
@@ -270,7 +270,7 @@ def test_prepared_conv_add_follows_the_thread_setting(threads):
             set_num_threads(n)
             np.testing.assert_array_equal(prepared(x, other), want)
             assert prepared._fast is not None
-            assert prepared._fast[4] == n  # planned for n
+            assert prepared._fast.threads == n  # planned for n
     finally:
         set_num_threads(None)
 

@@ -168,9 +168,9 @@ def test_prepared_equals_mul_channels_either_way_round_through_layout_changes(re
             np.testing.assert_array_equal(result, want, err_msg=f"call {i}")
             assert result.strides == want.strides
             assert which._fast is not None
-            assert which._fast[4] == threads  # planned for this thread count
-    assert prepared._fast[5] is False
-    assert swapped._fast[5] is True
+            assert which._fast.threads == threads  # planned for this thread count
+    assert prepared._fast.swapped is False
+    assert swapped._fast.swapped is True
 
 
 def test_prepared_refuses_bad_arguments_by_name():

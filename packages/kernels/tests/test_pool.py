@@ -170,7 +170,7 @@ def test_prepared_adaptive_avg_pool_equals_the_function_through_layout_changes()
             np.testing.assert_array_equal(got, ref_adaptive(xin, *size))
             assert got.strides == want.strides
             assert prepared._fast is not None
-            assert prepared._fast[2] == threads
+            assert prepared._fast.threads == threads
 
 
 def test_prepared_adaptive_avg_pool_refuses_bad_arguments_by_name():

@@ -317,7 +317,12 @@ def test_prepared_conversions_equal_the_functions_through_layout_changes(threads
                 assert got.dtype == want.dtype
                 assert got.strides == want.strides
                 # the call was planned for this layout and thread count: the next takes it
-                assert prepared._fast[:4] == (x.shape, x.strides, x.dtype, threads)
+                assert (*prepared._fast.x, prepared._fast.threads) == (
+                    x.shape,
+                    x.strides,
+                    x.dtype,
+                    threads,
+                )
             # the plan reads its input: new values through the fast path
             again = make(rng, x.shape).astype(dtype)
             np.testing.assert_array_equal(prepared(again), function(again))

@@ -23,6 +23,7 @@ with few input channels keep the channels unpadded and walk whole kernel rows as
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -50,7 +51,7 @@ from quantbridge.kernels._gemm_run import (
     row_chunk,
 )
 from quantbridge.kernels._gemm_simd import drive_vnni_u8t, serial_vnni_u8t
-from quantbridge.kernels._layout import channels_last_data, same_layout
+from quantbridge.kernels._layout import InputLayout, InputPlan, channels_last_data
 from quantbridge.kernels._linear import PackedLinearWeight, _fast_zp
 from quantbridge.kernels._lut import apply_lut, apply_table, table_as_pass
 from quantbridge.kernels._pack import (
@@ -397,17 +398,16 @@ class PreparedConv:
         self.channels_last = channels_last
         self._lut = table
         self._threads = num_threads
-        # (shape, strides, thread count, plan.run) of the input the last plan was made for
-        self._fast: tuple[tuple[int, ...], tuple[int, ...], int, Any] | None = None
+        self._fast: InputPlan | None = None  # the last plan, for inputs of its layout
 
     def __call__(self, x: npt.NDArray[np.uint8]) -> npt.NDArray[np.uint8]:
         fast = self._fast
         if (
             fast is not None
-            and same_layout(x, fast[0], fast[1])
-            and (self._threads or get_num_threads()) == fast[2]
+            and fast.x.fits(x)
+            and (self._threads or get_num_threads()) == fast.threads
         ):
-            out: npt.NDArray[np.uint8] = fast[3](x, None)
+            out: npt.NDArray[np.uint8] = fast.run(x, None)
             return out
         return self._plan_and_run(x)
 
@@ -417,7 +417,7 @@ class PreparedConv:
         threads = apply_num_threads(self._threads, name)
         xa, plan, kept = _find_plan(x, self.packed, *self._qparams, self.relu, self.channels_last,
                                     dims, name, None, self._lut, threads)  # fmt: skip
-        self._fast = (xa.shape, xa.strides, threads, plan.run) if kept else None
+        self._fast = InputPlan(InputLayout.of(xa), threads, plan.run) if kept else None
         out: npt.NDArray[np.uint8] = plan.run(xa, None)
         return out
 
@@ -938,6 +938,18 @@ def conv2d_add(
     )  # fmt: skip
 
 
+class _ConvAddPlan(NamedTuple):
+    """``PreparedConvAdd``'s plan: the layouts and thread count it was made for, whether the
+    residual is channels-last, the run and the fused add's parameters."""
+
+    x: InputLayout
+    other: InputLayout
+    threads: int
+    other_channels_last: bool
+    run: Callable[..., Any]
+    add_params: npt.NDArray[np.float32]
+
+
 class PreparedConvAdd:
     """``conv2d_add`` with every argument but the two inputs fixed: a residual block called
     again and again on inputs of one shape and layout, as ``PreparedConv`` is for ``conv2d``.
@@ -978,9 +990,7 @@ class PreparedConvAdd:
         self.relu = relu
         self._lut = None if lut is None else np.array(lut, copy=True)
         self._threads = num_threads
-        # (x shape, x strides, other shape, other strides, thread count, other channels-last,
-        # plan.run, the add's parameters) of the inputs the last plan was made for
-        self._fast: tuple[Any, ...] | None = None
+        self._fast: _ConvAddPlan | None = None  # the last plan, for inputs of its layouts
 
     def __call__(
         self, x: npt.NDArray[np.uint8], other: npt.NDArray[np.uint8]
@@ -988,12 +998,13 @@ class PreparedConvAdd:
         fast = self._fast
         if (
             fast is not None
-            and same_layout(x, fast[0], fast[1])
-            and same_layout(other, fast[2], fast[3])
-            and (self._threads or get_num_threads()) == fast[4]
+            and fast.x.fits(x)
+            and fast.other.fits(other)
+            and (self._threads or get_num_threads()) == fast.threads
         ):
-            flat = other.ravel(order="K") if fast[5] else other.transpose(0, 2, 3, 1).ravel()
-            out: npt.NDArray[np.uint8] = fast[6](x, (flat, fast[7]))
+            channels_last = fast.other_channels_last
+            flat = other.ravel(order="K") if channels_last else other.transpose(0, 2, 3, 1).ravel()
+            out: npt.NDArray[np.uint8] = fast.run(x, (flat, fast.add_params))
             return out
         return self._plan_and_run(x, other)
 
@@ -1012,8 +1023,9 @@ class PreparedConvAdd:
                                     conv_zero_point, self.relu_conv, True, 2, "conv2d_add",
                                     (flat, addp), self._lut, threads)  # fmt: skip
         if kept and type(other) is np.ndarray:
-            self._fast = (xa.shape, xa.strides, other.shape, other.strides, threads, other_cl,
-                          plan.run, addp)  # fmt: skip
+            self._fast = _ConvAddPlan(
+                InputLayout.of(xa), InputLayout.of(other), threads, other_cl, plan.run, addp
+            )
         out: npt.NDArray[np.uint8] = plan.run(xa, (flat, addp))
         return out
 

@@ -9,7 +9,8 @@ conv (no transposes in between), as torch's quantized engine does.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -30,6 +31,31 @@ def same_layout(
     unless told): what a prepared call's plan was made for (anything else is checked and
     planned again)."""
     return type(x) is np.ndarray and x.shape == shape and x.strides == strides and x.dtype is dtype
+
+
+class InputLayout(NamedTuple):
+    """The shape, strides and dtype of an input a prepared call planned for."""
+
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+    dtype: np.dtype[Any] = _U8
+
+    @classmethod
+    def of(cls, x: npt.NDArray[Any]) -> InputLayout:
+        return cls(x.shape, x.strides, x.dtype)
+
+    def fits(self, x: object) -> bool:
+        """``x`` has this layout (anything else is checked and planned again)."""
+        return same_layout(x, self.shape, self.strides, self.dtype)
+
+
+class InputPlan(NamedTuple):
+    """A prepared one-input call's plan: the input layout and thread count it was made for,
+    and the run that skips the checks for them."""
+
+    x: InputLayout
+    threads: int
+    run: Callable[..., Any]
 
 
 def memory_order(array: npt.NDArray[Any]) -> Order | None:

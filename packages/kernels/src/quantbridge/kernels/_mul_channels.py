@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import numba
 import numpy as np
@@ -27,7 +27,7 @@ from quantbridge.kernels._elementwise import _mul_params, binary_qparams
 from quantbridge.kernels._errors import KernelError
 from quantbridge.kernels._float_math import RowSteps, flat_f32, flat_u8
 from quantbridge.kernels._ir import arrays_data, declare, vec_broadcast
-from quantbridge.kernels._layout import check_dense, same_layout
+from quantbridge.kernels._layout import InputLayout, check_dense
 from quantbridge.kernels._qparams import QParams, as_qparams
 from quantbridge.kernels._quantize import choose_kernel
 from quantbridge.kernels._targets import check_target
@@ -167,6 +167,17 @@ def mul_channels(
     return run(qa, qb)
 
 
+class _MulPlan(NamedTuple):
+    """``PreparedMulChannels``' plan: the operands' layouts and the thread count it was made
+    for, whether the run takes them swapped (per-channel operand first), and the run."""
+
+    a: InputLayout
+    b: InputLayout
+    threads: int
+    swapped: bool
+    run: Callable[..., Any]
+
+
 class PreparedMulChannels:
     """``mul_channels`` with the qparams and relu fixed, for a layer called again and again
     on inputs of one shape and layout (squeeze-excite), and either operand the per-channel one.
@@ -199,18 +210,17 @@ class PreparedMulChannels:
         self._qparams = (qa, qb, qo)
         self.relu = relu
         self.target = target
-        # (a shape, a strides, b shape, b strides, thread count, swapped, the planned run)
-        self._fast: tuple[Any, ...] | None = None
+        self._fast: _MulPlan | None = None  # the last plan, for inputs of its layouts
 
     def __call__(self, a: U8, b: U8) -> U8:
         fast = self._fast
         if (
             fast is not None
-            and same_layout(a, fast[0], fast[1])
-            and same_layout(b, fast[2], fast[3])
-            and get_num_threads() == fast[4]
+            and fast.a.fits(a)
+            and fast.b.fits(b)
+            and get_num_threads() == fast.threads
         ):
-            out: U8 = fast[6](b, a) if fast[5] else fast[6](a, b)
+            out: U8 = fast.run(b, a) if fast.swapped else fast.run(a, b)
             return out
         return self._plan_and_run(a, b)
 
@@ -226,7 +236,8 @@ class PreparedMulChannels:
         x, xq, f, fq = (b, qb_, a, qa_) if swapped else (a, qa_, b, qb_)
         run, qx, qf = _checked_plan(x, xq, f, fq, qo, self.relu, self.target)
         if type(a) is np.ndarray and type(b) is np.ndarray and qx is x and qf is f:
-            self._fast = (a.shape, a.strides, b.shape, b.strides, get_num_threads(), swapped, run)
+            layouts = InputLayout.of(a), InputLayout.of(b)
+            self._fast = _MulPlan(*layouts, get_num_threads(), swapped, run)
         return run(qx, qf)
 
 

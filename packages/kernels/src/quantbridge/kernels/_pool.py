@@ -42,7 +42,7 @@ from quantbridge.kernels._checks import (
 )
 from quantbridge.kernels._errors import KernelError
 from quantbridge.kernels._ir import I8, I64, load_vec, store_vec
-from quantbridge.kernels._layout import channels_last_data, same_layout
+from quantbridge.kernels._layout import InputLayout, InputPlan, channels_last_data
 from quantbridge.kernels._quantize import choose_kernel, f32_scale
 from quantbridge.kernels._targets import check_target
 from quantbridge.kernels._threads import get_num_threads
@@ -579,19 +579,18 @@ class PreparedAdaptiveAvgPool2d:
         check_target(target)
         self.output_size = _pair("output_size", output_size, minimum=1)
         self.target = target
-        # (x shape, x strides, thread count, the planned run)
-        self._fast: tuple[Any, ...] | None = None
+        self._fast: InputPlan | None = None  # the last plan, for inputs of its layout
 
     def __call__(self, x: U8) -> U8:
         fast = self._fast
-        if fast is not None and same_layout(x, fast[0], fast[1]) and get_num_threads() == fast[2]:
-            out: U8 = fast[3](x, None)
+        if fast is not None and fast.x.fits(x) and get_num_threads() == fast.threads:
+            out: U8 = fast.run(x, None)
             return out
         self._fast = None
         check_target(self.target)
         arr, run = _adaptive_plan(x, self.output_size)
         if arr is x:
-            self._fast = (arr.shape, arr.strides, get_num_threads(), run)
+            self._fast = InputPlan(InputLayout.of(arr), get_num_threads(), run)
         return run(arr, None)
 
 

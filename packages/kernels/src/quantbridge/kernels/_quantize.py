@@ -45,7 +45,13 @@ from quantbridge.kernels._errors import KernelError
 from quantbridge.kernels._float_math import RowSteps, codes_lanes, flat_f32, flat_u8
 from quantbridge.kernels._fma import fma32
 from quantbridge.kernels._ir import arrays_data, vec_broadcast
-from quantbridge.kernels._layout import check_dense, empty_in_order, flat, same_layout
+from quantbridge.kernels._layout import (
+    InputLayout,
+    InputPlan,
+    check_dense,
+    empty_in_order,
+    flat,
+)
 from quantbridge.kernels._qparams import QParams, as_qparams
 from quantbridge.kernels._targets import check_target
 from quantbridge.kernels._threads import apply_num_threads, get_num_threads, with_threads
@@ -525,23 +531,18 @@ class _PreparedPerTensor:
     def __init__(self, target: str | None) -> None:
         check_target(target)
         self.target = target
-        # (shape, strides, dtype, thread count, the planned run)
-        self._fast: tuple[Any, ...] | None = None
+        self._fast: InputPlan | None = None  # the last plan, for inputs of its layout
 
     def __call__(self, x: npt.NDArray[Any]) -> npt.NDArray[Any]:
         fast = self._fast
-        if (
-            fast is not None
-            and same_layout(x, fast[0], fast[1], fast[2])
-            and get_num_threads() == fast[3]
-        ):
-            out: npt.NDArray[Any] = fast[4](x)
+        if fast is not None and fast.x.fits(x) and get_num_threads() == fast.threads:
+            out: npt.NDArray[Any] = fast.run(x)
             return out
         self._fast = None
         check_target(self.target)
         arr, run = self._plan(x)
         if arr is x:
-            self._fast = (arr.shape, arr.strides, arr.dtype, get_num_threads(), run)
+            self._fast = InputPlan(InputLayout.of(arr), get_num_threads(), run)
         result: npt.NDArray[Any] = run(arr)
         return result
 
