@@ -42,9 +42,12 @@ TEST_WORKERS = "2"
 # matplotlib: compare_layers(...).plot() is tested (an optional extra of fx_quant).
 # Extra installs the tests need: lowering's tests load a third-party backend through the
 # `quantbridge.backends` entry point, from a small plugin distribution kept in its tests,
-# and smoke-test the demo, which reads scikit-learn's digits data.
+# and smoke-test the demo, which reads scikit-learn's digits data; qconfig's calibration
+# observers are compared with ONNX Runtime's calibrators (which import onnx).
 TEST_EXTRAS = (
     "scikit-learn",
+    "onnx",
+    "onnxruntime",
     "-e",
     str(ROOT / "packages" / "lowering" / "tests" / "plugin"),
 )
