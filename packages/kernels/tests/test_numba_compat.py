@@ -168,3 +168,34 @@ def test_the_compiled_entry_point_runs_the_same_code():
     entry = _numba_compat.compiled_entry_point(twice, (3,))
     assert entry is not None
     assert entry(21) == 42
+
+
+CLOSURE_SCRIPT = """
+import json
+import numpy as np
+import quantbridge.kernels as qk
+from quantbridge.kernels import _depthwise
+x = np.zeros((1, 16, 8, 8), np.uint8)
+packed = qk.PackedConvWeight(np.ones((16, 1, 3, 3), np.int8), 0.1, groups=16, padding=1,
+                             target="generic")
+qk.conv2d(x, packed, 0.1, 0, 0.1, 0, num_threads=1)
+driver = _depthwise.DRIVERS["generic"][0]
+print(json.dumps([sum(driver.stats.cache_hits.values()), sum(driver.stats.cache_misses.values())]))
+"""
+
+
+def test_a_kernel_closing_over_kernels_loads_from_the_cache_in_a_new_process(tmp_path):
+    # the depthwise drivers close over their row kernels; numba keyed such entries by the
+    # pickled cells, which hold a per-process uuid, so every process compiled them again
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path)}
+    runs = [
+        json.loads(
+            subprocess.run(
+                [sys.executable, "-c", CLOSURE_SCRIPT], env=env, check=True,
+                capture_output=True, text=True,
+            ).stdout.splitlines()[-1]
+        )
+        for _ in range(2)
+    ]  # fmt: skip
+    assert runs[0] == [0, 1]  # compiled and saved
+    assert runs[1] == [1, 0]  # loaded

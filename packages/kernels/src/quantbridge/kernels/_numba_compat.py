@@ -35,6 +35,8 @@ from typing import Any
 import llvmlite
 import numba
 from numba.core import caching, config
+from numba.core.dispatcher import Dispatcher
+from numba.core.extending import _Intrinsic
 
 PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 
@@ -62,6 +64,10 @@ def _internals() -> list[tuple[str, bool]]:
             for name in ("UserProvidedCacheLocator", "InTreeCacheLocator",
                          "UserWideCacheLocator", "IndexDataCacheFile")
         ),
+        ("numba.core.caching.FunctionCache._index_key",
+         callable(getattr(caching.FunctionCache, "_index_key", None))),
+        ("numba.core.extending._Intrinsic._name", isinstance(getattr(
+            numba.core.extending.intrinsic(lambda typingctx: None), "_name", None), str)),
         ("numba.core.dispatcher.Dispatcher.overloads (a mapping)",
          callable(getattr(getattr(probe, "overloads", None), "get", None))),
     ]  # fmt: skip
@@ -301,8 +307,37 @@ class KeyNamedCacheFile(caching.IndexDataCacheFile):
         return pickle.loads(payload)
 
 
+def _stable(value: Any) -> Any:
+    """A closure cell's value as the same bytes in every process: a dispatcher or intrinsic
+    by its name (numba pickles a dispatcher with a per-process uuid)."""
+    if isinstance(value, Dispatcher):
+        return ("dispatcher", value.py_func.__module__, value.py_func.__qualname__)
+    if isinstance(value, _Intrinsic):
+        return ("intrinsic", value._name)
+    return value
+
+
+class StableKeyFunctionCache(caching.FunctionCache):
+    """numba's function cache, with an index key that is the same in every process.
+
+    numba keys a closure's cache entry by the pickled contents of its cells. A kernel made
+    by a factory closes over other kernels (the depthwise drivers over their row kernels),
+    and a pickled dispatcher carries a uuid new in each process: such a kernel never found
+    its entry, and every process compiled it again (about 9 s for the VNNI depthwise
+    drivers). Here a dispatcher or intrinsic cell counts by its qualified name; the package
+    stamp already invalidates every entry when any source of the package changes."""
+
+    def _index_key(self, sig: Any, codegen: Any) -> Any:
+        func = self._py_func
+        cells = tuple(_stable(c.cell_contents) for c in func.__closure__ or ())
+        digest = hashlib.sha256(pickle.dumps(cells)).hexdigest() if cells else ""
+        code = hashlib.sha256(func.__code__.co_code).hexdigest()
+        return (sig, codegen.magic_tuple(), (code, digest))
+
+
 def harden(dispatchers: list[Any]) -> None:
-    """Give each ``cache=True`` dispatcher key-named data files; check it uses our locator."""
+    """Give each ``cache=True`` dispatcher key-named data files and an index key that is the
+    same in every process; check it uses our locator."""
     for d in dispatchers:
         cache = getattr(d, "_cache", None)
         if cache is None or not hasattr(cache, "_cache_file"):
@@ -311,6 +346,8 @@ def harden(dispatchers: list[Any]) -> None:
             # only with $NUMBA_CACHE_LOCATOR_CLASSES set (warned above): leave numba's default
             continue
         cache._cache_file.__class__ = KeyNamedCacheFile
+        if type(cache) is caching.FunctionCache:
+            cache.__class__ = StableKeyFunctionCache
 
 
 def package_modules() -> list[Any]:
@@ -322,8 +359,6 @@ def package_modules() -> list[Any]:
 def package_dispatchers(modules: list[Any]) -> list[Any]:
     """Every numba dispatcher defined in ``modules``, at module level or one level down in a
     module-level dict, list or tuple (kernels made by a factory, keyed by their variant)."""
-    from numba.core.dispatcher import Dispatcher
-
     found: dict[int, Any] = {}  # by id: one entry per dispatcher, in the order first seen
     for mod in modules:
         for value in vars(mod).values():
