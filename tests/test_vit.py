@@ -63,6 +63,8 @@ def test_vit_static_int8_with_the_transformer_mapping() -> None:
     done = " ".join(what for _, what in L.lowering_report(lowered).lowered)
     # attention output and MLP output projections return float into the residual adds
     assert done.count("kernels.linear_float") == 2 * SMALL["layers"]
+    # nn.MultiheadAttention's attention runs on the projections' codes, quantized inside
+    assert done.count("nn.MultiheadAttention's attention on codes") == SMALL["layers"]
 
 
 def test_vit_with_float_attention_runs_lowered() -> None:

@@ -4,7 +4,7 @@ Run by ``nox -s bench_peers`` (the only session that installs onnxruntime, openv
 transformers and onnx, pinned in constraints.txt):
 
     python packages/lowering/bench/bench_peers.py [--models resnet18 mobilenet_v2 bert lstm]
-        (also resnet50, mobilenet_v3_small, efficientnet_b0 when named)
+        (also resnet50, mobilenet_v3_small, efficientnet_b0, vit_b_16 when named)
         [--threads 1 2] [--rounds 20] [--sentences 256] [--json OUT] [--profile]
 
 Models and columns:
@@ -16,6 +16,9 @@ Models and columns:
   int8 weights, uint8 activations, on ``torch.onnx.export``'s model) and OpenVINO int8
   (``nncf.quantize`` on ``openvino.convert_model``'s model). Every int8 column is calibrated
   on the same batches; SQNR (dB) of its logits against fp32 on held-out inputs.
+* ``vit_b_16`` (batch 1, 3x224x224): torchvision's ViT-B/16 from ``tests/vit_model.py``,
+  seeded weights, the same columns; quantbridge with ``qconfig_mapping(transformer=True)``,
+  OpenVINO with NNCF's ``ModelType.TRANSFORMER``.
 * ``bert``: transformers ``BertModel`` (6 layers, hidden 384, 12 heads, FFN 1536, random
   init: nothing is downloaded), random sentences padded to 128 tokens with an attention mask,
   batch 1 and 16. fp32 eager, torch.ao ``quantize_dynamic``, ONNX Runtime
@@ -110,6 +113,7 @@ import _peers  # noqa: E402
 # torchvision-style networks (torchvision itself does not import under the pinned torch)
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "tests"))
 import real_models  # noqa: E402
+from vit_model import VisionTransformer  # noqa: E402
 
 # the trained-like encoder statistics of the lowering tests' BERT zoo
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
@@ -117,7 +121,10 @@ from bert_zoo import add_trained_outliers, hf_bert_parts  # noqa: E402
 
 MODELS = ("resnet18", "mobilenet_v2", "bert", "lstm")
 # more torchvision-style networks, run only when named in --models
-OTHER_CNNS = ("resnet50", "mobilenet_v3_small", "efficientnet_b0")
+OTHER_CNNS = ("resnet50", "mobilenet_v3_small", "efficientnet_b0", "vit_b_16")
+# image models quantized as transformers (the transformer mapping; OpenVINO's transformer
+# preset): torchvision's ViT-B/16 as written in tests/vit_model.py, seeded weights
+VISION_TRANSFORMERS = ("vit_b_16",)
 Runner = Callable[[], np.ndarray]  # as in _peers: one call on the bound input
 # A column builds one runner per thread count (ORT sessions and OpenVINO compiled models fix
 # their thread count at creation; torch-based columns ignore it: set_num_threads rules them).
@@ -229,7 +236,12 @@ def _calib_images(n: int, seed: int) -> list[torch.Tensor]:
 
 def cnn_suite(name: str, calib_batches: int, eval_batches: int) -> Suite:
     suite = Suite(name, fp32_variants=("fp32 NCHW", "fp32 channels_last"))
-    model = real_models.build(name, full_size=True).eval()
+    transformer = name in VISION_TRANSFORMERS
+    if transformer:
+        torch.manual_seed(0)
+        model = VisionTransformer().eval()
+    else:
+        model = real_models.build(name, full_size=True).eval()
     calib = _calib_images(calib_batches, seed=1)
     held_out = _calib_images(eval_batches, seed=2)
     x = held_out[0].clone()  # every column reads this input; refilled in place for SQNR
@@ -252,7 +264,8 @@ def cnn_suite(name: str, calib_batches: int, eval_batches: int) -> Suite:
         backend = get_backend("numba")
         target = getattr(backend, "target", "?")
         suite.notes.append(f"quantbridge numba: get_backend('numba'), kernel target {target}")
-        lowered = _quantbridge(model, backend.qconfig_mapping(), (x,), [(c,) for c in calib])
+        mapping = backend.qconfig_mapping(transformer=transformer)
+        lowered = _quantbridge(model, mapping, (x,), [(c,) for c in calib])
         suite.profiles["quantbridge numba"] = _module_times(lowered, x)
         return _torch_column(lowered, x)
 
@@ -267,7 +280,9 @@ def cnn_suite(name: str, calib_batches: int, eval_batches: int) -> Suite:
     suite.add("ORT int8 QDQ", ort)
 
     def openvino() -> Column:
-        quantized = _peers.openvino_int8(model, x, [c.numpy() for c in calib])
+        quantized = _peers.openvino_int8(
+            model, x, [c.numpy() for c in calib], transformer=transformer
+        )
         suite.profiles["OpenVINO int8"] = functools.partial(
             _peers.openvino_layer_times, quantized, feeds
         )

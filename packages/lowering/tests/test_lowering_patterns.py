@@ -91,6 +91,7 @@ def test_default_table_lists_every_family_in_matching_order() -> None:
         "float layer_norm (+ residual add)",
         "float softmax (+ scale, mask)",
         "attention on codes",
+        "multi-head attention on codes",
         "layer_norm reads codes",
         "layer_norm + quantize",
         "float linear + quantize",

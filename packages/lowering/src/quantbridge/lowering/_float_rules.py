@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.fx import Node
 
+from quantbridge.fx_quant.nn.quantizable import AttentionCore
 from quantbridge.lowering import _modules as lm
 from quantbridge.lowering._context import DEQUANTIZE, LoweringContext, NotLowerableError
 from quantbridge.lowering._rules import LoweringRule, RuleMatch
@@ -471,6 +472,63 @@ def _build_attention(ctx: LoweringContext, m: RuleMatch) -> Node:
     return new
 
 
+# --- nn.MultiheadAttention's attention (fx_quant's AttentionCore) on codes ---------------------
+
+# AttentionCore's positional parameters after q, k, v, and the value each must have for the
+# kernel: no bias_k / bias_v, masks, attention weights or causal hint
+_CORE_ARGS = (
+    ("bias_k", None), ("bias_v", None), ("attn_mask", None), ("key_padding_mask", None),
+    ("need_weights", False), ("average_attn_weights", None), ("is_causal", False),
+)  # fmt: skip
+
+
+def _core_attention_parts(match: RewriteMatch) -> tuple[_AttentionParts, int] | None:
+    """The attention of ``quantize(AttentionCore(...)[0])`` over dequantized q, k, v of
+    nn.MultiheadAttention (batch first, nothing but q, k and v), and its head count."""
+    quantize, item, core_node = _module(match.anchor), match.nodes[1], match.nodes[2]
+    core = _module(core_node)
+    if not (isinstance(quantize, lm.Quantize) and isinstance(core, AttentionCore)):
+        return None
+    if len(item.args) != 2 or item.args[1] != 0 or item.kwargs:
+        return None
+    if not core.batch_first or core.add_zero_attn or len(core_node.args) < 3:
+        return None
+    given = dict(zip((name for name, _ in _CORE_ARGS), core_node.args[3:], strict=False))
+    if set(given) & set(core_node.kwargs) or set(core_node.kwargs) - {n for n, _ in _CORE_ARGS}:
+        return None
+    given.update(core_node.kwargs)
+    if any(want is not None and given.get(name, want) != want for name, want in _CORE_ARGS):
+        return None
+    if any(given.get(name) is not None for name in ("bias_k", "bias_v", "attn_mask",
+                                                    "key_padding_mask")):  # fmt: skip
+        return None
+    if "need_weights" not in given:  # AttentionCore's default returns the weights too
+        return None
+    codes, qparams = [], []
+    for x in core_node.args[:3]:
+        dq = _module(x) if isinstance(x, Node) else None
+        if not isinstance(dq, lm.Dequantize) or not isinstance(x.args[0], Node):  # type: ignore[union-attr]
+            return None
+        codes.append(x.args[0])  # type: ignore[union-attr]
+        qparams.append(dq.input_qparams)
+    parts = _AttentionParts(
+        core_node, (codes[0], codes[1], codes[2]), (qparams[0], qparams[1], qparams[2]), None,
+        None, quantize.output_qparams, False,
+    )  # fmt: skip
+    return parts, core.num_heads
+
+
+def _build_core_attention(ctx: LoweringContext, m: RuleMatch) -> Node:
+    parts, heads = m.recheck(_core_attention_parts, "not a plain attention over dequantized codes")
+    mod = lm.QuantizedAttention(
+        parts.qparams, parts.out_qparams, None, False, ctx.target, heads=heads
+    )
+    new = ctx.add_module(f"{parts.sdpa.name}_codes", mod, parts.codes, before=m.anchor)
+    ctx.record(new, f"{mod.kernel} (nn.MultiheadAttention's attention on codes, {heads} heads)")
+    _unkeep(ctx, m)
+    return new
+
+
 # --- patterns ----------------------------------------------------------------------------
 
 
@@ -505,6 +563,10 @@ def _linear_gelu_patterns() -> tuple[Pattern, ...]:
         for lin in (lm.QuantizedDynamicLinear, lm.QuantizedLinearFloat)
         for p in (Nested(nn.GELU, lin), Nested(F.gelu, lin), Nested(F.gelu, lin, MatchAllNode))
     )
+
+
+def _core_attention_patterns() -> tuple[Pattern, ...]:
+    return (Nested(lm.Quantize, Nested(operator.getitem, AttentionCore, MatchAllNode)),)
 
 
 def _ln_codes_patterns() -> tuple[Pattern, ...]:
@@ -554,6 +616,13 @@ def float_op_rules() -> tuple[LoweringRule, ...]:
         _fusion(
             "attention on codes", _attention_patterns(), _build_attention, _attention_parts,
             "scaled_dot_product_attention of dequantized q, k, v (+ quantize)",
+            "kernels.attention",
+        ),
+        _fusion(
+            "multi-head attention on codes", _core_attention_patterns(), _build_core_attention,
+            _core_attention_parts,
+            "nn.MultiheadAttention's attention (batch first, no masks) of dequantized q, k, v, "
+            "quantized",
             "kernels.attention",
         ),
         _fusion(

@@ -602,13 +602,33 @@ class QuantizedAttention(LoweredModule):
         masked: bool,
         target: str,
         causal: bool = False,
+        heads: int = 0,
     ) -> None:
         nn.Module.__init__(self)
         for prefix, (s, zp) in (("input2_", qparams[1]), ("input3_", qparams[2])):
             self.register_buffer(prefix + "scale", torch.tensor(s, dtype=torch.float64))
             self.register_buffer(prefix + "zero_point", torch.tensor(zp, dtype=torch.int64))
         self.attention_scale, self.masked, self.causal = scale, masked, causal
+        # > 0: q, k, v and the result are [B, S, heads * D] (nn.MultiheadAttention's layout,
+        # batch first), split into heads and merged back as views
+        self.heads = heads
         super().__init__(target, qparams[0], out_qparams)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        state.setdefault("heads", 0)  # pickles made before this option existed
+        super().__setstate__(state)
+
+    def _split(self, x: Any) -> Any:
+        """[B, S, H * D] → the [B, H, S, D] view (a tensor or an array)."""
+        b, s, e = x.shape
+        heads = x.reshape(b, s, self.heads, e // self.heads)
+        return heads.transpose(1, 2) if isinstance(x, torch.Tensor) else heads.transpose(0, 2, 1, 3)
+
+    def _merge(self, out: Any) -> Any:
+        """[B, H, S, D] (the kernel writes [B, S, H, D] memory) → [B, S, H * D]."""
+        b, h, s, d = out.shape
+        merged = out.transpose(1, 2) if isinstance(out, torch.Tensor) else out.transpose(0, 2, 1, 3)
+        return merged.reshape(b, s, h * d)
 
     def _sync(self) -> None:
         super()._sync()
@@ -623,6 +643,23 @@ class QuantizedAttention(LoweredModule):
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None
     ) -> torch.Tensor:
+        if self.heads:
+            if not (q.dim() == k.dim() == v.dim() == 3 and q.shape[-1] % self.heads == 0):
+                raise LoweringError(
+                    f"QuantizedAttention: expected q, k, v as [batch, length, {self.heads} heads "
+                    f"* head size], got shapes {tuple(q.shape)}, {tuple(k.shape)}, "
+                    f"{tuple(v.shape)}"
+                )
+            merged: torch.Tensor = self._merge(
+                self._attend(self._split(q), self._split(k), self._split(v), mask)
+            )
+            return merged
+        return self._attend(q, k, v, mask)
+
+    def _attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
+    ) -> torch.Tensor:
+        """``forward`` on q, k, v [B, H, S, D]."""
         if not (q.dim() == k.dim() == v.dim() == 4) or (q.shape[:2] != k.shape[:2]):
             return self._reference(q, k, v, mask)  # 3-D or 5-D inputs, grouped-query heads
         if mask is not None and mask.dtype not in (torch.bool, torch.float32):
@@ -640,6 +677,14 @@ class QuantizedAttention(LoweredModule):
     def forward_arrays(self, *arrays: Any) -> Any:
         q, k, v = arrays[:3]
         mask = arrays[3] if len(arrays) > 3 else None
+        if self.heads and q.ndim != 4:  # [B, S, H * D] (4-D: the per-head views of _attend)
+            if not (q.ndim == k.ndim == v.ndim == 3 and q.shape[-1] % self.heads == 0):
+                return self.forward(*(torch.from_numpy(np.ascontiguousarray(a)) for a in arrays))
+            return self._merge(K.attention(
+                self._split(q), self._split(k), self._split(v), *self._qparams, mask=mask,
+                scale=self.attention_scale, causal=self.causal, out_qparams=self._out_qp,
+                target=self.target,
+            ))  # fmt: skip
         if not (q.ndim == k.ndim == v.ndim == 4) or q.shape[:2] != k.shape[:2]:
             return self._reference(*(torch.from_numpy(a) for a in arrays)).numpy()
         if mask is not None and mask.dtype not in (np.bool_, np.float32):
@@ -673,7 +718,8 @@ class QuantizedAttention(LoweredModule):
         scale = "1/sqrt(D)" if self.attention_scale is None else f"{self.attention_scale:g}"
         out = "float" if self._out_qp is None else _qp(self._out_qp)
         extra = " + mask" if self.masked else (", causal" if self.causal else "")
-        return f"scale={scale}{extra}, out={out}"
+        heads = f", {self.heads} heads split and merged" if self.heads else ""
+        return f"scale={scale}{extra}{heads}, out={out}"
 
 
 class QuantizedConv(_WeightedBase):
