@@ -423,6 +423,23 @@ class _AttentionParts:
     causal: bool
 
 
+_QP = tuple[float, int]
+
+
+def _dequantized_codes(
+    values: Sequence[Any],
+) -> tuple[tuple[Node, Node, Node], tuple[_QP, _QP, _QP]] | None:
+    """(codes, their qparams) of q, k, v when each is a ``Dequantize`` of codes."""
+    codes, qparams = [], []
+    for x in values:
+        dq = _module(x) if isinstance(x, Node) else None
+        if not isinstance(dq, lm.Dequantize) or not isinstance(x.args[0], Node):
+            return None
+        codes.append(x.args[0])
+        qparams.append(dq.input_qparams)
+    return (codes[0], codes[1], codes[2]), (qparams[0], qparams[1], qparams[2])
+
+
 def _attention_parts(match: RewriteMatch) -> _AttentionParts | None:
     anchor = _module(match.anchor)
     quantize = anchor if isinstance(anchor, lm.Quantize) else None
@@ -444,18 +461,13 @@ def _attention_parts(match: RewriteMatch) -> _AttentionParts | None:
         return None
     if not (scale is None or (isinstance(scale, (int, float)) and not isinstance(scale, bool))):
         return None
-    codes, qparams = [], []
-    for x in sdpa.args[:3]:
-        dq = _module(x) if isinstance(x, Node) else None
-        if not isinstance(dq, lm.Dequantize) or not isinstance(x.args[0], Node):  # type: ignore[union-attr]
-            return None
-        codes.append(x.args[0])  # type: ignore[union-attr]
-        qparams.append(dq.input_qparams)
+    found = _dequantized_codes(sdpa.args[:3])
+    if found is None:
+        return None
     out_qp = None if quantize is None else quantize.output_qparams
     return _AttentionParts(
-        sdpa, (codes[0], codes[1], codes[2]), (qparams[0], qparams[1], qparams[2]), mask,
-        None if scale is None else float(scale), out_qp, bool(causal),
-    )  # fmt: skip
+        sdpa, *found, mask, None if scale is None else float(scale), out_qp, bool(causal)
+    )
 
 
 def _build_attention(ctx: LoweringContext, m: RuleMatch) -> Node:
@@ -504,18 +516,12 @@ def _core_attention_parts(match: RewriteMatch) -> tuple[_AttentionParts, int] | 
         return None
     if "need_weights" not in given:  # AttentionCore's default returns the weights too
         return None
-    codes, qparams = [], []
-    for x in core_node.args[:3]:
-        dq = _module(x) if isinstance(x, Node) else None
-        if not isinstance(dq, lm.Dequantize) or not isinstance(x.args[0], Node):  # type: ignore[union-attr]
-            return None
-        codes.append(x.args[0])  # type: ignore[union-attr]
-        qparams.append(dq.input_qparams)
-    parts = _AttentionParts(
-        core_node, (codes[0], codes[1], codes[2]), (qparams[0], qparams[1], qparams[2]), None,
-        None, quantize.output_qparams, False,
-    )  # fmt: skip
-    return parts, core.num_heads
+    found = _dequantized_codes(core_node.args[:3])
+    if found is None:
+        return None
+    return _AttentionParts(
+        core_node, *found, None, None, quantize.output_qparams, False
+    ), core.num_heads
 
 
 def _build_core_attention(ctx: LoweringContext, m: RuleMatch) -> Node:
