@@ -561,6 +561,7 @@ class FloatColumns:
         if not np.all(np.isfinite(w)):
             raise KernelError("weight: the float columns must be finite")
         self.channels = np.ascontiguousarray(ch, dtype=np.int64)
+        self.k_needed = int(ch.max()) + 1  # a Linear with at least this many input channels
         self.n = int(w.shape[0])
         # [S, N]: each channel's row of output contributions, read along the output row
         self.weight_t = np.ascontiguousarray(w.T)
@@ -687,7 +688,7 @@ def _finish_arguments(
     if columns is not None:
         if type(columns) is not FloatColumns:
             raise KernelError(f"columns: expected FloatColumns, got {type(columns).__name__}")
-        if columns.n != packed.n or int(columns.channels.max()) >= packed.k:
+        if columns.n != packed.n or columns.k_needed > packed.k:
             raise KernelError(
                 f"columns: {columns!r} does not fit the weight [{packed.n}, {packed.k}] "
                 f"(needs N={packed.n} and channels below {packed.k})"

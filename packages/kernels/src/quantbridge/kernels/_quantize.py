@@ -210,7 +210,7 @@ def _quantize_flat_par(x, out, scale, zp, lo, hi):  # type: ignore[no-untyped-de
 
 
 @intrinsic
-def quantize_u8_vectors(typingctx, x, out, inv, zp):  # type: ignore[no-untyped-def]
+def _quantize_u8_vectors(typingctx, x, out, inv, zp):  # type: ignore[no-untyped-def]
     """``out[j] = clamp(rint(fma(x[j], inv, zp)), 0, 255)`` (NaN -> 255), every ``j``, in
     16-float vectors: ``_quantize_one`` for uint8's full range, the same bytes."""
     if not (flat_f32(x) and flat_u8(out) and inv == types.float32 and zp == types.float32):
@@ -236,7 +236,7 @@ def quantize_u8_vectors(typingctx, x, out, inv, zp):  # type: ignore[no-untyped-
 @numba.njit(cache=True)
 def _quantize_u8_flat(x, out, scale, zp, lo, hi):  # type: ignore[no-untyped-def]
     inv, zpf, _, _ = f32_params(scale, zp, lo, hi)
-    quantize_u8_vectors(x, out, inv, zpf)  # type: ignore[call-arg]  # an intrinsic
+    _quantize_u8_vectors(x, out, inv, zpf)  # type: ignore[call-arg]  # an intrinsic
 
 
 @numba.njit(cache=True, parallel=True)
@@ -245,7 +245,7 @@ def _quantize_u8_flat_par(x, out, scale, zp, lo, hi):  # type: ignore[no-untyped
     n = x.size
     for c in numba.prange((n + _CHUNK - 1) // _CHUNK):
         lo, hi = c * _CHUNK, min(c * _CHUNK + _CHUNK, n)
-        quantize_u8_vectors(x[lo:hi], out[lo:hi], inv, zpf)  # type: ignore[call-arg]
+        _quantize_u8_vectors(x[lo:hi], out[lo:hi], inv, zpf)  # type: ignore[call-arg]
 
 
 @numba.njit(cache=True)
