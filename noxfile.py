@@ -43,10 +43,12 @@ TEST_WORKERS = "2"
 # Extra installs the tests need: lowering's tests load a third-party backend through the
 # `quantbridge.backends` entry point, from a small plugin distribution kept in its tests,
 # and smoke-test the demo, which reads scikit-learn's digits data; qconfig's calibration
-# observers are compared with ONNX Runtime's calibrators (which import onnx).
+# observers are compared with ONNX Runtime's calibrators (which import onnx); fx_quant's
+# ONNX export is run in ONNX Runtime (torch.onnx's exporter needs onnxscript).
 TEST_EXTRAS = (
     "scikit-learn",
     "onnx",
+    "onnxscript",
     "onnxruntime",
     "-e",
     str(ROOT / "packages" / "lowering" / "tests" / "plugin"),

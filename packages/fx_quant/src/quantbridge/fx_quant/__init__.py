@@ -50,6 +50,12 @@ from quantbridge.fx_quant._errors import FxQuantError
 from quantbridge.fx_quant._explain import ExplainReport, explain
 from quantbridge.fx_quant._export_capture import ExportCaptureError, equivalence_table
 from quantbridge.fx_quant._fuse import FusionError
+from quantbridge.fx_quant._onnx_export import (
+    ONNX_OPSETS,
+    OnnxExportError,
+    OnnxExportReport,
+    export_onnx,
+)
 from quantbridge.fx_quant._outlier_channels import (
     OutlierChannelsConfig,
     keep_outlier_channels_float,
@@ -149,4 +155,9 @@ __all__ = [
     "sync_observers_hook",
     # accuracy: bias correction of quantized weights on calibration data
     "bias_correction",
+    # deployment: QDQ ONNX files for ONNX Runtime, OpenVINO and TensorRT
+    "export_onnx",
+    "OnnxExportError",
+    "OnnxExportReport",
+    "ONNX_OPSETS",
 ]

@@ -78,6 +78,7 @@ from quantbridge.qconfig._defaults import (
     get_default_qconfig_mapping,
     get_symmetric_qnnpack_qat_qconfig_mapping,
     get_symmetric_qnnpack_qconfig_mapping,
+    get_tensorrt_qconfig_mapping,
     per_channel_dynamic_qconfig,
 )
 from quantbridge.qconfig._dtypes import (
@@ -211,6 +212,7 @@ __all__ = [
     "get_default_qconfig_mapping",
     "get_symmetric_qnnpack_qat_qconfig_mapping",
     "get_symmetric_qnnpack_qconfig_mapping",
+    "get_tensorrt_qconfig_mapping",
     "PartialWrapper",
     "FakeQuantize",
     "FakeQuantizeBase",

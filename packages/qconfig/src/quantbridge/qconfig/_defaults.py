@@ -44,6 +44,7 @@ from quantbridge.qconfig._default_factories import (
     per_channel_weight_observer_range_neg_127_to_127,
     weight_observer_range_neg_127_to_127,
 )
+from quantbridge.qconfig._dtypes import QScheme
 from quantbridge.qconfig._errors import QConfigError
 from quantbridge.qconfig._factory import PartialWrapper
 from quantbridge.qconfig._fake_quantize import (
@@ -311,4 +312,37 @@ def get_symmetric_qnnpack_qat_qconfig_mapping() -> QConfigMapping:
     """The QAT counterpart of :func:`get_symmetric_qnnpack_qconfig_mapping`."""
     return _with_global(
         get_default_qat_qconfig_mapping("qnnpack"), default_symmetric_qnnpack_qat_qconfig
+    )
+
+
+def _tensorrt_activation(is_qat: bool) -> PartialWrapper:
+    """Symmetric int8 activations, zero point 0 (TensorRT's explicit quantization)."""
+    if is_qat:
+        return FusedMovingAvgObsFakeQuantize.with_args(
+            observer=MovingAverageMinMaxObserver,
+            quant_min=-128,
+            quant_max=127,
+            dtype=torch.int8,
+            qscheme=QScheme.PER_TENSOR_SYMMETRIC,
+            reduce_range=False,
+        )
+    return HistogramObserver.with_args(
+        dtype=torch.int8, qscheme=QScheme.PER_TENSOR_SYMMETRIC, reduce_range=False
+    )
+
+
+def get_tensorrt_qconfig_mapping(is_qat: bool = False) -> QConfigMapping:
+    """Symmetric int8 everywhere, as TensorRT's explicit quantization takes it: activations
+    per tensor with zero point 0, weights per channel in [-127, 127].
+
+    Use it with ``get_tensorrt_backend_config()`` and export with
+    ``export_onnx(..., profile="tensorrt")``.
+    """
+    weight = (
+        fused_per_channel_wt_fake_quant_range_neg_127_to_127
+        if is_qat
+        else per_channel_weight_observer_range_neg_127_to_127
+    )
+    return QConfigMapping().set_global(
+        QConfig(activation=_tensorrt_activation(is_qat), weight=weight)
     )

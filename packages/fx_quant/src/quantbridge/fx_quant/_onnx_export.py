@@ -1,0 +1,730 @@
+"""ONNX export in QDQ form: QuantizeLinear / DequantizeLinear around standard float ops.
+
+The reference model says exactly what a quantized model computes, so the file is the
+reference model written in ONNX:
+
+1. the reference model is captured once more with ``torch.export`` (ATen ops; every
+   dimension dynamic where the model allows it), which inlines the reference modules' weight
+   round trips into the graph;
+2. on that graph, every quantize of a constant (a weight) is computed here, with the
+   reference's own op, and stored as an integer constant: the file holds int8 weights whose
+   bytes are the reference model's codes;
+3. activation quantizers are checked against the profile; a quant range narrower than its
+   dtype gets a float clamp at the range's ends (exact, see ``NarrowRanges``); a clamp before a
+   quantize whose range it cannot change is dropped (exact: quantizing is monotonic);
+4. ``torch.onnx.export`` translates the graph, with this module's translations of the
+   ``torch.ops.quantbridge`` ops.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import importlib
+import logging
+import re
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, cast
+
+import torch
+from torch import fx, nn
+
+from quantbridge.fx_quant._errors import FxQuantError
+from quantbridge.fx_quant._export_capture import _auto_dynamic_shapes, _SizeOblivious
+from quantbridge.fx_quant._ops import QUANT_DTYPE_RANGES
+from quantbridge.fx_quant._state import OBSERVED_KEY
+
+__all__ = ["ONNX_OPSETS", "OnnxExportError", "OnnxExportReport", "export_onnx"]
+
+# torch.onnx's exporter writes opset 18 and later; QuantizeLinear takes 16-bit types from 21.
+ONNX_OPSETS = range(18, 24)
+_DEFAULT_OPSET = 21
+_OPSET_16_BIT = 21
+
+Profile = Literal["ort", "tensorrt"]
+NarrowRanges = Literal["clip", "widen"]
+
+_Q = torch.ops.quantbridge
+_QUANTIZE = (
+    _Q.quantize_per_tensor.default,
+    _Q.quantize_per_tensor.tensor,
+    _Q.quantize_per_channel.default,
+)
+_DEQUANTIZE = (
+    _Q.dequantize_per_tensor.default,
+    _Q.dequantize_per_tensor.tensor,
+    _Q.dequantize_per_channel.default,
+)
+# ATen clamps a quantize can make redundant: (op, positions of its min and max arguments).
+_CLAMPS: dict[Any, tuple[int | None, int | None]] = {
+    torch.ops.aten.relu.default: (None, None),
+    torch.ops.aten.relu_.default: (None, None),
+    torch.ops.aten.hardtanh.default: (1, 2),
+    torch.ops.aten.hardtanh_.default: (1, 2),
+    torch.ops.aten.clamp.default: (1, 2),
+    torch.ops.aten.clamp_.default: (1, 2),
+}
+_RELUS = (torch.ops.aten.relu.default, torch.ops.aten.relu_.default)
+_HARDTANHS = (torch.ops.aten.hardtanh.default, torch.ops.aten.hardtanh_.default)
+_ONNX_DTYPE = {torch.uint8: 2, torch.int8: 3, torch.uint16: 4, torch.int16: 5}
+
+_TENSORRT_FIX = (
+    "quantize the model for TensorRT: prepare_fx(model, "
+    "quantbridge.qconfig.get_tensorrt_qconfig_mapping(), example_inputs, "
+    "backend_config=quantbridge.fx_quant.get_tensorrt_backend_config())"
+)
+
+
+class OnnxExportError(FxQuantError):
+    """A model, argument or node that has no faithful ONNX QDQ form."""
+
+
+@dataclass(frozen=True)
+class OnnxExportReport:
+    """What :func:`export_onnx` wrote.
+
+    ``weights``: the modules whose weights are stored as integer initializers.
+    ``activation_quantizers``: QuantizeLinear nodes on activations.
+    ``clipped``: activation quantizers given a float ``Clip`` because their range is narrower
+    than their dtype (``narrow_ranges="clip"``), named by their scale attribute on the
+    reference model; ``widened`` the same under ``narrow_ranges="widen"``.
+    ``removed_clamps``: ReLU / clamp nodes dropped because the quantize after them already
+    clamps to the same codes.
+    ``dynamic_axes``: per ONNX input, the axes whose size may vary.
+    """
+
+    path: Path
+    opset: int
+    profile: str
+    weights: tuple[str, ...]
+    activation_quantizers: int
+    clipped: tuple[str, ...]
+    widened: tuple[str, ...]
+    removed_clamps: int
+    dynamic_axes: dict[str, tuple[int, ...]]
+
+
+def export_onnx(
+    model: nn.Module,
+    example_inputs: tuple[Any, ...],
+    path: str | Path,
+    *,
+    opset: int | None = None,
+    profile: Profile = "ort",
+    narrow_ranges: NarrowRanges = "clip",
+    dynamic: bool = True,
+) -> OnnxExportReport:
+    """Write ``model`` as a QDQ ONNX file that ONNX Runtime, OpenVINO and TensorRT read.
+
+    ``model`` is a prepared and calibrated model (it is converted to its reference model on a
+    copy) or a reference model (``convert_to_reference_fx``), from either capture.
+    Activations are quantized per tensor and weights per tensor or per channel, exactly as the
+    reference model does; weights are stored as integer initializers.
+
+    ``opset``: 18 to 23 (default 21; 16-bit activations need 21).
+    ``profile``:
+
+    * ``"ort"``: whatever the reference model uses (uint8 or int8, any zero point), for ONNX
+      Runtime and OpenVINO;
+    * ``"tensorrt"``: refuses unless every quantizer is int8 with zero point 0 and weights lie
+      in [-127, 127], which is what TensorRT's explicit quantization takes.
+
+    ``narrow_ranges``: ONNX's QuantizeLinear always saturates at its dtype's range. For an
+    activation quantized to a narrower range (7-bit activations: [0, 127] in uint8),
+    ``"clip"`` adds a float ``Clip`` at that range's ends first, which keeps the reference
+    model's codes exactly, but stops ONNX Runtime from fusing that quantize into the integer op
+    before it. ``"widen"`` leaves it out: codes agree with the reference model inside the
+    calibrated range, and continue past it up to the dtype's limit.
+
+    ``dynamic``: every input dimension the model allows stays dynamic (else the example
+    inputs' sizes are fixed).
+    """
+    if profile not in ("ort", "tensorrt"):
+        raise OnnxExportError(f"export_onnx: profile={profile!r}; use 'ort' or 'tensorrt'")
+    if narrow_ranges not in ("clip", "widen"):
+        raise OnnxExportError(
+            f"export_onnx: narrow_ranges={narrow_ranges!r}; use 'clip' (exact) or 'widen'"
+        )
+    opset = _DEFAULT_OPSET if opset is None else opset
+    if opset not in ONNX_OPSETS:
+        raise OnnxExportError(
+            f"export_onnx: opset={opset} is not supported; use {ONNX_OPSETS.start} to "
+            f"{ONNX_OPSETS.stop - 1}"
+        )
+    if not isinstance(example_inputs, tuple):
+        raise OnnxExportError(
+            f"export_onnx: example_inputs must be a tuple of the model's inputs, got "
+            f"{type(example_inputs).__name__}; wrap a single tensor as (x,)"
+        )
+    onnx = _import_onnx()
+    reference = _reference_model(model)
+    graph = _aten_graph(reference, example_inputs, dynamic)
+    _check_dtypes(graph, opset)
+    if profile == "tensorrt":
+        _check_tensorrt(graph)
+    weights = _fold_weight_quantizers(graph)
+    removed = _drop_redundant_clamps(graph)
+    clipped, widened = _narrow_ranges(graph, narrow_ranges)
+    activations = sum(1 for n in graph.graph.nodes if n.target in _QUANTIZE)
+    graph.graph.lint()
+    graph.recompile()
+
+    path = Path(path)
+    shapes = _auto_dynamic_shapes(example_inputs) if dynamic else None
+    try:
+        with _SizeOblivious(), _quiet_exporter():
+            program = torch.onnx.export(
+                graph,
+                example_inputs,
+                dynamo=True,
+                dynamic_shapes=shapes,
+                custom_translation_table=_translations(opset),
+                opset_version=opset,
+                optimize=True,
+                verbose=False,
+            )
+    except Exception as e:  # the exporter runs the whole model
+        raise OnnxExportError(
+            f"export_onnx: torch.onnx cannot translate the reference model: {_root_cause(e)}\n"
+            "  fix: if the op named above has no ONNX translation in torch "
+            f"{torch.__version__}; keep it float (QConfigMapping: set_object_type(op, None)) "
+            "or replace it"
+        ) from e
+    assert program is not None
+    program.save(str(path), external_data=False)
+    saved = onnx.load(str(path))
+    _check_weights_are_integers(saved)
+    onnx.checker.check_model(saved, full_check=True)
+    return OnnxExportReport(
+        path=path,
+        opset=opset,
+        profile=profile,
+        weights=weights,
+        activation_quantizers=activations,
+        clipped=clipped,
+        widened=widened,
+        removed_clamps=removed,
+        dynamic_axes=_dynamic_axes(saved),
+    )
+
+
+# --- the model to export -------------------------------------------------------------------
+
+
+def _import_onnx() -> Any:
+    try:
+        onnx = importlib.import_module("onnx")
+        importlib.import_module("onnxscript")  # torch.onnx's exporter needs it
+    except ImportError as e:
+        raise OnnxExportError(
+            f"export_onnx needs the onnx and onnxscript packages ({e}); install them with "
+            "pip install 'quantbridge-fx-quant[onnx]'"
+        ) from e
+    return onnx
+
+
+def _reference_model(model: nn.Module) -> nn.Module:
+    from quantbridge.fx_quant._api import convert_to_reference_fx
+
+    if isinstance(model, fx.GraphModule) and OBSERVED_KEY in model.meta:
+        return convert_to_reference_fx(copy.deepcopy(model))
+    if isinstance(model, fx.GraphModule) and (
+        any(n.target in _QUANTIZE or n.target in _DEQUANTIZE for n in model.graph.nodes)
+        or any(_is_reference_module(m) for m in model.modules())
+    ):
+        return model
+    raise OnnxExportError(
+        f"export_onnx: {type(model).__name__} holds no quantize or dequantize op, so it is "
+        "not a quantized model's reference form; pass the prepared and calibrated model "
+        "(prepare_fx + calibration) or convert_to_reference_fx(prepared), not the float model "
+        "or a lowered one"
+    )
+
+
+def _is_reference_module(module: nn.Module) -> bool:
+    return type(module).__module__.startswith("quantbridge.fx_quant.nn.reference")
+
+
+def _aten_graph(
+    reference: nn.Module, example_inputs: tuple[Any, ...], dynamic: bool
+) -> fx.GraphModule:
+    shapes = _auto_dynamic_shapes(example_inputs) if dynamic else None
+    try:
+        with _SizeOblivious():
+            program = torch.export.export(
+                reference, example_inputs, dynamic_shapes=shapes, strict=False
+            )
+    except Exception as e:  # export runs the whole model
+        raise OnnxExportError(
+            f"export_onnx: torch.export cannot capture the reference model: "
+            f"{type(e).__name__}: {_first_line(e)}\n"
+            "  fix: check that the reference model runs on example_inputs"
+        ) from e
+    graph = program.module()
+    assert isinstance(graph, fx.GraphModule)
+    return graph
+
+
+@contextlib.contextmanager
+def _quiet_exporter() -> Iterator[None]:
+    """torch.onnx logs warnings about packages the export does not use (torchvision's ops),
+    and warns that ``torch.export``'s module is in training mode (it cannot be switched)."""
+    loggers = [logging.getLogger(name) for name in ("torch.onnx", "onnxscript", "onnx_ir")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Exporting a model while it is in training")
+            yield
+    finally:
+        for logger, level in zip(loggers, levels, strict=True):
+            logger.setLevel(level)
+
+
+def _root_cause(e: BaseException) -> str:
+    """The innermost exception of torch.onnx's chain, and the node it was translating."""
+    node = ""
+    while e.__cause__ is not None:
+        match = re.search(r"Error when translating node (%\S+)", str(e))
+        node = match.group(1) if match else node
+        e = e.__cause__
+    where = f" (translating {node})" if node else ""
+    return f"{type(e).__name__}: {_first_line(e)}{where}"
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else ""
+
+
+# --- reading quantize nodes ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Quantizer:
+    """A quantize node's arguments, its tensor ones read from the graph's constants."""
+
+    node: fx.Node
+    scale: torch.Tensor
+    zero_point: torch.Tensor
+    axis: int | None
+    quant_min: int
+    quant_max: int
+    dtype: torch.dtype
+    name: str  # what the user finds on the reference model
+
+    def codes_of(self, values: torch.Tensor) -> torch.Tensor:
+        """``values`` quantized exactly as this node does."""
+        args = (values, self.scale, self.zero_point)
+        if self.axis is not None:
+            codes = _Q.quantize_per_channel(*args, self.axis, *self._range())
+        else:
+            codes = _Q.quantize_per_tensor.tensor(*args, *self._range())
+        return cast(torch.Tensor, codes)
+
+    def _range(self) -> tuple[int, int, torch.dtype]:
+        return self.quant_min, self.quant_max, self.dtype
+
+
+def _constant(graph: fx.GraphModule, arg: Any) -> torch.Tensor | None:
+    """The tensor behind ``arg`` if it is a constant of the graph, a Python number as a
+    tensor, else None."""
+    if isinstance(arg, fx.Node):
+        if arg.op != "get_attr":
+            return None
+        value = _attr(graph, str(arg.target))
+        return value.detach() if isinstance(value, torch.Tensor) else None
+    if isinstance(arg, (int, float)):
+        return torch.tensor(arg)
+    return None
+
+
+def _attr(graph: fx.GraphModule, target: str) -> Any:
+    owner: Any = graph
+    for part in target.split("."):
+        owner = getattr(owner, part)
+    return owner
+
+
+def _quantizer(graph: fx.GraphModule, node: fx.Node) -> _Quantizer | None:
+    """The node's quantizer, if its scale and zero point are constants (static quantization);
+    None for a dynamic one."""
+    per_channel = node.target is _Q.quantize_per_channel.default
+    scale, zero_point = _constant(graph, node.args[1]), _constant(graph, node.args[2])
+    if scale is None or zero_point is None:
+        return None
+    rest = node.args[4:] if per_channel else node.args[3:]
+    quant_min, quant_max, dtype = rest
+    return _Quantizer(
+        node=node,
+        scale=scale,
+        zero_point=zero_point,
+        axis=int(node.args[3]) if per_channel else None,  # type: ignore[arg-type]
+        quant_min=int(quant_min),  # type: ignore[arg-type]
+        quant_max=int(quant_max),  # type: ignore[arg-type]
+        dtype=dtype,  # type: ignore[arg-type]
+        name=_name(node),
+    )
+
+
+def _name(node: fx.Node) -> str:
+    """A quantizer's name on the reference model: its scale attribute, or for a weight the
+    module that owns it."""
+    scale = node.args[1]
+    source = node.args[0]
+    if isinstance(source, fx.Node) and source.op == "get_attr":
+        return f"weight of {_module_path(node)}"
+    if isinstance(scale, fx.Node) and scale.op == "get_attr":
+        return str(scale.target)
+    return node.name
+
+
+def _module_path(node: fx.Node) -> str:
+    stack = node.meta.get("nn_module_stack") or {}
+    paths = [path for path, _ in stack.values() if path]
+    return paths[-1] if paths else node.name
+
+
+def _is_weight(node: fx.Node) -> bool:
+    source = node.args[0]
+    return isinstance(source, fx.Node) and source.op == "get_attr"
+
+
+def _quantizers(graph: fx.GraphModule) -> list[_Quantizer]:
+    found = []
+    for node in graph.graph.nodes:
+        if node.target in _QUANTIZE:
+            quantizer = _quantizer(graph, node)
+            if quantizer is not None:
+                found.append(quantizer)
+    return found
+
+
+# --- checks --------------------------------------------------------------------------------
+
+
+def _check_dtypes(graph: fx.GraphModule, opset: int) -> None:
+    for node in graph.graph.nodes:
+        if node.target not in _QUANTIZE and node.target not in _DEQUANTIZE:
+            continue
+        dtype = node.args[-1]
+        if dtype not in _ONNX_DTYPE:
+            raise OnnxExportError(
+                f"export_onnx: {_name(node)} quantizes to {dtype}, which ONNX's "
+                "QuantizeLinear does not take; quantize it to uint8, int8, uint16 or int16 "
+                "(its QConfig's observer dtype), or keep it float"
+            )
+        if dtype in (torch.uint16, torch.int16) and opset < _OPSET_16_BIT:
+            raise OnnxExportError(
+                f"export_onnx: {_name(node)} quantizes to {dtype}, which QuantizeLinear takes "
+                f"from opset {_OPSET_16_BIT}; pass opset={_OPSET_16_BIT} or later"
+            )
+
+
+def _check_tensorrt(graph: fx.GraphModule) -> None:
+    """TensorRT's explicit quantization: int8, zero point 0, weights in [-127, 127]."""
+    wrong = []
+    for q in _quantizers(graph):
+        if q.dtype != torch.int8:
+            wrong.append(f"{q.name}: {q.dtype}, not torch.int8")
+        elif bool((q.zero_point != 0).any()):
+            wrong.append(f"{q.name}: zero point {q.zero_point.flatten()[:4].tolist()}, not 0")
+        elif _is_weight(q.node) and q.quant_min < -127:
+            wrong.append(f"{q.name}: weights in [{q.quant_min}, {q.quant_max}], not [-127, 127]")
+    dynamic = [
+        n.name for n in graph.graph.nodes if n.target is _Q.choose_qparams_per_tensor.default
+    ]
+    wrong += [f"{name}: dynamic quantization" for name in dynamic]
+    if wrong:
+        listed = "\n".join(f"  - {line}" for line in wrong[:12])
+        more = f"\n  ... and {len(wrong) - 12} more" if len(wrong) > 12 else ""
+        raise OnnxExportError(
+            f"export_onnx(profile='tensorrt'): {len(wrong)} quantizers are not what TensorRT "
+            f"takes (symmetric int8, zero point 0):\n{listed}{more}\n  fix: {_TENSORRT_FIX}"
+        )
+
+
+def _check_weights_are_integers(model: Any) -> None:
+    """Every DequantizeLinear of a constant reads integers (the exporter must not have folded
+    a weight back into float)."""
+    float_inits = {i.name for i in model.graph.initializer if i.data_type == 1}
+    for node in model.graph.node:
+        if node.op_type == "DequantizeLinear" and node.input[0] in float_inits:
+            raise OnnxExportError(
+                f"export_onnx: DequantizeLinear {node.name!r} reads a float initializer; this "
+                "is a bug in quantbridge, please report it with the model"
+            )
+
+
+# --- graph edits ---------------------------------------------------------------------------
+
+
+def _fold_weight_quantizers(graph: fx.GraphModule) -> tuple[str, ...]:
+    """Replace each quantize of a constant with the constant codes."""
+    folded = []
+    for q in _quantizers(graph):
+        source = q.node.args[0]
+        if not (isinstance(source, fx.Node) and source.op == "get_attr"):
+            continue
+        codes = q.codes_of(_attr(graph, str(source.target)).detach())
+        target = f"{str(source.target).replace('.', '_')}_codes"
+        graph.register_buffer(target, codes)
+        with graph.graph.inserting_before(q.node):
+            constant = graph.graph.get_attr(target)
+        q.node.replace_all_uses_with(constant)
+        graph.graph.erase_node(q.node)
+        if q.zero_point.is_floating_point():
+            _integer_zero_points(graph, constant, q)
+        folded.append(_module_path(q.node))
+    graph.graph.eliminate_dead_code()
+    _delete_unused_attributes(graph)
+    return tuple(folded)
+
+
+def _integer_zero_points(graph: fx.GraphModule, codes: fx.Node, q: _Quantizer) -> None:
+    """Float zero points (``per_channel_affine_float_qparams``, embeddings): DequantizeLinear
+    takes integer ones only, so ``(q - zp) * scale`` is written ``q * scale - zp * scale``,
+    a dequantize with zero point 0 and a per-channel float offset (within float32 rounding
+    of the reference's arithmetic)."""
+    assert q.axis is not None
+    shape = [1] * codes.meta["val"].dim() if "val" in codes.meta else [1, 1]
+    shape[q.axis] = -1
+    offset = (q.zero_point.to(torch.float32) * q.scale.to(torch.float32)).reshape(shape)
+    name = f"{codes.target}_offset"
+    graph.register_buffer(name, offset)
+    graph.register_buffer(f"{codes.target}_zero", torch.zeros_like(q.zero_point, dtype=torch.int32))
+    for dequantize in list(codes.users):
+        if dequantize.target is not _Q.dequantize_per_channel.default:
+            continue
+        readers = list(dequantize.users)
+        with graph.graph.inserting_before(dequantize):
+            zero = graph.graph.get_attr(f"{codes.target}_zero")
+        dequantize.update_arg(2, zero)
+        with graph.graph.inserting_after(dequantize):
+            shift = graph.graph.get_attr(name)
+        with graph.graph.inserting_after(shift):
+            shifted = graph.graph.call_function(torch.ops.aten.sub.Tensor, (dequantize, shift))
+        for reader in readers:
+            reader.replace_input_with(dequantize, shifted)
+
+
+def _delete_unused_attributes(graph: fx.GraphModule) -> None:
+    used = {str(n.target) for n in graph.graph.nodes if n.op == "get_attr"}
+    for name, _ in list(graph.named_parameters()) + list(graph.named_buffers()):
+        if name not in used:
+            owner_path, _, attr = name.rpartition(".")
+            owner = graph.get_submodule(owner_path)
+            delattr(owner, attr)
+
+
+def _drop_redundant_clamps(graph: fx.GraphModule) -> int:
+    """Remove ``relu`` / ``hardtanh`` / ``clamp`` feeding only a quantize that already maps
+    its bounds past the quantize's own ends: quantizing is monotonic, so
+    ``q(clamp(x, lo, hi)) == clamp(q(x), q(lo), q(hi))``, which is ``q(x)`` when
+    ``q(lo) <= quant_min`` and ``q(hi) >= quant_max``."""
+    removed = 0
+    for q in _quantizers(graph):
+        clamp = q.node.args[0]
+        if not (
+            isinstance(clamp, fx.Node)
+            and clamp.target in _CLAMPS
+            and len(clamp.users) == 1
+            and q.axis is None
+            # an in-place clamp also changes its input for that input's other readers
+            and isinstance(clamp.args[0], fx.Node)
+            and len(clamp.args[0].users) == 1
+        ):
+            continue
+        low, high = _clamp_bounds(clamp)
+        if low is None and high is None:
+            continue
+        ends = [v for v in (low, high) if v is not None]
+        codes = q.codes_of(torch.tensor(ends, dtype=torch.float32)).tolist()
+        low_ok = low is None or codes[0] <= q.quant_min
+        high_ok = high is None or codes[-1] >= q.quant_max
+        if low_ok and high_ok:
+            q.node.replace_input_with(clamp, clamp.args[0])
+            graph.graph.erase_node(clamp)
+            removed += 1
+    return removed
+
+
+def _clamp_bounds(clamp: fx.Node) -> tuple[float | None, float | None]:
+    if clamp.target in _RELUS:
+        return 0.0, None
+    low_at, high_at = _CLAMPS[clamp.target]
+    bounds = []
+    for position, default in ((low_at, -1.0), (high_at, 1.0)):
+        value = (
+            clamp.args[position] if position is not None and len(clamp.args) > position else None
+        )
+        if value is None and clamp.target in _HARDTANHS:
+            value = default
+        if value is not None and not isinstance(value, (int, float)):
+            return None, None  # a tensor bound: not a constant to check
+        bounds.append(None if value is None else float(value))
+    return bounds[0], bounds[1]
+
+
+def _narrow_ranges(
+    graph: fx.GraphModule, mode: NarrowRanges
+) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """Activation quantizers with a range narrower than their dtype: a float clamp at the
+    range's ends (``clip``), or nothing (``widen``)."""
+    clipped, widened = [], []
+    for q in _quantizers(graph):
+        if _is_weight(q.node) or (q.quant_min, q.quant_max) == QUANT_DTYPE_RANGES[q.dtype]:
+            continue
+        if mode == "widen":
+            widened.append(q.name)
+            continue
+        low, high = _range_ends(q)
+        with graph.graph.inserting_before(q.node):
+            clamp = graph.graph.call_function(
+                torch.ops.aten.clamp.default, (q.node.args[0], low, high)
+            )
+        q.node.replace_input_with(q.node.args[0], clamp)  # type: ignore[arg-type]
+        clipped.append(q.name)
+    return tuple(clipped), tuple(widened)
+
+
+def _range_ends(q: _Quantizer) -> tuple[float, float]:
+    """Float values whose codes are exactly ``quant_min`` and ``quant_max``: the dequantized
+    ends, nudged inwards in the rare case rounding puts one a code outside."""
+    codes = torch.tensor([q.quant_min, q.quant_max], dtype=torch.int32)
+    ends = (codes - q.zero_point.to(torch.int32)).to(torch.float32) * q.scale.to(torch.float32)
+    for _ in range(4):
+        got = q.codes_of(ends).to(torch.int32)
+        if bool((got == codes).all()):
+            return float(ends[0]), float(ends[1])
+        ends = torch.where(got < codes, torch.nextafter(ends, ends + 1), ends)
+        ends = torch.where(got > codes, torch.nextafter(ends, ends - 1), ends)
+    raise OnnxExportError(
+        f"export_onnx: no float value quantizes to the ends of {q.name}'s range "
+        f"[{q.quant_min}, {q.quant_max}] (scale {q.scale.tolist()}); use narrow_ranges='widen'"
+    )
+
+
+# --- ONNX translations of the quantbridge ops ----------------------------------------------
+
+
+def _translations(opset: int) -> dict[Callable[..., Any], Callable[..., Any]]:
+    """torch.onnx translation functions of ``torch.ops.quantbridge``, for ``opset``."""
+    op = getattr(importlib.import_module("onnxscript"), f"opset{opset}")
+
+    def scalar(value: Any) -> Any:
+        return op.Reshape(value, op.Constant(value_ints=[]))
+
+    def zero_point_as(zero_point: Any, dtype: int) -> Any:
+        return op.Cast(zero_point, to=_onnx_type(dtype))
+
+    def scale_of(scale: Any) -> Any:
+        return op.Cast(scale, to=1)
+
+    # per tensor: scalar scale and zero point (a one-element vector stops ONNX Runtime's fusions)
+    def quantize_per_tensor(x: Any, scale: Any, zp: Any, qmin: int, qmax: int, dtype: int) -> Any:
+        return op.QuantizeLinear(x, scalar(scale_of(scale)), scalar(zero_point_as(zp, dtype)))
+
+    def dequantize_per_tensor(q: Any, scale: Any, zp: Any, qmin: int, qmax: int, dtype: int) -> Any:
+        return op.DequantizeLinear(q, scalar(scale_of(scale)), scalar(zero_point_as(zp, dtype)))
+
+    def quantize_per_channel(
+        x: Any, scale: Any, zp: Any, axis: int, qmin: int, qmax: int, dtype: int
+    ) -> Any:
+        return op.QuantizeLinear(x, scale_of(scale), zero_point_as(zp, dtype), axis=axis)
+
+    def dequantize_per_channel(
+        q: Any, scale: Any, zp: Any, axis: int, qmin: int, qmax: int, dtype: int
+    ) -> Any:
+        return op.DequantizeLinear(q, scale_of(scale), zero_point_as(zp, dtype), axis=axis)
+
+    def choose_qparams(x: Any, qmin: int, qmax: int, reduce_range: bool = False) -> Any:
+        return _choose_qparams(op, x, qmin, qmax, reduce_range)
+
+    return {
+        _Q.quantize_per_tensor.default: quantize_per_tensor,
+        _Q.quantize_per_tensor.tensor: quantize_per_tensor,
+        _Q.dequantize_per_tensor.default: dequantize_per_tensor,
+        _Q.dequantize_per_tensor.tensor: dequantize_per_tensor,
+        _Q.quantize_per_channel.default: quantize_per_channel,
+        _Q.dequantize_per_channel.default: dequantize_per_channel,
+        _Q.choose_qparams_per_tensor.default: choose_qparams,
+    }
+
+
+def _onnx_type(dtype: Any) -> int:
+    """The exporter hands ScalarType arguments over as ONNX data types; a torch dtype is
+    mapped."""
+    if isinstance(dtype, torch.dtype):
+        return _ONNX_DTYPE[dtype]
+    return int(dtype)
+
+
+def _choose_qparams(op: Any, x: Any, qmin: int, qmax: int, reduce_range: bool) -> Any:
+    """torch's dynamic-quantization qparams (``choose_qparams_values``) in ONNX ops, in
+    float64 as torch computes them: the range widened to hold 0, a zero range's scale 0.1,
+    scales below 6.1e-5 raised to it, the zero point from the end with the smaller error."""
+    if reduce_range:
+        qmin, qmax = int(qmin / 2), int(qmax / 2)
+    f64 = 11
+    zero = op.Constant(value_float=0.0)
+    low = op.Cast(op.Min(op.ReduceMin(x, keepdims=0), zero), to=f64)
+    high = op.Cast(op.Max(op.ReduceMax(x, keepdims=0), zero), to=f64)
+    levels = _double(op, float(qmax - qmin))
+    scale = op.Div(op.Sub(high, low), levels)
+    scale32 = op.Cast(scale, to=1)
+    zero_scale = op.Or(
+        op.Equal(scale32, op.Constant(value_float=0.0)),
+        op.IsInf(op.Reciprocal(scale32)),
+    )
+    scale = op.Where(zero_scale, _double(op, 0.1), scale)
+    small = _double(op, float(torch.tensor(6.1e-5, dtype=torch.float32)))
+    tiny = op.Less(scale, small)
+    # a tiny range grows to small * levels, from whichever end is not 0
+    amplifier = op.Cast(op.Cast(op.Div(small, op.Cast(op.Cast(scale, to=1), to=f64)), to=1), to=f64)
+    grown = op.Cast(op.Cast(op.Mul(small, levels), to=1), to=f64)
+    low_zero = op.Equal(low, _double(op, 0.0))
+    high_zero = op.Equal(high, _double(op, 0.0))
+    low = op.Where(
+        tiny,
+        op.Where(
+            low_zero, low, op.Where(high_zero, op.Neg(grown), _f32(op, op.Mul(low, amplifier)))
+        ),
+        low,
+    )
+    high = op.Where(
+        tiny,
+        op.Where(low_zero, grown, op.Where(high_zero, high, _f32(op, op.Mul(high, amplifier)))),
+        high,
+    )
+    scale = op.Where(tiny, small, scale)
+    qmin_d, qmax_d = _double(op, float(qmin)), _double(op, float(qmax))
+    from_min = op.Sub(qmin_d, op.Div(low, scale))
+    from_max = op.Sub(qmax_d, op.Div(high, scale))
+    error_min = op.Add(op.Abs(qmin_d), op.Abs(op.Div(low, scale)))
+    error_max = op.Add(op.Abs(qmax_d), op.Abs(op.Div(high, scale)))
+    initial = op.Where(op.Less(error_min, error_max), from_min, from_max)
+    zero_point = op.Cast(op.Clip(op.Round(initial), qmin_d, qmax_d), to=7)
+    return scale, zero_point
+
+
+def _double(op: Any, value: float) -> Any:
+    onnx = importlib.import_module("onnx")
+    return op.Constant(value=onnx.helper.make_tensor("value", 11, [], [value]))
+
+
+def _f32(op: Any, value: Any) -> Any:
+    """``value`` rounded to float32 and back to float64."""
+    return op.Cast(op.Cast(value, to=1), to=11)
+
+
+def _dynamic_axes(model: Any) -> dict[str, tuple[int, ...]]:
+    axes = {}
+    for value in model.graph.input:
+        dims = value.type.tensor_type.shape.dim
+        axes[value.name] = tuple(i for i, d in enumerate(dims) if not d.HasField("dim_value"))
+    return axes
