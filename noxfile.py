@@ -316,6 +316,21 @@ def bench_peers(session: nox.Session) -> None:
     )
 
 
+@nox.session
+def bench_onnx(session: nox.Session) -> None:
+    """packages/lowering/bench/bench_onnx_export.py: export_onnx's file in ORT and OpenVINO.
+
+    Arguments after ``--`` go to the script, e.g. ``nox -s bench_onnx -- --models resnet18
+    --threads 1 --rounds 5 --json onnx.json``.
+    """
+    _install(session, "torch", *PEER_REQUIREMENTS, *_editable(*PACKAGES))
+    session.run(
+        "python",
+        str(ROOT / "packages" / "lowering" / "bench" / "bench_onnx_export.py"),
+        *session.posargs,
+    )
+
+
 # --- benchmarks (asv_bench/, see asv_bench/README.md) ------------------------------------------
 
 ASV_DIR = ROOT / "asv_bench"

@@ -96,6 +96,7 @@ if "--isa" in sys.argv[:-1]:
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
+from torch.fx import GraphModule  # noqa: E402
 
 import quantbridge.kernels as qk  # noqa: E402
 from quantbridge.fx_quant import (  # noqa: E402
@@ -139,7 +140,7 @@ class NotAvailableError(Exception):
     """A column that cannot exist here; its message is the whole cell (no traceback)."""
 
 
-def _error(e: BaseException) -> str:
+def short_error(e: BaseException) -> str:
     lines = str(e).strip().splitlines()
     first = lines[0][:160] if lines else ""
     return first if isinstance(e, NotAvailableError) else f"{type(e).__name__}: {first}"
@@ -152,16 +153,35 @@ def sqnr(reference: np.ndarray, other: np.ndarray) -> float:
     return math.inf if noise == 0 else 10 * math.log10(signal / noise)
 
 
-def _ort_column(path: Path, feeds: dict[str, np.ndarray]) -> Column:
+def ort_column(path: Path, feeds: dict[str, np.ndarray]) -> Column:
     return lambda threads: _peers.ort_runner(path, feeds, threads)
 
 
-def _openvino_column(ov_model: Any, feeds: dict[str, np.ndarray]) -> Column:
+def openvino_column(ov_model: Any, feeds: dict[str, np.ndarray]) -> Column:
     return lambda threads: _peers.openvino_runner(ov_model, feeds, threads)
 
 
-def _torch_column(model: Callable[..., Any], *args: Any) -> Column:
+def torch_column(model: Callable[..., Any], *args: Any) -> Column:
     return lambda threads: lambda: _peers.to_numpy(model(*args))
+
+
+def prepare_calibrated(
+    model: nn.Module,
+    mapping: QConfigMapping,
+    example: tuple[Any, ...],
+    calib: list[tuple[Any, ...]],
+    **prepare_args: Any,
+) -> GraphModule:
+    """prepare (a copy of ``model``) with the numba backend's config, calibrate on ``calib``."""
+    prepared = prepare_fx(
+        copy.deepcopy(model),
+        mapping,
+        example,
+        backend_config=get_backend("numba").backend_config,
+        **prepare_args,
+    )
+    calibrate(prepared, calib, progress=False)
+    return prepared
 
 
 def _quantbridge(
@@ -172,16 +192,8 @@ def _quantbridge(
     **prepare_args: Any,
 ) -> nn.Module:
     """prepare with the numba backend's config, calibrate, convert + lower by ``numba``."""
-    backend = get_backend("numba")
-    prepared = prepare_fx(
-        copy.deepcopy(model),
-        mapping,
-        example,
-        backend_config=backend.backend_config,
-        **prepare_args,
-    )
-    calibrate(prepared, calib, progress=False)
-    lowered: nn.Module = backend.convert(prepared)
+    prepared = prepare_calibrated(model, mapping, example, calib, **prepare_args)
+    lowered: nn.Module = get_backend("numba").convert(prepared)
     return lowered
 
 
@@ -211,7 +223,7 @@ class Suite:
         try:
             column = build()
         except Exception as e:  # a peer that fails is a result, not the end of the run
-            self.errors[name] = _error(e)
+            self.errors[name] = short_error(e)
             if not isinstance(e, NotAvailableError):
                 traceback.print_exc(limit=4, file=sys.stderr)
             return None
@@ -220,7 +232,7 @@ class Suite:
 
 
 @contextmanager
-def _threads(n: int) -> Iterator[None]:
+def torch_threads(n: int) -> Iterator[None]:
     previous = torch.get_num_threads()
     torch.set_num_threads(n)
     try:
@@ -229,7 +241,7 @@ def _threads(n: int) -> Iterator[None]:
         torch.set_num_threads(previous)
 
 
-def _calib_images(n: int, seed: int) -> list[torch.Tensor]:
+def calib_images(n: int, seed: int) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randn(1, 3, 224, 224, generator=g) for _ in range(n)]
 
@@ -242,8 +254,8 @@ def cnn_suite(name: str, calib_batches: int, eval_batches: int) -> Suite:
         model = VisionTransformer().eval()
     else:
         model = real_models.build(name, full_size=True).eval()
-    calib = _calib_images(calib_batches, seed=1)
-    held_out = _calib_images(eval_batches, seed=2)
+    calib = calib_images(calib_batches, seed=1)
+    held_out = calib_images(eval_batches, seed=2)
     x = held_out[0].clone()  # every column reads this input; refilled in place for SQNR
     feeds = {"input": x.numpy()}  # shares x's memory
     with torch.no_grad():
@@ -251,12 +263,12 @@ def cnn_suite(name: str, calib_batches: int, eval_batches: int) -> Suite:
         channels_last = copy.deepcopy(model).to(memory_format=torch.channels_last)  # type: ignore[call-overload]
         x_cl = x.contiguous(memory_format=torch.channels_last)
 
-    suite.add("fp32 NCHW", lambda: _torch_column(model, x))
-    suite.add("fp32 channels_last", lambda: _torch_column(channels_last, x_cl))
+    suite.add("fp32 NCHW", lambda: torch_column(model, x))
+    suite.add("fp32 channels_last", lambda: torch_column(channels_last, x_cl))
 
     def torch_ao() -> Column:
         ao = _peers.torch_ao_x86(model, "static", (x,), [(c,) for c in calib])
-        return _torch_column(ao, x)
+        return torch_column(ao, x)
 
     suite.add("torch.ao x86", torch_ao)
 
@@ -267,7 +279,7 @@ def cnn_suite(name: str, calib_batches: int, eval_batches: int) -> Suite:
         mapping = backend.qconfig_mapping(transformer=transformer)
         lowered = _quantbridge(model, mapping, (x,), [(c,) for c in calib])
         suite.profiles["quantbridge numba"] = _module_times(lowered, x)
-        return _torch_column(lowered, x)
+        return torch_column(lowered, x)
 
     suite.add("quantbridge numba", numba)
 
@@ -275,7 +287,7 @@ def cnn_suite(name: str, calib_batches: int, eval_batches: int) -> Suite:
         fp32 = _peers.onnx_export(model, (x,), ["input"], WORK / f"{name}.onnx")
         calib_feeds = [{"input": c.numpy()} for c in calib]
         int8 = _peers.ort_quantize_static(fp32, calib_feeds, WORK / f"{name}.qdq.onnx")
-        return _ort_column(int8, feeds)
+        return ort_column(int8, feeds)
 
     suite.add("ORT int8 QDQ", ort)
 
@@ -286,12 +298,12 @@ def cnn_suite(name: str, calib_batches: int, eval_batches: int) -> Suite:
         suite.profiles["OpenVINO int8"] = functools.partial(
             _peers.openvino_layer_times, quantized, feeds
         )
-        return _openvino_column(quantized, feeds)
+        return openvino_column(quantized, feeds)
 
     suite.add("OpenVINO int8", openvino)
 
     # SQNR of every int8 column on the held-out images (one thread)
-    with torch.no_grad(), _threads(1):
+    with torch.no_grad(), torch_threads(1):
         for column, make in list(suite.columns.items()):
             if column in suite.fp32_variants:
                 continue
@@ -305,7 +317,7 @@ def cnn_suite(name: str, calib_batches: int, eval_batches: int) -> Suite:
                     "sqnr_db": sqnr(np.concatenate(reference), np.concatenate(outs))
                 }
             except Exception as e:
-                suite.errors[column] = _error(e)
+                suite.errors[column] = short_error(e)
                 del suite.columns[column]
         x.copy_(held_out[0])
     return suite
@@ -316,7 +328,7 @@ def cnn_suite(name: str, calib_batches: int, eval_batches: int) -> Suite:
 BERT_SEQ = 128
 
 
-def _sentences(n: int, vocab: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+def random_sentences(n: int, vocab: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``n`` random "sentences": [CLS] tokens [SEP], 8..128 long, zero-padded to 128."""
     g = torch.Generator().manual_seed(seed)
     ids = torch.zeros(n, BERT_SEQ, dtype=torch.long)
@@ -329,12 +341,12 @@ def _sentences(n: int, vocab: int, seed: int) -> tuple[torch.Tensor, torch.Tenso
     return ids, mask
 
 
-def _pooled(hidden: np.ndarray, mask: np.ndarray) -> np.ndarray:
+def mean_pooled(hidden: np.ndarray, mask: np.ndarray) -> np.ndarray:
     m = mask[..., None].astype(np.float32)
     return np.asarray((hidden * m).sum(1) / m.sum(1), dtype=np.float64)
 
 
-def _fidelity(reference: np.ndarray, other: np.ndarray, k: int = 10) -> dict[str, float]:
+def embedding_fidelity(reference: np.ndarray, other: np.ndarray, k: int = 10) -> dict[str, float]:
     """Mean cosine per sentence, top-k neighbour overlap, SQNR of the pooled embeddings."""
 
     def unit(e: np.ndarray) -> np.ndarray:
@@ -353,7 +365,7 @@ def _fidelity(reference: np.ndarray, other: np.ndarray, k: int = 10) -> dict[str
     return {"cosine": cosine, "top10_overlap": overlap, "sqnr_db": sqnr(reference, other)}
 
 
-class _Hidden(nn.Module):
+class LastHiddenState(nn.Module):
     """``BertModel`` -> last_hidden_state only (for the ONNX export's single output)."""
 
     def __init__(self, bert: nn.Module) -> None:
@@ -367,18 +379,25 @@ class _Hidden(nn.Module):
         return out
 
 
-def bert_suites(
-    batches: Sequence[int], sentences: int, calib_sentences: int, trained_outliers: bool = False
-) -> list[Suite]:
+def bert_model() -> Any:
+    """transformers' ``BertModel``: 6 layers, hidden 384, 12 heads, FFN 1536, seeded random
+    init (nothing is downloaded)."""
     transformers = importlib.import_module("transformers")
     config = transformers.BertConfig(
         num_hidden_layers=6, hidden_size=384, num_attention_heads=12, intermediate_size=1536
     )
     torch.manual_seed(0)
-    bert = transformers.BertModel(config).eval()
-    model = _Hidden(bert).eval()
-    ids, mask = _sentences(sentences, config.vocab_size, seed=3)
-    calib_ids, calib_mask = _sentences(calib_sentences, config.vocab_size, seed=4)
+    return transformers.BertModel(config).eval()
+
+
+def bert_suites(
+    batches: Sequence[int], sentences: int, calib_sentences: int, trained_outliers: bool = False
+) -> list[Suite]:
+    bert = bert_model()
+    config = bert.config
+    model = LastHiddenState(bert).eval()
+    ids, mask = random_sentences(sentences, config.vocab_size, seed=3)
+    calib_ids, calib_mask = random_sentences(calib_sentences, config.vocab_size, seed=4)
     if trained_outliers:  # the activation statistics of a trained BERT (bert_zoo)
         settle = [(calib_ids[i : i + 8], calib_mask[i : i + 8]) for i in range(0, 32, 8)]
         add_trained_outliers(model, hf_bert_parts(bert), settle)
@@ -390,7 +409,7 @@ def bert_suites(
                 for i in range(0, sentences, eval_batch)
             ]
         )
-    reference_pooled = _pooled(reference, mask.numpy())
+    reference_pooled = mean_pooled(reference, mask.numpy())
     calib_pairs = [(calib_ids[i : i + 1], calib_mask[i : i + 1]) for i in range(calib_sentences)]
 
     # shared across batch sizes: the torch-side quantized models are shape-agnostic
@@ -441,10 +460,10 @@ def bert_suites(
         suite = Suite(f"bert batch {batch}")
         x_ids, x_mask = ids[:batch], mask[:batch]
         feeds = {"input_ids": x_ids.numpy(), "attention_mask": x_mask.numpy()}
-        suite.add("fp32", functools.partial(_torch_column, model, x_ids, x_mask))
+        suite.add("fp32", functools.partial(torch_column, model, x_ids, x_mask))
 
         def torch_ao(x_ids: torch.Tensor = x_ids, x_mask: torch.Tensor = x_mask) -> Column:
-            return _torch_column(once("ao", torch_ao_dynamic), x_ids, x_mask)
+            return torch_column(once("ao", torch_ao_dynamic), x_ids, x_mask)
 
         suite.add("torch.ao dynamic", torch_ao)
 
@@ -457,7 +476,7 @@ def bert_suites(
             fp32 = _peers.onnx_export(
                 model, (x_ids, x_mask), ["input_ids", "attention_mask"], WORK / f"bert{batch}.onnx"
             )
-            return _ort_column(
+            return ort_column(
                 _peers.ort_quantize_dynamic(fp32, WORK / f"bert{batch}.dyn.onnx"), feeds
             )
 
@@ -473,7 +492,7 @@ def bert_suites(
             suite.profiles["OpenVINO int8"] = functools.partial(
                 _peers.openvino_layer_times, quantized, feeds
             )
-            return _openvino_column(quantized, feeds)
+            return openvino_column(quantized, feeds)
 
         suite.add("OpenVINO int8", openvino)
         for mode in ("dynamic", "dynamic per token", "static", "static recipe"):
@@ -488,14 +507,14 @@ def bert_suites(
                 with torch.no_grad():
                     lowered(x_ids, x_mask)
                 suite.profiles[f"quantbridge {mode}"] = _module_times(lowered, x_ids, x_mask)
-                return _torch_column(lowered, x_ids, x_mask)
+                return torch_column(lowered, x_ids, x_mask)
 
             suite.add(f"quantbridge {mode}", qb)
         suites.append(suite)
 
     # fidelity on every sentence, each column at batch ``eval_batch``
     fidelity_suite = next(s for s in suites if s.name == f"bert batch {eval_batch}")
-    with torch.no_grad(), _threads(1):
+    with torch.no_grad(), torch_threads(1):
         for column, make in list(fidelity_suite.columns.items()):
             if column == "fp32":
                 continue
@@ -508,12 +527,12 @@ def bert_suites(
                     ids[:eval_batch].copy_(saved_ids[i : i + eval_batch])
                     mask[:eval_batch].copy_(saved_mask[i : i + eval_batch])
                     outs.append(runner())
-                pooled = _pooled(np.concatenate(outs), saved_mask.numpy())
+                pooled = mean_pooled(np.concatenate(outs), saved_mask.numpy())
                 for suite in suites:
                     if column in suite.columns:
-                        suite.fidelity[column] = _fidelity(reference_pooled, pooled)
+                        suite.fidelity[column] = embedding_fidelity(reference_pooled, pooled)
             except Exception as e:
-                fidelity_suite.errors[column] = f"fidelity failed: {_error(e)}"
+                fidelity_suite.errors[column] = f"fidelity failed: {short_error(e)}"
                 traceback.print_exc(limit=4, file=sys.stderr)
             finally:
                 ids.copy_(saved_ids)
@@ -550,14 +569,14 @@ def lstm_suite(calib_batches: int) -> Suite:
     calib = [(torch.randn(64, 8, 512, generator=g),) for _ in range(calib_batches)]
     with torch.no_grad():
         reference = model(x).numpy()
-    suite.add("fp32", lambda: _torch_column(model, x))
+    suite.add("fp32", lambda: torch_column(model, x))
 
     def torch_ao() -> Column:
         ao_q = _peers.require("torch.ao.quantization")
         _peers.quiet_torch_ao()
         torch.backends.quantized.engine = "x86"
         quantized = ao_q.quantize_dynamic(copy.deepcopy(model), {nn.LSTM}, dtype=torch.qint8)
-        return _torch_column(quantized, x)
+        return torch_column(quantized, x)
 
     suite.add("torch.ao dynamic", torch_ao)
 
@@ -572,10 +591,10 @@ def lstm_suite(calib_batches: int) -> Suite:
                 "quantbridge dynamic: the numba backend leaves nn.LSTM in float today "
                 f"({', '.join(still_float)} is torch's float LSTM): this column is fp32"
             )
-        return _torch_column(lowered, x)
+        return torch_column(lowered, x)
 
     suite.add("quantbridge dynamic", quantbridge)
-    with torch.no_grad(), _threads(1):
+    with torch.no_grad(), torch_threads(1):
         for column, make in suite.columns.items():
             if column != "fp32":
                 suite.fidelity[column] = {"sqnr_db": sqnr(reference, make(1)())}
@@ -589,14 +608,14 @@ def time_suite(suite: Suite, threads: int, rounds: int) -> dict[str, Any]:
     """Median and minimum ms per column at ``threads``, columns interleaved in every round."""
     errors = dict(suite.errors)
     runners: dict[str, Runner] = {}
-    with _threads(threads), torch.no_grad():
+    with torch_threads(threads), torch.no_grad():
         for name, make in suite.columns.items():
             try:
                 runner = make(threads)
                 runner()  # first-call costs (compilation, allocation) outside the timing
                 runners[name] = runner
             except Exception as e:
-                errors[name] = _error(e)
+                errors[name] = short_error(e)
         samples: dict[str, list[float]] = {k: [] for k in runners}
         for _ in range(rounds):
             for name, runner in runners.items():
@@ -691,7 +710,7 @@ def profile_suite(suite: Suite, threads: int, rounds: int) -> dict[str, Any]:
     """Median µs per part of each profiled column at ``threads``, columns interleaved in every
     round (``--profile``)."""
     samples: dict[str, dict[str, list[float]]] = {}
-    with _threads(threads), torch.no_grad():
+    with torch_threads(threads), torch.no_grad():
         runners = {name: make(threads) for name, make in suite.profiles.items()}
         for runner in runners.values():
             runner()  # first-call costs outside the figures
@@ -720,7 +739,7 @@ def _print_profile(p: dict[str, Any], top: int = 12) -> None:
             print(f"    {part:56s} {us:9.1f}")
 
 
-def _print_result(r: dict[str, Any]) -> None:
+def print_result(r: dict[str, Any]) -> None:
     print(
         f"\n{r['model']}, {r['threads']} thread(s), {r['rounds']} rounds, load average "
         f"{r['load_average_1min']:.1f}: median ms (min), speed vs fp32, fidelity vs fp32"
@@ -774,7 +793,7 @@ def _markdown(results: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
     """The CPU's model name (/proc/cpuinfo), else what platform knows."""
     try:
         with open("/proc/cpuinfo") as f:
@@ -784,6 +803,25 @@ def _cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+def print_environment(isa: str | None) -> None:
+    """torch's version, the CPU, the load, quantbridge's kernel target and the peers'
+    versions: the first lines of a run."""
+    load = os.getloadavg()
+    print(
+        f"torch {torch.__version__}, {cpu_model()}, {os.cpu_count()} CPUs, load average "
+        f"{load[0]:.1f} {load[1]:.1f} {load[2]:.1f} at start"
+    )
+    print(
+        f"quantbridge kernel target {qk.best_target()}"
+        + (f"; every runtime capped at {isa} (ONNX Runtime excepted)" if isa else "")
+    )
+    for peer in ("onnxruntime", "openvino", "nncf", "transformers", "onnx"):
+        try:
+            print(f"  {peer} {importlib.import_module(peer).__version__}")
+        except Exception as e:
+            print(f"  {peer}: {short_error(e)}")
 
 
 def main() -> int:
@@ -818,20 +856,7 @@ def main() -> int:
     if args.sentences % max(args.bert_batches):
         parser.error("--sentences must be a multiple of the largest --bert-batches")
 
-    load = os.getloadavg()
-    print(
-        f"torch {torch.__version__}, {_cpu_model()}, {os.cpu_count()} CPUs, load average "
-        f"{load[0]:.1f} {load[1]:.1f} {load[2]:.1f} at start"
-    )
-    print(
-        f"quantbridge kernel target {qk.best_target()}"
-        + (f"; every runtime capped at {args.isa} (ONNX Runtime excepted)" if args.isa else "")
-    )
-    for peer in ("onnxruntime", "openvino", "nncf", "transformers", "onnx"):
-        try:
-            print(f"  {peer} {importlib.import_module(peer).__version__}")
-        except Exception as e:
-            print(f"  {peer}: {_error(e)}")
+    print_environment(args.isa)
 
     results: list[dict[str, Any]] = []
     profiles: list[dict[str, Any]] = []
@@ -849,12 +874,12 @@ def main() -> int:
                 suites = [cnn_suite(name, args.calib_batches, eval_batches=4)]
         except Exception as e:  # e.g. transformers missing: the other models still run
             traceback.print_exc(limit=4, file=sys.stderr)
-            print(f"  {name}: not run: {_error(e)}")
+            print(f"  {name}: not run: {short_error(e)}")
             continue
         for suite in suites:
             for threads in args.threads:
                 results.append(time_suite(suite, threads, args.rounds))
-                _print_result(results[-1])
+                print_result(results[-1])
             for threads in args.threads if args.profile and suite.profiles else ():
                 profiles.append(profile_suite(suite, threads, args.rounds))
                 _print_profile(profiles[-1])
@@ -867,7 +892,7 @@ def main() -> int:
             json.dump(
                 {
                     "command": " ".join(sys.argv),
-                    "cpu": _cpu_model(),
+                    "cpu": cpu_model(),
                     "kernel_target": qk.best_target(),
                     "isa": args.isa,
                     "results": results,
