@@ -10,8 +10,10 @@ reference model written in ONNX:
    reference's own op, and stored as an integer constant: the file holds int8 weights whose
    bytes are the reference model's codes;
 3. activation quantizers are checked against the profile; a quant range narrower than its
-   dtype gets a float clamp at the range's ends (exact, see ``NarrowRanges``); a clamp before a
-   quantize whose range it cannot change is dropped (exact: quantizing is monotonic);
+   dtype (a hand-written reference graph; convert always uses the dtype's) gets a float
+   clamp at the range's ends, since ONNX's QuantizeLinear saturates at its dtype's limits;
+   a clamp before a quantize whose range it cannot change is dropped (exact: quantizing is
+   monotonic);
 4. ``torch.onnx.export`` translates the graph, with this module's translations of the
    ``torch.ops.quantbridge`` ops.
 """
@@ -31,6 +33,9 @@ from typing import Any, Literal, cast
 
 import torch
 from torch import fx, nn
+from torch.export import Dim
+from torch.export.graph_signature import InputKind
+from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
 from quantbridge.fx_quant._errors import FxQuantError
 from quantbridge.fx_quant._export_capture import _auto_dynamic_shapes, _SizeOblivious
@@ -45,7 +50,6 @@ _DEFAULT_OPSET = 21
 _OPSET_16_BIT = 21
 
 Profile = Literal["ort", "tensorrt"]
-NarrowRanges = Literal["clip", "widen"]
 
 _Q = torch.ops.quantbridge
 _QUANTIZE = (
@@ -89,8 +93,7 @@ class OnnxExportReport:
     ``weights``: the modules whose weights are stored as integer initializers.
     ``activation_quantizers``: QuantizeLinear nodes on activations.
     ``clipped``: activation quantizers given a float ``Clip`` because their range is narrower
-    than their dtype (``narrow_ranges="clip"``), named by their scale attribute on the
-    reference model; ``widened`` the same under ``narrow_ranges="widen"``.
+    than their dtype, named by their scale attribute on the reference model.
     ``removed_clamps``: ReLU / clamp nodes dropped because the quantize after them already
     clamps to the same codes.
     ``dynamic_axes``: per ONNX input, the axes whose size may vary.
@@ -102,7 +105,6 @@ class OnnxExportReport:
     weights: tuple[str, ...]
     activation_quantizers: int
     clipped: tuple[str, ...]
-    widened: tuple[str, ...]
     removed_clamps: int
     dynamic_axes: dict[str, tuple[int, ...]]
 
@@ -114,7 +116,6 @@ def export_onnx(
     *,
     opset: int | None = None,
     profile: Profile = "ort",
-    narrow_ranges: NarrowRanges = "clip",
     dynamic: bool = True,
 ) -> OnnxExportReport:
     """Write ``model`` as a QDQ ONNX file that ONNX Runtime, OpenVINO and TensorRT read.
@@ -132,22 +133,11 @@ def export_onnx(
     * ``"tensorrt"``: refuses unless every quantizer is int8 with zero point 0 and weights lie
       in [-127, 127], which is what TensorRT's explicit quantization takes.
 
-    ``narrow_ranges``: ONNX's QuantizeLinear always saturates at its dtype's range. For an
-    activation quantized to a narrower range (7-bit activations: [0, 127] in uint8),
-    ``"clip"`` adds a float ``Clip`` at that range's ends first, which keeps the reference
-    model's codes exactly, but stops ONNX Runtime from fusing that quantize into the integer op
-    before it. ``"widen"`` leaves it out: codes agree with the reference model inside the
-    calibrated range, and continue past it up to the dtype's limit.
-
     ``dynamic``: every input dimension the model allows stays dynamic (else the example
     inputs' sizes are fixed).
     """
     if profile not in ("ort", "tensorrt"):
         raise OnnxExportError(f"export_onnx: profile={profile!r}; use 'ort' or 'tensorrt'")
-    if narrow_ranges not in ("clip", "widen"):
-        raise OnnxExportError(
-            f"export_onnx: narrow_ranges={narrow_ranges!r}; use 'clip' (exact) or 'widen'"
-        )
     opset = _DEFAULT_OPSET if opset is None else opset
     if opset not in ONNX_OPSETS:
         raise OnnxExportError(
@@ -161,19 +151,20 @@ def export_onnx(
         )
     onnx = _import_onnx()
     reference = _reference_model(model)
-    graph = _aten_graph(reference, example_inputs, dynamic)
+    graph, shapes = _aten_graph(reference, example_inputs, dynamic)
     _check_dtypes(graph, opset)
     if profile == "tensorrt":
         _check_tensorrt(graph)
+    _functional_in_place_ops(graph)
     weights = _fold_weight_quantizers(graph)
     removed = _drop_redundant_clamps(graph)
-    clipped, widened = _narrow_ranges(graph, narrow_ranges)
+    clipped = _clip_narrow_ranges(graph)
     activations = sum(1 for n in graph.graph.nodes if n.target in _QUANTIZE)
+    _rename_clashing_constants(graph)
     graph.graph.lint()
     graph.recompile()
 
     path = Path(path)
-    shapes = _auto_dynamic_shapes(example_inputs) if dynamic else None
     try:
         with _SizeOblivious(), _quiet_exporter():
             program = torch.onnx.export(
@@ -205,7 +196,6 @@ def export_onnx(
         weights=weights,
         activation_quantizers=activations,
         clipped=clipped,
-        widened=widened,
         removed_clamps=removed,
         dynamic_axes=_dynamic_axes(saved),
     )
@@ -250,7 +240,8 @@ def _is_reference_module(module: nn.Module) -> bool:
 
 def _aten_graph(
     reference: nn.Module, example_inputs: tuple[Any, ...], dynamic: bool
-) -> fx.GraphModule:
+) -> tuple[fx.GraphModule, Any]:
+    """The reference model as an ATen graph, and the dynamic shapes export found for it."""
     shapes = _auto_dynamic_shapes(example_inputs) if dynamic else None
     try:
         with _SizeOblivious():
@@ -265,7 +256,38 @@ def _aten_graph(
         ) from e
     graph = program.module()
     assert isinstance(graph, fx.GraphModule)
-    return graph
+    return graph, _found_dynamic_shapes(program, example_inputs) if dynamic else None
+
+
+def _found_dynamic_shapes(
+    program: torch.export.ExportedProgram, example_inputs: tuple[Any, ...]
+) -> Any:
+    """``dynamic_shapes`` naming exactly the input dimensions ``program`` kept symbolic.
+
+    Exporting the ATen graph again with every dimension left to export would lose what the
+    reference model fixed (a conv's input channels): its weights are constants there.
+    """
+    values = {n.name: n.meta.get("val") for n in program.graph.nodes if n.op == "placeholder"}
+    found = iter(
+        values.get(getattr(s.arg, "name", ""))
+        for s in program.graph_signature.input_specs
+        if s.kind == InputKind.USER_INPUT
+    )
+
+    # the inputs in export's flattening order: sequences in order, dicts by insertion, no
+    # leaf for None
+    def spec(value: Any) -> Any:
+        if value is None:
+            return None
+        if isinstance(value, (list, tuple)):
+            return type(value)(spec(v) for v in value)
+        if isinstance(value, dict):
+            return {k: spec(v) for k, v in value.items()}
+        shape = getattr(next(found), "shape", ())
+        symbolic = {i: Dim.AUTO for i, size in enumerate(shape) if not is_concrete_int(size)}
+        return symbolic or None
+
+    return tuple(spec(v) for v in example_inputs)
 
 
 @contextlib.contextmanager
@@ -279,6 +301,7 @@ def _quiet_exporter() -> Iterator[None]:
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="Exporting a model while it is in training")
+            warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)`")
             yield
     finally:
         for logger, level in zip(loggers, levels, strict=True):
@@ -464,15 +487,15 @@ def _check_weights_are_integers(model: Any) -> None:
 
 
 def _fold_weight_quantizers(graph: fx.GraphModule) -> tuple[str, ...]:
-    """Replace each quantize of a constant with the constant codes."""
+    """Replace each quantize of a constant with the constant codes, kept beside the weight
+    (``conv.weight`` -> ``conv.weight_codes``, which names the initializer in the file)."""
     folded = []
     for q in _quantizers(graph):
         source = q.node.args[0]
         if not (isinstance(source, fx.Node) and source.op == "get_attr"):
             continue
         codes = q.codes_of(_attr(graph, str(source.target)).detach())
-        target = f"{str(source.target).replace('.', '_')}_codes"
-        graph.register_buffer(target, codes)
+        target = _register_beside(graph, str(source.target), "codes", codes)
         with graph.graph.inserting_before(q.node):
             constant = graph.graph.get_attr(target)
         q.node.replace_all_uses_with(constant)
@@ -485,6 +508,13 @@ def _fold_weight_quantizers(graph: fx.GraphModule) -> tuple[str, ...]:
     return tuple(folded)
 
 
+def _register_beside(graph: fx.GraphModule, target: str, suffix: str, value: torch.Tensor) -> str:
+    """Register ``value`` on the module owning ``target`` as ``<name>_<suffix>``."""
+    owner_path, _, name = target.rpartition(".")
+    graph.get_submodule(owner_path).register_buffer(f"{name}_{suffix}", value)
+    return f"{target}_{suffix}"
+
+
 def _integer_zero_points(graph: fx.GraphModule, codes: fx.Node, q: _Quantizer) -> None:
     """Float zero points (``per_channel_affine_float_qparams``, embeddings): DequantizeLinear
     takes integer ones only, so ``(q - zp) * scale`` is written ``q * scale - zp * scale``,
@@ -493,23 +523,48 @@ def _integer_zero_points(graph: fx.GraphModule, codes: fx.Node, q: _Quantizer) -
     assert q.axis is not None
     shape = [1] * codes.meta["val"].dim() if "val" in codes.meta else [1, 1]
     shape[q.axis] = -1
+    weight = str(codes.target).removesuffix("_codes")
     offset = (q.zero_point.to(torch.float32) * q.scale.to(torch.float32)).reshape(shape)
-    name = f"{codes.target}_offset"
-    graph.register_buffer(name, offset)
-    graph.register_buffer(f"{codes.target}_zero", torch.zeros_like(q.zero_point, dtype=torch.int32))
+    offset_target = _register_beside(graph, weight, "offset", offset)
+    zeros = torch.zeros_like(q.zero_point, dtype=torch.int32)
+    zero_target = _register_beside(graph, weight, "zero_point", zeros)
     for dequantize in list(codes.users):
         if dequantize.target is not _Q.dequantize_per_channel.default:
             continue
         readers = list(dequantize.users)
         with graph.graph.inserting_before(dequantize):
-            zero = graph.graph.get_attr(f"{codes.target}_zero")
+            zero = graph.graph.get_attr(zero_target)
         dequantize.update_arg(2, zero)
         with graph.graph.inserting_after(dequantize):
-            shift = graph.graph.get_attr(name)
+            shift = graph.graph.get_attr(offset_target)
         with graph.graph.inserting_after(shift):
             shifted = graph.graph.call_function(torch.ops.aten.sub.Tensor, (dequantize, shift))
         for reader in readers:
             reader.replace_input_with(dequantize, shifted)
+
+
+def _rename_clashing_constants(graph: fx.GraphModule) -> None:
+    """torch.export names a lifted buffer ``b_<name>`` (parameters ``p_``, constants ``c_``)
+    and torch.onnx names the file's initializers by the attribute: a reference model with
+    buffers ``fc_scale_0`` and ``b_fc_scale_0`` (modules ``fc`` and ``b.fc``) would give two
+    values one name. Such attributes move to a name no lifted one can take."""
+    names = [n for n, _ in graph.named_parameters()] + [n for n, _ in graph.named_buffers()]
+    lifted = {f"{p}_{n.replace('.', '_')}" for n in names for p in ("p", "b", "c")}
+    renamed = {}
+    for name in names:
+        if name in lifted or name.replace(".", "_") in lifted:
+            owner_path, _, attr = name.rpartition(".")
+            owner = graph.get_submodule(owner_path)
+            new = f"qdq_{attr}"
+            while hasattr(owner, new):
+                new = f"_{new}"
+            value = getattr(owner, attr)
+            delattr(owner, attr)
+            owner.register_buffer(new, value)
+            renamed[name] = f"{owner_path}.{new}" if owner_path else new
+    for node in graph.graph.nodes:
+        if node.op == "get_attr" and node.target in renamed:
+            node.target = renamed[node.target]
 
 
 def _delete_unused_attributes(graph: fx.GraphModule) -> None:
@@ -534,9 +589,7 @@ def _drop_redundant_clamps(graph: fx.GraphModule) -> int:
             and clamp.target in _CLAMPS
             and len(clamp.users) == 1
             and q.axis is None
-            # an in-place clamp also changes its input for that input's other readers
-            and isinstance(clamp.args[0], fx.Node)
-            and len(clamp.args[0].users) == 1
+            and not _mutates_a_later_read(clamp)
         ):
             continue
         low, high = _clamp_bounds(clamp)
@@ -547,10 +600,44 @@ def _drop_redundant_clamps(graph: fx.GraphModule) -> int:
         low_ok = low is None or codes[0] <= q.quant_min
         high_ok = high is None or codes[-1] >= q.quant_max
         if low_ok and high_ok:
-            q.node.replace_input_with(clamp, clamp.args[0])
+            source = clamp.args[0]
+            assert isinstance(source, fx.Node)
+            q.node.replace_input_with(clamp, source)
             graph.graph.erase_node(clamp)
             removed += 1
     return removed
+
+
+def _mutates_a_later_read(node: fx.Node) -> bool:
+    """An in-place op also changes its input for that input's readers after it."""
+    if not str(node.target).split(".")[-2].endswith("_"):
+        return False
+    source = node.args[0]
+    assert isinstance(source, fx.Node)
+    if source.op in ("placeholder", "get_attr"):
+        return True
+    order = {n: i for i, n in enumerate(node.graph.nodes)}
+    return any(order[user] > order[node] for user in source.users if user is not node)
+
+
+def _functional_in_place_ops(graph: fx.GraphModule) -> None:
+    """``relu_`` / ``hardtanh_`` ... whose mutation no one sees become ``relu`` /
+    ``hardtanh``: torch.onnx translates those directly, where it decomposes the in-place
+    forms through symbolic-shape references (seconds per model)."""
+    for node in graph.graph.nodes:
+        namespace, name, overload = [*str(node.target).split("."), "", "", ""][:3]
+        if not (
+            node.op == "call_function"
+            and namespace == "aten"
+            and name.endswith("_")
+            and node.args
+            and isinstance(node.args[0], fx.Node)
+            and not _mutates_a_later_read(node)
+        ):
+            continue
+        functional = getattr(getattr(torch.ops.aten, name[:-1], None), overload, None)
+        if functional is not None:
+            node.target = functional
 
 
 def _clamp_bounds(clamp: fx.Node) -> tuple[float | None, float | None]:
@@ -570,26 +657,21 @@ def _clamp_bounds(clamp: fx.Node) -> tuple[float | None, float | None]:
     return bounds[0], bounds[1]
 
 
-def _narrow_ranges(
-    graph: fx.GraphModule, mode: NarrowRanges
-) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """Activation quantizers with a range narrower than their dtype: a float clamp at the
-    range's ends (``clip``), or nothing (``widen``)."""
-    clipped, widened = [], []
+def _clip_narrow_ranges(graph: fx.GraphModule) -> tuple[str, ...]:
+    """Activation quantizers with a range narrower than their dtype get a float clamp at the
+    range's ends: ONNX's QuantizeLinear only saturates at the dtype's limits."""
+    clipped = []
     for q in _quantizers(graph):
         if _is_weight(q.node) or (q.quant_min, q.quant_max) == QUANT_DTYPE_RANGES[q.dtype]:
             continue
-        if mode == "widen":
-            widened.append(q.name)
-            continue
         low, high = _range_ends(q)
+        source = q.node.args[0]
+        assert isinstance(source, fx.Node)
         with graph.graph.inserting_before(q.node):
-            clamp = graph.graph.call_function(
-                torch.ops.aten.clamp.default, (q.node.args[0], low, high)
-            )
-        q.node.replace_input_with(q.node.args[0], clamp)  # type: ignore[arg-type]
+            clamp = graph.graph.call_function(torch.ops.aten.clamp.default, (source, low, high))
+        q.node.replace_input_with(source, clamp)
         clipped.append(q.name)
-    return tuple(clipped), tuple(widened)
+    return tuple(clipped)
 
 
 def _range_ends(q: _Quantizer) -> tuple[float, float]:
@@ -605,7 +687,8 @@ def _range_ends(q: _Quantizer) -> tuple[float, float]:
         ends = torch.where(got > codes, torch.nextafter(ends, ends - 1), ends)
     raise OnnxExportError(
         f"export_onnx: no float value quantizes to the ends of {q.name}'s range "
-        f"[{q.quant_min}, {q.quant_max}] (scale {q.scale.tolist()}); use narrow_ranges='widen'"
+        f"[{q.quant_min}, {q.quant_max}] (scale {q.scale.tolist()}); quantize it to its dtype's "
+        "full range"
     )
 
 

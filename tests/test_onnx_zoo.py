@@ -1,0 +1,150 @@
+"""The model zoo through export_onnx and ONNX Runtime.
+
+Every zoo model (torchvision-style CNNs, the BERT encoder with trained-like outlier channels,
+the lowering zoo's cases: LSTM, dynamic transformer, embeddings, ...) is quantized as the
+numba backend quantizes it, exported, and run in ONNX Runtime:
+
+- with ONNX Runtime's graph optimizations off, the file's own ops run as written: its outputs
+  must stay within one quantization step (the model's coarsest) of the reference model;
+- with them on, ONNX Runtime must fuse the quantized convs and matmuls into its integer
+  kernels, and keep the reference model's outputs (its requantization rounds differently,
+  so the check there is an SQNR).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.fx import GraphModule
+
+if str(Path(__file__).parent) not in sys.path:
+    sys.path.insert(0, str(Path(__file__).parent))
+if str(Path(__file__).parents[1] / "packages/lowering/tests") not in sys.path:
+    sys.path.insert(0, str(Path(__file__).parents[1] / "packages/lowering/tests"))
+import bert_zoo
+import lowering_zoo
+import real_models
+from test_lowering_numerics import _coarsest_step
+
+import quantbridge.fx_quant as fq
+from quantbridge.lowering import get_backend
+
+onnx = pytest.importorskip("onnx")
+ort = pytest.importorskip("onnxruntime")
+pytest.importorskip("onnxscript")
+
+BACKEND = get_backend("numba")
+# ONNX Runtime's integer kernels: convs, GEMMs, matmuls (static and dynamic), attention
+INTEGER_OPS = {
+    "QLinearConv",
+    "QGemm",
+    "QLinearMatMul",
+    "MatMulInteger",
+    "MatMulIntegerToFloat",
+    "DynamicQuantizeMatMul",
+    "QAttention",
+}
+FLOAT_KERNELS = {"Conv", "FusedConv", "Gemm", "MatMul", "FusedMatMul", "FusedGemm"}
+
+
+def _session(path: Path, optimized: bool, saved: Path | None = None) -> Any:
+    options = ort.SessionOptions()
+    options.graph_optimization_level = (
+        ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        if optimized
+        else ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    )
+    if saved is not None:
+        options.optimized_model_filepath = str(saved)
+    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+
+
+def _run(session: Any, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    feeds = {i.name: x.numpy() for i, x in zip(session.get_inputs(), inputs, strict=True)}
+    return torch.from_numpy(session.run(None, feeds)[0])
+
+
+def _first(out: Any) -> torch.Tensor:
+    return out[0] if isinstance(out, tuple) else out
+
+
+def _sqnr(got: torch.Tensor, want: torch.Tensor) -> float:
+    noise = (got - want).pow(2).sum()
+    return float(10 * torch.log10(want.pow(2).sum() / noise)) if noise > 0 else float("inf")
+
+
+def _export_and_check(
+    reference: GraphModule,
+    inputs: tuple[torch.Tensor, ...],
+    bound: float,
+    tmp_path: Path,
+) -> tuple[Counter[str], torch.Tensor, torch.Tensor]:
+    """Export ``reference``; the file without optimizations within ``bound`` of it.
+    Returns the optimized graph's op counts, its output and the reference output."""
+    path = tmp_path / "model.onnx"
+    fq.export_onnx(reference, inputs, path)
+    with torch.no_grad():
+        want = _first(reference(*inputs))
+    as_written = _run(_session(path, optimized=False), inputs)
+    assert (as_written - want).abs().max() <= bound * (1 + 1e-5)  # one step, in float32
+    saved = tmp_path / "optimized.onnx"
+    optimized = _run(_session(path, optimized=True, saved=saved), inputs)
+    ops = Counter(n.op_type for n in onnx.load(str(saved)).graph.node)
+    return ops, optimized, want
+
+
+@pytest.mark.parametrize("name", real_models.MODELS)
+def test_cnn(name: str, tmp_path: Path) -> None:
+    prepared = fq.prepare_fx(
+        real_models.build(name),
+        BACKEND.qconfig_mapping(weight_bits=8, activation_bits=8),
+        (real_models.example_input(0),),
+        backend_config=BACKEND.backend_config,
+    )
+    fq.calibrate(prepared, [real_models.example_input(s) for s in (1, 2)], progress=False)
+    reference = fq.convert_to_reference_fx(prepared)
+    x = (real_models.example_input(9),)
+    ops, optimized, want = _export_and_check(reference, x, _coarsest_step(reference), tmp_path)
+    convs = sum(isinstance(m, nn.Conv2d) for m in reference.modules())
+    assert ops["QLinearConv"] == convs
+    assert not FLOAT_KERNELS & set(ops), ops
+    assert _sqnr(optimized, want) >= 20
+
+
+def test_bert_with_outlier_channels(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = bert_zoo.BertEncoder().eval()
+    bert_zoo.add_outliers(model)
+    calibration = bert_zoo.token_batches(4)
+    mapping = BACKEND.qconfig_mapping(transformer=True, weight_bits=8, activation_bits=8)
+    prepared = fq.prepare_fx(model, mapping, calibration[0], backend_config=BACKEND.backend_config)
+    fq.calibrate(prepared, calibration, progress=False)
+    reference = fq.convert_to_reference_fx(prepared)
+    inputs = bert_zoo.token_batches(1, seed=3)[0]
+    ops, optimized, want = _export_and_check(reference, inputs, _coarsest_step(reference), tmp_path)
+    linears = sum(isinstance(m, nn.Linear) for m in reference.modules())
+    assert sum(ops[op] for op in INTEGER_OPS) >= linears, ops
+    assert _sqnr(optimized, want) >= 20
+
+
+@pytest.mark.parametrize("case", lowering_zoo.ALL_CASES, ids=lambda c: c.name)
+def test_lowering_zoo_case(case: lowering_zoo.Case, tmp_path: Path) -> None:
+    reference = lowering_zoo.reference_model(case, BACKEND)
+    inputs = case.inputs(5)
+    # dynamic and weight-only cases have no static step; their float arithmetic is the
+    # reference's up to float32 rounding
+    if case.mode == "static":
+        bound = _coarsest_step(reference)
+    else:
+        with torch.no_grad():
+            bound = 1e-5 * float(_first(reference(*inputs)).abs().max())
+    ops, optimized, want = _export_and_check(reference, inputs, bound, tmp_path)
+    if case.mode != "weight_only":
+        assert INTEGER_OPS & set(ops), ops
+    assert _sqnr(optimized, want) >= 20
