@@ -321,14 +321,16 @@ def bench_onnx(session: nox.Session) -> None:
     """packages/lowering/bench/bench_onnx_export.py: export_onnx's file in ORT and OpenVINO.
 
     Arguments after ``--`` go to the script, e.g. ``nox -s bench_onnx -- --models resnet18
-    --threads 1 --rounds 5 --json onnx.json``.
+    --threads 1 --rounds 5 --json onnx.json``. ``nox -s bench_onnx -- --zoo`` runs
+    check_onnx_zoo.py instead: every test-zoo model's file in ORT and OpenVINO against its
+    reference model (fails beyond one quantization step).
     """
     _install(session, "torch", *PEER_REQUIREMENTS, *_editable(*PACKAGES))
-    session.run(
-        "python",
-        str(ROOT / "packages" / "lowering" / "bench" / "bench_onnx_export.py"),
-        *session.posargs,
-    )
+    bench = ROOT / "packages" / "lowering" / "bench"
+    if "--zoo" in session.posargs:
+        session.run("python", str(bench / "check_onnx_zoo.py"))
+        return
+    session.run("python", str(bench / "bench_onnx_export.py"), *session.posargs)
 
 
 # --- benchmarks (asv_bench/, see asv_bench/README.md) ------------------------------------------

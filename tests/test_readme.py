@@ -42,7 +42,12 @@ def test_getting_started_python_blocks_run(tmp_path: Path) -> None:
     # interpreter, so the Quickstart's torch.set_num_threads(1) does not leak into other tests
     script.write_text("\n\n".join(blocks), encoding="utf-8")
     result = subprocess.run(
-        [sys.executable, str(script)], capture_output=True, text=True, timeout=300, check=False
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+        cwd=tmp_path,  # the blocks write model.onnx
     )
     assert result.returncode == 0, f"Getting started python blocks failed:\n{result.stderr}"
     assert re.search(r"fp32 [\d.]+ ms, int8 [\d.]+ ms: [\d.]+x", result.stdout), result.stdout

@@ -185,10 +185,10 @@ def export_onnx(
             "or replace it"
         ) from e
     assert program is not None
-    program.save(str(path), external_data=False)
-    saved = onnx.load(str(path))
+    program.save(str(path))  # weights in a file beside it past protobuf's 2 GB
+    saved = onnx.load(str(path), load_external_data=False)
     _check_weights_are_integers(saved)
-    onnx.checker.check_model(saved, full_check=True)
+    onnx.checker.check_model(str(path), full_check=True)
     return OnnxExportReport(
         path=path,
         opset=opset,

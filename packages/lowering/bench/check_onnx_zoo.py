@@ -1,0 +1,148 @@
+"""The test zoo's exported files in ONNX Runtime and OpenVINO, against the reference model.
+
+Run by ``nox -s bench_onnx -- --zoo`` (OpenVINO is installed in the bench sessions only):
+every model of the tests' zoo (the torchvision-style CNNs, the BERT encoder with outlier
+channels, the lowering zoo's cases: LSTM, dynamic transformer, embeddings, ...) is quantized
+as ``tests/test_onnx_zoo.py`` quantizes it, exported with ``export_onnx`` and run by ONNX
+Runtime (optimizations off: the file's ops as written; and on: its integer kernels) and by
+OpenVINO. Prints, per model and runtime, the max distance from the reference model's output
+in steps of its coarsest activation scale (for dynamic and weight-only cases: relative to the
+output's largest magnitude). Exits 1 if a runtime is more than one step away, or fails.
+"""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[3]
+sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "packages" / "lowering" / "tests")]
+import bert_zoo  # noqa: E402
+import lowering_zoo  # noqa: E402
+import real_models  # noqa: E402
+from test_lowering_numerics import _coarsest_step  # noqa: E402
+
+import quantbridge.fx_quant as fq  # noqa: E402
+import quantbridge.kernels as qk  # noqa: E402
+from quantbridge.lowering import get_backend  # noqa: E402
+
+BACKEND = get_backend("numba")
+# a runtime's distance from the reference, in steps, that still counts as "the same model":
+# one step, with float32 slack (ONNX Runtime with optimizations on and OpenVINO requantize in
+# their own integer kernels, which round ties their own way)
+TOLERANCE_STEPS = 1.0 + 1e-5
+
+
+def _cnn(name: str) -> tuple[Any, tuple[torch.Tensor, ...]]:
+    prepared = fq.prepare_fx(
+        real_models.build(name),
+        BACKEND.qconfig_mapping(weight_bits=8, activation_bits=8),
+        (real_models.example_input(0),),
+        backend_config=BACKEND.backend_config,
+    )
+    fq.calibrate(prepared, [real_models.example_input(s) for s in (1, 2)], progress=False)
+    return fq.convert_to_reference_fx(prepared), (real_models.example_input(9),)
+
+
+def _bert() -> tuple[Any, tuple[torch.Tensor, ...]]:
+    torch.manual_seed(0)
+    model = bert_zoo.BertEncoder().eval()
+    bert_zoo.add_outliers(model)
+    calibration = bert_zoo.token_batches(4)
+    mapping = BACKEND.qconfig_mapping(transformer=True, weight_bits=8, activation_bits=8)
+    prepared = fq.prepare_fx(model, mapping, calibration[0], backend_config=BACKEND.backend_config)
+    fq.calibrate(prepared, calibration, progress=False)
+    return fq.convert_to_reference_fx(prepared), bert_zoo.token_batches(1, seed=3)[0]
+
+
+def _zoo() -> list[tuple[str, Callable[[], tuple[Any, tuple[torch.Tensor, ...]]], bool]]:
+    models: list[tuple[str, Callable[[], tuple[Any, tuple[torch.Tensor, ...]]], bool]] = [
+        (name, lambda name=name: _cnn(name), True) for name in real_models.MODELS
+    ]
+    models.append(("bert (outliers)", _bert, True))
+    for case in lowering_zoo.ALL_CASES:
+
+        def build(case: lowering_zoo.Case = case) -> tuple[Any, tuple[torch.Tensor, ...]]:
+            return lowering_zoo.reference_model(case, BACKEND), case.inputs(5)
+
+        models.append((case.name, build, case.mode == "static"))
+    return models
+
+
+def _first(out: Any) -> np.ndarray:
+    out = out[0] if isinstance(out, (tuple, list)) else out
+    return out.detach().numpy() if isinstance(out, torch.Tensor) else np.asarray(out)
+
+
+def _runtimes(path: Path) -> dict[str, Callable[[tuple[torch.Tensor, ...]], np.ndarray]]:
+    import onnxruntime as ort
+    import openvino as ov
+
+    def ort_session(optimized: bool) -> Callable[[tuple[torch.Tensor, ...]], np.ndarray]:
+        options = ort.SessionOptions()
+        options.graph_optimization_level = (
+            ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+            if optimized
+            else ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+        )
+        session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+        names = [i.name for i in session.get_inputs()]
+        return lambda xs: _first(
+            session.run(None, dict(zip(names, (x.numpy() for x in xs), strict=True)))
+        )
+
+    def openvino() -> Callable[[tuple[torch.Tensor, ...]], np.ndarray]:
+        compiled = ov.Core().compile_model(str(path), "CPU")
+        return lambda xs: _first(list(compiled([x.numpy() for x in xs]).values()))
+
+    return {
+        "ORT as written": ort_session(False),
+        "ORT optimized": ort_session(True),
+        "OpenVINO": openvino(),
+    }
+
+
+def main() -> int:
+    print(f"kernel target {qk.best_target()}", flush=True)
+    rows, worst = [], 0.0
+    for name, build, static in _zoo():
+        reference, inputs = build()
+        with torch.no_grad():
+            want = _first(reference(*inputs))
+        step = _coarsest_step(reference) if static else 1e-5 * float(np.abs(want).max())
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / "model.onnx"
+            cells = []
+            try:
+                fq.export_onnx(reference, inputs, path)
+                runtimes = _runtimes(path)
+            except Exception as e:
+                print(f"{name}: export or load failed: {type(e).__name__}: {e}", flush=True)
+                rows.append(f"| {name} | failed | | |")
+                worst = float("inf")
+                continue
+            for runtime, run in runtimes.items():
+                try:
+                    steps = float(np.abs(run(inputs) - want).max()) / step
+                    worst = max(worst, steps)
+                    cells.append(f"{steps:.2f}")
+                except Exception as e:
+                    print(f"{name}, {runtime}: {type(e).__name__}: {e}", flush=True)
+                    cells.append("failed")
+                    worst = float("inf")
+        rows.append(f"| {name} | {' | '.join(cells)} |")
+        print(rows[-1], flush=True)
+    print("\n| model | ORT as written | ORT optimized | OpenVINO |\n| --- | --- | --- | --- |")
+    print("\n".join(rows))
+    print(f"\nworst: {worst:.2f} steps (tolerance {TOLERANCE_STEPS:.5f})")
+    return 0 if worst <= TOLERANCE_STEPS else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
