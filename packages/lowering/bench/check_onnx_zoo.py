@@ -7,7 +7,9 @@ as ``tests/test_onnx_zoo.py`` quantizes it, exported with ``export_onnx`` and ru
 Runtime (optimizations off: the file's ops as written; and on: its integer kernels) and by
 OpenVINO. Prints, per model and runtime, the max distance from the reference model's output
 in steps of its coarsest activation scale (for dynamic and weight-only cases: relative to the
-output's largest magnitude). Exits 1 if a runtime is more than one step away, or fails.
+output's largest magnitude). Exits 1 if the file as written (ONNX Runtime without
+optimizations) or OpenVINO is more than one step away, or fails to run; ONNX Runtime's
+optimized graph requantizes in its own integer kernels and is reported only.
 """
 
 from __future__ import annotations
@@ -22,11 +24,15 @@ import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parents[3]
-sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "packages" / "lowering" / "tests")]
+sys.path[:0] = [
+    str(Path(__file__).resolve().parent),
+    str(ROOT / "tests"),
+    str(ROOT / "packages" / "lowering" / "tests"),
+]
 import bert_zoo  # noqa: E402
 import lowering_zoo  # noqa: E402
 import real_models  # noqa: E402
-from test_lowering_numerics import _coarsest_step  # noqa: E402
+from bench_onnx_export import coarsest_activation_scale  # noqa: E402
 
 import quantbridge.fx_quant as fq  # noqa: E402
 import quantbridge.kernels as qk  # noqa: E402
@@ -98,7 +104,8 @@ def _runtimes(path: Path) -> dict[str, Callable[[tuple[torch.Tensor, ...]], np.n
         )
 
     def openvino() -> Callable[[tuple[torch.Tensor, ...]], np.ndarray]:
-        compiled = ov.Core().compile_model(str(path), "CPU")
+        # f32: OpenVINO's default on CPUs with AVX-512 BF16 runs the float ops in bfloat16
+        compiled = ov.Core().compile_model(str(path), "CPU", {"INFERENCE_PRECISION_HINT": "f32"})
         return lambda xs: _first(list(compiled([x.numpy() for x in xs]).values()))
 
     return {
@@ -111,11 +118,12 @@ def _runtimes(path: Path) -> dict[str, Callable[[tuple[torch.Tensor, ...]], np.n
 def main() -> int:
     print(f"kernel target {qk.best_target()}", flush=True)
     rows, worst = [], 0.0
+    judged = ("ORT as written", "OpenVINO")
     for name, build, static in _zoo():
         reference, inputs = build()
         with torch.no_grad():
             want = _first(reference(*inputs))
-        step = _coarsest_step(reference) if static else 1e-5 * float(np.abs(want).max())
+        step = coarsest_activation_scale(reference) if static else 1e-5 * float(np.abs(want).max())
         with tempfile.TemporaryDirectory() as tmp:
             path = Path(tmp) / "model.onnx"
             cells = []
@@ -130,7 +138,8 @@ def main() -> int:
             for runtime, run in runtimes.items():
                 try:
                     steps = float(np.abs(run(inputs) - want).max()) / step
-                    worst = max(worst, steps)
+                    if runtime in judged:
+                        worst = max(worst, steps)
                     cells.append(f"{steps:.2f}")
                 except Exception as e:
                     print(f"{name}, {runtime}: {type(e).__name__}: {e}", flush=True)
