@@ -21,16 +21,12 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "packages" / "lowering" / "tests")]
 
-import bert_zoo  # noqa: E402
 import lowering_zoo  # noqa: E402
 import real_models  # noqa: E402
+from quantized_zoo import BACKEND, bert_reference, case_reference, cnn_reference  # noqa: E402
 from test_lowering_numerics import _coarsest_step  # noqa: E402
 
-import quantbridge.fx_quant as fq  # noqa: E402
 import quantbridge.kernels as qk  # noqa: E402
-from quantbridge.lowering import get_backend  # noqa: E402
-
-BACKEND = get_backend("numba")
 
 
 def _laced(x: torch.Tensor) -> torch.Tensor:
@@ -52,20 +48,10 @@ def _save(out: dict[str, Any], key: str, lowered: Any, reference: Any, bound: fl
 
 
 def cnns(out: dict[str, Any]) -> None:
-    calibration = [real_models.example_input(seed) for seed in range(1, 3)]
     for name in real_models.MODELS:
         for bits in (7, 8):
             print(f"cnn {name}, {bits}-bit activations", flush=True)
-            prepared = fq.prepare_fx(
-                real_models.build(name),
-                BACKEND.qconfig_mapping(weight_bits=8, activation_bits=bits),
-                (real_models.example_input(0),),
-                backend_config=BACKEND.backend_config,
-            )
-            fq.calibrate(prepared, calibration, progress=False)
-            reference = fq.convert_to_reference_fx(
-                copy.deepcopy(prepared), backend_config=BACKEND.backend_config
-            )
+            reference = cnn_reference(name, activation_bits=bits)
             lowered = BACKEND.lower(copy.deepcopy(reference))
             bound = _coarsest_step(reference)
             x = real_models.example_input(9)
@@ -77,12 +63,8 @@ def cnns(out: dict[str, Any]) -> None:
 def small_cases(out: dict[str, Any]) -> None:
     for case in lowering_zoo.ALL_CASES:
         print(f"case {case.name}", flush=True)
-        mapping = lowering_zoo.qconfig_mapping_for(case, BACKEND)
-        if case.mode == "static":  # fixed bits, not the target's defaults
-            mapping = BACKEND.qconfig_mapping(weight_bits=8, activation_bits=8)
-        reference = lowering_zoo.reference_model(case, BACKEND, mapping=mapping)
+        reference, inputs = case_reference(case)
         lowered = BACKEND.lower(copy.deepcopy(reference))
-        inputs = case.inputs(5)
         # static cases: within the coarsest step; dynamic ones requantize at run time
         bound = _coarsest_step(reference) if case.mode == "static" else 0.05
         with torch.no_grad():
@@ -96,18 +78,8 @@ def small_cases(out: dict[str, Any]) -> None:
 
 def bert(out: dict[str, Any]) -> None:
     print("bert static, transformer mapping, outlier channels", flush=True)
-    torch.manual_seed(0)
-    model = bert_zoo.BertEncoder().eval()
-    bert_zoo.add_outliers(model)
-    calib = bert_zoo.token_batches(4)
-    mapping = BACKEND.qconfig_mapping(transformer=True, weight_bits=8, activation_bits=8)
-    prepared = fq.prepare_fx(model, mapping, calib[0], backend_config=BACKEND.backend_config)
-    fq.calibrate(prepared, calib, progress=False)
-    reference = fq.convert_to_reference_fx(
-        copy.deepcopy(prepared), backend_config=BACKEND.backend_config
-    )
+    reference, (ids, mask) = bert_reference()
     lowered = BACKEND.lower(copy.deepcopy(reference))
-    ids, mask = bert_zoo.token_batches(1, seed=3)[0]
     with torch.no_grad():
         want = reference(ids, mask)
         # float ops (LayerNorm, softmax, GELU) round differently from torch's: bounded by

@@ -25,21 +25,15 @@ from torch.fx import GraphModule
 
 if str(Path(__file__).parent) not in sys.path:
     sys.path.insert(0, str(Path(__file__).parent))
-if str(Path(__file__).parents[1] / "packages/lowering/tests") not in sys.path:
-    sys.path.insert(0, str(Path(__file__).parents[1] / "packages/lowering/tests"))
-import bert_zoo
-import lowering_zoo
-import real_models
+import quantized_zoo
 from test_lowering_numerics import _coarsest_step
 
 import quantbridge.fx_quant as fq
-from quantbridge.lowering import get_backend
 
 onnx = pytest.importorskip("onnx")
 ort = pytest.importorskip("onnxruntime")
 pytest.importorskip("onnxscript")
 
-BACKEND = get_backend("numba")
 # ONNX Runtime's integer kernels: convs, GEMMs, matmuls (static and dynamic), attention
 INTEGER_OPS = {
     "QLinearConv",
@@ -99,52 +93,22 @@ def _export_and_check(
     return ops, optimized, want
 
 
-@pytest.mark.parametrize("name", real_models.MODELS)
-def test_cnn(name: str, tmp_path: Path) -> None:
-    prepared = fq.prepare_fx(
-        real_models.build(name),
-        BACKEND.qconfig_mapping(weight_bits=8, activation_bits=8),
-        (real_models.example_input(0),),
-        backend_config=BACKEND.backend_config,
-    )
-    fq.calibrate(prepared, [real_models.example_input(s) for s in (1, 2)], progress=False)
-    reference = fq.convert_to_reference_fx(prepared)
-    x = (real_models.example_input(9),)
-    ops, optimized, want = _export_and_check(reference, x, _coarsest_step(reference), tmp_path)
-    convs = sum(isinstance(m, nn.Conv2d) for m in reference.modules())
-    assert ops["QLinearConv"] == convs
-    assert not FLOAT_KERNELS & set(ops), ops
-    assert _sqnr(optimized, want) >= 20
-
-
-def test_bert_with_outlier_channels(tmp_path: Path) -> None:
-    torch.manual_seed(0)
-    model = bert_zoo.BertEncoder().eval()
-    bert_zoo.add_outliers(model)
-    calibration = bert_zoo.token_batches(4)
-    mapping = BACKEND.qconfig_mapping(transformer=True, weight_bits=8, activation_bits=8)
-    prepared = fq.prepare_fx(model, mapping, calibration[0], backend_config=BACKEND.backend_config)
-    fq.calibrate(prepared, calibration, progress=False)
-    reference = fq.convert_to_reference_fx(prepared)
-    inputs = bert_zoo.token_batches(1, seed=3)[0]
-    ops, optimized, want = _export_and_check(reference, inputs, _coarsest_step(reference), tmp_path)
-    linears = sum(isinstance(m, nn.Linear) for m in reference.modules())
-    assert sum(ops[op] for op in INTEGER_OPS) >= linears, ops
-    assert _sqnr(optimized, want) >= 20
-
-
-@pytest.mark.parametrize("case", lowering_zoo.ALL_CASES, ids=lambda c: c.name)
-def test_lowering_zoo_case(case: lowering_zoo.Case, tmp_path: Path) -> None:
-    reference = lowering_zoo.reference_model(case, BACKEND)
-    inputs = case.inputs(5)
+@pytest.mark.parametrize("model", quantized_zoo.zoo_models(), ids=lambda m: m.name)
+def test_zoo_model(model: quantized_zoo.ZooModel, tmp_path: Path) -> None:
+    reference, inputs = model.build()
     # dynamic and weight-only cases have no static step; their float arithmetic is the
     # reference's up to float32 rounding
-    if case.mode == "static":
+    if model.static:
         bound = _coarsest_step(reference)
     else:
         with torch.no_grad():
             bound = 1e-5 * float(_first(reference(*inputs)).abs().max())
     ops, optimized, want = _export_and_check(reference, inputs, bound, tmp_path)
-    if case.mode != "weight_only":
-        assert INTEGER_OPS & set(ops), ops
+    convs = sum(isinstance(m, (nn.Conv1d, nn.Conv2d)) for m in reference.modules())
+    linears = sum(isinstance(m, nn.Linear) for m in reference.modules())
+    if convs and model.static:  # every conv, and the classifier, on ORT's integer kernels
+        assert ops["QLinearConv"] == convs, ops
+        assert not FLOAT_KERNELS & set(ops), ops
+    if linears and not convs:  # the linears on its integer GEMMs / matmuls
+        assert sum(ops[op] for op in INTEGER_OPS) >= linears, ops
     assert _sqnr(optimized, want) >= 20

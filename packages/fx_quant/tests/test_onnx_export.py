@@ -301,3 +301,28 @@ def test_float_model_is_refused(tmp_path: Path) -> None:
     traced = fx.symbolic_trace(model)
     with pytest.raises(fq.OnnxExportError, match=r"pass the prepared and calibrated model"):
         fq.export_onnx(traced, flow_zoo.example_inputs("mlp"), tmp_path / "a.onnx")
+
+
+def test_tensorrt_profile_after_qat(tmp_path: Path) -> None:
+    model = flow_zoo.build("qat_conv_bn").train()
+    example = flow_zoo.example_inputs("qat_conv_bn")
+    prepared = fq.prepare_qat_fx(
+        model,
+        qc.get_tensorrt_qconfig_mapping(is_qat=True),
+        example,
+        backend_config=fq.get_tensorrt_backend_config(),
+    )
+    optimizer = torch.optim.SGD(prepared.parameters(), lr=0.01)
+    for seed in range(3):
+        loss = prepared(*flow_zoo.example_inputs("qat_conv_bn", seed)).pow(2).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    prepared.eval()
+    reference = fq.convert_to_reference_fx(copy.deepcopy(prepared))
+    path = tmp_path / "qat.onnx"
+    fq.export_onnx(prepared, example, path, profile="tensorrt")
+    x = flow_zoo.example_inputs("qat_conv_bn", seed=8)
+    with torch.no_grad():
+        want = reference(*x)
+    assert (_run(path, x) - want).abs().max() <= _coarsest_step(reference)

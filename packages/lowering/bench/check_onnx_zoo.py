@@ -3,7 +3,7 @@
 Run by ``nox -s bench_onnx -- --zoo`` (OpenVINO is installed in the bench sessions only):
 every model of the tests' zoo (the torchvision-style CNNs, the BERT encoder with outlier
 channels, the lowering zoo's cases: LSTM, dynamic transformer, embeddings, ...) is quantized
-as ``tests/test_onnx_zoo.py`` quantizes it, exported with ``export_onnx`` and run by ONNX
+as ``tests/quantized_zoo.py`` quantizes it, exported with ``export_onnx`` and run by ONNX
 Runtime (optimizations off: the file's ops as written; and on: its integer kernels) and by
 OpenVINO. Prints, per model and runtime, the max distance from the reference model's output
 in steps of its coarsest activation scale (for dynamic and weight-only cases: relative to the
@@ -24,61 +24,16 @@ import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parents[3]
-sys.path[:0] = [
-    str(Path(__file__).resolve().parent),
-    str(ROOT / "tests"),
-    str(ROOT / "packages" / "lowering" / "tests"),
-]
-import bert_zoo  # noqa: E402
-import lowering_zoo  # noqa: E402
-import real_models  # noqa: E402
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(ROOT / "tests")]
+import quantized_zoo  # noqa: E402
 from bench_onnx_export import coarsest_activation_scale  # noqa: E402
 
 import quantbridge.fx_quant as fq  # noqa: E402
 import quantbridge.kernels as qk  # noqa: E402
-from quantbridge.lowering import get_backend  # noqa: E402
 
-BACKEND = get_backend("numba")
 # a runtime's distance from the reference, in steps, that still counts as "the same model":
-# one step, with float32 slack (ONNX Runtime with optimizations on and OpenVINO requantize in
-# their own integer kernels, which round ties their own way)
+# one step, with float32 slack
 TOLERANCE_STEPS = 1.0 + 1e-5
-
-
-def _cnn(name: str) -> tuple[Any, tuple[torch.Tensor, ...]]:
-    prepared = fq.prepare_fx(
-        real_models.build(name),
-        BACKEND.qconfig_mapping(weight_bits=8, activation_bits=8),
-        (real_models.example_input(0),),
-        backend_config=BACKEND.backend_config,
-    )
-    fq.calibrate(prepared, [real_models.example_input(s) for s in (1, 2)], progress=False)
-    return fq.convert_to_reference_fx(prepared), (real_models.example_input(9),)
-
-
-def _bert() -> tuple[Any, tuple[torch.Tensor, ...]]:
-    torch.manual_seed(0)
-    model = bert_zoo.BertEncoder().eval()
-    bert_zoo.add_outliers(model)
-    calibration = bert_zoo.token_batches(4)
-    mapping = BACKEND.qconfig_mapping(transformer=True, weight_bits=8, activation_bits=8)
-    prepared = fq.prepare_fx(model, mapping, calibration[0], backend_config=BACKEND.backend_config)
-    fq.calibrate(prepared, calibration, progress=False)
-    return fq.convert_to_reference_fx(prepared), bert_zoo.token_batches(1, seed=3)[0]
-
-
-def _zoo() -> list[tuple[str, Callable[[], tuple[Any, tuple[torch.Tensor, ...]]], bool]]:
-    models: list[tuple[str, Callable[[], tuple[Any, tuple[torch.Tensor, ...]]], bool]] = [
-        (name, lambda name=name: _cnn(name), True) for name in real_models.MODELS
-    ]
-    models.append(("bert (outliers)", _bert, True))
-    for case in lowering_zoo.ALL_CASES:
-
-        def build(case: lowering_zoo.Case = case) -> tuple[Any, tuple[torch.Tensor, ...]]:
-            return lowering_zoo.reference_model(case, BACKEND), case.inputs(5)
-
-        models.append((case.name, build, case.mode == "static"))
-    return models
 
 
 def _first(out: Any) -> np.ndarray:
@@ -119,8 +74,9 @@ def main() -> int:
     print(f"kernel target {qk.best_target()}", flush=True)
     rows, worst = [], 0.0
     judged = ("ORT as written", "OpenVINO")
-    for name, build, static in _zoo():
-        reference, inputs = build()
+    for model in quantized_zoo.zoo_models():
+        name, static = model.name, model.static
+        reference, inputs = model.build()
         with torch.no_grad():
             want = _first(reference(*inputs))
         step = coarsest_activation_scale(reference) if static else 1e-5 * float(np.abs(want).max())

@@ -181,7 +181,7 @@ def export_onnx(
         raise OnnxExportError(
             f"export_onnx: torch.onnx cannot translate the reference model: {_root_cause(e)}\n"
             "  fix: if the op named above has no ONNX translation in torch "
-            f"{torch.__version__}; keep it float (QConfigMapping: set_object_type(op, None)) "
+            f"{torch.__version__}, keep it float (QConfigMapping: set_object_type(op, None)) "
             "or replace it"
         ) from e
     assert program is not None
@@ -244,7 +244,7 @@ def _aten_graph(
     """The reference model as an ATen graph, and the dynamic shapes export found for it."""
     shapes = _auto_dynamic_shapes(example_inputs) if dynamic else None
     try:
-        with _SizeOblivious():
+        with _SizeOblivious(), _quiet_exporter():
             program = torch.export.export(
                 reference, example_inputs, dynamic_shapes=shapes, strict=False
             )
@@ -302,6 +302,8 @@ def _quiet_exporter() -> Iterator[None]:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="Exporting a model while it is in training")
             warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)`")
+            # the reference LSTM / GRU set torch's flat weight list in forward
+            warnings.filterwarnings("ignore", message=r"The tensor attributes .*_flat_weights")
             yield
     finally:
         for logger, level in zip(loggers, levels, strict=True):

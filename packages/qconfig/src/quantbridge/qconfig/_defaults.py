@@ -318,14 +318,8 @@ def get_symmetric_qnnpack_qat_qconfig_mapping() -> QConfigMapping:
 def _tensorrt_activation(is_qat: bool) -> PartialWrapper:
     """Symmetric int8 activations, zero point 0 (TensorRT's explicit quantization)."""
     if is_qat:
-        return FusedMovingAvgObsFakeQuantize.with_args(
-            observer=MovingAverageMinMaxObserver,
-            quant_min=-128,
-            quant_max=127,
-            dtype=torch.int8,
-            qscheme=QScheme.PER_TENSOR_SYMMETRIC,
-            reduce_range=False,
-        )
+        # moving-average ranges, symmetric int8 per tensor: the same fake quant as weights
+        return default_weight_fake_quant
     return HistogramObserver.with_args(
         dtype=torch.int8, qscheme=QScheme.PER_TENSOR_SYMMETRIC, reduce_range=False
     )
