@@ -1,6 +1,7 @@
 """The test zoo quantized as the numba backend quantizes it, with fixed bits (not a target's
 defaults), so every CPU builds the same reference models: the torchvision-style CNNs, the BERT
-encoder with trained-like outlier channels, and the lowering zoo's cases.
+encoder with trained-like outlier channels, a torchvision-style ViT, and the lowering zoo's
+cases.
 
 Shared by the ONNX checks (``tests/test_onnx_zoo.py``, ``packages/lowering/bench/
 check_onnx_zoo.py``) and the target matrix (``targets/zoo_outputs.py``).
@@ -21,6 +22,7 @@ if str(Path(__file__).parents[1] / "packages/lowering/tests") not in sys.path:
 import bert_zoo
 import lowering_zoo
 import real_models
+from vit_model import VisionTransformer
 
 import quantbridge.fx_quant as fq
 from quantbridge.lowering import get_backend
@@ -54,6 +56,18 @@ def bert_reference() -> tuple[GraphModule, Inputs]:
     return fq.convert_to_reference_fx(prepared), bert_zoo.token_batches(1, seed=3)[0]
 
 
+def vit_reference() -> tuple[GraphModule, Inputs]:
+    """A small torchvision-style ViT (transformer mapping, 8 bits), and one batch."""
+    torch.manual_seed(0)
+    model = VisionTransformer(image_size=32, layers=2, heads=4, dim=64, mlp_dim=128).eval()
+    g = torch.Generator().manual_seed(1)
+    calibration = [(torch.randn(2, 3, 32, 32, generator=g),) for _ in range(3)]
+    mapping = BACKEND.qconfig_mapping(transformer=True, weight_bits=8, activation_bits=8)
+    prepared = fq.prepare_fx(model, mapping, calibration[0], backend_config=BACKEND.backend_config)
+    fq.calibrate(prepared, calibration, progress=False)
+    return fq.convert_to_reference_fx(prepared), (torch.randn(2, 3, 32, 32, generator=g),)
+
+
 def case_reference(case: lowering_zoo.Case) -> tuple[GraphModule, Inputs]:
     """A lowering zoo case's reference model (static cases at 8 bits), and its inputs."""
     mapping = lowering_zoo.qconfig_mapping_for(case, BACKEND)
@@ -78,6 +92,7 @@ def zoo_models() -> list[ZooModel]:
         for name in real_models.MODELS
     ]
     models.append(ZooModel("bert (outliers)", bert_reference, True))
+    models.append(ZooModel("vit", vit_reference, True))
     models += [
         ZooModel(case.name, lambda case=case: case_reference(case), case.mode == "static")
         for case in lowering_zoo.ALL_CASES
