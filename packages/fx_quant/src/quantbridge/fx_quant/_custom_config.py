@@ -39,6 +39,7 @@ NON_TRACEABLE_MODULE_NAME_DICT_KEY = "non_traceable_module_name"
 NON_TRACEABLE_MODULE_CLASS_DICT_KEY = "non_traceable_module_class"
 INPUT_QUANTIZED_INDEXES_DICT_KEY = "input_quantized_idxs"
 OUTPUT_QUANTIZED_INDEXES_DICT_KEY = "output_quantized_idxs"
+OUTPUT_FLOAT_INDEXES_DICT_KEY = "output_float_idxs"  # quantbridge's; torch.ao has no such key
 PRESERVED_ATTRIBUTES_DICT_KEY = "preserved_attributes"
 
 _PREPARE_KEYS = (
@@ -49,6 +50,7 @@ _PREPARE_KEYS = (
     NON_TRACEABLE_MODULE_CLASS_DICT_KEY,
     INPUT_QUANTIZED_INDEXES_DICT_KEY,
     OUTPUT_QUANTIZED_INDEXES_DICT_KEY,
+    OUTPUT_FLOAT_INDEXES_DICT_KEY,
     PRESERVED_ATTRIBUTES_DICT_KEY,
 )
 
@@ -145,6 +147,7 @@ class PrepareCustomConfig:
         self.non_traceable_module_classes: list[type] = []
         self.input_quantized_indexes: list[int] = []
         self.output_quantized_indexes: list[int] = []
+        self.output_float_indexes: list[int] = []
         self.preserved_attributes: list[str] = []
 
     def __repr__(self) -> str:
@@ -259,6 +262,18 @@ class PrepareCustomConfig:
         self.output_quantized_indexes = _index_list(indexes, "set_output_quantized_indexes")
         return self
 
+    def set_output_float_indexes(self, indexes: list[int]) -> PrepareCustomConfig:
+        """Graph outputs (by position) computed straight to float where the backend can.
+
+        torch.ao quantizes the output of the op that produces a model output and dequantizes
+        it again (a classifier's logits get 256 levels). For these outputs, when the
+        BackendConfig computes the producing op from quantized inputs to float32 (a
+        DTypeConfig with ``output_dtype=torch.float32``, as the numba backends declare for
+        Linear), the output is left float: no observer, no quantize. Not in torch.ao.
+        """
+        self.output_float_indexes = _index_list(indexes, "set_output_float_indexes")
+        return self
+
     def set_preserved_attributes(self, attributes: list[str]) -> PrepareCustomConfig:
         """Attributes of the model kept on the result even if ``forward`` does not use them."""
         self.preserved_attributes = _str_list(attributes, "set_preserved_attributes")
@@ -317,6 +332,7 @@ class PrepareCustomConfig:
         conf.set_non_traceable_module_classes(d.get(NON_TRACEABLE_MODULE_CLASS_DICT_KEY, []))
         conf.set_input_quantized_indexes(d.get(INPUT_QUANTIZED_INDEXES_DICT_KEY, []))
         conf.set_output_quantized_indexes(d.get(OUTPUT_QUANTIZED_INDEXES_DICT_KEY, []))
+        conf.set_output_float_indexes(d.get(OUTPUT_FLOAT_INDEXES_DICT_KEY, []))
         conf.set_preserved_attributes(d.get(PRESERVED_ATTRIBUTES_DICT_KEY, []))
         return conf
 
@@ -353,6 +369,8 @@ class PrepareCustomConfig:
             d[INPUT_QUANTIZED_INDEXES_DICT_KEY] = list(self.input_quantized_indexes)
         if self.output_quantized_indexes:
             d[OUTPUT_QUANTIZED_INDEXES_DICT_KEY] = list(self.output_quantized_indexes)
+        if self.output_float_indexes:
+            d[OUTPUT_FLOAT_INDEXES_DICT_KEY] = list(self.output_float_indexes)
         if self.preserved_attributes:
             d[PRESERVED_ATTRIBUTES_DICT_KEY] = list(self.preserved_attributes)
         return d

@@ -211,6 +211,7 @@ class _Inserter:
         probe: ObserverProbe,
         scalars: Iterable[str] = (),
         float_by_mapping: Iterable[str] = (),
+        float_outputs: Iterable[int] = (),
     ) -> None:
         self.model = model
         self.graph = model.graph
@@ -223,6 +224,10 @@ class _Inserter:
         self.device = _unique_device(model)
         # nodes the QConfigMapping keeps float (qconfig None)
         self.float_by_mapping = frozenset(float_by_mapping)
+        # graph outputs (by position) the PrepareCustomConfig asks to compute to float
+        self.float_outputs = frozenset(float_outputs)
+        # ops whose output float_output left float
+        self.left_float: set[Node] = set()
 
     # -- target dtype info ---------------------------------------------------------------------
 
@@ -335,7 +340,10 @@ class _Inserter:
         )
 
     def _takes_float(self, user: Node, value: Node) -> bool:
-        # graph outputs keep torch.ao's quantize / dequantize pair (a classifier's logits)
+        # graph outputs keep torch.ao's quantize / dequantize pair (a classifier's logits),
+        # unless set_output_float_indexes names their position
+        if user.op == "output":
+            return bool(self.float_outputs & _output_positions(user, value))
         if user.op not in ("call_module", "call_method", "call_function"):
             return False
         if user.name not in self.float_by_mapping or self.no_tensors(user):
@@ -439,6 +447,8 @@ class _Inserter:
 
     def observe_graph_output(self, output: Node) -> None:
         def visit(value: Any) -> Any:
+            if isinstance(value, Node) and value in self.left_float:
+                return value
             if isinstance(value, Node):
                 out_dtype, _ = self.probe.dtype(self.output_ctor(value))
                 info = self.infos.get(value)
@@ -566,14 +576,16 @@ def insert_observers(
     probe: ObserverProbe,
     swap_custom: Callable[[Node, QConfigAny], None],
     scalars: Iterable[str] = (),
+    output_float: Iterable[int] = (),
 ) -> InsertionResult:
     """Insert observers into ``model`` (in place); see the module docstring.
 
     ``scalars``: nodes holding Python numbers (see :class:`NoTensorCache`).
+    ``output_float``: graph outputs (by position) to compute to float where the backend can.
     """
     graph = model.graph
     floats = (n.name for n in graph.nodes if qconfigs.get(n.name) is None)
-    ins = _Inserter(model, backend_config, probe, scalars, floats)
+    ins = _Inserter(model, backend_config, probe, scalars, floats, output_float)
     for node in graph.nodes:
         ins.infos[node] = TargetInfo(FP32_CTOR, FP32_CTOR)
 
@@ -636,6 +648,7 @@ def insert_observers(
         info = ins.infos[node]
         if ins.float_output(node, match, qconfig):
             info.output_act = FP32_CTOR
+            ins.left_float.add(node)
             continue
         obs_node = ins.observe_output(node)
         if obs_node is None:
@@ -655,6 +668,17 @@ def insert_observers(
             swapped_custom.add(str(node.target))
             swap_custom(node, qconfig)
     return InsertionResult(observed, verdicts, ins.infos)
+
+
+def _output_positions(output: Node, value: Node) -> set[int]:
+    """Where ``value`` stands among the model's outputs: 0 for a single returned value, its
+    positions in a returned tuple or list."""
+    returned = output.args[0] if output.args else None
+    if returned is value:
+        return {0}
+    if isinstance(returned, (tuple, list)):
+        return {i for i, v in enumerate(returned) if v is value}
+    return set()
 
 
 def _fp32_placeholder_qconfig() -> QConfigAny:

@@ -391,6 +391,7 @@ def prepare(
         probe,
         swap_custom,
         recorded.scalars,
+        pcc.output_float_indexes,
     )
     decisions = _decisions(
         original_nodes,
