@@ -141,3 +141,16 @@ def test_every_kernel_family_compiles(level: Level, tmp_path: Path) -> None:
     assert summary["compiled"], "no kernel was compiled"
     assert summary["not_compiled"] == [], "kernel families the dry run never reached"
     assert summary["missing_instructions"] == []
+
+
+def test_byte_identity_harness_is_repeatable(tmp_path: Path) -> None:
+    """``zoo_hashes.py`` (the harness refactors run before and after) gives the same hashes in
+    a second process, and the numba targets this host runs agree on every model."""
+    saved = tmp_path / "hashes.json"
+    env = dict(os.environ)
+    out = _run("zoo_hashes --out", [str(HERE / "zoo_hashes.py"), "--out", str(saved)], env)
+    every = json.loads(saved.read_text())
+    assert len(every["reference"]) >= 20
+    assert f"agree on {len(every['reference'])} of {len(every['reference'])} models" in out
+    out = _run("zoo_hashes --compare", [str(HERE / "zoo_hashes.py"), "--compare", str(saved)], env)
+    assert "differs" not in out
