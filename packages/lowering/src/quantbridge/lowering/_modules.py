@@ -15,8 +15,9 @@ the kernels cannot use, raises a LoweringError naming its key (``_state_dict.py`
 
 from __future__ import annotations
 
+import copy
 import warnings
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -182,6 +183,9 @@ class LoweredModule(nn.Module):
         return torch.from_numpy(self.forward_arrays(*(lowered.as_array(t, how) for t in inputs)))
 
 
+_W = TypeVar("_W", bound="_WeightedBase")
+
+
 class _WeightedBase(LoweredModule):
     """Holds int8 weight, weight qparams and bias as buffers; packs on creation and load."""
 
@@ -215,26 +219,29 @@ class _WeightedBase(LoweredModule):
         LoweredModule.__init__(self, target, in_qparams, out_qparams)
 
     # an activation fused into the kernel's epilogue (a lookup table on the output codes):
-    # its name, and the table / output qparams as buffers, set by ``fuse_activation``
+    # its name, and the table / output qparams as buffers, set by ``with_activation``
     activation: str | None = None
     _act_table: Any = None
     _act_qparams: tuple[float, int] | None = None
 
-    def fuse_activation(
-        self, table: torch.Tensor, what: str, out_qparams: tuple[float, int]
-    ) -> None:
-        """Run ``table`` (uint8[256]: ``quantize(act(dequantize(q)))`` from this module's
-        output qparams to ``out_qparams``) on the output codes inside the kernel; this
-        module then returns the activation's codes. Exactly the two modules it replaces."""
+    def with_activation(
+        self: _W, table: torch.Tensor, what: str, out_qparams: tuple[float, int]
+    ) -> _W:
+        """A copy of this module that runs ``table`` (uint8[256]:
+        ``quantize(act(dequantize(q)))`` from this module's output qparams to
+        ``out_qparams``) on the output codes inside the kernel, and returns the activation's
+        codes: exactly the two modules it replaces. This module is left as it is."""
         if self.activation is not None:
             raise LoweringError(f"{type(self).__name__} already runs {self.activation!r}")
-        self.register_buffer("activation_table", table.detach().to(torch.uint8).contiguous())
-        self.register_buffer("activation_scale", torch.tensor(out_qparams[0], dtype=torch.float64))
-        self.register_buffer(
+        fused = copy.deepcopy(self)
+        fused.register_buffer("activation_table", table.detach().to(torch.uint8).contiguous())
+        fused.register_buffer("activation_scale", torch.tensor(out_qparams[0], dtype=torch.float64))
+        fused.register_buffer(
             "activation_zero_point", torch.tensor(out_qparams[1], dtype=torch.int64)
         )
-        self.activation = what
-        self._sync()
+        fused.activation = what
+        fused._sync()
+        return fused
 
     def _sync_activation(self) -> None:
         b = dict(self.named_buffers(recurse=False))

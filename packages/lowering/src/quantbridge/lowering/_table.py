@@ -769,10 +769,10 @@ def _build_activation_epilogue(ctx: LoweringContext, m: RuleMatch) -> Node:
     found = m.recheck(_activation_epilogue, "not a conv / linear whose only user is a lookup table")
     lut, wmod = found
     w_node = m.nodes[1]
-    wmod.fuse_activation(lut.table, lut.what, lut.output_qparams)
+    fused = wmod.with_activation(lut.table, lut.what, lut.output_qparams)
     name = re.sub(r"\W+", "_", f"{w_node.name}_{lut.what}")  # "add 3.0 + relu": identifier
-    new = ctx.add_module(name, wmod, w_node.args, dict(w_node.kwargs), before=m.anchor)
-    ctx.record(new, f"{wmod.kernel} ({ctx.target}), {lut.what} in the epilogue")
+    new = ctx.add_module(name, fused, w_node.args, dict(w_node.kwargs), before=m.anchor)
+    ctx.record(new, f"{fused.kernel} ({ctx.target}), {lut.what} in the epilogue")
     return new
 
 
