@@ -116,10 +116,27 @@ class LoweringContext:
         self.graph = graph_module.graph
         self.target = target
         self.report = LoweringReport(target)
+        # ops left in reference form, with why; the report lists those still in the graph
+        # when the pass ends (a float-kernel fusion may run one later)
+        self._kept: list[tuple[str, str]] = []
         # lowered node -> the op whose quantized output it returns (compare_layers reads it)
         self.outputs: dict[str, dict[str, object]] = {}
         self.anchor: Node | None = None
         self._names: set[str] = {n for n, _ in graph_module.named_modules(remove_duplicate=False)}
+
+    def keep(self, node: Node, why: str) -> None:
+        """``node`` stays in reference form (a float op between dequantize and quantize)."""
+        self._kept.append((node.name, why))
+
+    def is_kept(self, node: Node) -> bool:
+        """Whether the pass left ``node`` in reference form."""
+        return any(name == node.name for name, _ in self._kept)
+
+    def finish_report(self) -> LoweringReport:
+        """The report, its kept list the kept ops the final graph still runs."""
+        live = {n.name for n in self.graph.nodes}
+        self.report.kept = [(name, why) for name, why in self._kept if name in live]
+        return self.report
 
     # reading the reference graph ---------------------------------------------------------
 

@@ -127,9 +127,8 @@ def _refuse_kept(ctx: LoweringContext, m: RuleMatch) -> None:
     report names them and the reference model is what they compute. An op on float values
     whose output is also quantized (a LayerNorm feeding both the residual stream and the
     next linear) is not in that form: it is a float op, and the float kernels take it."""
-    kept = {name for name, _ in ctx.report.kept}
     for n in m.nodes:
-        if n.name in kept and any(_dequantized(a) for a in n.all_input_nodes):
+        if ctx.is_kept(n) and any(_dequantized(a) for a in n.all_input_nodes):
             raise NotLowerableError("kept in reference form")
 
 
@@ -138,12 +137,6 @@ def _dequantized(node: Node) -> bool:
     if node.op == "call_function":
         return node.target is DEQUANTIZE
     return isinstance(_module(node), lm.Dequantize)
-
-
-def _unkeep(ctx: LoweringContext, m: RuleMatch) -> None:
-    """Drop the matched ops from the report's kept list: a float kernel now runs them."""
-    names = {n.name for n in m.nodes}
-    ctx.report.kept[:] = [(name, why) for name, why in ctx.report.kept if name not in names]
 
 
 def _build_linear_gelu(ctx: LoweringContext, m: RuleMatch) -> Node:
@@ -237,7 +230,6 @@ def _build_layer_norm(ctx: LoweringContext, m: RuleMatch) -> Node:
     args = (parts.x,) if parts.residual is None else (parts.x, parts.residual)
     new = ctx.add_module(f"{m.anchor.name}_float", mod, args, before=m.anchor)
     ctx.record(new, mod.kernel + (" (residual add fused)" if parts.residual is not None else ""))
-    _unkeep(ctx, m)
     return new
 
 
@@ -311,7 +303,6 @@ def _build_softmax(ctx: LoweringContext, m: RuleMatch) -> Node:
     new = ctx.add_module(f"{m.anchor.name}_float", mod, args, before=m.anchor)
     fused = [w for w, on in (("scale", parts.scale != 1.0), ("mask", parts.mask)) if on]
     ctx.record(new, mod.kernel + (f" ({' and '.join(fused)} fused)" if fused else ""))
-    _unkeep(ctx, m)
     return new
 
 
@@ -480,7 +471,6 @@ def _build_attention(ctx: LoweringContext, m: RuleMatch) -> Node:
     new = ctx.add_module(f"{parts.sdpa.name}_codes", mod, args, before=m.anchor)
     out = "uint8" if parts.out_qparams is not None else "float32"
     ctx.record(new, f"{mod.kernel} (dequantize of q, k, v fused, {out} output)")
-    _unkeep(ctx, m)
     return new
 
 
@@ -531,7 +521,6 @@ def _build_core_attention(ctx: LoweringContext, m: RuleMatch) -> Node:
     )
     new = ctx.add_module(f"{parts.sdpa.name}_codes", mod, parts.codes, before=m.anchor)
     ctx.record(new, f"{mod.kernel} (nn.MultiheadAttention's attention on codes, {heads} heads)")
-    _unkeep(ctx, m)
     return new
 
 

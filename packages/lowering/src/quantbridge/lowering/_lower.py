@@ -266,7 +266,7 @@ class _Pass:
         try:
             new = match.rule.build(ctx, match)
         except NotLowerableError as why:
-            ctx.report.kept.append((match.node.name, str(why)))
+            ctx.keep(match.node, str(why))
             return
         finally:
             ctx.anchor = None
@@ -287,9 +287,9 @@ class _Pass:
         if src.op == "call_function" and src.target is DEQUANTIZE:
             return  # quantize(dequantize(x)): the requantize rule takes the static ones
         if len(src.users) != 1:
-            self.ctx.report.kept.append((src.name, "its float output has other users"))
+            self.ctx.keep(src, "its float output has other users")
             return
-        self.ctx.report.kept.append((src.name, _no_kernel(self.ctx, src)))
+        self.ctx.keep(src, _no_kernel(self.ctx, src))
 
     # cleanup -----------------------------------------------------------------------------
 
@@ -402,7 +402,7 @@ def lower_to_kernels(
     ctx = LoweringContext(reference_model, target)
     lowering = _Pass(ctx, table)
     lowering.run()
-    reference_model.meta[_REPORT_KEY] = ctx.report
+    reference_model.meta[_REPORT_KEY] = ctx.finish_report()
     reference_model.meta[QUANTIZED_OUTPUTS_KEY] = ctx.outputs
     return use_array_forward(reference_model)
 
