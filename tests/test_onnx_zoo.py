@@ -25,6 +25,7 @@ from torch.fx import GraphModule
 
 if str(Path(__file__).parent) not in sys.path:
     sys.path.insert(0, str(Path(__file__).parent))
+import onnx_sessions
 import quantized_zoo
 from test_lowering_numerics import _coarsest_step
 
@@ -48,23 +49,6 @@ INTEGER_OPS = {
 FLOAT_KERNELS = {"Conv", "FusedConv", "Gemm", "FusedGemm"}
 
 
-def _session(path: Path, optimized: bool, saved: Path | None = None) -> Any:
-    options = ort.SessionOptions()
-    options.graph_optimization_level = (
-        ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        if optimized
-        else ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    )
-    if saved is not None:
-        options.optimized_model_filepath = str(saved)
-    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
-
-
-def _run(session: Any, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
-    feeds = {i.name: x.numpy() for i, x in zip(session.get_inputs(), inputs, strict=True)}
-    return torch.from_numpy(session.run(None, feeds)[0])
-
-
 def _first(out: Any) -> torch.Tensor:
     return out[0] if isinstance(out, tuple) else out
 
@@ -86,10 +70,10 @@ def _export_and_check(
     fq.export_onnx(reference, inputs, path)
     with torch.no_grad():
         want = _first(reference(*inputs))
-    as_written = _run(_session(path, optimized=False), inputs)
+    as_written = onnx_sessions.run(onnx_sessions.session(path, optimized=False), inputs)
     assert (as_written - want).abs().max() <= bound * (1 + 1e-5)  # one step, in float32
     saved = tmp_path / "optimized.onnx"
-    optimized = _run(_session(path, optimized=True, saved=saved), inputs)
+    optimized = onnx_sessions.run(onnx_sessions.session(path, True, saved), inputs)
     ops = Counter(n.op_type for n in onnx.load(str(saved)).graph.node)
     return ops, optimized, want
 

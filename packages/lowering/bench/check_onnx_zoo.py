@@ -25,6 +25,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[3]
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(ROOT / "tests")]
+import onnx_sessions  # noqa: E402
 import quantized_zoo  # noqa: E402
 from bench_onnx_export import coarsest_activation_scale  # noqa: E402
 
@@ -42,21 +43,11 @@ def _first(out: Any) -> np.ndarray:
 
 
 def _runtimes(path: Path) -> dict[str, Callable[[tuple[torch.Tensor, ...]], np.ndarray]]:
-    import onnxruntime as ort
     import openvino as ov
 
     def ort_session(optimized: bool) -> Callable[[tuple[torch.Tensor, ...]], np.ndarray]:
-        options = ort.SessionOptions()
-        options.graph_optimization_level = (
-            ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-            if optimized
-            else ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-        )
-        session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
-        names = [i.name for i in session.get_inputs()]
-        return lambda xs: _first(
-            session.run(None, dict(zip(names, (x.numpy() for x in xs), strict=True)))
-        )
+        session = onnx_sessions.session(path, optimized)
+        return lambda xs: onnx_sessions.run(session, xs).numpy()
 
     def openvino() -> Callable[[tuple[torch.Tensor, ...]], np.ndarray]:
         # f32: OpenVINO's default on CPUs with AVX-512 BF16 runs the float ops in bfloat16
