@@ -165,6 +165,32 @@ def export_onnx(
     graph.recompile()
 
     path = Path(path)
+    saved = _translate(graph, example_inputs, shapes, opset, path, onnx)
+    return OnnxExportReport(
+        path=path,
+        opset=opset,
+        profile=profile,
+        weights=weights,
+        activation_quantizers=activations,
+        clipped=clipped,
+        removed_clamps=removed,
+        dynamic_axes=_dynamic_axes(saved),
+    )
+
+
+# --- the model to export -------------------------------------------------------------------
+
+
+def _translate(
+    graph: fx.GraphModule,
+    example_inputs: tuple[Any, ...],
+    shapes: Any,
+    opset: int,
+    path: Path,
+    onnx: Any,
+) -> Any:
+    """``torch.onnx.export`` of the prepared ATen graph to ``path``, checked; returns the
+    saved model's proto (initializer data not loaded)."""
     try:
         with _SizeOblivious(), _quiet_exporter():
             program = torch.onnx.export(
@@ -189,19 +215,7 @@ def export_onnx(
     saved = onnx.load(str(path), load_external_data=False)
     _check_weights_are_integers(saved)
     onnx.checker.check_model(str(path), full_check=True)
-    return OnnxExportReport(
-        path=path,
-        opset=opset,
-        profile=profile,
-        weights=weights,
-        activation_quantizers=activations,
-        clipped=clipped,
-        removed_clamps=removed,
-        dynamic_axes=_dynamic_axes(saved),
-    )
-
-
-# --- the model to export -------------------------------------------------------------------
+    return saved
 
 
 def _import_onnx() -> Any:
