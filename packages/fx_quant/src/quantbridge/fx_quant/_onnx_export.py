@@ -38,7 +38,7 @@ from torch.export.graph_signature import InputKind
 from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
 from quantbridge.fx_quant._errors import FxQuantError
-from quantbridge.fx_quant._export_capture import _auto_dynamic_shapes, _SizeOblivious
+from quantbridge.fx_quant._export_capture import _auto_dynamic_shapes, _fetch, _SizeOblivious
 from quantbridge.fx_quant._ops import QUANT_DTYPE_RANGES
 from quantbridge.fx_quant._state import OBSERVED_KEY
 
@@ -375,18 +375,17 @@ def _constant(graph: fx.GraphModule, arg: Any) -> torch.Tensor | None:
     if isinstance(arg, fx.Node):
         if arg.op != "get_attr":
             return None
-        value = _attr(graph, str(arg.target))
+        value = _fetch(graph, str(arg.target))
         return value.detach() if isinstance(value, torch.Tensor) else None
     if isinstance(arg, (int, float)):
         return torch.tensor(arg)
     return None
 
 
-def _attr(graph: fx.GraphModule, target: str) -> Any:
-    owner: Any = graph
-    for part in target.split("."):
-        owner = getattr(owner, part)
-    return owner
+def _owner(graph: fx.GraphModule, target: str) -> tuple[nn.Module, str]:
+    """The module holding attribute ``target`` (a dotted path), and the attribute's name."""
+    owner_path, _, name = target.rpartition(".")
+    return graph.get_submodule(owner_path), name
 
 
 def _quantizer(graph: fx.GraphModule, node: fx.Node) -> _Quantizer | None:
@@ -414,8 +413,7 @@ def _name(node: fx.Node) -> str:
     """A quantizer's name on the reference model: its scale attribute, or for a weight the
     module that owns it."""
     scale = node.args[1]
-    source = node.args[0]
-    if isinstance(source, fx.Node) and source.op == "get_attr":
+    if _is_weight(node):
         return f"weight of {_module_path(node)}"
     if isinstance(scale, fx.Node) and scale.op == "get_attr":
         return str(scale.target)
@@ -508,10 +506,11 @@ def _fold_weight_quantizers(graph: fx.GraphModule) -> tuple[str, ...]:
     folded = []
     for q in _quantizers(graph):
         source = q.node.args[0]
-        if not (isinstance(source, fx.Node) and source.op == "get_attr"):
+        weight = _constant(graph, source)
+        if not _is_weight(q.node) or weight is None:
             continue
-        codes = q.codes_of(_attr(graph, str(source.target)).detach())
-        target = _register_beside(graph, str(source.target), "codes", codes)
+        assert isinstance(source, fx.Node)
+        target = _register_beside(graph, str(source.target), "codes", q.codes_of(weight))
         with graph.graph.inserting_before(q.node):
             constant = graph.graph.get_attr(target)
         q.node.replace_all_uses_with(constant)
@@ -526,8 +525,8 @@ def _fold_weight_quantizers(graph: fx.GraphModule) -> tuple[str, ...]:
 
 def _register_beside(graph: fx.GraphModule, target: str, suffix: str, value: torch.Tensor) -> str:
     """Register ``value`` on the module owning ``target`` as ``<name>_<suffix>``."""
-    owner_path, _, name = target.rpartition(".")
-    graph.get_submodule(owner_path).register_buffer(f"{name}_{suffix}", value)
+    owner, name = _owner(graph, target)
+    owner.register_buffer(f"{name}_{suffix}", value)
     return f"{target}_{suffix}"
 
 
@@ -569,15 +568,14 @@ def _rename_clashing_constants(graph: fx.GraphModule) -> None:
     renamed = {}
     for name in names:
         if name in lifted or name.replace(".", "_") in lifted:
-            owner_path, _, attr = name.rpartition(".")
-            owner = graph.get_submodule(owner_path)
+            owner, attr = _owner(graph, name)
             new = f"qdq_{attr}"
             while hasattr(owner, new):
                 new = f"_{new}"
             value = getattr(owner, attr)
             delattr(owner, attr)
             owner.register_buffer(new, value)
-            renamed[name] = f"{owner_path}.{new}" if owner_path else new
+            renamed[name] = name.removesuffix(attr) + new
     for node in graph.graph.nodes:
         if node.op == "get_attr" and node.target in renamed:
             node.target = renamed[node.target]
@@ -587,8 +585,7 @@ def _delete_unused_attributes(graph: fx.GraphModule) -> None:
     used = {str(n.target) for n in graph.graph.nodes if n.op == "get_attr"}
     for name, _ in list(graph.named_parameters()) + list(graph.named_buffers()):
         if name not in used:
-            owner_path, _, attr = name.rpartition(".")
-            owner = graph.get_submodule(owner_path)
+            owner, attr = _owner(graph, name)
             delattr(owner, attr)
 
 
@@ -632,8 +629,7 @@ def _mutates_a_later_read(node: fx.Node) -> bool:
     assert isinstance(source, fx.Node)
     if source.op in ("placeholder", "get_attr"):
         return True
-    order = {n: i for i, n in enumerate(node.graph.nodes)}
-    return any(order[user] > order[node] for user in source.users if user is not node)
+    return any(user > node for user in source.users)  # fx orders nodes as the graph runs
 
 
 def _functional_in_place_ops(graph: fx.GraphModule) -> None:
