@@ -576,16 +576,16 @@ def insert_observers(
     probe: ObserverProbe,
     swap_custom: Callable[[Node, QConfigAny], None],
     scalars: Iterable[str] = (),
-    output_float: Iterable[int] = (),
+    float_outputs: Iterable[int] = (),
 ) -> InsertionResult:
     """Insert observers into ``model`` (in place); see the module docstring.
 
     ``scalars``: nodes holding Python numbers (see :class:`NoTensorCache`).
-    ``output_float``: graph outputs (by position) to compute to float where the backend can.
+    ``float_outputs``: graph outputs (by position) to compute to float where the backend can.
     """
     graph = model.graph
     floats = (n.name for n in graph.nodes if qconfigs.get(n.name) is None)
-    ins = _Inserter(model, backend_config, probe, scalars, floats, output_float)
+    ins = _Inserter(model, backend_config, probe, scalars, floats, float_outputs)
     for node in graph.nodes:
         ins.infos[node] = TargetInfo(FP32_CTOR, FP32_CTOR)
 
