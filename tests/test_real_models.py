@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.fx import GraphModule
 
@@ -68,12 +69,21 @@ def _leaf_names(pattern: Any) -> tuple[str, ...]:
     return (pattern if isinstance(pattern, str) else getattr(pattern, "__name__", str(pattern)),)
 
 
+def _ao_class(cls: type) -> type:
+    """torch.ao's class of the same name as fx_quant's QAT / intrinsic ``cls``."""
+    if cls.__module__.startswith("torch."):
+        return cls
+    package = cls.__module__.replace("quantbridge.fx_quant.nn", "torch.ao.nn").rsplit("._", 1)[0]
+    ao_cls: type = getattr(importlib.import_module(package), cls.__name__)
+    return ao_cls
+
+
 def _ao_equivalents() -> tuple[Any, Any, Any]:
     """torch.ao's (quantize_fx, qconfig mapping, backend config) equal to the numba backend's.
 
     The numba BackendConfig is the native one restricted to the patterns its kernels run and
-    to non-float16 dtypes; its mapping is x86's with reduce_range=False activations (and the
-    backend's weight range).
+    to non-float16 dtypes, plus clamps observed with the Linear / conv before them; its mapping
+    is x86's with reduce_range=False activations (and the backend's weight range).
     """
     pytest.importorskip("torch.ao.quantization")
     importlib.import_module("torch.ao.quantization.backend_config.utils")  # torch 2.13 quirk
@@ -86,14 +96,29 @@ def _ao_equivalents() -> tuple[Any, Any, Any]:
         for c in ours.configs
     }
     config = ao_bc.BackendConfig("numba_equivalent")
+    native = set()
+    static_dtypes = {}
     for cfg in ao_bc.get_native_backend_config().configs:
         pattern = cfg.pattern if cfg.pattern is not None else cfg._pattern_complex_format
         dtypes = [
             d for d in cfg.dtype_configs if torch.float16 not in (d.input_dtype, d.weight_dtype)
         ]
+        native.add(_leaf_names(pattern))
+        static_dtypes[pattern] = [d for d in dtypes if d.output_dtype is torch.quint8]
         if _leaf_names(pattern) in kept and dtypes:
             cfg.set_dtype_configs(dtypes)
             config.set_backend_pattern_config(cfg)
+    # numba's own entries, not in torch.ao's native config: a clamp observed with the Linear /
+    # conv before it, given to torch.ao as the same pattern
+    extra = [c for c in ours.configs if _leaf_names(c.pattern) not in native]
+    assert {c.pattern[1] for c in extra} == {nn.ReLU6, nn.Hardtanh, F.relu6, F.hardtanh}
+    for cfg in extra:
+        root = _ao_class(cfg.pattern[0])
+        config.set_backend_pattern_config(
+            ao_bc.BackendPatternConfig((root, cfg.pattern[1]))
+            .set_observation_type(ao_bc.ObservationType.OUTPUT_USE_DIFFERENT_OBSERVER_AS_INPUT)
+            .set_dtype_configs(static_dtypes[root])
+        )
     assert len(config.configs) == len(ours.configs)
     # the backend's qconfig: on the avx2 target torch.ao's x86 one (7-bit activations,
     # reduce_range), elsewhere full-range activations; 8-bit weights (7 if asked)

@@ -232,6 +232,115 @@ def test_relu_the_quantize_makes_redundant_is_dropped(tmp_path: Path) -> None:
     assert torch.equal(_run(path, (x,)), kept(x))
 
 
+class _Reduce(nn.Module):
+    def __init__(self, op: str, dims: tuple[int, ...], keepdim: bool) -> None:
+        super().__init__()
+        self.fc = nn.Linear(5, 5)
+        self.op, self.dims, self.keepdim = op, dims, keepdim
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return getattr(self.fc(x), self.op)(self.dims, keepdim=self.keepdim)
+
+
+@pytest.mark.parametrize(
+    ("op", "dims", "keepdim", "as_matrix"),
+    [
+        ("sum", (1,), False, True),
+        ("sum", (1,), True, True),
+        ("mean", (0, 2), True, True),
+        ("sum", (-1,), False, False),
+        ("mean", (1, 2), False, False),
+    ],
+)
+def test_a_reduction_of_a_dequantized_value_over_middle_dims_reduces_a_matrix(
+    op: str, dims: tuple[int, ...], keepdim: bool, as_matrix: bool, tmp_path: Path
+) -> None:
+    # OpenVINO 2026.4 computes DequantizeLinear -> ReduceSum over a middle axis of a rank-3
+    # value as zeros past the first batch row; on a matrix, or over the last axes, it is right
+    model = _Reduce(op, dims, keepdim).eval()
+    x = torch.randn(4, 6, 5)
+    prepared = fq.prepare_fx(model, qc.get_default_qconfig_mapping("x86"), (x,))
+    prepared(x)
+    reference = fq.convert_to_reference_fx(prepared)
+    path = tmp_path / "reduce.onnx"
+    fq.export_onnx(reference, (x,), path)
+    nodes = [n.op_type for n in onnx.load(str(path)).graph.node]
+    reduce = "ReduceSum" if op == "sum" else "ReduceMean"
+    assert nodes.count(reduce) == 1
+    assert (nodes[nodes.index(reduce) - 1] == "Reshape") == as_matrix
+    y = torch.randn(3, 6, 5)
+    with torch.no_grad():
+        want = reference(y)
+    got = _run(path, (y,))
+    assert got.shape == want.shape
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-5)
+
+
+class _Bags(nn.Module):
+    def __init__(self, mode: str, **kwargs: Any) -> None:
+        super().__init__()
+        self.bag = nn.EmbeddingBag(30, 6, mode=mode, **kwargs)
+
+    def forward(self, indices: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        return self.bag(indices, offsets)
+
+
+class _Rows(_Bags):
+    def forward(self, indices: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return self.bag(indices)
+
+
+class _Weighted(_Bags):
+    def forward(  # type: ignore[override]
+        self, indices: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
+        return self.bag(indices, offsets, weights)
+
+
+_BAG_INPUTS = {  # indices, offsets (bag 1 empty), per-sample weights
+    "offsets": lambda n: (torch.arange(n) % 30, torch.tensor([0, 3, 3, n - 2])),
+    "rows": lambda n: ((torch.arange(4 * n) % 30).reshape(n, 4),),
+    "weighted": lambda n: (
+        torch.arange(n) % 30,
+        torch.tensor([0, 3, 3, n - 2]),
+        torch.linspace(-1, 2, n),
+    ),
+}
+
+
+@pytest.mark.parametrize(
+    ("mode", "inputs", "kwargs"),
+    [
+        ("sum", "offsets", {}),
+        ("mean", "offsets", {}),
+        ("max", "offsets", {}),
+        ("mean", "rows", {"padding_idx": 2}),
+        ("sum", "weighted", {}),
+        ("sum", "offsets", {"include_last_offset": True}),
+    ],
+)
+def test_embedding_bags_need_no_loop(
+    mode: str, inputs: str, kwargs: dict[str, Any], tmp_path: Path
+) -> None:
+    # torch.onnx writes embedding_bag as a Loop, which OpenVINO 2026.4 does not read
+    kind = {"offsets": _Bags, "rows": _Rows, "weighted": _Weighted}[inputs]
+    model = kind(mode, **kwargs).eval()
+    mapping = qc.QConfigMapping().set_object_type(
+        nn.EmbeddingBag, qc.float_qparams_weight_only_qconfig
+    )
+    example = _BAG_INPUTS[inputs](9)
+    prepared = fq.prepare_fx(model, mapping, example)
+    reference = fq.convert_to_reference_fx(prepared)
+    path = tmp_path / "bags.onnx"
+    fq.export_onnx(reference, example, path)
+    assert "Loop" not in {n.op_type for n in onnx.load(str(path)).graph.node}
+    for n in (9, 14):  # dynamic: more indices than the example's
+        x = _BAG_INPUTS[inputs](n)
+        with torch.no_grad():
+            want = reference(*x)
+        torch.testing.assert_close(_run(path, x), want, rtol=1e-5, atol=1e-5)
+
+
 def test_sixteen_bit_activations_need_opset_21(tmp_path: Path) -> None:
     model = _hand_written(-32768, 32767, torch.int16, zp=0)
     x = torch.randn(2, 8)

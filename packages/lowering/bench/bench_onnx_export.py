@@ -5,7 +5,7 @@ Run by ``nox -s bench_onnx`` (the packages of ``nox -s bench_peers``):
 
     python packages/lowering/bench/bench_onnx_export.py
         [--models resnet18 resnet50 mobilenet_v2 efficientnet_b0 bert] (also mobilenet_v3_small)
-        [--threads 1 2] [--rounds 10] [--json OUT] [--isa avx2]
+        [--threads 1 2] [--rounds 10] [--json OUT] [--isa avx2] [--float-logits]
 
 Models, as ``bench_peers.py`` builds them: torchvision's architectures from
 ``tests/real_models.py`` (full size, seeded weights, batch 1, 3x224x224) and ``bert``
@@ -58,7 +58,7 @@ import torch
 from torch import fx, nn
 
 import quantbridge.kernels as qk
-from quantbridge.fx_quant import convert_to_reference_fx, export_onnx
+from quantbridge.fx_quant import PrepareCustomConfig, convert_to_reference_fx, export_onnx
 from quantbridge.lowering import get_backend
 from quantbridge.qconfig import QConfigMapping
 
@@ -131,8 +131,11 @@ class Case:
     ort_op_types: tuple[str, ...] | None = None
 
 
-def cnn_case(name: str) -> Case:
+def cnn_case(name: str, float_logits: bool = False) -> Case:
     model = real_models.build(name, full_size=True).eval()
+    prepare_args: dict[str, Any] = {}
+    if float_logits:
+        prepare_args["prepare_custom_config"] = PrepareCustomConfig().set_output_float_indexes([0])
     held_out = bench_peers.calib_images(HELD_OUT_IMAGES, seed=2)
     x = held_out[0].clone()
     return Case(
@@ -146,6 +149,7 @@ def cnn_case(name: str) -> Case:
         input_names=("input",),
         held_out=[(h,) for h in held_out],
         score=lambda reference, other: {"sqnr_db": bench_peers.sqnr(reference, other)},
+        prepare_args=prepare_args,
     )
 
 
@@ -355,6 +359,12 @@ def main() -> int:
         help="cap every runtime at this instruction set (ONNX Runtime excepted), as "
         "bench_peers.py does",
     )
+    parser.add_argument(
+        "--float-logits",
+        action="store_true",
+        help="CNNs: leave the logits float (PrepareCustomConfig().set_output_float_indexes([0])) "
+        "in quantbridge's model and the exported file",
+    )
     args = parser.parse_args()
     bench_peers.print_environment(args.isa)
 
@@ -362,7 +372,8 @@ def main() -> int:
     for name in args.models:
         print(f"\n== {name}", flush=True)
         try:
-            suite, steps = build_suite(bert_case() if name == "bert" else cnn_case(name))
+            case = bert_case() if name == "bert" else cnn_case(name, args.float_logits)
+            suite, steps = build_suite(case)
         except Exception as e:  # e.g. transformers missing: the other models still run
             print(f"  {name}: not run: {bench_peers.short_error(e)}")
             continue

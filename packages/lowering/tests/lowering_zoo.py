@@ -156,6 +156,28 @@ class Activations(nn.Module):
         )
 
 
+class ClampedLayers(nn.Module):
+    """conv + BN, depthwise conv, 1x1 conv and linear, each followed by a clamp (ReLU6,
+    relu6, hardtanh with bounds) observed after the clamp, as in MobileNetV2's blocks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.bn = nn.BatchNorm2d(8)
+        self.relu6 = nn.ReLU6(inplace=True)
+        self.dw = nn.Conv2d(8, 8, 3, padding=1, groups=8)
+        self.pw = nn.Conv2d(8, 12, 1)
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(12, 6)
+        self.clamp = nn.Hardtanh(-0.5, 0.25)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.relu6(self.bn(self.conv(x)))
+        x = F.relu6(self.dw(x))
+        x = F.hardtanh(self.pw(x), -1.0, 2.0)
+        return self.clamp(self.fc(torch.flatten(self.pool(x), 1)))
+
+
 class Matmul(nn.Module):
     """quantized matmul: 2-D x 2-D, batched 3-D and 4-D attention-like scores."""
 
@@ -265,6 +287,7 @@ STATIC_CASES = [
     Case("pools", Pools, _randn(2, 3, 14, 14)),
     Case("shapes_cat", ShapesCat, _randn(3, 12)),
     Case("activations", Activations, _randn(5, 8)),
+    Case("clamped_layers", ClampedLayers, _randn(2, 3, 10, 10)),
     Case("matmul", Matmul, lambda seed: _randn(2, 6, 8)(seed) + _randn(2, 8, 5)(seed + 7)),
     Case("unsupported_layer_norm", Unsupported, _randn(4, 8), fully_lowered=False),
 ]

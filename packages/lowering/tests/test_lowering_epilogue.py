@@ -30,9 +30,14 @@ from quantbridge.lowering._modules import (
     QuantizedLinear,
     QuantizedLookupTable,
 )
+from quantbridge.qconfig import BackendConfig
 
 NUMBA = [f"numba_{t}" for t in K.available_targets()]
 EPILOGUE_RULE = "conv / linear + activation"
+CLAMP_RULE = "linear / conv + clamp"
+CLAMPS = (nn.ReLU6, nn.Hardtanh, F.relu6, F.hardtanh)
+QUANTIZE = torch.ops.quantbridge.quantize_per_tensor.tensor
+DEQUANTIZE = torch.ops.quantbridge.dequantize_per_tensor.tensor
 
 # activations as modules or functions; every one is a lookup table after lowering
 ACTIVATIONS: dict[str, Callable[[], Callable[[torch.Tensor], torch.Tensor]]] = {
@@ -97,16 +102,28 @@ def _inputs(seed: int) -> tuple[torch.Tensor]:
     return (torch.randn(2, 6, 7, 7, generator=g) * 2,)
 
 
-def _reference(model: nn.Module, backend: L.Backend) -> GraphModule:
+def _reference(
+    model: nn.Module, backend: L.Backend, config: BackendConfig | None = None
+) -> GraphModule:
     torch.manual_seed(0)
     model = model.eval()
-    prepared = prepare_fx(
-        model, backend.qconfig_mapping(), _inputs(0), backend_config=backend.backend_config
-    )
+    config = backend.backend_config if config is None else config
+    prepared = prepare_fx(model, backend.qconfig_mapping(), _inputs(0), backend_config=config)
     with torch.no_grad():
         for i in range(4):
             prepared(*_inputs(100 + i))
-    return convert_to_reference_fx(copy.deepcopy(prepared), backend_config=backend.backend_config)
+    return convert_to_reference_fx(copy.deepcopy(prepared), backend_config=config)
+
+
+def _sharing_clamps(backend: L.Backend) -> BackendConfig:
+    """``backend``'s config without its clamp-after-layer entries: a clamp shares the layer's
+    observer, as in torch.ao's configs, and is lowered as a table after it."""
+    config = BackendConfig("sharing_clamps")
+    for entry in backend.backend_config.configs:
+        if not (isinstance(entry.pattern, tuple) and entry.pattern[-1] in CLAMPS):
+            config.set_backend_pattern_config(entry)
+    assert len(config.configs) < len(backend.backend_config.configs)
+    return config
 
 
 def _without(rule_name: str) -> list[L.LoweringRule]:
@@ -129,7 +146,7 @@ def _modules(gm: GraphModule) -> Counter[type]:
 def test_activation_runs_in_the_epilogue_with_the_same_bytes(backend_name, layer, act):
     backend = L.get_backend(backend_name)
     torch.manual_seed(1)
-    reference = _reference(LayerAct(layer, ACTIVATIONS[act]()), backend)
+    reference = _reference(LayerAct(layer, ACTIVATIONS[act]()), backend, _sharing_clamps(backend))
     unfused = L.lower_to_kernels(
         copy.deepcopy(reference), backend.target, rules=_without(EPILOGUE_RULE)
     )
@@ -192,6 +209,97 @@ def test_a_conv_with_other_users_keeps_its_activation_separate():
     fused = backend.lower(_reference(TwoUsers(), backend))
     assert _modules(fused)[QuantizedLookupTable] == 1
     assert not [m for m in fused.modules() if getattr(m, "activation", None)]
+
+
+CLAMPED: dict[str, Callable[[], Callable[[torch.Tensor], torch.Tensor]]] = {
+    "ReLU6": lambda: nn.ReLU6(inplace=True),
+    "Hardtanh": lambda: nn.Hardtanh(-1.0, 2.0),
+    "relu6": lambda: F.relu6,
+    "hardtanh": lambda: lambda t: F.hardtanh(t, -0.5, 1.0),
+}
+
+
+def _with_layer_output_quantized(reference: GraphModule) -> GraphModule:
+    """``reference`` with the clamp's quantize and dequantize also between the layer and the
+    clamp: the form a clamp sharing its layer's qparams has."""
+    gm = copy.deepcopy(reference)
+    graph = gm.graph
+    clamp = next(
+        n
+        for n in graph.nodes
+        if (n.op == "call_module" and isinstance(gm.get_submodule(n.target), CLAMPS[:2]))
+        or (n.op == "call_function" and n.target in CLAMPS[2:])
+    )
+    (quantize,) = clamp.users
+    (dequantize,) = [u for u in quantize.users if u.target is DEQUANTIZE]
+    with graph.inserting_before(clamp):
+        qparams = [graph.get_attr(a.target) for a in quantize.args[1:3]]
+        codes = graph.call_function(
+            quantize.target, (clamp.args[0], *qparams, *quantize.args[3:]), quantize.kwargs
+        )
+        value = graph.call_function(
+            DEQUANTIZE, (codes, *qparams, *dequantize.args[3:]), dequantize.kwargs
+        )
+    clamp.update_arg(0, value)
+    graph.lint()
+    gm.recompile()
+    return gm
+
+
+@pytest.mark.parametrize("backend_name", NUMBA)
+@pytest.mark.parametrize("layer", ["conv2d", "depthwise", "grouped", "conv1d", "linear"])
+@pytest.mark.parametrize("clamp", sorted(CLAMPED))
+def test_a_clamp_after_a_layer_is_observed_once_and_runs_in_its_epilogue(
+    backend_name, layer, clamp
+):
+    backend = L.get_backend(backend_name)
+    torch.manual_seed(1)
+    reference = _reference(LayerAct(layer, CLAMPED[clamp]()), backend)
+    layer_node = next(n for n in reference.graph.nodes if n.target == "layer")
+    # no quantize between the layer and the clamp: one observer, after the clamp
+    (clamp_node,) = layer_node.users
+    assert [u.target for u in clamp_node.users] == [QUANTIZE]
+    (quantize,) = clamp_node.users
+    scale = float(getattr(reference, quantize.args[1].target))
+    low, high = {"ReLU6": (0, 6), "Hardtanh": (-1, 2), "relu6": (0, 6), "hardtanh": (-0.5, 1)}[
+        clamp
+    ]
+    assert scale <= (high - low) / 127 + 1e-6  # codes spent on the clamp's range only
+    # quantize(clamp(y)) equals quantize(clamp(dequantize(quantize(y)))): the same model
+    # with the layer's output quantized first gives the same floats, and its unfused
+    # lowering (layer, then a table) the same bytes as the one fused module
+    requantized = _with_layer_output_quantized(reference)
+    unfused = L.lower_to_kernels(requantized, backend.target, rules=_without(EPILOGUE_RULE))
+    fused = backend.lower(copy.deepcopy(reference))
+    assert _modules(unfused)[QuantizedLookupTable] == 1
+    assert _modules(fused)[QuantizedLookupTable] == 0
+    (owner,) = [m for m in fused.modules() if getattr(m, "activation", None)]
+    activation_qparams = (float(owner.activation_scale), int(owner.activation_zero_point))
+    assert owner.output_qparams == activation_qparams
+    with torch.no_grad():
+        for seed in range(3):
+            x = _inputs(seed)
+            assert torch.equal(requantized(*x), reference(*x))
+            assert torch.equal(fused(*x), unfused(*x))
+    assert [w for _, w in L.lowering_report(fused).lowered if "in the epilogue" in w]
+
+
+def test_a_clamp_after_a_layer_with_other_users_shares_nothing():
+    class TwoUsers(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = nn.Conv2d(6, 8, 1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = self.conv(x)
+            return F.relu6(y) + y
+
+    backend = L.get_backend("numba")
+    reference = _reference(TwoUsers(), backend)
+    conv = next(n for n in reference.graph.nodes if n.target == "conv")
+    assert [u.target for u in conv.users] == [QUANTIZE]
+    lowered = backend.lower(reference)
+    assert _modules(lowered)[QuantizedLookupTable] == 1
 
 
 def test_the_support_table_lists_the_fusion_rule():

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch.fx import GraphModule, Interpreter, Node
 
 if str(Path(__file__).parent) not in sys.path:  # helpers, under --import-mode=importlib
@@ -300,16 +301,27 @@ def test_lower_leaves_reference_model_unchanged() -> None:
     assert reference.code == before
 
 
-def test_qat_prepared_model_converts_and_lowers() -> None:
+@pytest.mark.parametrize("model", [zoo.ConvBnCNN, zoo.ClampedLayers])
+def test_qat_prepared_model_converts_and_lowers(model: type[torch.nn.Module]) -> None:
     from quantbridge.fx_quant import convert_to_reference_fx, prepare_qat_fx
 
     backend = L.get_backend("numba")
     torch.manual_seed(0)
-    model = zoo.ConvBnCNN().train()
     x = torch.randn(4, 3, 16, 16)
     prepared = prepare_qat_fx(
-        model, backend.qconfig_mapping(qat=True), (x,), backend_config=backend.backend_config
-    )
+        model().train(), backend.qconfig_mapping(qat=True), (x,),
+        backend_config=backend.backend_config,
+    )  # fmt: skip
+    # a clamp after a conv / linear (QAT, with BatchNorm or not) is fake-quantized once, after it
+    clamps = [
+        n
+        for n in prepared.graph.nodes
+        if n.target in ("relu6", "clamp") or n.target in (F.relu6, F.hardtanh)
+    ]
+    assert len(clamps) == (4 if model is zoo.ClampedLayers else 0)
+    for clamp in clamps:
+        producer = clamp.args[0]
+        assert "activation_post_process" not in str(producer.target)
     opt = torch.optim.SGD(prepared.parameters(), lr=0.01)
     for _ in range(3):
         loss = prepared(torch.randn(4, 3, 16, 16)).pow(2).mean()

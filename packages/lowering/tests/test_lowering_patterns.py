@@ -69,6 +69,7 @@ def test_default_table_lists_every_family_in_matching_order() -> None:
     names = [r.name for r in default_lowering_rules()]
     assert names == [
         "requantize",
+        "linear / conv + clamp",
         "linear / conv (+relu)",
         "matmul",
         "add / mul",

@@ -24,6 +24,7 @@ import contextlib
 import copy
 import importlib
 import logging
+import operator
 import re
 import warnings
 from collections.abc import Callable, Iterator
@@ -71,6 +72,11 @@ _CLAMPS: dict[Any, tuple[int | None, int | None]] = {
     torch.ops.aten.clamp.default: (1, 2),
     torch.ops.aten.clamp_.default: (1, 2),
 }
+_EMBEDDING_BAGS = (
+    torch.ops.aten._embedding_bag.default,
+    torch.ops.aten.embedding_bag.default,
+    torch.ops.aten.embedding_bag.padding_idx,
+)
 _RELUS = (torch.ops.aten.relu.default, torch.ops.aten.relu_.default)
 _HARDTANHS = (torch.ops.aten.hardtanh.default, torch.ops.aten.hardtanh_.default)
 _ONNX_DTYPE = {torch.uint8: 2, torch.int8: 3, torch.uint16: 4, torch.int16: 5}
@@ -156,6 +162,8 @@ def export_onnx(
     if profile == "tensorrt":
         _check_tensorrt(graph)
     _functional_in_place_ops(graph)
+    _reductions_as_matrices(graph)
+    _embedding_bags_without_loops(graph)
     weights = _fold_weight_quantizers(graph)
     removed = _drop_redundant_clamps(graph)
     clipped = _clip_narrow_ranges(graph)
@@ -650,6 +658,124 @@ def _functional_in_place_ops(graph: fx.GraphModule) -> None:
         functional = getattr(getattr(torch.ops.aten, name[:-1], None), overload, None)
         if functional is not None:
             node.target = functional
+
+
+def _reductions_as_matrices(graph: fx.GraphModule) -> None:
+    """A sum / mean of a dequantized value of rank 3 or more over dims that are not its last
+    ones reduces a matrix instead (:func:`_reduce_as_matrix`): OpenVINO 2026.4 computes
+    ``DequantizeLinear -> ReduceSum`` there as zeros for every batch row after the first (a
+    mean-pooled sequence), and a permuted view alone does not avoid it."""
+    for node in graph.graph.nodes:
+        if node.target not in _REDUCTIONS or len(node.args) < 2:
+            continue
+        source, dims = node.args[0], node.args[1]
+        if not (isinstance(source, fx.Node) and source.target in _DEQUANTIZE):
+            continue
+        rank = source.meta["val"].dim()
+        reduced = sorted({d % rank for d in dims}) if dims else list(range(rank))
+        if rank >= 3 and reduced != list(range(rank - len(reduced), rank)):
+            node.target = _REDUCTIONS[node.target]
+
+
+def _reduce_as_matrix(
+    reduce: Callable[..., torch.Tensor],
+    x: torch.Tensor,
+    dims: list[int],
+    keepdim: bool = False,
+    dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """``reduce(x, dims, keepdim)`` computed on the matrix (kept dims, reduced dims)."""
+    rank = x.dim()
+    reduced = sorted({d % rank for d in dims})
+    kept = [d for d in range(rank) if d not in reduced]
+    width = 1
+    for d in reduced:
+        width = width * x.shape[d]
+    matrix = x.permute(*kept, *reduced).reshape(-1, width)
+    out = reduce(matrix, 1, dtype=dtype).reshape([x.shape[d] for d in kept])
+    for d in reduced if keepdim else ():
+        out = out.unsqueeze(d)
+    return out
+
+
+def _sum_as_matrix(
+    x: torch.Tensor, dims: list[int], keepdim: bool = False, *, dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    return _reduce_as_matrix(torch.sum, x, dims, keepdim, dtype)
+
+
+def _mean_as_matrix(
+    x: torch.Tensor, dims: list[int], keepdim: bool = False, *, dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    return _reduce_as_matrix(torch.mean, x, dims, keepdim, dtype)
+
+
+_REDUCTIONS: dict[Any, Callable[..., torch.Tensor]] = {
+    torch.ops.aten.sum.dim_IntList: _sum_as_matrix,
+    torch.ops.aten.mean.dim: _mean_as_matrix,
+}
+
+
+def _embedding_bags_without_loops(graph: fx.GraphModule) -> None:
+    """``embedding_bag`` as gathers, comparisons and one matmul (:func:`_embedding_bag`):
+    torch.onnx writes it as an ONNX ``Loop`` over the bags, which OpenVINO 2026.4 does not
+    read. Only the result is rewritten: a node whose other outputs are read is left as is."""
+    for node in graph.graph.nodes:
+        if node.target not in _EMBEDDING_BAGS:
+            continue
+        if any(u.target is not operator.getitem for u in node.users):
+            continue
+        others = [u for u in node.users if u.args[1] != 0]
+        if any(u.users for u in others):
+            continue
+        for unread in others:
+            graph.graph.erase_node(unread)
+        node.target = _embedding_bag
+
+
+def _embedding_bag(
+    weight: torch.Tensor,
+    indices: torch.Tensor,
+    offsets: torch.Tensor,
+    scale_grad_by_freq: bool = False,
+    mode: int = 0,
+    sparse: bool = False,
+    per_sample_weights: torch.Tensor | None = None,
+    include_last_offset: bool = False,
+    padding_idx: int | None = -1,
+) -> tuple[torch.Tensor, ...]:
+    """ATen's ``_embedding_bag`` result (``mode`` 0 sum, 1 mean, 2 max; padding index -1 or
+    None for none) from a bag-membership matrix: row ``b`` of ``member`` is 1 at the
+    positions of bag ``b``, so a sum is ``member @ rows``. Empty bags give 0, as torch's."""
+    if indices.dim() == 2:  # one bag per row, no offsets
+        width = indices.shape[1]
+        offsets = torch.arange(indices.shape[0], device=indices.device) * width
+        indices = indices.reshape(-1)
+        if per_sample_weights is not None:
+            per_sample_weights = per_sample_weights.reshape(-1)
+        include_last_offset = False
+    positions = torch.arange(indices.shape[0], device=indices.device)
+    if include_last_offset:
+        starts, ends = offsets[:-1], offsets[1:]
+    else:
+        ends = torch.cat([offsets[1:], positions.new_full((1,), indices.shape[0])])
+        starts = offsets
+    member = (positions[None, :] >= starts[:, None]) & (positions[None, :] < ends[:, None])
+    if padding_idx is not None and padding_idx >= 0:
+        member = member & (indices != padding_idx)[None, :]
+    rows = weight.index_select(0, indices)
+    count = member.sum(1, keepdim=True).to(weight.dtype)
+    if mode == 2:
+        masked = torch.where(member[:, :, None], rows[None, :, :], float("-inf"))
+        result = torch.where(count > 0, masked.amax(1), 0.0)
+    else:
+        weights = member.to(weight.dtype)
+        if per_sample_weights is not None:
+            weights = weights * per_sample_weights[None, :]
+        result = weights @ rows
+        if mode == 1:
+            result = result / count.clamp(min=1.0)
+    return (result,)
 
 
 def _clamp_bounds(clamp: fx.Node) -> tuple[float | None, float | None]:

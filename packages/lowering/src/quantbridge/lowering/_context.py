@@ -31,6 +31,7 @@ __all__ = [
     "LoweringReport",
     "QParams",
     "constant_tensor",
+    "lookup_table",
     "quantized_input",
     "static_qparams",
 ]
@@ -258,15 +259,23 @@ class LoweringContext:
         out_qp: QParams,
     ) -> Node:
         """Lower ``quantize(fn(dequantize(x)))`` to a 256-entry table built now."""
-
-        def table_fn(v: Any) -> Any:
-            with torch.no_grad():
-                return fn(torch.from_numpy(np.array(v, dtype=np.float32))).numpy()
-
-        table = K.build_lut(table_fn, in_qp[0], in_qp[1], out_qp[0], out_qp[1])
         mod = lm.QuantizedLookupTable(
-            torch.from_numpy(np.array(table)), what, self.target, in_qp, out_qp
+            lookup_table(fn, in_qp, out_qp), what, self.target, in_qp, out_qp
         )
         new = self.add_module(f"{node.name}_lut", mod, (x,))
         self.record(new, f"{mod.kernel} ({what})")
         return new
+
+
+def lookup_table(
+    fn: Callable[[torch.Tensor], torch.Tensor], in_qp: QParams, out_qp: QParams
+) -> torch.Tensor:
+    """uint8[256]: ``quantize(fn(dequantize(code)))`` from ``in_qp`` to ``out_qp``."""
+
+    def table_fn(v: Any) -> Any:
+        with torch.no_grad():
+            return fn(torch.from_numpy(np.array(v, dtype=np.float32))).numpy()
+
+    return torch.from_numpy(
+        np.array(K.build_lut(table_fn, in_qp[0], in_qp[1], out_qp[0], out_qp[1]))
+    )

@@ -153,7 +153,9 @@ class _Pass:
         self._bypass_zeroed_channels()
         self._merge_equal_quantizes()
         static = self._find("static")
-        floats = self._find("float_output")
+        # an op inside a static match (a Linear before its clamp) is that match's
+        claimed = {n for m in static.values() for n in m.nodes[1:]}
+        floats = {n: m for n, m in self._find("float_output").items() if n not in claimed}
         for node in list(gm.graph.nodes):
             match = floats.get(node)
             if match is not None:

@@ -14,17 +14,21 @@ from torch.fx import GraphModule
 
 from quantbridge import kernels as K
 from quantbridge.fx_quant import get_native_backend_config
+from quantbridge.fx_quant.nn import qat as nnqat
+from quantbridge.fx_quant.nn.intrinsic import qat as nniqat
 from quantbridge.lowering._backend import Backend, SupportedOp
 from quantbridge.lowering._lower import lower_to_kernels
-from quantbridge.lowering._rules import backend_config_from_rules
-from quantbridge.lowering._table import default_lowering_rules
+from quantbridge.lowering._rules import backend_config_from_rules, dtype_mode
+from quantbridge.lowering._table import WEIGHTED_CLAMPS, default_lowering_rules
 from quantbridge.qconfig import (
     FIXED_QPARAMS_OP_TO_OBSERVER,
     BackendConfig,
+    BackendPatternConfig,
     FusedMovingAvgObsFakeQuantize,
     HistogramObserver,
     MovingAverageMinMaxObserver,
     MovingAveragePerChannelMinMaxObserver,
+    ObservationType,
     PerChannelMinMaxObserver,
     QConfig,
     QConfigMapping,
@@ -49,6 +53,13 @@ _TRANSFORMER_FLOAT_OPS: tuple[Callable[..., Any] | str, ...] = (
     operator.truediv, operator.itruediv, torch.div, "div", "div_",
     nn.LayerNorm, F.layer_norm, nn.GroupNorm, F.group_norm,
     nn.Dropout, F.dropout, "dropout",
+)  # fmt: skip
+
+# the Linear / conv modules (float, QAT, QAT with BatchNorm) a clamp after them is observed with
+_CLAMPED_WEIGHTED: tuple[type[nn.Module], ...] = (
+    nn.Linear, nnqat.Linear, nniqat.LinearBn1d,
+    nn.Conv1d, nnqat.Conv1d, nniqat.ConvBn1d,
+    nn.Conv2d, nnqat.Conv2d, nniqat.ConvBn2d,
 )  # fmt: skip
 
 
@@ -83,8 +94,35 @@ def _bits(name: str, value: int | None, default: int) -> int:
 
 def numba_backend_config(name: str) -> BackendConfig:
     """The BackendConfig named ``name`` allowing exactly what the numba lowering table lowers:
-    fx_quant's native entries whose operators the rules cover, in the modes they declare."""
-    return backend_config_from_rules(name, default_lowering_rules(), get_native_backend_config())
+    fx_quant's native entries whose operators the rules cover, in the modes they declare,
+    and a clamp (ReLU6, hardtanh) after a Linear / conv observed once, after the clamp."""
+    config = backend_config_from_rules(name, default_lowering_rules(), get_native_backend_config())
+    for entry in _weighted_clamp_configs(config):
+        config.set_backend_pattern_config(entry)
+    return config
+
+
+def _weighted_clamp_configs(config: BackendConfig) -> list[BackendPatternConfig]:
+    """``(weighted, clamp)`` for each Linear / conv module of ``config`` (float, QAT, QAT with
+    BatchNorm) and each clamp, with the weighted entry's static dtype configs.
+
+    torch.ao's configs let a clamp share the observer of the conv before it, so that range
+    also spans the conv's negative outputs, which the clamp discards: MobileNetV2's ReLU6
+    spends its codes on [min, 6] instead of [0, 6]."""
+    entries = {entry.pattern: entry for entry in config.configs}
+    out = []
+    for root in _CLAMPED_WEIGHTED:
+        entry = entries.get(root)
+        if entry is None:
+            continue
+        static = [dc for dc in entry.dtype_configs if dtype_mode(dc) == "static"]
+        for clamp in WEIGHTED_CLAMPS:
+            out.append(
+                BackendPatternConfig((root, clamp))
+                .set_observation_type(ObservationType.OUTPUT_USE_DIFFERENT_OBSERVER_AS_INPUT)
+                .set_dtype_configs(static)
+            )
+    return out
 
 
 class NumbaBackend(Backend):

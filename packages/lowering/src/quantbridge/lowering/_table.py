@@ -32,6 +32,7 @@ from quantbridge.lowering._context import (
     NotLowerableError,
     QParams,
     constant_tensor,
+    lookup_table,
     quantized_input,
     static_qparams,
 )
@@ -88,6 +89,8 @@ _LUT_FNS: tuple[Any, ...] = (
     "relu", "relu_", "sigmoid", "sigmoid_", "tanh", "tanh_", "clamp", "clamp_", "clip",
     "hardtanh", "hardtanh_",
 )  # fmt: skip
+# clamps a numba BackendConfig observes together with the Linear / conv before them
+WEIGHTED_CLAMPS: tuple[Any, ...] = (nn.ReLU6, nn.Hardtanh, F.relu6, F.hardtanh)
 _FUSED_WEIGHTED: tuple[type[nn.Module], ...] = (nni.LinearReLU, nni.ConvReLU1d, nni.ConvReLU2d)
 _REF_WEIGHTED: tuple[type[nn.Module], ...] = (nnqr.Linear, nnqr.Conv1d, nnqr.Conv2d)
 
@@ -244,7 +247,17 @@ def _fused_relu_parts(mod: nn.Module) -> tuple[nn.Module, bool]:
 
 
 def _build_weighted(ctx: LoweringContext, m: RuleMatch) -> Node:
-    node, out_qp = m.node, m.out_qparams
+    new_mod, x = _weighted_module(ctx, m.node, m.out_qparams)
+    new = ctx.add_module(f"{m.node.target}", new_mod, (x,))
+    ctx.record(new, f"{new_mod.kernel} ({ctx.target})")
+    return new
+
+
+def _weighted_module(
+    ctx: LoweringContext, node: Node, out_qp: QParams
+) -> tuple[lm.QuantizedConv | lm.QuantizedLinear, Node]:
+    """The lowered module of a reference Linear / Conv1d / Conv2d (+relu) node writing codes in
+    ``out_qp``, and the node of its input codes."""
     mod = ctx.module(node)
     assert mod is not None
     inner, relu = _fused_relu_parts(mod)
@@ -259,23 +272,37 @@ def _build_weighted(ctx: LoweringContext, m: RuleMatch) -> Node:
         raise NotLowerableError("input is not a static uint8 quantized value")
     w, ws, wz = _int8_weight(inner)
     bias = inner.bias
-    new_mod: lm.LoweredModule
     if isinstance(inner, nnqr.Linear):
-        new_mod = lm.QuantizedLinear(w, ws, wz, bias, ctx.target, qin[1], out_qp, relu=relu)
-    else:
-        assert isinstance(inner, (nnqr.Conv1d, nnqr.Conv2d))
-        if inner.padding_mode != "zeros" or isinstance(inner.padding, str):
-            raise NotLowerableError(
-                f"conv padding={inner.padding!r}, padding_mode={inner.padding_mode!r} "
-                "(kernels take explicit zero padding)"
-            )
-        new_mod = lm.QuantizedConv(
-            w, ws, wz, bias, ctx.target, qin[1], out_qp,
-            stride=tuple(inner.stride), padding=tuple(int(p) for p in inner.padding),
-            dilation=tuple(inner.dilation), groups=inner.groups, relu=relu,
-        )  # fmt: skip
-    new = ctx.add_module(f"{node.target}", new_mod, (qin[0],))
-    ctx.record(new, f"{new_mod.kernel} ({ctx.target})")
+        return lm.QuantizedLinear(w, ws, wz, bias, ctx.target, qin[1], out_qp, relu=relu), qin[0]
+    assert isinstance(inner, (nnqr.Conv1d, nnqr.Conv2d))
+    if inner.padding_mode != "zeros" or isinstance(inner.padding, str):
+        raise NotLowerableError(
+            f"conv padding={inner.padding!r}, padding_mode={inner.padding_mode!r} "
+            "(kernels take explicit zero padding)"
+        )
+    conv = lm.QuantizedConv(
+        w, ws, wz, bias, ctx.target, qin[1], out_qp,
+        stride=tuple(inner.stride), padding=tuple(int(p) for p in inner.padding),
+        dilation=tuple(inner.dilation), groups=inner.groups, relu=relu,
+    )  # fmt: skip
+    return conv, qin[0]
+
+
+def _build_weighted_clamp(ctx: LoweringContext, m: RuleMatch) -> Node:
+    """clamp(conv / linear) observed after the clamp (``m.nodes``: clamp, weighted): the
+    weighted module writing the clamp's codes, the clamp in its epilogue. Exact: quantizing
+    is monotonic, so quantize(clamp(y)) = clamp of quantize(y) to the bounds' codes."""
+    clamp, node = m.nodes[0], m.nodes[1]
+    if len(node.users) != 1:
+        raise NotLowerableError("the conv / linear result is also read before the clamp")
+    if any(_nodes_in(a) for a in _flat_args(clamp)[1:]):
+        raise NotLowerableError("clamp bounds computed in the graph")
+    weighted, x = _weighted_module(ctx, node, m.out_qparams)
+    fn, what = _elementwise_fn(ctx, clamp)
+    table = lookup_table(fn, m.out_qparams, m.out_qparams)
+    fused = weighted.with_activation(table, what, m.out_qparams)
+    new = ctx.add_module(f"{node.target}_{what}", fused, (x,))
+    ctx.record(new, f"{fused.kernel} ({ctx.target}), {what} in the epilogue")
     return new
 
 
@@ -339,26 +366,27 @@ def _build_add_mul_relu(ctx: LoweringContext, m: RuleMatch) -> Node:
 
 
 def _build_lut(ctx: LoweringContext, m: RuleMatch) -> Node:
-    node, out_qp = m.node, m.out_qparams
+    if ctx.module(m.node) is not None and (len(m.node.args) != 1 or m.node.kwargs):
+        raise NotLowerableError("module called with extra arguments")
+    x, in_qp = _single_input(ctx, m.node)
+    fn, what = _elementwise_fn(ctx, m.node)
+    return ctx.lookup_table(m.node, x, fn, what, in_qp, m.out_qparams)
+
+
+def _elementwise_fn(ctx: LoweringContext, node: Node) -> tuple[Any, str]:
+    """(float function of the first input, its name) of an elementwise module, function or
+    method node, with the node's other arguments bound."""
     mod = ctx.module(node)
     if mod is not None:
-        if len(node.args) != 1 or node.kwargs:
-            raise NotLowerableError("module called with extra arguments")
-        x, in_qp = _single_input(ctx, node)
-        module = mod
-        return ctx.lookup_table(node, x, lambda t: module(t), type(mod).__name__, in_qp, out_qp)
-    x, in_qp = _single_input(ctx, node)
+        return (lambda t: mod(t)), type(mod).__name__
     target = node.target
     rest, kwargs = node.args[1:], dict(node.kwargs)
     kwargs.pop("inplace", None)
     if node.op == "call_method":
         name = str(target).rstrip("_")
-        return ctx.lookup_table(
-            node, x, lambda t: getattr(t, name)(*rest, **kwargs), name, in_qp, out_qp
-        )
+        return (lambda t: getattr(t, name)(*rest, **kwargs)), name
     f: Any = target
-    what = getattr(f, "__name__", str(f))
-    return ctx.lookup_table(node, x, lambda t: f(t.clone(), *rest, **kwargs), what, in_qp, out_qp)
+    return (lambda t: f(t.clone(), *rest, **kwargs)), getattr(f, "__name__", str(f))
 
 
 def _build_identity(ctx: LoweringContext, m: RuleMatch) -> Node:
@@ -637,6 +665,17 @@ def _relu_over(binary_ops: tuple[Any, ...]) -> tuple[Pattern, ...]:
     return tuple(pats)
 
 
+def _clamp_over(weighted: tuple[type[nn.Module], ...]) -> tuple[Pattern, ...]:
+    """relu6 / hardtanh (module or function, bounds and ``inplace`` positional) of each of
+    ``weighted``."""
+    pats: list[Pattern] = []
+    for w in weighted:
+        pats += [Nested(clamp, w) for clamp in WEIGHTED_CLAMPS if isinstance(clamp, type)]
+        pats += [Nested(F.relu6, w, *[MatchAllNode] * n) for n in (0, 1)]
+        pats += [Nested(F.hardtanh, w, *[MatchAllNode] * n) for n in (0, 1, 2, 3)]
+    return tuple(pats)
+
+
 def default_lowering_rules(*, per_token_activations: bool = False) -> tuple[LoweringRule, ...]:
     """The built-in table in matching order; extend it with ``(*default_lowering_rules(), rule)``
     (a rule placed before a built-in one takes precedence on the ops they share).
@@ -800,6 +839,15 @@ _DEFAULT_RULES: tuple[LoweringRule, ...] = (
         constraints=(ArgConstraint(op=0, position=0, predicate=_is_static_dequantize),),
         description="quantize(dequantize(x)) between different qparams",
         kernel="kernels.requantize",
+    ),
+    LoweringRule(
+        "linear / conv + clamp",
+        _clamp_over(_REF_WEIGHTED),
+        _build_weighted_clamp,
+        description="Linear / Conv1d / Conv2d followed by relu6 / hardtanh, observed after "
+        "the clamp",
+        kernel="kernels.linear / conv1d / conv2d (the clamp narrows the output range)",
+        config_ops=WEIGHTED_CLAMPS,
     ),
     LoweringRule(
         "linear / conv (+relu)",
