@@ -323,12 +323,13 @@ def bench_onnx(session: nox.Session) -> None:
     Arguments after ``--`` go to the script, e.g. ``nox -s bench_onnx -- --models resnet18
     --threads 1 --rounds 5 --json onnx.json``. ``nox -s bench_onnx -- --zoo`` runs
     check_onnx_zoo.py instead: every test-zoo model's file in ORT and OpenVINO against its
-    reference model (fails beyond one quantization step).
+    reference model (fails beyond one quantization step); ``--zoo resnet18 bert`` names some.
     """
     _install(session, "torch", *PEER_REQUIREMENTS, *_editable(*PACKAGES))
     bench = ROOT / "packages" / "lowering" / "bench"
     if "--zoo" in session.posargs:
-        session.run("python", str(bench / "check_onnx_zoo.py"))
+        names = [a for a in session.posargs if a != "--zoo"]
+        session.run("python", str(bench / "check_onnx_zoo.py"), *names)
         return
     session.run("python", str(bench / "bench_onnx_export.py"), *session.posargs)
 

@@ -1,6 +1,6 @@
 """The test zoo's exported files in ONNX Runtime and OpenVINO, against the reference model.
 
-Run by ``nox -s bench_onnx -- --zoo`` (OpenVINO is installed in the bench sessions only):
+Run by ``nox -s bench_onnx -- --zoo [NAME ...]`` (OpenVINO is installed in the bench sessions only):
 every model of the tests' zoo (the torchvision-style CNNs, the BERT encoder with outlier
 channels, the lowering zoo's cases: LSTM, dynamic transformer, embeddings, ...) is quantized
 as ``tests/quantized_zoo.py`` quantizes it, exported with ``export_onnx`` and run by ONNX
@@ -64,12 +64,14 @@ def _runtimes(path: Path) -> dict[str, Callable[[tuple[torch.Tensor, ...]], np.n
     }
 
 
-def main() -> int:
+def main(names: list[str]) -> int:
     print(f"kernel target {qk.best_target()}", flush=True)
     rows, worst = [], 0.0
     judged = ("ORT as written", "OpenVINO")
     for model in quantized_zoo.zoo_models():
         name, static = model.name, model.static
+        if names and name not in names:
+            continue
         reference, inputs = model.build()
         with torch.no_grad():
             want = _first(reference(*inputs))
@@ -90,7 +92,7 @@ def main() -> int:
                     steps = float(np.abs(run(inputs) - want).max()) / step
                     if runtime in judged:
                         worst = max(worst, steps)
-                    cells.append(f"{steps:.2f}")
+                    cells.append(f"{steps:.3f}")
                 except Exception as e:
                     print(f"{name}, {runtime}: {type(e).__name__}: {e}", flush=True)
                     cells.append("failed")
@@ -99,9 +101,9 @@ def main() -> int:
         print(rows[-1], flush=True)
     print("\n| model | ORT as written | ORT optimized | OpenVINO |\n| --- | --- | --- | --- |")
     print("\n".join(rows))
-    print(f"\nworst: {worst:.2f} steps (tolerance {TOLERANCE_STEPS:.5f})")
+    print(f"\nworst: {worst:.5f} steps (tolerance {TOLERANCE_STEPS:.5f})")
     return 0 if worst <= TOLERANCE_STEPS else 1
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))
