@@ -68,6 +68,22 @@ def vit_reference() -> tuple[GraphModule, Inputs]:
     return fq.convert_to_reference_fx(prepared), (torch.randn(2, 3, 32, 32, generator=g),)
 
 
+def float_logits_reference() -> tuple[GraphModule, Inputs]:
+    """The lowering zoo's MLP with its output left float (``set_output_float_indexes``), as a
+    classifier's logits: its last Linear computes float32 from quantized inputs."""
+    case = lowering_zoo.STATIC_CASES[0]
+    torch.manual_seed(0)
+    prepared = fq.prepare_fx(
+        case.model().eval(),
+        BACKEND.qconfig_mapping(weight_bits=8, activation_bits=8),
+        case.inputs(0),
+        backend_config=BACKEND.backend_config,
+        prepare_custom_config=fq.PrepareCustomConfig().set_output_float_indexes([0]),
+    )
+    fq.calibrate(prepared, [case.inputs(100 + i) for i in range(4)], progress=False)
+    return fq.convert_to_reference_fx(prepared), case.inputs(5)
+
+
 def case_reference(case: lowering_zoo.Case) -> tuple[GraphModule, Inputs]:
     """A lowering zoo case's reference model (static cases at 8 bits), and its inputs."""
     mapping = lowering_zoo.qconfig_mapping_for(case, BACKEND)
@@ -93,6 +109,7 @@ def zoo_models() -> list[ZooModel]:
     ]
     models.append(ZooModel("bert (outliers)", bert_reference, True))
     models.append(ZooModel("vit", vit_reference, True))
+    models.append(ZooModel("mlp (float logits)", float_logits_reference, True))
     models += [
         ZooModel(case.name, lambda case=case: case_reference(case), case.mode == "static")
         for case in lowering_zoo.ALL_CASES

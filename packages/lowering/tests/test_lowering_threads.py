@@ -59,11 +59,25 @@ def lowered():
 
 @pytest.fixture(autouse=True)
 def _restore_counts():
+    """Each test starts from lowering's defaults (no kernels setting, torch's count as the
+    source) whatever an earlier test in the process left, and leaves the counts it found."""
     torch_before, numba_before = torch.get_num_threads(), numba.get_num_threads()
+    source_before = _threads._source
+    K.set_num_threads(None)
+    K.set_num_threads_source(torch.get_num_threads)
     yield
     K.set_num_threads(None)
+    K.set_num_threads_source(source_before)
     torch.set_num_threads(torch_before)
     numba.set_num_threads(numba_before)
+
+
+def _state() -> str:
+    """The thread settings a count depends on, for assertion messages."""
+    return (
+        f"kernels setting {_threads._setting}, source {_threads._source!r}, torch "
+        f"{torch.get_num_threads()}, numba {numba.get_num_threads()}"
+    )
 
 
 @pytest.fixture
@@ -143,9 +157,10 @@ def test_an_explicit_setting_above_the_pool_is_refused_but_torchs_is_clamped(low
     with pytest.raises(K.KernelError, match="exceeds numba's pool"):
         K.set_num_threads(POOL + 1)
     torch.set_num_threads(POOL + 1)
+    before = _state()
     with torch.no_grad():
         model(x)
-    assert set(chosen["counts"]) == {POOL}
+    assert set(chosen["counts"]) == {POOL}, f"before the forward: {before}; after: {_state()}"
     assert torch.get_num_threads() == POOL + 1
 
 
@@ -184,8 +199,9 @@ def test_custom_ops_follow_torchs_count(lowered, chosen):
     for n in (1, 2):
         torch.set_num_threads(n)
         chosen["counts"].clear()
+        before = _state()
         results[n] = linear_op(q, *args)
-        assert chosen["counts"] == [n]
+        assert chosen["counts"] == [n], f"before the call: {before}; after: {_state()}"
     torch.testing.assert_close(results[1], results[2], rtol=0, atol=0)
     assert torch.get_num_threads() == 2
 
