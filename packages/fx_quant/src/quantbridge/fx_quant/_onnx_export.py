@@ -24,6 +24,7 @@ import contextlib
 import copy
 import importlib
 import logging
+import math
 import operator
 import re
 import warnings
@@ -689,9 +690,7 @@ def _reduce_as_matrix(
     rank = x.dim()
     reduced = sorted({d % rank for d in dims})
     kept = [d for d in range(rank) if d not in reduced]
-    width = 1
-    for d in reduced:
-        width = width * x.shape[d]
+    width = math.prod(x.shape[d] for d in reduced)
     matrix = x.permute(*kept, *reduced).reshape(-1, width)
     out = reduce(matrix, 1, dtype=dtype).reshape([x.shape[d] for d in kept])
     for d in reduced if keepdim else ():

@@ -89,8 +89,10 @@ _LUT_FNS: tuple[Any, ...] = (
     "relu", "relu_", "sigmoid", "sigmoid_", "tanh", "tanh_", "clamp", "clamp_", "clip",
     "hardtanh", "hardtanh_",
 )  # fmt: skip
-# clamps a numba BackendConfig observes together with the Linear / conv before them
-WEIGHTED_CLAMPS: tuple[Any, ...] = (nn.ReLU6, nn.Hardtanh, F.relu6, F.hardtanh)
+# clamps a numba BackendConfig observes together with the Linear / conv before them, each with
+# the positional arguments it may take after its input (bounds, ``inplace``)
+_CLAMP_EXTRA_ARGS: dict[Any, int] = {nn.ReLU6: 0, nn.Hardtanh: 0, F.relu6: 1, F.hardtanh: 3}
+WEIGHTED_CLAMPS: tuple[Any, ...] = tuple(_CLAMP_EXTRA_ARGS)
 _FUSED_WEIGHTED: tuple[type[nn.Module], ...] = (nni.LinearReLU, nni.ConvReLU1d, nni.ConvReLU2d)
 _REF_WEIGHTED: tuple[type[nn.Module], ...] = (nnqr.Linear, nnqr.Conv1d, nnqr.Conv2d)
 
@@ -293,8 +295,6 @@ def _build_weighted_clamp(ctx: LoweringContext, m: RuleMatch) -> Node:
     weighted module writing the clamp's codes, the clamp in its epilogue. Exact: quantizing
     is monotonic, so quantize(clamp(y)) = clamp of quantize(y) to the bounds' codes."""
     clamp, node = m.nodes[0], m.nodes[1]
-    if len(node.users) != 1:
-        raise NotLowerableError("the conv / linear result is also read before the clamp")
     if any(_nodes_in(a) for a in _flat_args(clamp)[1:]):
         raise NotLowerableError("clamp bounds computed in the graph")
     weighted, x = _weighted_module(ctx, node, m.out_qparams)
@@ -668,12 +668,12 @@ def _relu_over(binary_ops: tuple[Any, ...]) -> tuple[Pattern, ...]:
 def _clamp_over(weighted: tuple[type[nn.Module], ...]) -> tuple[Pattern, ...]:
     """relu6 / hardtanh (module or function, bounds and ``inplace`` positional) of each of
     ``weighted``."""
-    pats: list[Pattern] = []
-    for w in weighted:
-        pats += [Nested(clamp, w) for clamp in WEIGHTED_CLAMPS if isinstance(clamp, type)]
-        pats += [Nested(F.relu6, w, *[MatchAllNode] * n) for n in (0, 1)]
-        pats += [Nested(F.hardtanh, w, *[MatchAllNode] * n) for n in (0, 1, 2, 3)]
-    return tuple(pats)
+    return tuple(
+        Nested(clamp, w, *[MatchAllNode] * n)
+        for w in weighted
+        for clamp, most in _CLAMP_EXTRA_ARGS.items()
+        for n in range(most + 1)
+    )
 
 
 def default_lowering_rules(*, per_token_activations: bool = False) -> tuple[LoweringRule, ...]:
