@@ -9,6 +9,7 @@ check_onnx_zoo.py``) and the target matrix (``targets/zoo_outputs.py``).
 
 from __future__ import annotations
 
+import operator
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -115,3 +116,18 @@ def zoo_models() -> list[ZooModel]:
         for case in lowering_zoo.ALL_CASES
     ]
     return models
+
+
+def runtime_tolerance_steps(reference: GraphModule) -> float:
+    """How many of its coarsest steps another runtime's output may stand from ``reference``:
+    one, and two where two activations are multiplied. A runtime's float convs sum in
+    another order than torch's, so a value on a rounding tie may land one code away; a
+    product of two activations scales that code by the other factor, up to one more step of
+    its output."""
+    mul = {operator.mul, torch.mul}
+    for node in reference.graph.nodes:
+        if node.op == "call_function" and node.target in mul:
+            args = [a for a in node.args if isinstance(a, torch.fx.Node)]
+            if len(args) == 2 and all("dequantize" in str(a.target) for a in args):
+                return 2.0
+    return 1.0

@@ -273,6 +273,9 @@ def test_pools_on_channels_last_equal_nchw(
             **kw,
         ),
         "adaptive": lambda a, **kw: qk.adaptive_avg_pool2d(a, out_hw, **kw),
+        "adaptive, requantized": lambda a, **kw: qk.adaptive_avg_pool2d(
+            a, out_hw, scale=0.1, zero_point=30, out_scale=0.05, out_zero_point=70, **kw
+        ),
     }
     for name, fn in calls.items():
         want = fn(x)

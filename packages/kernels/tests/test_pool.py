@@ -62,7 +62,9 @@ def ref_avg_pool(x, k, s, p, ceil, include_pad, divisor, scale, zp, out_scale, o
     return out.reshape(*x.shape[:-2], oh, ow)
 
 
-def ref_adaptive(x, oh, ow):
+def ref_adaptive(x, oh, ow, qparams=None):
+    """torch's quantized adaptive pool; with ``(scale, zp, out_scale, out_zp)``, each window's
+    sum requantized by avg_pool2d's rule instead."""
     planes = x.reshape(-1, *x.shape[-2:]).astype(np.int64)
     h, w = planes.shape[1:]
     out = np.empty((planes.shape[0], oh, ow), np.uint8)
@@ -79,7 +81,15 @@ def ref_adaptive(x, oh, ow):
             xa, xb = window(j, ow, w)
             r = np.float32(np.float32(1) / np.float32(yb - ya)) / np.float32(xb - xa)
             total = planes[:, ya:yb, xa:xb].reshape(planes.shape[0], -1).sum(axis=1)
-            out[:, i, j] = np.rint((total.astype(np.float32) * np.float32(r)).astype(np.float32))
+            if qparams is None:
+                v = (total.astype(np.float32) * np.float32(r)).astype(np.float32)
+                out[:, i, j] = np.rint(v)
+                continue
+            scale, zp, out_scale, out_zp = qparams
+            count = (yb - ya) * (xb - xa)
+            m = np.float32((np.float32(scale) / np.float32(out_scale)) / count)
+            v = ((total - count * zp).astype(np.float32) * m).astype(np.float32)
+            out[:, i, j] = np.clip(np.rint(v + np.float32(out_zp)), 0, 255)
     return out.reshape(*x.shape[:-2], oh, ow)
 
 
@@ -147,6 +157,46 @@ def test_adaptive_avg_pool_matches_reference():
         np.testing.assert_array_equal(qk.adaptive_avg_pool2d(x, (oh, ow)), ref_adaptive(x, oh, ow))
     x = np.arange(16, dtype=np.uint8).reshape(1, 1, 4, 4)
     np.testing.assert_array_equal(qk.adaptive_avg_pool2d(x, 1), [[[[8]]]])  # mean 7.5 -> 8
+
+
+def test_adaptive_avg_pool_requantizes_to_output_qparams():
+    rng = np.random.default_rng(12)
+    for _ in range(80):
+        x, _, _, _ = _random_case(rng)
+        oh, ow = int(rng.integers(1, 9)), int(rng.integers(1, 9))
+        qp = (float(rng.uniform(0.01, 1)), int(rng.integers(0, 256)))
+        out_qp = (float(rng.uniform(0.005, 1)), int(rng.integers(0, 256)))
+        got = qk.adaptive_avg_pool2d(
+            x, (oh, ow), scale=qp[0], zero_point=qp[1], out_scale=out_qp[0],
+            out_zero_point=out_qp[1],
+        )  # fmt: skip
+        np.testing.assert_array_equal(got, ref_adaptive(x, oh, ow, (*qp, *out_qp)))
+        # the float mean of the dequantized input, quantized: at most one code away
+        mean = torch_float_adaptive(x, (oh, ow), qp)
+        want = np.clip(np.rint(mean / np.float32(out_qp[0])) + out_qp[1], 0, 255)
+        assert np.abs(got.astype(np.int64) - want).max(initial=0) <= 1
+    # equal qparams are torch's kernel, bit for bit
+    x = rng.integers(0, 256, (2, 3, 7, 5), dtype=np.uint8)
+    same = qk.adaptive_avg_pool2d(x, (3, 2), scale=0.1, zero_point=9, out_scale=0.1,
+                                  out_zero_point=9)  # fmt: skip
+    np.testing.assert_array_equal(same, ref_adaptive(x, 3, 2))
+
+
+def torch_float_adaptive(x, size, qp):
+    torch = pytest.importorskip("torch")
+    xf = (torch.from_numpy(x.astype(np.float32)) - qp[1]) * np.float32(qp[0])
+    return torch.nn.functional.adaptive_avg_pool2d(xf, size).numpy()
+
+
+def test_adaptive_avg_pool_qparams_come_together():
+    x = np.zeros((1, 2, 4, 4), np.uint8)
+    with pytest.raises(KernelError, match="together"):
+        qk.adaptive_avg_pool2d(x, 1, scale=0.1, zero_point=0)
+    with pytest.raises(KernelError, match="out_scale"):
+        qk.adaptive_avg_pool2d(x, 1, scale=0.1, zero_point=0, out_scale=0.0, out_zero_point=0)
+    with pytest.raises(KernelError, match="largest window"):
+        qk.PreparedAdaptiveAvgPool2d(1, scale=1e-37, zero_point=0, out_scale=1.0,
+                                     out_zero_point=0)(x)  # fmt: skip
 
 
 def test_prepared_adaptive_avg_pool_equals_the_function_through_layout_changes():

@@ -105,7 +105,7 @@ def test_backend_rejects_bad_construction_and_input() -> None:
 
 @pytest.mark.parametrize("target", ["avx2", "avx512_vnni", "generic"])
 def test_numba_qconfig_mapping_activations_are_torch_ao_x86_on_avx2(target: str) -> None:
-    # avx2: torch.ao's x86 defaults (7-bit activations, 8-bit weights); elsewhere 8 and 8
+    # avx2: torch.ao's x86 activations (7 bits); elsewhere 8. Weights: 8 bits, narrow range
     backend = _numba_backend.NumbaBackend(f"numba_{target}", target)
     for qat in (False, True):
         qconfig = backend.qconfig_mapping(qat=qat).global_qconfig
@@ -115,16 +115,16 @@ def test_numba_qconfig_mapping_activations_are_torch_ao_x86_on_avx2(target: str)
         assert observer.reduce_range is (target == "avx2")
         weight = qconfig.weight()
         assert weight.dtype == torch.qint8 or weight.dtype == torch.int8
-        assert (weight.quant_min, weight.quant_max) == (-128, 127)
+        assert (weight.quant_min, weight.quant_max) == (-127, 127)
 
 
 @pytest.mark.parametrize("qat", [False, True])
 @pytest.mark.parametrize(
     ("target", "bits", "act_bits", "weight_range", "reduce_range"),
-    [("avx2", None, None, (-128, 127), True), ("avx2", 7, None, (-63, 63), False),
-     ("avx2", 8, 8, (-128, 127), False), ("avx2", 7, 7, (-63, 63), True),
-     ("generic", None, None, (-128, 127), False), ("generic", 7, None, (-63, 63), False),
-     ("generic", None, 7, (-128, 127), True)],
+    [("avx2", None, None, (-127, 127), True), ("avx2", 7, None, (-63, 63), False),
+     ("avx2", 8, 8, (-127, 127), False), ("avx2", 7, 7, (-63, 63), True),
+     ("generic", None, None, (-127, 127), False), ("generic", 7, None, (-63, 63), False),
+     ("generic", None, 7, (-127, 127), True)],
 )  # fmt: skip
 def test_numba_weight_and_activation_bits(
     target: str,
@@ -160,7 +160,7 @@ def test_numba_weight_and_activation_bits(
         for packed in packs:
             assert weight_range[0] <= packed.weight.min() <= packed.weight.max() <= weight_range[1]
             assert (packed.kernel == "avx2_byte") == (target == "avx2")
-            assert packed.guarded == (target == "avx2" and weight_range == (-128, 127))
+            assert packed.guarded == (target == "avx2" and weight_range == (-127, 127))
         # 3x past the calibrated range: codes above 127 on every layer; every target runs the
         # same integer rule, so the avx2 byte kernels must match the generic ones exactly
         generic = _numba_backend.NumbaBackend("numba_generic", "generic").lower(reference)

@@ -12,7 +12,9 @@ numbers, without transposing the activations.
   number of in-bounds elements.
 * adaptive_avg_pool2d: torch's quantized NCHW kernel: window ``[floor(o*I/O), ceil((o+1)*I/O))``
   with the divisions in float32, output ``rint(float32(sum(q)) * ((1 / kh) / kw))`` in float32,
-  qparams unchanged (the zero point cancels out of a mean).
+  qparams unchanged (the zero point cancels out of a mean). With output qparams of its own
+  (a mean has a narrower range than its input, so it earns a finer scale), the window's mean
+  is requantized in the same pass by avg_pool2d's rule, ``n`` the window's size.
 
 One numba implementation serves every target; planes (N*C) run in parallel for large
 C-contiguous inputs.
@@ -23,7 +25,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import numba
 import numpy as np
@@ -484,7 +486,18 @@ def _window(o, out_len, in_len):  # type: ignore[no-untyped-def]
 
 
 @numba.njit(cache=True)
-def _adaptive_plane(x, out, p):  # type: ignore[no-untyped-def]
+def _adaptive_code(total, count, r, requant, ratio, zp_in, zp_out):  # type: ignore[no-untyped-def]
+    # one output code from its window's sum of codes: torch's mean when the qparams are kept,
+    # else avg_pool2d's requantization
+    if not requant:
+        return np.uint8(min(np.rint(np.float32(total) * r), 255.0))
+    m = np.float32(ratio / count)
+    v = np.rint(np.float32(total - count * zp_in) * m + np.float32(zp_out))
+    return np.uint8(min(max(v, np.float32(0.0)), np.float32(255.0)))
+
+
+@numba.njit(cache=True)
+def _adaptive_plane(x, out, p, requant, ratio, zp_in, zp_out):  # type: ignore[no-untyped-def]
     h, w = x.shape[1], x.shape[2]
     oh, ow = out.shape[1], out.shape[2]
     for oy in range(oh):
@@ -497,18 +510,18 @@ def _adaptive_plane(x, out, p):  # type: ignore[no-untyped-def]
             for y in range(ya, yb):
                 for xx in range(xa, xb):
                     total += np.int64(x[p, y, xx])
-            v = np.rint(np.float32(total) * r)
-            out[p, oy, ox] = np.uint8(min(v, 255.0))
+            count = (yb - ya) * (xb - xa)
+            out[p, oy, ox] = _adaptive_code(total, count, r, requant, ratio, zp_in, zp_out)
 
 
 @numba.njit(cache=True)
-def _adaptive(x, out):  # type: ignore[no-untyped-def]
+def _adaptive(x, out, requant, ratio, zp_in, zp_out):  # type: ignore[no-untyped-def]
     for p in range(x.shape[0]):
-        _adaptive_plane(x, out, p)
+        _adaptive_plane(x, out, p, requant, ratio, zp_in, zp_out)
 
 
 @numba.njit(cache=True)
-def _adaptive_nhwc(x, out):  # type: ignore[no-untyped-def]
+def _adaptive_nhwc(x, out, requant, ratio, zp_in, zp_out):  # type: ignore[no-untyped-def]
     # x [N, H, W, C], out [N, OH, OW, C]; the numbers of _adaptive_plane, channel loop innermost.
     # Sums run in int32 (twice the vector width of int64) over at most 2**23 codes at a time
     # (255 * 2**23 < 2**31), flushed into int64 totals.
@@ -523,6 +536,7 @@ def _adaptive_nhwc(x, out):  # type: ignore[no-untyped-def]
             for ox in range(ow):
                 xa, xb = _window(ox, ow, w)
                 r = rh / np.float32(xb - xa)
+                count = (yb - ya) * (xb - xa)
                 rows = max(1, (1 << 23) // (xb - xa))
                 for ch in range(c):
                     total[ch] = 0
@@ -538,46 +552,100 @@ def _adaptive_nhwc(x, out):  # type: ignore[no-untyped-def]
                         total[ch] += part[ch]
                 dst = out[b, oy, ox]
                 for ch in range(c):
-                    v = np.rint(np.float32(total[ch]) * r)
-                    dst[ch] = np.uint8(min(v, 255.0))
+                    dst[ch] = _adaptive_code(total[ch], count, r, requant, ratio, zp_in, zp_out)
 
 
 @numba.njit(cache=True, parallel=True)
-def _adaptive_par(x, out):  # type: ignore[no-untyped-def]
+def _adaptive_par(x, out, requant, ratio, zp_in, zp_out):  # type: ignore[no-untyped-def]
     for p in numba.prange(x.shape[0]):
-        _adaptive_plane(x, out, p)
+        _adaptive_plane(x, out, p, requant, ratio, zp_in, zp_out)
 
 
 def adaptive_avg_pool2d(
     x: U8,
     output_size: int | tuple[int, int],
     *,
+    scale: float | None = None,
+    zero_point: int | None = None,
+    out_scale: float | None = None,
+    out_zero_point: int | None = None,
     out: U8 | None = None,
     target: str | None = None,
 ) -> U8:
-    """Adaptive average pooling of a CHW/NCHW uint8 array to ``output_size`` (qparams unchanged).
+    """Adaptive average pooling of a CHW/NCHW uint8 array to ``output_size``.
 
     C-contiguous or channels-last input; the result has the input's layout.
+
+    Without qparams the output keeps the input's (torch's quantized kernel). With
+    ``scale``, ``zero_point``, ``out_scale`` and ``out_zero_point`` each window's mean is
+    requantized to the output qparams in the same pass (avg_pool2d's rule); equal qparams
+    give torch's numbers.
     """
     check_target(target)
-    arr, run = _adaptive_plan(x, output_size)
+    requant = _Requant.of(scale, zero_point, out_scale, out_zero_point)
+    arr, run = _adaptive_plan(x, output_size, requant)
     return run(arr, out)
 
 
-class PreparedAdaptiveAvgPool2d:
-    """``adaptive_avg_pool2d`` to a fixed ``output_size``, for a layer called again and again
-    on inputs of one shape and layout (a squeeze-excite's squeeze, a network's last pool).
+class _Requant(NamedTuple):
+    """The arguments of the adaptive kernels' output rule (``requant`` False: qparams kept)."""
 
-    ``prepared(x)`` returns exactly ``adaptive_avg_pool2d(x, output_size, target=target)``.
-    The first call checks and plans; later calls on an input of the same shape, strides and
-    dtype, at the same thread count, run that plan without the checks (~5 us a call).
+    requant: bool
+    ratio: float
+    zp_in: int
+    zp_out: int
+
+    @classmethod
+    def of(
+        cls,
+        scale: float | None,
+        zero_point: int | None,
+        out_scale: float | None,
+        out_zero_point: int | None,
+    ) -> _Requant:
+        if scale is None and zero_point is None and out_scale is None and out_zero_point is None:
+            return cls(False, 1.0, 0, 0)
+        if scale is None or zero_point is None or out_scale is None or out_zero_point is None:
+            raise KernelError(
+                "adaptive_avg_pool2d: pass scale, zero_point, out_scale and out_zero_point "
+                "together (to requantize the mean), or none of them (the qparams are kept)"
+            )
+        s_in = f32_scale("scale", scale)
+        s_out = f32_scale("out_scale", out_scale)
+        zp_in = check_zero_point("zero_point", zero_point, 0, 255)
+        zp_out = check_zero_point("out_zero_point", out_zero_point, 0, 255)
+        if (s_in, zp_in) == (s_out, zp_out):
+            return cls(False, 1.0, 0, 0)
+        check_derived("scale / out_scale", s_in / s_out)
+        return cls(True, s_in / s_out, zp_in, zp_out)
+
+
+class PreparedAdaptiveAvgPool2d:
+    """``adaptive_avg_pool2d`` to a fixed ``output_size`` and qparams, for a layer called again
+    and again on inputs of one shape and layout (a squeeze-excite's squeeze, a network's last
+    pool).
+
+    ``prepared(x)`` returns exactly ``adaptive_avg_pool2d(x, output_size, **qparams,
+    target=target)``. The first call checks and plans; later calls on an input of the same
+    shape, strides and dtype, at the same thread count, run that plan without the checks
+    (~5 us a call).
     """
 
-    __slots__ = ("_fast", "output_size", "target")
+    __slots__ = ("_fast", "_requant", "output_size", "target")
 
-    def __init__(self, output_size: int | tuple[int, int], *, target: str | None = None) -> None:
+    def __init__(
+        self,
+        output_size: int | tuple[int, int],
+        *,
+        scale: float | None = None,
+        zero_point: int | None = None,
+        out_scale: float | None = None,
+        out_zero_point: int | None = None,
+        target: str | None = None,
+    ) -> None:
         check_target(target)
         self.output_size = _pair("output_size", output_size, minimum=1)
+        self._requant = _Requant.of(scale, zero_point, out_scale, out_zero_point)
         self.target = target
         self._fast: InputPlan | None = None  # the last plan, for inputs of its layout
 
@@ -588,13 +656,15 @@ class PreparedAdaptiveAvgPool2d:
             return out
         self._fast = None
         check_target(self.target)
-        arr, run = _adaptive_plan(x, self.output_size)
+        arr, run = _adaptive_plan(x, self.output_size, self._requant)
         if arr is x:
             self._fast = InputPlan(InputLayout.of(arr), get_num_threads(), run)
         return run(arr, None)
 
 
-def _adaptive_plan(x: object, output_size: object) -> tuple[U8, Callable[[U8, U8 | None], U8]]:
+def _adaptive_plan(
+    x: object, output_size: object, requant: _Requant
+) -> tuple[U8, Callable[[U8, U8 | None], U8]]:
     """The checked input and the call to run on it (valid for inputs of its shape, strides
     and dtype at this thread count): ``run(x, out)``."""
     arr, planes, h, w, nhwc = _planes("x", x)
@@ -604,22 +674,36 @@ def _adaptive_plan(x: object, output_size: object) -> tuple[U8, Callable[[U8, U8
             f"x: channels-last input {w} wide; rows of 2**23 or more codes are only supported "
             "C-contiguous (pass np.ascontiguousarray(x))"
         )
+    if requant.requant:
+        # the largest window (torch's bounds) sets the smallest multiplier
+        wh, ww = -(-h // oh) + (h % oh != 0), -(-w // ow) + (w % ow != 0)
+        check_derived(
+            f"scale / out_scale / {wh * ww} (the largest window)", requant.ratio / (wh * ww)
+        )
     if nhwc is not None:
-        return arr, functools.partial(_run_adaptive_channels_last, oh, ow)
+        return arr, functools.partial(_run_adaptive_channels_last, oh, ow, requant)
     work = arr.size if planes > 1 else 0
     kernel = choose_kernel(work, "adaptive_avg_pool2d", _adaptive, _adaptive_par)
-    return arr, functools.partial(_run_adaptive_planes, kernel, planes, h, w, oh, ow)
+    return arr, functools.partial(_run_adaptive_planes, kernel, planes, h, w, oh, ow, requant)
 
 
-def _run_adaptive_channels_last(oh: int, ow: int, arr: U8, out: U8 | None) -> U8:
+def _run_adaptive_channels_last(oh: int, ow: int, requant: _Requant, arr: U8, out: U8 | None) -> U8:
     result, result_nhwc = _output(arr, oh, ow, out, arr.transpose(0, 2, 3, 1))
-    _adaptive_nhwc(arr.transpose(0, 2, 3, 1), result_nhwc)
+    _adaptive_nhwc(arr.transpose(0, 2, 3, 1), result_nhwc, *requant)
     return result
 
 
 def _run_adaptive_planes(
-    kernel: Any, planes: int, h: int, w: int, oh: int, ow: int, arr: U8, out: U8 | None
+    kernel: Any,
+    planes: int,
+    h: int,
+    w: int,
+    oh: int,
+    ow: int,
+    requant: _Requant,
+    arr: U8,
+    out: U8 | None,
 ) -> U8:
     result, _ = _output(arr, oh, ow, out, None)
-    kernel(arr.reshape(planes, h, w), result.reshape(planes, oh, ow))
+    kernel(arr.reshape(planes, h, w), result.reshape(planes, oh, ow), *requant)
     return result

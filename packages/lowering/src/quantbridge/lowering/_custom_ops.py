@@ -350,12 +350,22 @@ def _(
 
 
 @torch.library.custom_op(f"{_NS}::adaptive_avg_pool2d", mutates_args=())
-def adaptive_avg_pool2d_op(x: torch.Tensor, output_size: list[int], target: str) -> torch.Tensor:
-    return lowered.adaptive_avg_pool2d(x, output_size, target)
+def adaptive_avg_pool2d_op(
+    x: torch.Tensor,
+    output_size: list[int],
+    scale: float,
+    zero_point: int,
+    out_scale: float,
+    out_zero_point: int,
+    target: str,
+) -> torch.Tensor:
+    return lowered.adaptive_avg_pool2d(
+        x, output_size, (scale, zero_point), (out_scale, out_zero_point), target
+    )
 
 
 @adaptive_avg_pool2d_op.register_fake
-def _(x: torch.Tensor, output_size: list[int], target: str) -> torch.Tensor:
+def _(x: torch.Tensor, output_size: list[int], *args: Any) -> torch.Tensor:
     return F.adaptive_avg_pool2d(x.float(), lowered.pair(output_size)).to(torch.uint8)
 
 

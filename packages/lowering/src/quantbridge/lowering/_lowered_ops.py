@@ -353,12 +353,31 @@ def avg_pool2d_arrays(
     )  # fmt: skip
 
 
-def adaptive_avg_pool2d(x: torch.Tensor, output_size: Any, target: str) -> torch.Tensor:
-    return torch.from_numpy(adaptive_avg_pool2d_arrays(dense_view(x), output_size, target))
+def adaptive_avg_pool2d(
+    x: torch.Tensor, output_size: Any, in_qp: QParams, out_qp: QParams, target: str
+) -> torch.Tensor:
+    return torch.from_numpy(
+        adaptive_avg_pool2d_arrays(dense_view(x), output_size, in_qp, out_qp, target)
+    )
 
 
-def adaptive_avg_pool2d_arrays(a: Any, output_size: Any, target: str) -> Any:
-    return K.adaptive_avg_pool2d(a, pair(output_size), target=target)
+def adaptive_avg_pool2d_arrays(
+    a: Any, output_size: Any, in_qp: QParams, out_qp: QParams, target: str
+) -> Any:
+    return K.adaptive_avg_pool2d(
+        a, pair(output_size), scale=in_qp[0], zero_point=in_qp[1], out_scale=out_qp[0],
+        out_zero_point=out_qp[1], target=target,
+    )  # fmt: skip
+
+
+def prepared_adaptive_avg_pool2d(
+    output_size: tuple[int, int], in_qp: QParams, out_qp: QParams, target: str
+) -> Any:
+    """The kernel for one pool: the input's qparams kept when ``in_qp == out_qp``."""
+    return K.PreparedAdaptiveAvgPool2d(
+        output_size, scale=in_qp[0], zero_point=in_qp[1], out_scale=out_qp[0],
+        out_zero_point=out_qp[1], target=target,
+    )  # fmt: skip
 
 
 def embedding_bag(

@@ -1218,18 +1218,30 @@ class QuantizedAvgPool2d(LoweredModule):
 
 
 class QuantizedAdaptiveAvgPool2d(LoweredModule):
-    """uint8 NCHW adaptive average pooling (qparams unchanged), either layout."""
+    """uint8 NCHW adaptive average pooling, either layout: the input's qparams kept, or with
+    qparams of its own, the mean requantized in the same pass."""
 
     kernel = "kernels.adaptive_avg_pool2d"
     array_input = "dense"
 
-    def __init__(self, output_size: tuple[int, int], target: str) -> None:
+    def __init__(
+        self,
+        output_size: tuple[int, int],
+        target: str,
+        in_qparams: tuple[float, int] | None = None,
+        out_qparams: tuple[float, int] | None = None,
+    ) -> None:
         self.output_size = list(output_size)
-        super().__init__(target, None, None)
+        if in_qparams == out_qparams:  # kept: no buffers, torch's kernel
+            in_qparams = out_qparams = None
+        super().__init__(target, in_qparams, out_qparams)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if is_tracing(x):
-            return _as_tensor(ops.adaptive_avg_pool2d_op(x, self.output_size, self.target))
+            return _as_tensor(ops.adaptive_avg_pool2d_op(
+                x, self.output_size, self._in_scale, self._in_zero_point, self._out_scale,
+                self._out_zero_point, self.target,
+            ))  # fmt: skip
         return self._eager(x)
 
     def forward_arrays(self, *arrays: Any) -> Any:
@@ -1237,7 +1249,9 @@ class QuantizedAdaptiveAvgPool2d(LoweredModule):
         size = lowered.pair(self.output_size)
         prepared = self._prepared
         if prepared is None or prepared.output_size != size or prepared.target != self.target:
-            prepared = self._prepared = K.PreparedAdaptiveAvgPool2d(size, target=self.target)
+            prepared = self._prepared = lowered.prepared_adaptive_avg_pool2d(
+                size, self.input_qparams, self.output_qparams, self.target
+            )
         return prepared(arrays[0])
 
     def _details(self) -> str:

@@ -34,8 +34,6 @@ from quantbridge.qconfig import (
     QConfigMapping,
     QScheme,
     default_dynamic_quant_observer,
-    default_fused_per_channel_wt_fake_quant,
-    default_per_channel_weight_observer,
     get_default_qat_qconfig_mapping,
     get_default_qconfig_mapping,
 )
@@ -63,17 +61,21 @@ _CLAMPED_WEIGHTED: tuple[type[nn.Module], ...] = (
 )  # fmt: skip
 
 
+# observed after the pool (see _own_observer_pools)
+_POOLS_WITH_OWN_OBSERVER: tuple[Any, ...] = (nn.AdaptiveAvgPool2d, F.adaptive_avg_pool2d)
+
+
 def _weight_observer(bits: int, qat: bool) -> Any:
-    """Per-channel symmetric int8 weights over ``bits`` bits: an observer, or for QAT a fake
-    quantize (torch.ao's x86 defaults; for 7 bits narrowed to [-63, 63], symmetric, so no
-    weight rounds past the range and torch.ao's reference modules agree)."""
-    if bits == 8:
-        if qat:
-            return default_fused_per_channel_wt_fake_quant
-        return default_per_channel_weight_observer
+    """Per-channel symmetric int8 weights over ``bits`` bits, in the narrow range
+    ``[-(2**(bits-1) - 1), 2**(bits-1) - 1]``: an observer, or for QAT a fake quantize.
+
+    torch.ao's x86 defaults span [-128, 127] with the scale ``max|w| / 127.5``, so each
+    channel's largest positive weight rounds past 127 and is clipped; the narrow range maps
+    ``max|w|`` to the last code exactly, as ONNX Runtime, OpenVINO and TensorRT do."""
+    largest = 2 ** (bits - 1) - 1
     narrow = {
-        "quant_min": -63,
-        "quant_max": 63,
+        "quant_min": -largest,
+        "quant_max": largest,
         "dtype": torch.int8,
         "qscheme": QScheme.PER_CHANNEL_SYMMETRIC,
     }
@@ -97,9 +99,24 @@ def numba_backend_config(name: str) -> BackendConfig:
     fx_quant's native entries whose operators the rules cover, in the modes they declare,
     and a clamp (ReLU6, hardtanh) after a Linear / conv observed once, after the clamp."""
     config = backend_config_from_rules(name, default_lowering_rules(), get_native_backend_config())
-    for entry in _weighted_clamp_configs(config):
+    for entry in (*_weighted_clamp_configs(config), *_own_observer_pools(config)):
         config.set_backend_pattern_config(entry)
     return config
+
+
+def _own_observer_pools(config: BackendConfig) -> list[BackendPatternConfig]:
+    """The adaptive average pools of ``config``, observed after the pool instead of sharing
+    the input's observer: a mean spans a narrower range than its input (a ResNet's final
+    pool averages 49 values), so its own scale is finer, and the kernel requantizes the
+    mean in the same pass."""
+    entries = {entry.pattern: entry for entry in config.configs}
+    return [
+        BackendPatternConfig(pool)
+        .set_observation_type(ObservationType.OUTPUT_USE_DIFFERENT_OBSERVER_AS_INPUT)
+        .set_dtype_configs(entries[pool].dtype_configs)
+        for pool in _POOLS_WITH_OWN_OBSERVER
+        if pool in entries
+    ]
 
 
 def _weighted_clamp_configs(config: BackendConfig) -> list[BackendPatternConfig]:
@@ -129,10 +146,12 @@ class NumbaBackend(Backend):
     """Lowers to ``quantbridge.kernels`` compiled for one target (``None``: the best one).
 
     Activations are uint8, weights int8 (per channel by default); every kernel is exact
-    for any codes. The default qconfigs on the ``avx2`` target are torch.ao's x86 defaults:
-    activations calibrated over 7 bits (``reduce_range=True``) and 8-bit weights, which the
-    AVX2 kernels multiply with the fast 16-bit-pair instruction (rows where two codes could
-    overflow it are recomputed exactly, and with these activations there are few or none).
+    for any codes. Weights are per-channel symmetric in the narrow range [-127, 127] (torch.ao's
+    x86 defaults use [-128, 127] and clip each channel's largest weight). Activations on the
+    ``avx2`` target are torch.ao's x86 defaults: calibrated over 7 bits (``reduce_range=True``),
+    which the AVX2 kernels multiply with 8-bit weights by the fast 16-bit-pair instruction
+    (rows where two codes could overflow it are recomputed exactly, and with these
+    activations there are few or none).
     On targets with VNNI, activations keep all 8 bits (``reduce_range=False``): one more than
     torch.ao's x86 default. ``qconfig_mapping``'s ``weight_bits`` and ``activation_bits``
     choose otherwise.
@@ -184,8 +203,8 @@ class NumbaBackend(Backend):
         ``nn.GRU`` get int8 per-channel weights and activations quantized at run time; every
         other op stays float.
 
-        ``weight_bits``: 8 (codes in [-128, 127]) or 7 (codes in [-63, 63], per-channel
-        symmetric). ``activation_bits`` (static and QAT): 8 (``reduce_range=False``) or 7
+        ``weight_bits``: 8 (codes in [-127, 127]) or 7 (codes in [-63, 63]), per-channel
+        symmetric. ``activation_bits`` (static and QAT): 8 (``reduce_range=False``) or 7
         (``reduce_range=True``: scale and zero point from [0, 127], as torch.ao's x86
         defaults; codes past 127 still occur for values past the calibrated range). None
         picks, on the ``avx2`` target, 8-bit weights with 7-bit activations (dynamic: 7-bit

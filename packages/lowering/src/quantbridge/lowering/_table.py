@@ -474,10 +474,10 @@ def _build_adaptive_avg_pool2d(ctx: LoweringContext, m: RuleMatch) -> Node:
     size = _pair(output_size)
     if any(s is None for s in size):
         raise NotLowerableError("adaptive pool output size with None")
-    pool = lm.QuantizedAdaptiveAvgPool2d(size, ctx.target)
+    pool = lm.QuantizedAdaptiveAvgPool2d(size, ctx.target, in_qp, m.out_qparams)
     new = ctx.add_module(f"{node.name}_q", pool, (x,))
     ctx.record(new, pool.kernel)
-    return ctx.requantize(new, in_qp, m.out_qparams)
+    return new
 
 
 def _build_cat(ctx: LoweringContext, m: RuleMatch) -> Node:
