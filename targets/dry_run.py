@@ -32,6 +32,7 @@ RECORDS_ENV = "QB_DRY_RUN_RECORDS"
 _INSTRUCTIONS = (
     ("avx512vbmi", ("vpermi2b", "vpermt2b")),
     ("avx512vnni", ("vpdpbusd",)),
+    ("avxvnni", ("{vex}\tvpdpbusd", "{vex} vpdpbusd")),
     ("avx2", ("vpmaddwd", "vpmaddubsw")),
 )
 

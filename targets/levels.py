@@ -39,6 +39,8 @@ class Level:
 LEVELS = (
     Level("generic", "x86-64", "", "generic", frozenset()),
     Level("avx2", "x86-64-v3", "", "avx2", _V3),
+    # AVX2 with AVX-VNNI and no AVX-512: Intel's Alder Lake and later client cores
+    Level("avx_vnni", "x86-64-v3", "+avxvnni", "avx_vnni", _V3 | {"avxvnni"}),
     Level("avx512_vnni", "x86-64-v4", "+avx512vnni", "avx512_vnni", _V4 | {"avx512vnni"}),
     # the same target with VBMI, which the lookup-table pass uses where the CPU has it
     Level(

@@ -31,7 +31,7 @@ from zoo_outputs import _laced  # noqa: E402
 import quantbridge.kernels as qk  # noqa: E402
 from quantbridge.lowering import BackendUnavailableError, get_backend  # noqa: E402
 
-BACKENDS = ("reference", "numba_generic", "numba_avx2", "numba_avx512_vnni")
+BACKENDS = ("reference", "numba_generic", "numba_avx2", "numba_avx_vnni", "numba_avx512_vnni")
 
 
 def _feed(digest: Any, value: Any) -> None:

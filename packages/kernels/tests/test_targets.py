@@ -32,6 +32,7 @@ def test_targets_follow_cpu_features():
     feats = cpu_features()
     assert target_supported("avx2") == ({"avx2", "fma"} <= feats)
     assert target_supported("avx512_vnni") == ("avx512vnni" in feats and "avx512bw" in feats)
+    assert target_supported("avx_vnni") == ({"avx2", "fma", "avxvnni"} <= feats)
     assert not target_supported("sse9")
 
 
@@ -93,7 +94,11 @@ def _numba_cpu(monkeypatch, name, features):
         ("x86-64-v3", "", ["avx2", "generic"]),
         ("haswell", "", ["avx2", "generic"]),
         ("znver3", "", ["avx2", "generic"]),
-        ("alderlake", "", ["avx2", "generic"]),
+        ("alderlake", "", ["avx_vnni", "avx2", "generic"]),
+        ("sierraforest", "", ["avx_vnni", "avx2", "generic"]),
+        ("alderlake", "-avxvnni", ["avx2", "generic"]),
+        ("x86-64-v3", "+avxvnni", ["avx_vnni", "avx2", "generic"]),
+        ("znver5", "", ["avx512_vnni", "avx_vnni", "avx2", "generic"]),
         ("skylake-avx512", "", ["avx2", "generic"]),  # AVX-512 without VNNI
         ("cascadelake", "", ["avx512_vnni", "avx2", "generic"]),
         ("x86-64-v4", "+avx512vnni", ["avx512_vnni", "avx2", "generic"]),
@@ -103,7 +108,8 @@ def _numba_cpu(monkeypatch, name, features):
         # turning a feature off turns off everything built on it
         ("icelake-server", "-avx512f", ["avx2", "generic"]),
         ("icelake-server", "-avx", ["generic"]),
-        ("sapphirerapids", "-avx512vnni", ["avx2", "generic"]),
+        ("sapphirerapids", "-avx512vnni", ["avx_vnni", "avx2", "generic"]),
+        ("sapphirerapids", "-avx512vnni,-avxvnni", ["avx2", "generic"]),
         ("a-cpu-llvm-does-not-know", "", ["generic"]),
     ],
 )

@@ -75,7 +75,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-# ``--isa avx2`` caps every runtime at AVX2 + FMA, as on a CPU without AVX-512, through the
+# ``--isa avx2`` caps every runtime at AVX2 + FMA, as on a CPU without AVX-512 (``--isa avx_vnni``:
+# with AVX-VNNI too, as on Intel's Alder Lake and later client cores), through the
 # variables each one reads when it loads, so they are set before any is imported: numba's
 # CPU (quantbridge's kernel target follows it), oneDNN's (OpenVINO's and torch's), fbgemm's
 # (torch.ao x86) and ATen's. ONNX Runtime's MLAS has no such setting: its column keeps the
@@ -88,7 +89,15 @@ ISA_CAPS = {
         "DNNL_MAX_CPU_ISA": "AVX2",
         "FBGEMM_ENABLE_INSTRUCTIONS": "AVX2",
         "ATEN_CPU_CAPABILITY": "avx2",
-    }
+    },
+    "avx_vnni": {
+        "NUMBA_CPU_NAME": "x86-64-v3",
+        "NUMBA_CPU_FEATURES": "+avxvnni",
+        "ONEDNN_MAX_CPU_ISA": "AVX2_VNNI",
+        "DNNL_MAX_CPU_ISA": "AVX2_VNNI",
+        "FBGEMM_ENABLE_INSTRUCTIONS": "AVX2",  # fbgemm has no AVX-VNNI kernels
+        "ATEN_CPU_CAPABILITY": "avx2",
+    },
 }
 if "--isa" in sys.argv[:-1]:
     os.environ.update(ISA_CAPS.get(sys.argv[sys.argv.index("--isa") + 1], {}))

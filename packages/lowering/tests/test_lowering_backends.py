@@ -33,7 +33,14 @@ from quantbridge.lowering import _numba_backend
 from quantbridge.lowering._rules import backend_config_from_rules
 from quantbridge.qconfig import FIXED_QPARAMS_OP_TO_OBSERVER
 
-BUILTINS = ["numba", "numba_avx2", "numba_avx512_vnni", "numba_generic", "reference"]
+BUILTINS = [
+    "numba",
+    "numba_avx2",
+    "numba_avx512_vnni",
+    "numba_avx_vnni",
+    "numba_generic",
+    "reference",
+]
 
 
 def test_builtins_are_available_where_the_cpu_runs_them() -> None:

@@ -2,8 +2,8 @@
 
 Depends on numpy and numba only: GEMM (static and dynamic linear, conv1d/conv2d, quantized
 matmul), quantize/dequantize/requantize, elementwise add/mul and clamps, pools, 256-entry
-lookup tables and weight-only embedding_bag, for the ``avx512_vnni``, ``avx2`` and ``generic``
-targets (chosen at import, overridable). Layouts: see ``_layout.py``.
+lookup tables and weight-only embedding_bag, for the ``avx512_vnni``, ``avx_vnni``, ``avx2``
+and ``generic`` targets (chosen at import, overridable). Layouts: see ``_layout.py``.
 """
 
 # First: numba picks each function's cache locator when its @njit(cache=True) runs.

@@ -5,7 +5,8 @@ are written as IR: one block kernel per (target, rows, output mode) computes an 
 of C over the whole reduction in vector registers and requantizes it in registers before the
 single store (a separate requantization pass costs ~20 %).
 
-Each target module (``_vnni``: AVX-512 VNNI, ``_avx2``: AVX2) gives its packed-B layout and
+Each target module (``_vnni``: AVX-512 VNNI, ``_avx_vnni``: AVX-VNNI, ``_avx2`` and
+``_avx2_byte``: AVX2) gives its packed-B layout and
 emits its multiply-accumulate step (``_pack.py`` builds the layouts); this module emits the
 rest: the block loop, the prefetches and the requantizing epilogue.
 
@@ -44,7 +45,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from quantbridge.kernels import _avx2, _avx2_byte, _vnni
+from quantbridge.kernels import _avx2, _avx2_byte, _avx_vnni, _vnni
 from quantbridge.kernels._ir import (
     F32T,
     I8,
@@ -82,6 +83,7 @@ _TARGETS: dict[str, ModuleType] = {
     "avx512_vnni": _vnni,
     "avx2": _avx2,
     "avx2_byte": _avx2_byte,
+    "avx_vnni": _avx_vnni,
 }
 
 
@@ -541,6 +543,7 @@ _BLOCKS = [
         ("avx512_vnni", ((6, 1), (4, 1)), ("u8", "f32", "u8add"), 4),
         ("avx2", ((6, 1), (4, 1), (3, 2), (1, 4)), ("u8", "f32", "u8add"), 2),
         ("avx2_byte", ((6, 1), (4, 1), (3, 2), (1, 4)), ("u8", "f32", "u8add"), 2),
+        ("avx_vnni", ((6, 1), (4, 1), (3, 2), (1, 4)), ("u8", "f32", "u8add"), 2),
     )
     for mode in modes
     for mr, ku in sizes

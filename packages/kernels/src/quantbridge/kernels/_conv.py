@@ -1124,7 +1124,7 @@ def _fusable(packed: PackedConvWeight) -> bool:
         isinstance(packed, PackedConvWeight)
         and packed.dims == 2
         and packed.groups == 1
-        and packed.target in ("avx512_vnni", "avx2")
+        and packed.target in ("avx512_vnni", "avx_vnni", "avx2")
     ):
         return False
     kernel = packed.groups_packed[0].kernel

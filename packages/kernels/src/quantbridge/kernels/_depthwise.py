@@ -350,4 +350,9 @@ def _make_driver(vnni: bool, parallel: bool) -> Any:
 # (serial driver, parallel driver)
 _VNNI_DRIVERS = (_make_driver(True, False), _make_driver(True, True))
 _FLOAT_DRIVERS = (_make_driver(False, False), _make_driver(False, True))
-DRIVERS = {"avx512_vnni": _VNNI_DRIVERS, "avx2": _FLOAT_DRIVERS, "generic": _FLOAT_DRIVERS}
+DRIVERS = {
+    "avx512_vnni": _VNNI_DRIVERS,
+    "avx_vnni": _FLOAT_DRIVERS,
+    "avx2": _FLOAT_DRIVERS,
+    "generic": _FLOAT_DRIVERS,
+}

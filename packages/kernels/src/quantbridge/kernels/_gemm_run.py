@@ -18,6 +18,9 @@ from quantbridge.kernels._gemm_simd import (
     drive_avx2b_f32,
     drive_avx2b_u8,
     drive_avx2b_u8add,
+    drive_avxvnni_f32,
+    drive_avxvnni_u8,
+    drive_avxvnni_u8add,
     drive_vnni_f32,
     drive_vnni_u8,
     drive_vnni_u8add,
@@ -27,6 +30,9 @@ from quantbridge.kernels._gemm_simd import (
     serial_avx2b_f32,
     serial_avx2b_u8,
     serial_avx2b_u8add,
+    serial_avxvnni_f32,
+    serial_avxvnni_u8,
+    serial_avxvnni_u8add,
     serial_vnni_f32,
     serial_vnni_u8,
     serial_vnni_u8add,
@@ -52,6 +58,9 @@ _DRIVERS = {
     ("avx2_byte", "u8"): drive_avx2b_u8,
     ("avx2_byte", "f32"): drive_avx2b_f32,
     ("avx2_byte", "u8add"): drive_avx2b_u8add,
+    ("avx_vnni", "u8"): drive_avxvnni_u8,
+    ("avx_vnni", "f32"): drive_avxvnni_f32,
+    ("avx_vnni", "u8add"): drive_avxvnni_u8add,
 }
 # one thread: plain loops, no parallel-region launch (it costs ~20 us per call)
 _SERIAL = {
@@ -64,6 +73,9 @@ _SERIAL = {
     ("avx2_byte", "u8"): serial_avx2b_u8,
     ("avx2_byte", "f32"): serial_avx2b_f32,
     ("avx2_byte", "u8add"): serial_avx2b_u8add,
+    ("avx_vnni", "u8"): serial_avxvnni_u8,
+    ("avx_vnni", "f32"): serial_avxvnni_f32,
+    ("avx_vnni", "u8add"): serial_avxvnni_u8add,
 }
 # what the drivers get for ``res``/``addp`` when no residual add is fused
 NO_RESIDUAL = np.zeros(0, np.uint8)
@@ -79,10 +91,13 @@ NO_ADD = np.zeros(0, np.float32)
 # multiply-adds, 1.3x from 7M, so 1 << 19 k steps (~2M multiply-adds) too (it was 1 << 22,
 # which left most of MobileNetV2's convs on one thread: 0.97x at 2 threads, now 1.3x).
 # Every caller reads this one dict, so the crossover bench lifts it everywhere.
-SERIAL_BELOW = {"avx512_vnni": 1 << 19, "avx2": 1 << 19, "avx2_byte": 1 << 19, "generic": 1 << 22}
+SERIAL_BELOW = {
+    "avx512_vnni": 1 << 19, "avx_vnni": 1 << 19, "avx2": 1 << 19, "avx2_byte": 1 << 19,
+    "generic": 1 << 22,
+}  # fmt: skip
 
-_NR = {t: layout(t)[0] for t in ("avx512_vnni", "avx2", "avx2_byte", "generic")}
-_LANES = {t: block_lanes(t) for t in ("avx512_vnni", "avx2", "avx2_byte")}
+_NR = {t: layout(t)[0] for t in ("avx512_vnni", "avx_vnni", "avx2", "avx2_byte", "generic")}
+_LANES = {t: block_lanes(t) for t in ("avx512_vnni", "avx_vnni", "avx2", "avx2_byte")}
 
 
 def serial_driver(target: str, mode: str) -> Any:

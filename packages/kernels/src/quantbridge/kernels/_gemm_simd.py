@@ -35,8 +35,8 @@ from quantbridge.kernels._targets import needs_features, target_features
 # target -> rows of its (big, quad, mid) blocks; the 1-row kernel ends every tail. AVX2's
 # 4-row block (0: none) splits 4, 5, 7 and 8 remaining rows without computing a wasted row
 # (an M = 8 GEMM ran 6 + 3 rows)
-_ROWS = {"avx512_vnni": (8, 0, 4), "avx2": (6, 4, 3), "avx2_byte": (6, 4, 3)}
-_SHORT = {"avx512_vnni": "vnni", "avx2": "avx2", "avx2_byte": "avx2b"}
+_ROWS = {"avx512_vnni": (8, 0, 4), "avx2": (6, 4, 3), "avx2_byte": (6, 4, 3), "avx_vnni": (6, 4, 3)}
+_SHORT = {"avx512_vnni": "vnni", "avx2": "avx2", "avx2_byte": "avx2b", "avx_vnni": "avxvnni"}
 # rows of the narrow (1-vector) blocks: 16 accumulators, as the 2-vector blocks' 8 rows
 _NARROW_ROWS = 16
 # rows of VNNI's 2-panel blocks (4 vectors a row: 24 accumulators). Per vpdpbusd they load
@@ -331,3 +331,11 @@ batched_drive_avx2_u8 = _make_batched_driver("avx2", True)
 batched_serial_avx2_u8 = _make_batched_driver("avx2", False)
 batched_drive_avx2b_u8 = _make_batched_driver("avx2_byte", True)
 batched_serial_avx2b_u8 = _make_batched_driver("avx2_byte", False)
+drive_avxvnni_u8 = _make_driver("avx_vnni", "u8", True)
+serial_avxvnni_u8 = _make_driver("avx_vnni", "u8", False)
+drive_avxvnni_u8add = _make_driver("avx_vnni", "u8add", True)
+serial_avxvnni_u8add = _make_driver("avx_vnni", "u8add", False)
+drive_avxvnni_f32 = _make_driver("avx_vnni", "f32", True)
+serial_avxvnni_f32 = _make_driver("avx_vnni", "f32", False)
+batched_drive_avxvnni_u8 = _make_batched_driver("avx_vnni", True)
+batched_serial_avxvnni_u8 = _make_batched_driver("avx_vnni", False)

@@ -164,7 +164,7 @@ class PackedLinearWeight:
         self._exact: npt.NDArray[np.int16] | None = None
         self._exact_koffs = self.koffs  # the int16 kernels' k steps, set with ``_exact``
         # the byte kernels read uint8 activations directly; AVX2's int16 ones want them widened
-        byte_kernel = self.kernel in ("avx512_vnni", "avx2_byte")
+        byte_kernel = self.kernel in ("avx512_vnni", "avx_vnni", "avx2_byte")
         self.serial_u8 = serial_driver(self.kernel, "u8") if byte_kernel else None
         self._fast: dict[tuple[float, float, int], Any] = {}
         self._entry: dict[bool, Any] = {}

@@ -32,8 +32,10 @@ from quantbridge.kernels._gemm import batched_drive_generic, batched_serial_gene
 from quantbridge.kernels._gemm_run import NO_ADD, NO_RESIDUAL, SERIAL_BELOW
 from quantbridge.kernels._gemm_simd import (
     batched_drive_avx2_u8,
+    batched_drive_avxvnni_u8,
     batched_drive_vnni_u8,
     batched_serial_avx2_u8,
+    batched_serial_avxvnni_u8,
     batched_serial_vnni_u8,
 )
 from quantbridge.kernels._linear import _fast_zp
@@ -44,6 +46,7 @@ from quantbridge.kernels._threads import apply_num_threads, with_threads
 
 _BATCHED = {
     "avx512_vnni": (batched_serial_vnni_u8, batched_drive_vnni_u8),
+    "avx_vnni": (batched_serial_avxvnni_u8, batched_drive_avxvnni_u8),
     "avx2": (batched_serial_avx2_u8, batched_drive_avx2_u8),
     "generic": (batched_serial_generic, batched_drive_generic),
 }

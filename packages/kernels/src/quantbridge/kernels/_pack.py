@@ -5,8 +5,9 @@ Layouts (``Np``: N rounded up to the panel width, ``Kp``: K rounded up to 4; pad
 * ``avx512_vnni`` and ``generic``: int8 ``[Np/32][Kp/4][32][4]`` — panel p, k-step s, column
   jj, byte u holds ``w[32p + jj, 4s + u]``.
 * ``avx2``: int16 ``[Np/16][Kp/2][16][2]`` — ``w[16p + jj, 2s + u]`` widened to int16.
-* ``avx2_byte`` (the kernels of target ``avx2``, ``_avx2_byte.py``): int8
-  ``[Np/16][Kp/4][16][4]``; the int16 ``avx2`` layout serves the rows they cannot do exactly.
+* ``avx2_byte`` (the kernels of target ``avx2``, ``_avx2_byte.py``) and ``avx_vnni``: int8
+  ``[Np/16][Kp/4][16][4]``; on ``avx2`` the int16 layout serves the rows the byte kernels
+  cannot do exactly.
 
 Zero-point corrections use ``colsum[j] = sum_k w[j, k]`` (computed here) and, when any weight
 zero point is non-zero, the per-call activation row sums.
@@ -31,6 +32,7 @@ _LAYOUT: dict[str, tuple[int, int, type[np.integer]]] = {
     "generic": (32, 4, np.int8),
     "avx2": (16, 2, np.int16),
     "avx2_byte": (16, 4, np.int8),
+    "avx_vnni": (16, 4, np.int8),
 }
 
 

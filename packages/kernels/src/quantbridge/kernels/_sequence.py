@@ -46,7 +46,7 @@ from quantbridge.kernels._threads import apply_num_threads, with_threads
 F32 = npt.NDArray[np.float32]
 
 # kernel family -> driver number of ``_gemm_f32`` (generic has no IR driver: Python steps)
-_FAMILIES = ("avx2_byte", "avx2", "avx512_vnni")
+_FAMILIES = ("avx2_byte", "avx2", "avx512_vnni", "avx_vnni")
 _DRIVERS = [serial_driver(f, "f32") for f in _FAMILIES] + [
     parallel_driver(f, "f32") for f in _FAMILIES
 ]

@@ -1,8 +1,10 @@
 """CPU feature detection and kernel target selection.
 
-Targets, best first: ``avx512_vnni`` (vpdpbusd), ``avx2`` (vpmaddubsw + vpmaddwd), ``generic``
-(portable numba loops). Selection order: an explicit ``target=`` argument, then the
-``QUANTBRIDGE_KERNEL_TARGET`` environment variable, then the best target this CPU runs.
+Targets, best first: ``avx512_vnni`` (vpdpbusd on zmm), ``avx_vnni`` (VEX vpdpbusd on ymm: AVX2
+CPUs with AVX-VNNI, such as Intel's Alder Lake and later client cores), ``avx2`` (vpmaddubsw +
+vpmaddwd), ``generic`` (portable numba loops). Selection order: an explicit ``target=``
+argument, then the ``QUANTBRIDGE_KERNEL_TARGET`` environment variable, then the best target
+this CPU runs.
 
 "This CPU" is the CPU numba compiles for, not only the host: numba's ``NUMBA_CPU_NAME`` and
 ``NUMBA_CPU_FEATURES`` (set, for instance, to build a cache that travels between machines)
@@ -25,12 +27,13 @@ from quantbridge.kernels._errors import KernelError, TargetUnavailableError
 
 _K = TypeVar("_K")
 
-TARGETS: tuple[str, ...] = ("avx512_vnni", "avx2", "generic")
+TARGETS: tuple[str, ...] = ("avx512_vnni", "avx_vnni", "avx2", "generic")
 ENV_VAR = "QUANTBRIDGE_KERNEL_TARGET"
 
 # CPU features (LLVM names) each target's compiled code uses.
 _REQUIRED_FEATURES: dict[str, tuple[str, ...]] = {
     "avx512_vnni": ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512vnni", "avx2", "fma"),
+    "avx_vnni": ("avx2", "fma", "avxvnni"),
     "avx2": ("avx2", "fma"),
     "generic": (),
 }

@@ -40,6 +40,7 @@ from quantbridge.lowering._table import default_lowering_rules
 # quantbridge.fx_quant.nn.reference); the pyproject's entry points name these objects
 numba_backend = NumbaBackend("numba", None)
 numba_avx512_vnni_backend = NumbaBackend("numba_avx512_vnni", "avx512_vnni")
+numba_avx_vnni_backend = NumbaBackend("numba_avx_vnni", "avx_vnni")
 numba_avx2_backend = NumbaBackend("numba_avx2", "avx2")
 numba_generic_backend = NumbaBackend("numba_generic", "generic")
 
@@ -49,6 +50,7 @@ def _register_builtins() -> None:
         reference_backend,
         numba_backend,
         numba_avx512_vnni_backend,
+        numba_avx_vnni_backend,
         numba_avx2_backend,
         numba_generic_backend,
     )
@@ -102,6 +104,7 @@ __all__ = [
     "lower_to_kernels",
     "lowering_report",
     "numba_avx2_backend",
+    "numba_avx_vnni_backend",
     "numba_avx512_vnni_backend",
     "numba_backend",
     "numba_backend_config",
