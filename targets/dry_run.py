@@ -103,7 +103,10 @@ def compile_level(level_name: str, record_glob: str) -> dict[str, Any]:
     }
     compiled: dict[str, int] = {}
     missing_instructions = []
-    for name in sorted(records):
+    # a call reached a kernel of a better CPU than this level: compiling it would abort here,
+    # and on a real CPU of this level the call would too
+    beyond_level = sorted(n for n in records if not set(FEATURE_KERNELS[n][0]) <= level.needs)
+    for name in sorted(set(records) - set(beyond_level)):
         features, dispatcher = FEATURE_KERNELS[name]
         for sig in sorted(records[name], key=str):
             print(f"compiling {name} for {level.name}: {sig}", flush=True)
@@ -120,6 +123,7 @@ def compile_level(level_name: str, record_glob: str) -> dict[str, Any]:
         "compiled": compiled,
         "not_compiled": not_compiled,
         "missing_instructions": missing_instructions,
+        "beyond_level": beyond_level,
     }
 
 

@@ -141,6 +141,7 @@ def test_every_kernel_family_compiles(level: Level, tmp_path: Path) -> None:
     assert summary["compiled"], "no kernel was compiled"
     assert summary["not_compiled"] == [], "kernel families the dry run never reached"
     assert summary["missing_instructions"] == []
+    assert summary["beyond_level"] == [], "calls reached kernels this level's CPU cannot run"
 
 
 def test_byte_identity_harness_is_repeatable(tmp_path: Path) -> None:
