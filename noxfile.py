@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import shutil
 import sys
@@ -115,8 +116,13 @@ def tests(session: nox.Session) -> None:
     Arguments after ``--`` go to pytest. Without a path, pytest runs its ``testpaths``
     (packages/*/tests and tests/, from pyproject.toml), so new test directories join by
     themselves; ``nox -s tests -- packages/qconfig/tests -k histogram`` runs one package's.
+
+    The kernels suite runs the cases of this CPU's best kernel target; ``tests_targets`` runs
+    every other target's, each with numba compiling for a CPU of that target
+    (``QUANTBRIDGE_TEST_TARGETS=avx2,generic nox -s tests`` picks others here).
     """
     _install(session, *TEST_REQUIREMENTS, *_editable(*PACKAGES), *TEST_EXTRAS)
+    session.env["QUANTBRIDGE_TEST_TARGETS"] = os.environ.get("QUANTBRIDGE_TEST_TARGETS", "best")
     # Two workers for two cores (`-- -n 0` runs in one process). numba's on-disk cache lives
     # beside the editable sources, so the workers and later runs reuse each other's kernels.
     session.run("pytest", "-n", TEST_WORKERS, *session.posargs)

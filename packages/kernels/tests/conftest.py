@@ -1,8 +1,11 @@
 """``QUANTBRIDGE_TEST_TARGETS=avx2`` (a comma-separated list): run only the cases of these
-kernel targets, where a test is parametrized by target.
+kernel targets, where a test is parametrized by target; ``best``: this CPU's best target.
+Unset: every target this CPU runs.
 
 The target matrix (``nox -s tests_targets``) runs this suite once per CPU level, each level
-for the target it selects: a lower target's cases already ran at that target's own level.
+for the target it selects: a lower target's cases run at that target's own level, with numba
+compiling for that CPU. ``nox -s tests`` runs the best target's (``best``), which the matrix
+runs again at the host's level only.
 """
 
 from __future__ import annotations
@@ -11,14 +14,14 @@ import os
 
 import pytest
 
-from quantbridge.kernels import TARGETS
+from quantbridge.kernels import TARGETS, best_target
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     wanted = os.environ.get("QUANTBRIDGE_TEST_TARGETS")
     if not wanted:
         return
-    keep = set(wanted.split(","))
+    keep = {best_target() if name == "best" else name for name in wanted.split(",")}
     selected, deselected = [], []
     for item in items:
         callspec = getattr(item, "callspec", None)
