@@ -125,9 +125,12 @@ def runtime_tolerance_steps(reference: GraphModule) -> float:
     product of two activations scales that code by the other factor, up to one more step of
     its output."""
     mul = {operator.mul, torch.mul}
+    dequantize = torch.ops.quantbridge.dequantize_per_tensor
     for node in reference.graph.nodes:
         if node.op == "call_function" and node.target in mul:
             args = [a for a in node.args if isinstance(a, torch.fx.Node)]
-            if len(args) == 2 and all("dequantize" in str(a.target) for a in args):
+            if len(args) == 2 and all(
+                getattr(a.target, "overloadpacket", None) is dequantize for a in args
+            ):
                 return 2.0
     return 1.0

@@ -21,7 +21,6 @@ Exits 1 if a runtime fails, or:
 
 from __future__ import annotations
 
-import math
 import sys
 import tempfile
 from collections.abc import Callable
@@ -36,6 +35,7 @@ sys.path[:0] = [str(Path(__file__).resolve().parent), str(ROOT / "tests")]
 import onnx_sessions  # noqa: E402
 import quantized_zoo  # noqa: E402
 from bench_onnx_export import coarsest_activation_scale  # noqa: E402
+from bench_peers import sqnr  # noqa: E402
 
 import quantbridge.fx_quant as fq  # noqa: E402
 import quantbridge.kernels as qk  # noqa: E402
@@ -49,12 +49,6 @@ MIN_SQNR_DB = 20.0
 def _first(out: Any) -> np.ndarray:
     out = out[0] if isinstance(out, (tuple, list)) else out
     return out.detach().numpy() if isinstance(out, torch.Tensor) else np.asarray(out)
-
-
-def _sqnr(got: np.ndarray, want: np.ndarray) -> float:
-    noise = float(np.square(got - want, dtype=np.float64).sum())
-    signal = float(np.square(want, dtype=np.float64).sum())
-    return 10 * math.log10(signal / noise) if noise > 0 else math.inf
 
 
 def _runtimes(path: Path) -> dict[str, Callable[[tuple[torch.Tensor, ...]], np.ndarray]]:
@@ -106,12 +100,12 @@ def main(names: list[str]) -> int:
                 try:
                     got = run(inputs)
                     steps = float(np.abs(got - want).max()) / step
-                    sqnr = _sqnr(got, want)
+                    fidelity = sqnr(want, got)
                     if static and runtime != "ORT as written":
-                        failed |= sqnr < MIN_SQNR_DB
+                        failed |= fidelity < MIN_SQNR_DB
                     else:
                         failed |= steps > tolerance
-                    cells.append(f"{steps:.3f} ({sqnr:.1f} dB)")
+                    cells.append(f"{steps:.3f} ({fidelity:.1f} dB)")
                 except Exception as e:
                     print(f"{name}, {runtime}: {type(e).__name__}: {e}", flush=True)
                     cells.append("failed")

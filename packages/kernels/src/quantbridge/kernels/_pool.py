@@ -604,7 +604,7 @@ class _Requant(NamedTuple):
         out_zero_point: int | None,
     ) -> _Requant:
         if scale is None and zero_point is None and out_scale is None and out_zero_point is None:
-            return cls(False, 1.0, 0, 0)
+            return _KEPT
         if scale is None or zero_point is None or out_scale is None or out_zero_point is None:
             raise KernelError(
                 "adaptive_avg_pool2d: pass scale, zero_point, out_scale and out_zero_point "
@@ -615,9 +615,12 @@ class _Requant(NamedTuple):
         zp_in = check_zero_point("zero_point", zero_point, 0, 255)
         zp_out = check_zero_point("out_zero_point", out_zero_point, 0, 255)
         if (s_in, zp_in) == (s_out, zp_out):
-            return cls(False, 1.0, 0, 0)
+            return _KEPT
         check_derived("scale / out_scale", s_in / s_out)
         return cls(True, s_in / s_out, zp_in, zp_out)
+
+
+_KEPT = _Requant(False, 1.0, 0, 0)
 
 
 class PreparedAdaptiveAvgPool2d:

@@ -364,10 +364,7 @@ def adaptive_avg_pool2d(
 def adaptive_avg_pool2d_arrays(
     a: Any, output_size: Any, in_qp: QParams, out_qp: QParams, target: str
 ) -> Any:
-    return K.adaptive_avg_pool2d(
-        a, pair(output_size), scale=in_qp[0], zero_point=in_qp[1], out_scale=out_qp[0],
-        out_zero_point=out_qp[1], target=target,
-    )  # fmt: skip
+    return prepared_adaptive_avg_pool2d(pair(output_size), in_qp, out_qp, target)(a)
 
 
 def prepared_adaptive_avg_pool2d(
