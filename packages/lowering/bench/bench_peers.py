@@ -18,7 +18,9 @@ Models and columns:
   on the same batches; SQNR (dB) of its logits against fp32 on held-out inputs.
 * ``vit_b_16`` (batch 1, 3x224x224): torchvision's ViT-B/16 from ``tests/vit_model.py``,
   seeded weights, the same columns; quantbridge with ``qconfig_mapping(transformer=True)``,
-  OpenVINO with NNCF's ``ModelType.TRANSFORMER``.
+  OpenVINO with NNCF's ``ModelType.TRANSFORMER``. ``--trained-outliers`` gives it the
+  activation statistics of a trained ViT first (``vit_model.add_trained_statistics``) and adds
+  the column "the recipe" (``keep_outlier_channels_float`` before the transformer mapping).
 * ``bert``: transformers ``BertModel`` (6 layers, hidden 384, 12 heads, FFN 1536, random
   init: nothing is downloaded), random sentences padded to 128 tokens with an attention mask,
   batch 1 and 16. fp32 eager, torch.ao ``quantize_dynamic``, ONNX Runtime
@@ -123,7 +125,7 @@ import _peers  # noqa: E402
 # torchvision-style networks (torchvision itself does not import under the pinned torch)
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "tests"))
 import real_models  # noqa: E402
-from vit_model import VisionTransformer  # noqa: E402
+from vit_model import VisionTransformer, add_trained_statistics  # noqa: E402
 
 # the trained-like encoder statistics of the lowering tests' BERT zoo
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
@@ -255,12 +257,20 @@ def calib_images(n: int, seed: int) -> list[torch.Tensor]:
     return [torch.randn(1, 3, 224, 224, generator=g) for _ in range(n)]
 
 
-def cnn_suite(name: str, calib_batches: int, eval_batches: int) -> Suite:
-    suite = Suite(name, fp32_variants=("fp32 NCHW", "fp32 channels_last"))
+def cnn_suite(
+    name: str, calib_batches: int, eval_batches: int, trained_outliers: bool = False
+) -> Suite:
     transformer = name in VISION_TRANSFORMERS
+    trained = transformer and trained_outliers
+    suite = Suite(
+        f"{name} (trained-like)" if trained else name,
+        fp32_variants=("fp32 NCHW", "fp32 channels_last"),
+    )
     if transformer:
         torch.manual_seed(0)
         model = VisionTransformer().eval()
+        if trained:  # the activation statistics of a trained ViT (vit_model)
+            add_trained_statistics(model)
     else:
         model = real_models.build(name, full_size=True).eval()
     calib = calib_images(calib_batches, seed=1)
@@ -291,6 +301,14 @@ def cnn_suite(name: str, calib_batches: int, eval_batches: int) -> Suite:
         return torch_column(lowered, x)
 
     suite.add("quantbridge numba", numba)
+
+    def recipe() -> Column:
+        split = keep_outlier_channels_float(model, [(c,) for c in calib])
+        mapping = get_backend("numba").qconfig_mapping(transformer=True)
+        return torch_column(_quantbridge(split, mapping, (x,), [(c,) for c in calib]), x)
+
+    if trained:
+        suite.add("quantbridge numba, recipe", recipe)
 
     def ort() -> Column:
         fp32 = _peers.onnx_export(model, (x,), ["input"], WORK / f"{name}.onnx")
@@ -843,8 +861,10 @@ def main() -> int:
     parser.add_argument(
         "--trained-outliers",
         action="store_true",
-        help="give the BERT the activation statistics of a trained one (outlier dimensions, "
-        "an attention sink with massive activations; bert_zoo.add_trained_outliers)",
+        help="give the BERT and the ViT the activation statistics of trained ones (outlier "
+        "dimensions, massive activations; bert_zoo.add_trained_outliers, "
+        "vit_model.add_trained_statistics) and add a column for the recipe "
+        "(keep_outlier_channels_float before the transformer mapping)",
     )
     parser.add_argument("--sentences", type=int, default=256)
     parser.add_argument("--json", metavar="OUT", help="also write the results as JSON")
@@ -880,7 +900,9 @@ def main() -> int:
             elif name == "lstm":
                 suites = [lstm_suite(args.calib_batches)]
             else:
-                suites = [cnn_suite(name, args.calib_batches, eval_batches=4)]
+                suites = [
+                    cnn_suite(name, args.calib_batches, 4, trained_outliers=args.trained_outliers)
+                ]
         except Exception as e:  # e.g. transformers missing: the other models still run
             traceback.print_exc(limit=4, file=sys.stderr)
             print(f"  {name}: not run: {short_error(e)}")

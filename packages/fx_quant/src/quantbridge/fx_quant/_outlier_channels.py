@@ -21,6 +21,7 @@ from torch import nn
 from quantbridge.fx_quant._calibrate import calibrate
 from quantbridge.fx_quant._channel_max import ChannelMax, replace_submodule
 from quantbridge.fx_quant._errors import FxQuantError
+from quantbridge.fx_quant._transformer_swap import with_traceable_attention
 from quantbridge.fx_quant.nn.quantizable import OutlierSplitLinear
 
 __all__ = ["OutlierChannelsConfig", "keep_outlier_channels_float"]
@@ -95,7 +96,7 @@ def keep_outlier_channels_float(
         raise FxQuantError(
             f"keep_outlier_channels_float: model must be an nn.Module, got {type(model).__name__}"
         )
-    result = copy.deepcopy(model)
+    result = with_traceable_attention(copy.deepcopy(model))
     linears = {name: m for name, m in result.named_modules() if _plain_linear(result, name, m)}
     recorders = {name: ChannelMax() for name in linears}
     handles = [m.register_forward_pre_hook(recorders[n].pre_hook) for n, m in linears.items()]

@@ -26,6 +26,7 @@ from quantbridge.fx_quant._channel_max import ChannelMax, replace_submodule
 from quantbridge.fx_quant._errors import FxQuantError
 from quantbridge.fx_quant._export_capture import CAPTURES, capture_export, lift_exported
 from quantbridge.fx_quant._tracer import trace
+from quantbridge.fx_quant._transformer_swap import with_traceable_attention
 from quantbridge.fx_quant.nn.quantizable import ChannelScale
 
 __all__ = ["SmoothQuantConfig", "SmoothQuantReport", "smooth_quant"]
@@ -119,7 +120,7 @@ def smooth_quant(
         )
     if capture == "export":
         return _smooth_exported(model, calibration_data, cfg, input_fn, max_batches)
-    gm, _ = trace(copy.deepcopy(model).eval())
+    gm, _ = trace(with_traceable_attention(copy.deepcopy(model).eval()))
     groups = _groups(gm)
     recorders: dict[Node, ChannelMax] = {}
     for i, value in enumerate(groups):
@@ -209,7 +210,7 @@ def _smooth_exported(
     input_fn: Callable[[Any], Any] | None,
     max_batches: int | None,
 ) -> nn.Module:
-    result = copy.deepcopy(model).eval()
+    result = with_traceable_attention(copy.deepcopy(model).eval())
     batches = list(data)  # read twice: the capture's example, then the calibration
     example = _first_inputs(batches, input_fn)
     # the graph only says which Linears read one value: the changes go to ``result``

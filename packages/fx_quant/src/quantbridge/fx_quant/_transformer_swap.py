@@ -31,6 +31,7 @@ __all__ = [
     "TransformerSwapError",
     "attention_core_reason",
     "swap_transformer_modules",
+    "with_traceable_attention",
 ]
 
 # explain's reason for the attention core node and its outputs (strict mode accepts it).
@@ -160,6 +161,14 @@ def swap_transformer_modules(
         if float_type in object_types:
             object_types[traceable] = object_types[float_type]
     return result, swapped
+
+
+def with_traceable_attention(model: nn.Module) -> nn.Module:
+    """``model`` with every ``nn.MultiheadAttention`` and ``nn.Transformer*`` module swapped
+    for its ``nn.quantizable`` class (what prepare does), so that a pass working on
+    ``nn.Linear`` layers (outlier split, SmoothQuant) also reaches their projections."""
+    swapped, _ = swap_transformer_modules(model, QConfigMapping(), (), ())
+    return swapped
 
 
 def attention_core_reason(node: Node, modules: Mapping[str, nn.Module]) -> str | None:

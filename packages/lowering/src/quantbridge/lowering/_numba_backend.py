@@ -41,9 +41,10 @@ from quantbridge.qconfig import (
 __all__ = ["NumbaBackend", "numba_backend_config"]
 
 # kept float by qconfig_mapping(transformer=True): the residual stream, the norms and the
-# attention-mask arithmetic (elementwise ops on tensors of very different ranges), and dropout
+# attention-mask arithmetic (elementwise ops on tensors of very different ranges), dropout
 # (identity in eval) between a projection and its residual add, so the projection's output
-# reaches the add in float
+# reaches the add in float, and concatenations (a ViT joins its class token, which carries
+# trained models' massive activations, to the patch embeddings in one shared range)
 _TRANSFORMER_FLOAT_OPS: tuple[Callable[..., Any] | str, ...] = (
     operator.add, operator.iadd, torch.add, "add", "add_",
     operator.sub, operator.isub, torch.sub, torch.rsub, "sub", "sub_",
@@ -51,6 +52,7 @@ _TRANSFORMER_FLOAT_OPS: tuple[Callable[..., Any] | str, ...] = (
     operator.truediv, operator.itruediv, torch.div, "div", "div_",
     nn.LayerNorm, F.layer_norm, nn.GroupNorm, F.group_norm,
     nn.Dropout, F.dropout, "dropout",
+    torch.cat, torch.concat, torch.concatenate,
 )  # fmt: skip
 
 # the Linear / conv modules (float, QAT, QAT with BatchNorm) a clamp after them is observed with
@@ -194,10 +196,10 @@ class NumbaBackend(Backend):
     ) -> QConfigMapping:
         """x86-style defaults for this backend's target (see the class docstring).
 
-        ``transformer=True``: the same, with elementwise add / sub / mul / div and the norms
-        kept float (None), so the residual stream, LayerNorm and the attention-mask arithmetic
-        (``(1 - mask) * finfo.min`` added to the scores) are never observed: Linears, the
-        attention matmuls and activations stay int8.
+        ``transformer=True``: the same, with elementwise add / sub / mul / div, the norms and
+        ``torch.cat`` kept float (None), so the residual stream, LayerNorm and the
+        attention-mask arithmetic (``(1 - mask) * finfo.min`` added to the scores) are never
+        observed: Linears, the attention matmuls and activations stay int8.
 
         ``dynamic=True``: dynamic quantization instead: ``nn.Linear``, ``nn.LSTM`` and
         ``nn.GRU`` get int8 per-channel weights and activations quantized at run time; every
