@@ -8,6 +8,7 @@
     nox -s build        wheels + sdists; each wheel installed alone in a fresh venv and imported
     nox -s demo         the project's main job
     nox -s bench_peers  int8 against ONNX Runtime, OpenVINO/NNCF and torch.ao (installs them)
+    nox -s bench_llm    weight-only int8/int4 decoder LLMs against torchao, OpenVINO, llama.cpp
     nox -s docs         the documentation site (docs/, mkdocs.yml): mkdocs build --strict
 
 Every install goes through constraints.txt. Virtualenvs are reused, and a session skips pip
@@ -26,6 +27,7 @@ import shutil
 import sys
 import tempfile
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
 
 import nox
@@ -338,6 +340,124 @@ def bench_onnx(session: nox.Session) -> None:
         session.run("python", str(bench / "check_onnx_zoo.py"), *names)
         return
     session.run("python", str(bench / "bench_onnx_export.py"), *session.posargs)
+
+
+# bench_llm's peers on top of PEER_REQUIREMENTS: gguf writes llama.cpp's file from the torch
+# tensors. torchao is installed in the newest version pip resolves beside the pinned torch (none:
+# its columns say so). llama-cpp-python is compiled here from its sdist for this CPU (no
+# prebuilt wheel); the wheel is kept in the session's venv under a key of the version, the
+# CMake arguments and the CPU's flags, so later runs install it without compiling.
+LLM_REQUIREMENTS = ("gguf==0.19.0",)
+LLAMA_CPP_PYTHON = "llama-cpp-python==0.3.36"
+LLAMA_CPP_CMAKE_ARGS = (
+    "-DGGML_NATIVE=ON -DGGML_BLAS=OFF -DLLAVA_BUILD=OFF -DLLAMA_OPENSSL=OFF "
+    "-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_EXAMPLES=OFF "
+    "-DLLAMA_BUILD_SERVER=OFF"
+)
+
+
+def _llm_optional_peer(
+    session: nox.Session, name: str, key: str, install: Callable[[], str]
+) -> None:
+    """Run ``install`` (returns what it installed) unless it last succeeded with the same
+    ``key``; a failure is logged, and the bench reports that peer's columns as not installed."""
+    stamp = Path(session.virtualenv.location) / f".bench-llm-{name}-stamp"
+    if stamp.exists():
+        last_key, _, outcome = stamp.read_text().partition("\n")
+        if last_key == key:
+            session.log(f"{name}: {outcome} (unchanged since the last run)")
+            return
+    try:
+        outcome = install()
+    except nox.command.CommandFailed as e:  # tried again next run
+        session.warn(f"{name} not installed ({e.reason}): bench_llm reports its columns so")
+        return
+    session.log(f"{name}: {outcome}")
+    stamp.write_text(f"{key}\n{outcome}")
+
+
+def _llm_torchao(session: nox.Session) -> str:
+    """The newest torchao pip's resolver installs beside the pinned torch, without replacing it."""
+    report = Path(session.virtualenv.location) / "torchao-resolve.json"
+    session.run(
+        "python", "-m", "pip", "install", "--dry-run", "--quiet", "--upgrade",
+        "--report", str(report), "-c", str(CONSTRAINTS), "torchao",
+    )  # fmt: skip
+    plan = {
+        i["metadata"]["name"].lower(): i["metadata"]["version"]
+        for i in json.loads(report.read_text())["install"]
+    }
+    if "torch" in plan:  # cannot happen under the torch pin, but never let it through
+        return f"not installed (it would replace torch with {plan['torch']})"
+    if "torchao" in plan:
+        session.install("-c", str(CONSTRAINTS), f"torchao=={plan['torchao']}")
+        return f"torchao {plan['torchao']}"
+    return "torchao installed already (the newest that resolves)"
+
+
+def _llm_llama_cpp_key() -> str:
+    """The version, the CMake arguments and this CPU's flags (a native build)."""
+    import platform
+
+    flags = ""
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        flags = next((x for x in cpuinfo.read_text().splitlines() if x.startswith("flags")), "")
+    text = "\0".join((LLAMA_CPP_PYTHON, LLAMA_CPP_CMAKE_ARGS, flags, platform.machine()))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _llm_llama_cpp(session: nox.Session, key: str) -> str:
+    """llama-cpp-python built from source for this CPU, its wheel cached in the venv."""
+    import time
+
+    wheels = Path(session.virtualenv.location) / "llama-cpp-wheels" / key
+    wheel = next(iter(sorted(wheels.glob("*.whl"))), None)
+    if wheel is None:
+        session.log(
+            f"building {LLAMA_CPP_PYTHON} from source for this CPU ({LLAMA_CPP_CMAKE_ARGS}): "
+            "minutes on 2 cores, once (the wheel is kept in the venv)"
+        )
+        build = wheels.with_name(key + ".tmp")
+        shutil.rmtree(build, ignore_errors=True)
+        start = time.monotonic()
+        session.run(
+            "python", "-m", "pip", "wheel", "--no-deps", "--no-binary", "llama-cpp-python",
+            "--no-cache-dir", "--wheel-dir", str(build), LLAMA_CPP_PYTHON,
+            env={
+                "CMAKE_ARGS": LLAMA_CPP_CMAKE_ARGS,
+                "CMAKE_BUILD_PARALLEL_LEVEL": str(os.cpu_count() or 1),
+            },
+        )  # fmt: skip
+        session.log(f"llama-cpp-python built in {time.monotonic() - start:.0f} s")
+        build.rename(wheels)
+        wheel = next(iter(sorted(wheels.glob("*.whl"))))
+    # the dependencies from the index, then this wheel over any other build of the version
+    session.install("-c", str(CONSTRAINTS), str(wheel))
+    session.install("--no-deps", "--force-reinstall", str(wheel))
+    return wheel.name
+
+
+@nox.session
+def bench_llm(session: nox.Session) -> None:
+    """packages/lowering/bench/bench_llm.py: weight-only int8/int4 Llama decoders on the CPU.
+
+    fp32 torch, torchao, OpenVINO/NNCF, llama.cpp (Q8_0/Q4_0), ONNX Runtime MatMulNBits and
+    quantbridge, the same random weights in each. Arguments after ``--`` go to the script,
+    e.g. ``nox -s bench_llm -- --config tiny --threads 1 --rounds 1`` (a smoke run), ``--
+    --threads 1 2 --json llm.json`` (TinyLlama's shape, 1.1B parameters: long; ``--columns``
+    runs fewer).
+    """
+    _install(session, "torch", *PEER_REQUIREMENTS, *LLM_REQUIREMENTS, *_editable(*PACKAGES))
+    constraints = hashlib.sha256(CONSTRAINTS.read_bytes()).hexdigest()
+    _llm_optional_peer(session, "torchao", constraints, lambda: _llm_torchao(session))
+    key = _llm_llama_cpp_key()
+    _llm_optional_peer(
+        session, "llama-cpp-python", f"{constraints}-{key}", lambda: _llm_llama_cpp(session, key)
+    )
+    session.run(
+        "python", str(ROOT / "packages" / "lowering" / "bench" / "bench_llm.py"), *session.posargs
+    )
 
 
 # --- benchmarks (asv_bench/, see asv_bench/README.md) ------------------------------------------

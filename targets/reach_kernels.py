@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from reach_weight_only import test_weight_only_linear  # noqa: F401  (collected here too)
 
 import quantbridge.kernels as qk
 

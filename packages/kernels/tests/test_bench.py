@@ -75,3 +75,36 @@ def test_bench_refuses_bad_arguments():
     )
     assert proc.returncode != 0
     assert "--threads" in proc.stderr
+
+
+WEIGHT_ONLY_BENCH = BENCH.with_name("bench_weight_only.py")
+
+
+def test_weight_only_bench_json_quick():
+    """``bench_weight_only.py`` (decode GEMV against a streaming read, prefill GOPS) runs end to
+    end on tiny shapes, one thread."""
+    target = available_targets()[0]
+    proc = subprocess.run(
+        [sys.executable, str(WEIGHT_ONLY_BENCH), "--json", "--quick", "--repeat", "1",
+         "--threads", "1", "--targets", target],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    rows = json.loads(proc.stdout)
+    assert {(r["op"], r["bits"]) for r in rows} == {(op, b) for op in ("gemv", "prefill")
+                                                     for b in (4, 8)}  # fmt: skip
+    for row in rows:
+        assert row["target"] == target
+        assert row["threads"] == 1
+        if row["op"] == "gemv":
+            assert row["gbps"] > 0
+            assert row["stream_gbps"] > 0
+            assert row["ratio"] == pytest.approx(row["stream_us"] / row["us"])
+        else:
+            assert row["gops"] > 0
+    bad = subprocess.run([sys.executable, str(WEIGHT_ONLY_BENCH), "--threads", "0"],
+                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert bad.returncode != 0
+    assert "thread counts" in bad.stderr

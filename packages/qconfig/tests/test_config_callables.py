@@ -10,6 +10,7 @@ EXPECTED = {
     "MinMaxObserver",
     "MovingAverageMinMaxObserver",
     "PerChannelMinMaxObserver",
+    "PerGroupMinMaxObserver",
     "MovingAveragePerChannelMinMaxObserver",
     "HistogramObserver",
     "PercentileObserver",

@@ -81,6 +81,7 @@ from quantbridge.fx_quant._smoothquant import SmoothQuantConfig, SmoothQuantRepo
 from quantbridge.fx_quant._state import NodeDecision, SwappedModule
 from quantbridge.fx_quant._tracer import QuantizationTracer, TraceError
 from quantbridge.fx_quant._transformer_swap import TransformerSwapError
+from quantbridge.fx_quant._weight_only import quantize_weight_only
 
 __all__ = [
     "FxQuantError",
@@ -99,6 +100,7 @@ __all__ = [
     "explain",
     "find_dominated_ranges",
     "smooth_quant",
+    "quantize_weight_only",
     "SmoothQuantConfig",
     "keep_outlier_channels_float",
     "OutlierChannelsConfig",

@@ -33,6 +33,7 @@ from quantbridge.qconfig import (
     FixedQParamsFakeQuantize,
     FixedQParamsObserver,
     QConfigAny,
+    QScheme,
     float16_dynamic_qconfig,
     float16_static_qconfig,
     qconfig_equals,
@@ -141,6 +142,9 @@ def constraint_violation(
             return f"{kind} observer {type(obs).__name__} sets no quant_min/quant_max"
         if qmin < lo or qmax > hi:
             return f"{kind} quant range [{qmin}, {qmax}] outside backend range [{lo}, {hi}]"
+    grouped = _group_rejection(obs, constraints.group_sizes, kind)
+    if grouped is not None:
+        return grouped
     smin = constraints.scale_min_lower_bound
     if smin is not None:
         eps = getattr(obs, "eps", None)
@@ -170,6 +174,24 @@ def constraint_violation(
                 f"fixed {kind} qparams (scale {scale!r}, zero_point {zp}) differ from the "
                 f"backend's (scale {exact_scale!r}, zero_point {exact_zp})"
             )
+    return None
+
+
+def _group_rejection(obs: Any, sizes: tuple[int, ...] | None, kind: str) -> str | None:
+    """Per-group qparams need a backend that declares their group size, and such a backend
+    takes nothing else for that dtype."""
+    qscheme = getattr(obs, "qscheme", None)
+    if isinstance(qscheme, QScheme) and qscheme.is_per_group:
+        size = getattr(obs, "group_size", None)
+        if sizes is None:
+            return f"{kind} is quantized per group (group_size {size}); the backend takes no groups"
+        if size not in sizes:
+            return f"{kind} group_size {size} is not one of the backend's {list(sizes)}"
+    elif sizes is not None:
+        return (
+            f"backend takes {kind}s per group (group sizes {list(sizes)}), but "
+            f"{type(obs).__name__} is not a per-group observer"
+        )
     return None
 
 

@@ -55,6 +55,7 @@ from quantbridge.fx_quant._transformer_swap import (
     attention_core_reason,
     swap_transformer_modules,
 )
+from quantbridge.fx_quant._weight_only import reject_per_group
 from quantbridge.fx_quant.nn.intrinsic import FusedModule
 from quantbridge.fx_quant.nn.quantizable import FLOAT_ONLY
 from quantbridge.patterns import Nested, describe_pattern_element, find_matches
@@ -282,6 +283,7 @@ def prepare(
     pcc = _as_prepare_config(prepare_custom_config)
     bc = resolve_backend_config(backend_config)
     mapping = copy_mapping(qconfig_mapping)
+    reject_per_group(mapping, "prepare_qat_fx" if is_qat else "prepare_fx")
     _check_inputs_tuple(example_inputs)
     preserved = _preserved(model, pcc.preserved_attributes)
     exported = check_capture(capture, model)

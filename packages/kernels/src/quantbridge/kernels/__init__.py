@@ -2,7 +2,8 @@
 
 Depends on numpy and numba only: GEMM (static and dynamic linear, conv1d/conv2d, quantized
 matmul), quantize/dequantize/requantize, elementwise add/mul and clamps, pools, 256-entry
-lookup tables and weight-only embedding_bag, for the ``avx512_vnni``, ``avx_vnni``, ``avx2``
+lookup tables, weight-only embedding_bag and weight-only group-quantized linear (int4 /
+int8), for the ``avx512_vnni``, ``avx_vnni``, ``avx2``
 and ``generic`` targets (chosen at import, overridable). Layouts: see ``_layout.py``.
 """
 
@@ -71,6 +72,11 @@ from quantbridge.kernels._targets import (
     target_supported,
 )
 from quantbridge.kernels._threads import get_num_threads, set_num_threads, set_num_threads_source
+from quantbridge.kernels._weight_only import (
+    PackedGroupWeight,
+    linear_weight_only,
+    pack_group_weight,
+)
 
 # Every kernel module is imported now: switch their caches to key-named data files.
 _numba_compat.harden(_numba_compat.package_dispatchers(_numba_compat.package_modules()))
@@ -111,6 +117,10 @@ __all__ = [
     "matmul",
     "set_num_threads",
     "set_num_threads_source",
+    # weight-only group-quantized linear (decoder LLMs)
+    "PackedGroupWeight",
+    "linear_weight_only",
+    "pack_group_weight",
     # float32 ops around the GEMMs (transformers)
     "gelu",
     "layer_norm",

@@ -30,11 +30,12 @@ from quantbridge.lowering._lower import (
     lowering_report,
     use_array_forward,
 )
-from quantbridge.lowering._modules import LoweredModule
+from quantbridge.lowering._modules import LoweredModule, WeightOnlyLinear
 from quantbridge.lowering._numba_backend import NumbaBackend, numba_backend_config
 from quantbridge.lowering._reference import ReferenceBackend, reference_backend
 from quantbridge.lowering._rules import LoweringRule, RuleMatch
 from quantbridge.lowering._table import default_lowering_rules
+from quantbridge.lowering._weight_only import lower_weight_only
 
 # built-in instances (named so they shadow neither the numba library nor
 # quantbridge.fx_quant.nn.reference); the pyproject's entry points name these objects
@@ -113,4 +114,6 @@ __all__ = [
     "register_backend",
     "unregister_backend",
     "use_array_forward",
+    "WeightOnlyLinear",
+    "lower_weight_only",
 ]

@@ -32,6 +32,7 @@ from quantbridge.lowering._state_dict import check_state_entry
 
 __all__ = [
     "LoweredModule",
+    "WeightOnlyLinear",
     "QuantizedAdaptiveAvgPool2d",
     "QuantizedAvgPool2d",
     "QuantizedBinary",
@@ -443,6 +444,97 @@ class QuantizedDynamicLinear(_WeightedBase):
         extra = "" if self.epilogue == "none" else f"activation={self.epilogue}, "
         rows = "per_row, " if self.per_row else ""
         return f"{rows}{extra}{self._pack_details()}"
+
+
+class WeightOnlyLinear(LoweredModule):
+    """float32 ``[..., K]`` → float32 ``[..., N]`` with a per-group int4 / int8 weight
+    (``kernels.linear_weight_only``: each row of x quantized per group to int8 inside the
+    call, integer dot products, one scale per group).
+
+    Buffers: the kernels' target-independent packed form (``PackedGroupWeight.to_arrays``):
+    ``weight_codes`` uint8 ``[N, K * bits / 8]`` (4-bit: two codes a byte), ``weight_scale``
+    float32 ``[N, K / group_size]``, ``group_zero_point`` uint8 (asymmetric weights only),
+    ``bias``; ``bits`` and ``group_size`` are extra state. Inputs the kernel does not take
+    (not float32, needing gradients, traced) run ``F.linear`` on the dequantized weight.
+    """
+
+    kernel = "kernels.linear_weight_only"
+    weight_codes: torch.Tensor
+    weight_scale: torch.Tensor
+    bias: torch.Tensor | None
+
+    def __init__(self, packed: K.PackedGroupWeight, bias: torch.Tensor | None) -> None:
+        nn.Module.__init__(self)
+        arrays = packed.to_arrays()
+        self.bits, self.group_size = packed.bits, packed.group_size
+        self.in_features, self.out_features = packed.in_features, packed.out_features
+        self.register_buffer("weight_codes", torch.from_numpy(arrays["codes"].copy()))
+        self.register_buffer("weight_scale", torch.from_numpy(arrays["scales"].copy()))
+        if "zero_points" in arrays:
+            self.register_buffer("group_zero_point", torch.from_numpy(arrays["zero_points"].copy()))
+        value = None if bias is None else bias.detach().to(torch.float32).contiguous().clone()
+        self.register_buffer("bias", value)
+        super().__init__(packed.target, None, None)
+
+    def _arrays(self, source: dict[str, torch.Tensor]) -> dict[str, Any]:
+        arrays: dict[str, Any] = {
+            "codes": source["weight_codes"].numpy(),
+            "scales": source["weight_scale"].numpy(),
+            "bits": np.array(self.bits, np.int64),
+            "group_size": np.array(self.group_size, np.int64),
+        }
+        if "group_zero_point" in source:
+            arrays["zero_points"] = source["group_zero_point"].numpy()
+        return arrays
+
+    def _sync(self) -> None:
+        super()._sync()
+        buffers = {k: v for k, v in self.named_buffers(recurse=False) if v is not None}
+        self._packed = K.PackedGroupWeight.from_arrays(self._arrays(buffers), target=self.target)
+        self._bias = None if self.bias is None else lowered.numpy_view(self.bias)
+
+    def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+        # the entries, then the kernels' rules for codes, scales and zero points together,
+        # are checked before anything loads
+        incoming = {}
+        for name, current in self.named_buffers(recurse=False):
+            if current is not None:
+                value = state_dict.get(prefix + name, current)
+                check_state_entry(prefix + name, name, value, current)
+                incoming[name] = value
+        if all(isinstance(v, torch.Tensor) for v in incoming.values()):
+            try:
+                K.PackedGroupWeight.from_arrays(self._arrays(incoming), target=self.target)
+            except K.KernelError as e:
+                raise LoweringError(f"load_state_dict: '{prefix}': {e}") from None
+        super()._load_from_state_dict(state_dict, prefix, *args)
+
+    def get_extra_state(self) -> dict[str, int]:
+        return {"bits": self.bits, "group_size": self.group_size}
+
+    def set_extra_state(self, state: Any) -> None:
+        if state != self.get_extra_state():
+            raise LoweringError(
+                f"load_state_dict: {type(self).__name__} holds bits={self.bits}, group_size="
+                f"{self.group_size}; the state dict has {state!r}: load it into a model "
+                "quantized with the same settings"
+            )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        kernel_input = x.dtype == torch.float32 and x.device.type == "cpu"
+        if not kernel_input or (x.requires_grad and torch.is_grad_enabled()) or is_tracing(x):
+            weight = torch.from_numpy(self._packed.dequantize()).to(x.device, x.dtype)
+            bias = None if self.bias is None else self.bias.to(x.device, x.dtype)
+            return torch.nn.functional.linear(x, weight, bias)
+        out = K.linear_weight_only(x.detach().numpy(), self._packed, self._bias)
+        return torch.from_numpy(out)
+
+    def _details(self) -> str:
+        kind = "symmetric" if self._packed.symmetric else "asymmetric"
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"bits={self.bits}, group_size={self.group_size}, {kind}"
+        )
 
 
 class FloatLayerNorm(LoweredModule):

@@ -13,17 +13,21 @@ from torch import nn
 from torch.fx import GraphModule
 
 from quantbridge import kernels as K
-from quantbridge.fx_quant import get_native_backend_config
+from quantbridge.fx_quant import get_native_backend_config, quantize_weight_only
 from quantbridge.fx_quant.nn import qat as nnqat
 from quantbridge.fx_quant.nn.intrinsic import qat as nniqat
 from quantbridge.lowering._backend import Backend, SupportedOp
 from quantbridge.lowering._lower import lower_to_kernels
 from quantbridge.lowering._rules import backend_config_from_rules, dtype_mode
 from quantbridge.lowering._table import WEIGHTED_CLAMPS, default_lowering_rules
+from quantbridge.lowering._weight_only import lower_weight_only
 from quantbridge.qconfig import (
     FIXED_QPARAMS_OP_TO_OBSERVER,
+    GROUP_SIZES,
     BackendConfig,
     BackendPatternConfig,
+    DTypeConfig,
+    DTypeWithConstraints,
     FusedMovingAvgObsFakeQuantize,
     HistogramObserver,
     MovingAverageMinMaxObserver,
@@ -36,6 +40,7 @@ from quantbridge.qconfig import (
     default_dynamic_quant_observer,
     get_default_qat_qconfig_mapping,
     get_default_qconfig_mapping,
+    group_weight_only_qconfig,
 )
 
 __all__ = ["NumbaBackend", "numba_backend_config"]
@@ -103,7 +108,39 @@ def numba_backend_config(name: str) -> BackendConfig:
     config = backend_config_from_rules(name, default_lowering_rules(), get_native_backend_config())
     for entry in (*_weighted_clamp_configs(config), *_own_observer_pools(config)):
         config.set_backend_pattern_config(entry)
+    _add_weight_only(config)
     return config
+
+
+# weight-only, per group: (weight dtype, quant range) the kernels take, 4 and 8 bits
+_WEIGHT_ONLY = (
+    (torch.int8, -8, 7), (torch.uint8, 0, 15), (torch.int8, -127, 127), (torch.uint8, 0, 255),
+)  # fmt: skip
+
+
+def _add_weight_only(config: BackendConfig) -> None:
+    """Float activations and per-group int4 / int8 weights for ``nn.Linear`` (the kernels'
+    ``linear_weight_only``) and ``nn.Embedding`` (rows dequantized on lookup), in every group
+    size the kernels take; used by ``quantize_weights`` (module swap), not by prepare."""
+    entries = {entry.pattern: entry for entry in config.configs}
+    for pattern in (nn.Linear, nn.Embedding):
+        entry = entries.get(pattern)
+        if entry is None:
+            entry = BackendPatternConfig(pattern)
+            config.set_backend_pattern_config(entry)
+        for dtype, low, high in _WEIGHT_ONLY:
+            weight = DTypeWithConstraints(
+                dtype=dtype, quant_min_lower_bound=low, quant_max_upper_bound=high,
+                group_sizes=GROUP_SIZES,
+            )  # fmt: skip
+            entry.add_dtype_config(
+                DTypeConfig(
+                    input_dtype=torch.float32,
+                    output_dtype=torch.float32,
+                    weight_dtype=weight,
+                    is_dynamic=False,
+                )
+            )
 
 
 def _own_observer_pools(config: BackendConfig) -> list[BackendPatternConfig]:
@@ -193,6 +230,9 @@ class NumbaBackend(Backend):
         dynamic: bool = False,
         weight_bits: int | None = None,
         activation_bits: int | None = None,
+        weight_only: bool = False,
+        group_size: int = 32,
+        symmetric: bool = True,
     ) -> QConfigMapping:
         """x86-style defaults for this backend's target (see the class docstring).
 
@@ -200,6 +240,13 @@ class NumbaBackend(Backend):
         ``torch.cat`` kept float (None), so the residual stream, LayerNorm and the
         attention-mask arithmetic (``(1 - mask) * finfo.min`` added to the scores) are never
         observed: Linears, the attention matmuls and activations stay int8.
+
+        ``weight_only=True``: weight-only quantization by groups (decoder LLMs; see
+        ``quantize_weights``): every ``nn.Linear`` gets ``group_weight_only_qconfig(
+        weight_bits, group_size, symmetric=symmetric)`` (``weight_bits`` 4, the default, or
+        8; ``group_size`` 32, 64 or 128), everything else stays float. Add
+        ``.set_object_type(nn.Embedding, ...)`` to quantize embeddings too, or
+        ``.set_module_name("lm_head", None)`` to keep the output projection float.
 
         ``dynamic=True``: dynamic quantization instead: ``nn.Linear``, ``nn.LSTM`` and
         ``nn.GRU`` get int8 per-channel weights and activations quantized at run time; every
@@ -222,6 +269,19 @@ class NumbaBackend(Backend):
         ResNets (3.6 dB below torch.ao on ResNet-50). 8-bit activations with 8-bit weights
         are the most precise and run ~1.2-1.7x slower (mostly on 16-bit multiplies).
         """
+        if weight_only:
+            if qat or transformer or dynamic or activation_bits is not None:
+                raise ValueError(
+                    "qconfig_mapping: weight_only=True keeps activations float; it cannot be "
+                    "combined with qat, transformer, dynamic or activation_bits"
+                )
+            bits = 4 if weight_bits is None else weight_bits
+            if bits not in (4, 8):
+                raise ValueError(
+                    f"qconfig_mapping: weight_only takes weight_bits 4 or 8, got {bits!r}"
+                )
+            qconfig = group_weight_only_qconfig(bits, group_size, symmetric=symmetric)
+            return QConfigMapping().set_object_type(nn.Linear, qconfig)
         if dynamic:
             if qat or transformer:
                 raise ValueError(
@@ -275,6 +335,31 @@ class NumbaBackend(Backend):
             if key not in FIXED_QPARAMS_OP_TO_OBSERVER:
                 mapping.set_object_type(key, qconfig)
         return mapping
+
+    def quantize_weights(
+        self,
+        model: nn.Module,
+        qconfig_mapping: QConfigMapping | None = None,
+        *,
+        inplace: bool = False,
+    ) -> nn.Module:
+        """Weight-only quantization of ``model`` (a copy unless ``inplace``) by module swap,
+        lowered: its ``nn.Linear`` layers become ``WeightOnlyLinear`` kernel modules (and its
+        ``nn.Embedding`` layers, where the mapping says so, reference modules that
+        dequantize the rows they read). Nothing is traced, so a Hugging Face decoder's
+        ``generate`` runs unchanged.
+
+        ``qconfig_mapping``: per-group weight-only qconfigs (``group_weight_only_qconfig``)
+        by module name, regex, type or global; None means ``qconfig_mapping(weight_only=True)``
+        (every Linear 4-bit, group 32, symmetric).
+        """
+        mapping = (
+            self.qconfig_mapping(weight_only=True) if qconfig_mapping is None else qconfig_mapping
+        )
+        reference = quantize_weight_only(
+            model, mapping, backend_config=self.backend_config, inplace=inplace
+        )
+        return lower_weight_only(reference, self.target, inplace=True)
 
     @property
     def per_token_activations(self) -> bool:

@@ -79,6 +79,7 @@ from quantbridge.qconfig._defaults import (
     get_symmetric_qnnpack_qat_qconfig_mapping,
     get_symmetric_qnnpack_qconfig_mapping,
     get_tensorrt_qconfig_mapping,
+    group_weight_only_qconfig,
     per_channel_dynamic_qconfig,
 )
 from quantbridge.qconfig._dtypes import (
@@ -122,6 +123,7 @@ from quantbridge.qconfig._per_channel import (
     MovingAveragePerChannelMinMaxObserver,
     PerChannelMinMaxObserver,
 )
+from quantbridge.qconfig._per_group import GROUP_SIZES, PerGroupMinMaxObserver
 from quantbridge.qconfig._qconfig import QConfig, QConfigAny, qconfig_equals
 from quantbridge.qconfig._qconfig_mapping import QConfigMapping, QConfigMatch
 
@@ -192,6 +194,7 @@ __all__ = [
     "default_qat_qconfig",
     "default_dynamic_qat_qconfig",
     "default_weight_only_qconfig",
+    "group_weight_only_qconfig",
     "default_activation_only_qconfig",
     "default_qat_qconfig_v2",
     "default_reuse_input_qconfig",
@@ -243,4 +246,6 @@ __all__ = [
     "ReuseInputObserver",
     "MovingAveragePerChannelMinMaxObserver",
     "PerChannelMinMaxObserver",
+    "PerGroupMinMaxObserver",
+    "GROUP_SIZES",
 ]

@@ -138,6 +138,9 @@ class DTypeWithConstraints:
     * ``scale_min_lower_bound`` / ``scale_max_upper_bound``: positive bounds on the scale.
     * ``scale_exact_match`` / ``zero_point_exact_match``: the fixed qparams an operator such
       as sigmoid needs.
+    * ``group_sizes`` (not in torch.ao): the group sizes a backend takes for per-group
+      weights (``QScheme.PER_GROUP_*``, weight-only LLM quantization). None: the backend
+      takes no per-group qparams for this dtype.
 
     ``dtype`` is stored canonically (``torch.quint8`` -> ``torch.uint8``). Sub-byte aliases
     keep their range: ``dtype=torch.quint4x2`` becomes ``dtype=torch.uint8`` with
@@ -151,9 +154,11 @@ class DTypeWithConstraints:
     scale_max_upper_bound: int | float | None = None
     scale_exact_match: float | None = None
     zero_point_exact_match: int | None = None
+    group_sizes: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         where = "DTypeWithConstraints"
+        self.group_sizes = _group_sizes(self.group_sizes, f"{where}.group_sizes")
         raw = self.dtype
         self.dtype = _optional_dtype(raw, f"{where}.dtype")
         qmin = _optional_number(self.quant_min_lower_bound, f"{where}.quant_min_lower_bound")
@@ -219,6 +224,17 @@ class DTypeWithConstraints:
                     f"{where}: {', '.join(given)} set without a dtype; constraints apply to a "
                     "dtype, so pass dtype=... as well"
                 )
+
+
+def _group_sizes(value: object, where: str) -> tuple[int, ...] | None:
+    if value is None:
+        return None
+    if not isinstance(value, (tuple, list)) or not value:
+        raise QConfigError(f"{where}: expected a non-empty tuple of ints, got {value!r}")
+    for size in value:
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise QConfigError(f"{where}: {size!r} is not a positive int group size")
+    return tuple(sorted(set(value)))
 
 
 def _dtype_with_constraints(value: object, where: str) -> DTypeWithConstraints:

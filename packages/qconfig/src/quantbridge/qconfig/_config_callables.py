@@ -23,6 +23,7 @@ from quantbridge.qconfig import (
     _minmax,
     _passthrough,
     _per_channel,
+    _per_group,
 )
 from quantbridge.qconfig._errors import QConfigError
 from quantbridge.qconfig._factory import PartialWrapper
@@ -71,6 +72,7 @@ PROTECTED_ROOTS: frozenset[str] = frozenset(sys.stdlib_module_names) | {
 _CLASS_MODULES = (
     _minmax,
     _per_channel,
+    _per_group,
     _histogram,
     _calibration_observers,
     _passthrough,

@@ -55,6 +55,7 @@ from quantbridge.qconfig._fake_quantize import (
 from quantbridge.qconfig._histogram import HistogramObserver
 from quantbridge.qconfig._minmax import MinMaxObserver, MovingAverageMinMaxObserver
 from quantbridge.qconfig._passthrough import NoopObserver, PlaceholderObserver
+from quantbridge.qconfig._per_group import PerGroupMinMaxObserver
 from quantbridge.qconfig._qconfig import QConfig
 from quantbridge.qconfig._qconfig_mapping import QConfigMapping
 
@@ -340,3 +341,33 @@ def get_tensorrt_qconfig_mapping(is_qat: bool = False) -> QConfigMapping:
     return QConfigMapping().set_global(
         QConfig(activation=_tensorrt_activation(is_qat), weight=weight)
     )
+
+
+def group_weight_only_qconfig(
+    bits: int = 4, group_size: int = 32, *, symmetric: bool = True
+) -> QConfig:
+    """Weight-only quantization by groups (decoder LLMs): float activations, the weight in
+    groups of ``group_size`` input features, each with its own scale (and zero point if not
+    ``symmetric``), computed from the group's min and max.
+
+    * 4 bits, symmetric: int8 codes in [-8, 7], ``scale = max|w| / 7.5`` (like llama.cpp's
+      Q4_0 and torchao's int4); 4 bits, affine: uint8 codes in [0, 15];
+    * 8 bits, symmetric: int8 codes in [-127, 127], ``scale = max|w| / 127`` (Q8_0);
+      8 bits, affine: uint8 codes in [0, 255].
+    """
+    where = "group_weight_only_qconfig"
+    if isinstance(bits, bool) or bits not in (4, 8):
+        raise QConfigError(f"{where}: bits must be 4 or 8, got {bits!r}")
+    if not isinstance(symmetric, bool):
+        raise QConfigError(f"{where}: symmetric must be True or False, got {symmetric!r}")
+    if symmetric:
+        dtype, qscheme = torch.int8, QScheme.PER_GROUP_SYMMETRIC
+        qmin, qmax = (-8, 7) if bits == 4 else (-127, 127)
+    else:
+        dtype, qscheme = torch.uint8, QScheme.PER_GROUP_AFFINE
+        qmin, qmax = (0, 15) if bits == 4 else (0, 255)
+    weight = PerGroupMinMaxObserver.with_args(
+        group_size=group_size, dtype=dtype, qscheme=qscheme, quant_min=qmin, quant_max=qmax
+    )
+    PerGroupMinMaxObserver(group_size=group_size)  # checks the group size now
+    return QConfig(activation=PlaceholderObserver.with_args(dtype=torch.float32), weight=weight)

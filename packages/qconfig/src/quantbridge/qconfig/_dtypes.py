@@ -83,17 +83,25 @@ def is_quantized_dtype(dtype: object) -> bool:
 
 
 class QScheme(str, enum.Enum):
-    """How a tensor is quantized: one (scale, zero_point) or one per channel."""
+    """How a tensor is quantized: one (scale, zero_point), one per channel, or one per group
+    of consecutive elements of each row (``per_group_*``: not in torch; weight-only LLM
+    quantization, a row's input features in groups of 32, 64 or 128)."""
 
     PER_TENSOR_AFFINE = "per_tensor_affine"
     PER_TENSOR_SYMMETRIC = "per_tensor_symmetric"
     PER_CHANNEL_AFFINE = "per_channel_affine"
     PER_CHANNEL_SYMMETRIC = "per_channel_symmetric"
     PER_CHANNEL_AFFINE_FLOAT_QPARAMS = "per_channel_affine_float_qparams"
+    PER_GROUP_AFFINE = "per_group_affine"
+    PER_GROUP_SYMMETRIC = "per_group_symmetric"
 
     @property
     def is_per_channel(self) -> bool:
         return self.value.startswith("per_channel")
+
+    @property
+    def is_per_group(self) -> bool:
+        return self.value.startswith("per_group")
 
     @property
     def is_symmetric(self) -> bool:

@@ -131,6 +131,12 @@ class FakeQuantize(FakeQuantizeBase):
         self.quant_max = post.quant_max
         self.is_dynamic = post.is_dynamic
         qscheme: QScheme = post.qscheme
+        if qscheme.is_per_group:
+            raise QConfigError(
+                f"{type(self).__name__}: qscheme {qscheme.value} is weight-only post-training "
+                "quantization, which has no fake quantize; use its observer "
+                "(PerGroupMinMaxObserver) in a QConfig without QAT"
+            )
         zero_point_dtype = (
             torch.float if qscheme is QScheme.PER_CHANNEL_AFFINE_FLOAT_QPARAMS else torch.int
         )

@@ -168,9 +168,12 @@ class UniformQuantizationObserverBase(ObserverBase):
         eps = check_eps(eps, where)
         self.register_buffer("eps", torch.tensor([eps], **buffer_kwargs(factory_kwargs)))
 
-    def _check_qscheme(self, per_channel: bool) -> None:
-        if self.qscheme.is_per_channel != per_channel:
-            allowed = [q.value for q in QScheme if q.is_per_channel == per_channel]
+    def _check_qscheme(self, per_channel: bool, per_group: bool = False) -> None:
+        def kind(q: QScheme) -> tuple[bool, bool]:
+            return q.is_per_channel, q.is_per_group
+
+        if kind(self.qscheme) != (per_channel, per_group):
+            allowed = [q.value for q in QScheme if kind(q) == (per_channel, per_group)]
             raise QConfigError(
                 f"{type(self).__name__}: qscheme {self.qscheme.value} is not supported; "
                 f"use one of {allowed}"

@@ -13,6 +13,11 @@ from quantbridge.fx_quant.nn.reference._conv import (
     ConvTranspose2d,
     ConvTranspose3d,
 )
+from quantbridge.fx_quant.nn.reference._grouped import (
+    GroupQuantizedEmbedding,
+    GroupQuantizedLinear,
+    GroupQuantizedWeight,
+)
 from quantbridge.fx_quant.nn.reference._linear import Linear
 from quantbridge.fx_quant.nn.reference._rnn import GRU, LSTM, GRUCell, LSTMCell, RNNCell
 from quantbridge.fx_quant.nn.reference._sparse import Embedding, EmbeddingBag
@@ -27,6 +32,9 @@ __all__ = [
     "Embedding",
     "EmbeddingBag",
     "GRU",
+    "GroupQuantizedEmbedding",
+    "GroupQuantizedLinear",
+    "GroupQuantizedWeight",
     "GRUCell",
     "LSTM",
     "LSTMCell",

@@ -1,0 +1,169 @@
+"""Weight-only quantization of a Llama-style decoder (``llama_model.py``) that keeps generating.
+
+The reference is the model quantize_weight_only returns (float activations, dequantized
+weights); the numba backend's quantize_weights lowers it to ``kernels.linear_weight_only``,
+which also quantizes each activation row to int8 per group. Greedy generation must give the
+same tokens, and the logits stay close.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from llama_model import LlamaConfig, LlamaForCausalLM
+
+import quantbridge.lowering as L
+from quantbridge.fx_quant import FxQuantError, prepare_fx, quantize_weight_only
+from quantbridge.fx_quant.nn.reference import GroupQuantizedEmbedding, GroupQuantizedLinear
+from quantbridge.qconfig import BackendConfig, group_weight_only_qconfig
+
+BACKEND = L.get_backend("numba")
+PROMPT = torch.randint(0, 512, (2, 12), generator=torch.Generator().manual_seed(1))
+
+
+def _model(seed: int = 0, **config: int) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(LlamaConfig(**config)).eval()
+
+
+def _sqnr(want: torch.Tensor, got: torch.Tensor) -> float:
+    return 10 * math.log10(float((want**2).sum()) / float(((got - want) ** 2).sum()))
+
+
+@pytest.mark.parametrize(
+    ("bits", "group_size", "symmetric"),
+    [(4, 32, True), (4, 128, False), (8, 64, True), (8, 32, False)],
+)
+def test_greedy_generation_equals_the_reference(
+    bits: int, group_size: int, symmetric: bool
+) -> None:
+    model = _model()
+    mapping = BACKEND.qconfig_mapping(
+        weight_only=True, weight_bits=bits, group_size=group_size, symmetric=symmetric
+    )
+    reference = quantize_weight_only(model, mapping, backend_config=BACKEND.backend_config)
+    lowered = BACKEND.quantize_weights(model, mapping)
+    kinds = {type(m).__name__ for m in lowered.modules()}
+    assert "Linear" not in kinds  # every Linear, lm_head included
+    assert "WeightOnlyLinear" in kinds
+    assert isinstance(lowered.model.embed_tokens, nn.Embedding)  # embeddings float by default
+    tokens = lowered.generate(PROMPT, max_new_tokens=24)
+    with torch.no_grad():
+        logits_ref, _ = reference(tokens)  # teacher-forced on the lowered model's tokens
+        logits, _ = lowered(tokens)
+        floats, _ = model(tokens)
+    assert _sqnr(logits_ref, logits) > 30.0  # the kernel's int8 activations
+    assert _sqnr(floats, logits_ref) > (10.0 if bits == 4 else 30.0)  # the weights' bits
+    # every greedy choice is the reference's, but where the reference's two best logits lie
+    # closer than the kernel's logit error (a near tie the int8 activations may flip)
+    error = float((logits - logits_ref).abs().max())
+    steps = logits_ref[:, PROMPT.shape[1] - 1 : -1]
+    chosen = tokens[:, PROMPT.shape[1] :]
+    margin = steps.max(-1).values - steps.gather(-1, chosen[..., None])[..., 0]
+    assert bool(((margin == 0) | (margin < 2 * error)).all())
+    assert float((margin == 0).float().mean()) > 0.9
+
+
+def test_sampled_generation_runs_with_the_cache() -> None:
+    model = _model()
+    lowered = BACKEND.quantize_weights(model)
+    reference = quantize_weight_only(
+        model, BACKEND.qconfig_mapping(weight_only=True), backend_config=BACKEND.backend_config
+    )
+    runs = [
+        m.generate(
+            PROMPT,
+            max_new_tokens=16,
+            do_sample=True,
+            temperature=0.8,
+            top_k=40,
+            generator=torch.Generator().manual_seed(7),
+        )
+        for m in (lowered, lowered, reference)
+    ]
+    assert runs[0].shape == (2, 28)
+    assert torch.equal(runs[0], runs[1])
+    assert torch.equal(runs[0], runs[2])
+
+
+def test_mapping_chooses_modules_and_embeddings() -> None:
+    model = _model()
+    mapping = (
+        BACKEND.qconfig_mapping(weight_only=True)
+        .set_module_name("lm_head", None)
+        .set_object_type(nn.Embedding, group_weight_only_qconfig(8, 32))
+        .set_module_name_regex(r"model\.layers\.1\.mlp\..*", group_weight_only_qconfig(8, 128))
+    )
+    reference = quantize_weight_only(model, mapping, backend_config=BACKEND.backend_config)
+    assert type(reference.lm_head) is nn.Linear
+    embed = reference.model.embed_tokens
+    assert isinstance(embed, GroupQuantizedEmbedding)
+    down = reference.model.layers[1].mlp.down_proj
+    assert isinstance(down, GroupQuantizedLinear)
+    assert (down.bits, down.group_size) == (8, 128)
+    assert reference.model.layers[0].mlp.down_proj.bits == 4
+    ids = torch.tensor([[0, 5, 511]])
+    want = torch.nn.functional.embedding(ids, embed.dequantized_rows())
+    assert torch.equal(embed(ids), want)
+    assert torch.equal(model.lm_head.weight, reference.lm_head.weight)
+    assert model.model.layers[0].mlp.down_proj.weight.dtype == torch.float32  # model untouched
+
+
+def test_state_dict_round_trip_and_size() -> None:
+    lowered = BACKEND.quantize_weights(_model(0))
+    other = BACKEND.quantize_weights(_model(1))
+    buffer = io.BytesIO()
+    torch.save(lowered.state_dict(), buffer)
+    buffer.seek(0)
+    other.load_state_dict(torch.load(buffer, weights_only=True))
+    with torch.no_grad():
+        assert torch.equal(other(PROMPT)[0], lowered(PROMPT)[0])
+    q = lowered.model.layers[0].self_attn.q_proj
+    assert q.weight_codes.dtype == torch.uint8
+    assert q.weight_codes.shape == (128, 64)  # two 4-bit codes a byte
+    assert q.weight_scale.shape == (128, 4)
+
+
+def test_hostile_state_dict_is_refused_before_loading() -> None:
+    lowered = BACKEND.quantize_weights(_model())
+    state = lowered.state_dict()
+    key = "model.layers.0.mlp.up_proj.weight_scale"
+    state[key] = state[key].clone()
+    state[key][3, 1] = float("nan")
+    before = lowered.model.layers[0].mlp.up_proj.weight_scale.clone()
+    with pytest.raises(L.LoweringError, match=r"up_proj.weight_scale"):
+        lowered.load_state_dict(state)
+    assert torch.equal(lowered.model.layers[0].mlp.up_proj.weight_scale, before)
+
+
+def test_clear_errors() -> None:
+    model = _model(hidden_size=96, intermediate_size=256, num_attention_heads=4,
+                   num_key_value_heads=2)  # fmt: skip
+    mapping = BACKEND.qconfig_mapping(weight_only=True, group_size=64)
+    with pytest.raises(FxQuantError, match=r"q_proj .*96 input features .* group_size 64.*\[32\]"):
+        BACKEND.quantize_weights(model, mapping)
+    small = _model()
+    with pytest.raises(FxQuantError, match=r"model.embed_tokens .*not weight-only"):
+        quantize_weight_only(
+            small, BACKEND.qconfig_mapping(), backend_config=BACKEND.backend_config
+        )
+    with pytest.raises(FxQuantError, match=r"does not take this weight.*It takes: nothing"):
+        quantize_weight_only(
+            small, BACKEND.qconfig_mapping(weight_only=True), backend_config=BackendConfig("bare")
+        )
+    with pytest.raises(FxQuantError, match="module swap"):
+        prepare_fx(
+            nn.Sequential(nn.Linear(64, 64)).eval(), BACKEND.qconfig_mapping(weight_only=True),
+            (torch.randn(1, 64),), backend_config=BACKEND.backend_config,
+        )  # fmt: skip
+    with pytest.raises(ValueError, match="weight_only takes weight_bits 4 or 8"):
+        BACKEND.qconfig_mapping(weight_only=True, weight_bits=2)
