@@ -802,8 +802,9 @@ def build_suite(
     int_columns = [(8, min(group_sizes, default=32)), *((4, g) for g in group_sizes)]
 
     if any(wanted(f"torchao {k}") for k in ("int8", "int4")):
-        suite.add("torchao int8", lambda: torch_column(torchao_weight_only(model, 8, None)))
-        for g in group_sizes:
+        if wanted("torchao int8"):
+            suite.add("torchao int8", lambda: torch_column(torchao_weight_only(model, 8, None)))
+        for g in (g for g in group_sizes if wanted(f"torchao int4 g{g}")):
             suite.add(
                 f"torchao int4 g{g}",
                 lambda g=g: torch_column(torchao_weight_only(model, 4, g)),  # type: ignore[misc]
@@ -830,8 +831,9 @@ def build_suite(
                 properties.append(engine(1).properties())
             return Column(engine, total, total - embedded)
 
-        suite.add("OpenVINO int8", lambda: openvino(8, None))
-        for g in group_sizes:
+        if wanted("OpenVINO int8"):
+            suite.add("OpenVINO int8", lambda: openvino(8, None))
+        for g in (g for g in group_sizes if wanted(f"OpenVINO int4 g{g}")):
             suite.add(f"OpenVINO int4 g{g}", lambda g=g: openvino(4, g))  # type: ignore[misc]
         stateful.clear()
         suite.notes.append(
