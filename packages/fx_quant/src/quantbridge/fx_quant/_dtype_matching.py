@@ -44,6 +44,7 @@ __all__ = [
     "ObserverProbe",
     "TargetInfo",
     "describe_dtype_config",
+    "is_per_group_observer",
     "dtype_config_rejection",
     "format_number",
     "inputs_rejection",
@@ -177,11 +178,16 @@ def constraint_violation(
     return None
 
 
+def is_per_group_observer(obs: Any) -> bool:
+    """Whether ``obs`` computes per-group qparams (``QScheme.PER_GROUP_*``)."""
+    qscheme = getattr(obs, "qscheme", None)
+    return isinstance(qscheme, QScheme) and qscheme.is_per_group
+
+
 def _group_rejection(obs: Any, sizes: tuple[int, ...] | None, kind: str) -> str | None:
     """Per-group qparams need a backend that declares their group size, and such a backend
     takes nothing else for that dtype."""
-    qscheme = getattr(obs, "qscheme", None)
-    if isinstance(qscheme, QScheme) and qscheme.is_per_group:
+    if is_per_group_observer(obs):
         size = getattr(obs, "group_size", None)
         if sizes is None:
             return f"{kind} is quantized per group (group_size {size}); the backend takes no groups"

@@ -22,6 +22,7 @@ from quantbridge.fx_quant._dtype_matching import (
     ObserverProbe,
     constraint_violation,
     describe_dtype_config,
+    is_per_group_observer,
 )
 from quantbridge.fx_quant._errors import FxQuantError
 from quantbridge.fx_quant.nn.reference._grouped import (
@@ -34,7 +35,6 @@ from quantbridge.qconfig import (
     DTypeConfig,
     QConfig,
     QConfigMapping,
-    QScheme,
 )
 
 __all__ = ["quantize_weight_only", "reject_per_group"]
@@ -111,8 +111,7 @@ def _check_weight_only(
     where = f"quantize_weight_only: {name or '<root>'} ({kind.__name__})"
     activation = probe(qconfig.activation)
     weight = probe(qconfig.weight)
-    grouped = getattr(getattr(weight, "qscheme", None), "is_per_group", False)
-    if getattr(activation, "dtype", None) != torch.float32 or not grouped:
+    if getattr(activation, "dtype", None) != torch.float32 or not is_per_group_observer(weight):
         raise FxQuantError(
             f"{where}: its qconfig is not weight-only per group (activation "
             f"{type(activation).__name__} dtype {getattr(activation, 'dtype', None)}, weight "
@@ -183,11 +182,11 @@ def reject_per_group(mapping: QConfigMapping, where: str) -> None:
     for label, qconfig in entries:
         if qconfig is None or qconfig.weight is None:
             continue
-        qscheme = getattr(qconfig.weight(), "qscheme", None)
-        if isinstance(qscheme, QScheme) and qscheme.is_per_group:
+        weight = qconfig.weight()
+        if is_per_group_observer(weight):
             raise FxQuantError(
                 f"{where}: the qconfig of {label} quantizes weights per group "
-                f"({qscheme.value}): that is weight-only quantization of a model that keeps "
+                f"({weight.qscheme.value}): that is weight-only quantization of a model that keeps "
                 "its own forward, done by module swap, not by tracing. Use "
                 "quantbridge.fx_quant.quantize_weight_only(model, qconfig_mapping, "
                 "backend_config=...) or a numba backend's quantize_weights(model, "

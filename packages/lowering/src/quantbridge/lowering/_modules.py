@@ -462,6 +462,9 @@ class WeightOnlyLinear(LoweredModule):
     weight_codes: torch.Tensor
     weight_scale: torch.Tensor
     bias: torch.Tensor | None
+    # a packed weight already made from the buffers _sync is about to read (construction,
+    # or the check of a state dict being loaded): _sync takes it instead of packing again
+    _packed_ahead: K.PackedGroupWeight | None = None
 
     def __init__(self, packed: K.PackedGroupWeight, bias: torch.Tensor | None) -> None:
         nn.Module.__init__(self)
@@ -474,6 +477,7 @@ class WeightOnlyLinear(LoweredModule):
             self.register_buffer("group_zero_point", torch.from_numpy(arrays["zero_points"].copy()))
         value = None if bias is None else bias.detach().to(torch.float32).contiguous().clone()
         self.register_buffer("bias", value)
+        self._packed_ahead = packed
         super().__init__(packed.target, None, None)
 
     def _arrays(self, source: dict[str, torch.Tensor]) -> dict[str, Any]:
@@ -489,8 +493,11 @@ class WeightOnlyLinear(LoweredModule):
 
     def _sync(self) -> None:
         super()._sync()
-        buffers = {k: v for k, v in self.named_buffers(recurse=False) if v is not None}
-        self._packed = K.PackedGroupWeight.from_arrays(self._arrays(buffers), target=self.target)
+        packed, self._packed_ahead = self._packed_ahead, None
+        if packed is None or packed.target != self.target:
+            buffers = {k: v for k, v in self.named_buffers(recurse=False) if v is not None}
+            packed = K.PackedGroupWeight.from_arrays(self._arrays(buffers), target=self.target)
+        self._packed = packed
         self._bias = None if self.bias is None else lowered.numpy_view(self.bias)
 
     def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
@@ -502,12 +509,15 @@ class WeightOnlyLinear(LoweredModule):
                 value = state_dict.get(prefix + name, current)
                 check_state_entry(prefix + name, name, value, current)
                 incoming[name] = value
-        if all(isinstance(v, torch.Tensor) for v in incoming.values()):
-            try:
-                K.PackedGroupWeight.from_arrays(self._arrays(incoming), target=self.target)
-            except K.KernelError as e:
-                raise LoweringError(f"load_state_dict: '{prefix}': {e}") from None
-        super()._load_from_state_dict(state_dict, prefix, *args)
+        try:
+            checked = K.PackedGroupWeight.from_arrays(self._arrays(incoming), target=self.target)
+        except K.KernelError as e:
+            raise LoweringError(f"load_state_dict: '{prefix}': {e}") from None
+        self._packed_ahead = checked
+        try:
+            super()._load_from_state_dict(state_dict, prefix, *args)
+        finally:
+            self._packed_ahead = None
 
     def get_extra_state(self) -> dict[str, int]:
         return {"bits": self.bits, "group_size": self.group_size}

@@ -28,9 +28,7 @@ def lower_weight_only(model: nn.Module, target: str, *, inplace: bool = False) -
         return _lowered(result, target)
     for name, module in list(result.named_modules()):
         if isinstance(module, GroupQuantizedLinear):
-            parent, _, child = name.rpartition(".")
-            setattr(result.get_submodule(parent) if parent else result, child,
-                    _lowered(module, target))  # fmt: skip
+            result.set_submodule(name, _lowered(module, target))
     return result
 
 
