@@ -103,7 +103,11 @@ def test_trained_statistics_need_the_outlier_split() -> None:
         assert isinstance(getattr(attention, name), OutlierSplitLinear), name
     fc1 = split.get_submodule("encoder.layers.encoder_layer_0.mlp.0")
     assert isinstance(fc1, OutlierSplitLinear)
-    recipe = _sqnr(_lowered(split, mapping), model)
+    lowered = _lowered(split, mapping)
+    recipe = _sqnr(lowered, model)
+    done = " ".join(what for _, what in L.lowering_report(lowered).lowered)
+    # the splits' results are observed for the attention, which runs on their codes
+    assert done.count("nn.MultiheadAttention's attention on codes") == SMALL["layers"]
     shared = backend.qconfig_mapping(transformer=True)
     # the class token observed together with the patches
     shared.set_object_type(torch.cat, shared.global_qconfig)
@@ -128,3 +132,20 @@ def test_smooth_quant_reaches_the_attention_projections() -> None:
     x = _calibration()[0][0]
     with torch.no_grad():
         torch.testing.assert_close(smoothed(x), model(x), rtol=1e-3, atol=1e-3)
+
+
+def test_outlier_split_kept_float_by_the_mapping_stays_float() -> None:
+    # a split whose Linear the mapping keeps float returns float; its attention stays float
+    torch.manual_seed(0)
+    model = VisionTransformer(**SMALL).eval()
+    add_trained_statistics(model)
+    split = keep_outlier_channels_float(model, _calibration())
+    mapping = L.get_backend("numba").qconfig_mapping(transformer=True)
+    q_proj = r"encoder\.layers\.encoder_layer_0\.self_attention\.q_proj.*"
+    mapping.set_module_name_regex(q_proj, None)
+    lowered = _lowered(split, mapping)
+    done = " ".join(what for _, what in L.lowering_report(lowered).lowered)
+    assert done.count("nn.MultiheadAttention's attention on codes") == SMALL["layers"] - 1
+    q_proj = lowered.get_submodule("encoder.layers.encoder_layer_0.self_attention.q_proj")
+    assert isinstance(q_proj.get_submodule("linear"), nn.Linear)
+    assert _sqnr(lowered, model) > 23.0

@@ -40,6 +40,7 @@ from quantbridge.fx_quant._dtype_matching import (
 from quantbridge.fx_quant._errors import FxQuantError
 from quantbridge.fx_quant._qconfig_propagation import is_observer_module
 from quantbridge.fx_quant._state import OBSERVED_KEY
+from quantbridge.fx_quant._transformer_swap import attention_core_reason
 from quantbridge.patterns import Pattern
 from quantbridge.qconfig import (
     BackendConfig,
@@ -339,6 +340,36 @@ class _Inserter:
             for dc in match.config.dtype_configs
         )
 
+    def observe_split_output(self, node: Node, qconfigs: dict[str, QConfigAny]) -> bool:
+        """Observe an outlier split's result (its int8 Linear plus the float columns) that
+        feeds a swapped attention module's core, as the Linear's own output would be
+        observed: the core runs on codes when its q, k and v arrive quantized, and a
+        transformer mapping keeps the split's add float. Other users keep the float result
+        (a GELU after it runs in the Linear's float epilogue). Returns whether an observer
+        was inserted."""
+        linear = next(
+            (
+                a
+                for a in node.args
+                if isinstance(a, Node) and a in self.left_float and len(a.users) == 1
+            ),
+            None,
+        )
+        qconfig = None if linear is None else qconfigs.get(linear.name)
+        if qconfig is None or not any(
+            attention_core_reason(user, self.modules) and qconfigs.get(user.name) is not None
+            for user in node.users
+        ):
+            return False
+        self.infos[node] = self.target_info(node, qconfig, None)
+        obs_node = self.observe_output(node)
+        if obs_node is None:
+            return False
+        for user in list(node.users):
+            if user is not obs_node:
+                user.replace_input_with(node, obs_node)
+        return True
+
     def _takes_float(self, user: Node, value: Node) -> bool:
         # graph outputs keep torch.ao's quantize / dequantize pair (a classifier's logits),
         # unless set_output_float_indexes names their position
@@ -577,12 +608,16 @@ def insert_observers(
     swap_custom: Callable[[Node, QConfigAny], None],
     scalars: Iterable[str] = (),
     float_outputs: Iterable[int] = (),
+    split_outputs: Iterable[str] = (),
 ) -> InsertionResult:
     """Insert observers into ``model`` (in place); see the module docstring.
 
     ``scalars``: nodes holding Python numbers (see :class:`NoTensorCache`).
     ``float_outputs``: graph outputs (by position) to compute to float where the backend can.
+    ``split_outputs``: the nodes returning an outlier split's result (see
+    ``_Inserter.observe_split_output``).
     """
+    split_outputs = frozenset(split_outputs)
     graph = model.graph
     floats = (n.name for n in graph.nodes if qconfigs.get(n.name) is None)
     ins = _Inserter(model, backend_config, probe, scalars, floats, float_outputs)
@@ -625,6 +660,10 @@ def insert_observers(
         if node.op == "placeholder":
             continue
         if node.op not in ("call_module", "call_method", "call_function", "output"):
+            continue
+        if node.name in split_outputs:
+            if ins.observe_split_output(node, qconfigs):
+                observed.add(node.name)
             continue
         found = matches.get(node.name)
         qconfig = qconfigs.get(node.name) if found is not None else None

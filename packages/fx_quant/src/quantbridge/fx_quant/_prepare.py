@@ -57,7 +57,7 @@ from quantbridge.fx_quant._transformer_swap import (
 )
 from quantbridge.fx_quant._weight_only import reject_per_group
 from quantbridge.fx_quant.nn.intrinsic import FusedModule
-from quantbridge.fx_quant.nn.quantizable import FLOAT_ONLY
+from quantbridge.fx_quant.nn.quantizable import FLOAT_ONLY, OutlierSplitLinear
 from quantbridge.patterns import Nested, describe_pattern_element, find_matches
 from quantbridge.qconfig import BackendConfig, QConfigAny, QConfigMapping
 
@@ -394,6 +394,7 @@ def prepare(
         swap_custom,
         recorded.scalars,
         pcc.output_float_indexes,
+        _outlier_split_outputs(gm, scope),
     )
     decisions = _decisions(
         original_nodes,
@@ -494,6 +495,20 @@ def _capture_with_export(
     for name in skipped_names + lifted.guards:
         mapping.set_module_name(name, None)
     return lifted.graph_module, lifted.scope, swapped
+
+
+def _outlier_split_outputs(gm: GraphModule, scope: dict[str, tuple[str, Any]]) -> set[str]:
+    """The nodes that return an ``OutlierSplitLinear``'s result: made in its scope, read
+    only outside it."""
+    found = set()
+    for node in gm.graph.nodes:
+        path, kind = scope.get(node.name, ("", None))
+        if not (isinstance(kind, type) and issubclass(kind, OutlierSplitLinear)) or not path:
+            continue
+        users = [scope.get(user.name, ("", None))[0] for user in node.users]
+        if users and not any(p == path or p.startswith(path + ".") for p in users):
+            found.add(node.name)
+    return found
 
 
 def _prepare_standalone(
