@@ -31,9 +31,15 @@ __all__ = ["OutlierChannelsConfig", "keep_outlier_channels_float"]
 class OutlierChannelsConfig:
     """``threshold``: a channel whose largest magnitude passes this many times the median
     channel's is kept float. ``max_fraction``: at most this fraction of a Linear's input
-    channels (the largest first, at least one), which bounds the float work."""
+    channels (the largest first, at least one), which bounds the float work.
 
-    threshold: float = 6.0
+    Why 4: trained transformers' LayerNorm outputs spread their channels log-normally, so
+    below the few outlier dimensions sit many channels at 4-6x the median. Left int8, they set
+    the scale of every other channel: on a ViT-B/16 with trained statistics, 6 gives 25.3 dB
+    of logits SQNR and 4 gives 28.6 dB, for 4 ms more (of 55, one thread); a BERT's top-10
+    neighbour overlap goes from 0.946 to 0.961."""
+
+    threshold: float = 4.0
     max_fraction: float = 1.0 / 32.0
 
     def __post_init__(self) -> None:
