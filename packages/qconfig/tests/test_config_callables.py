@@ -11,6 +11,7 @@ EXPECTED = {
     "MovingAverageMinMaxObserver",
     "PerChannelMinMaxObserver",
     "PerGroupMinMaxObserver",
+    "PerGroupGPTQObserver",
     "MovingAveragePerChannelMinMaxObserver",
     "HistogramObserver",
     "PercentileObserver",

@@ -17,7 +17,9 @@ from quantbridge.qconfig import (
     DTypeWithConstraints,
     FakeQuantize,
     MinMaxObserver,
+    PerGroupGPTQObserver,
     PerGroupMinMaxObserver,
+    QConfig,
     QConfigError,
     QConfigMapping,
     QScheme,
@@ -124,3 +126,78 @@ def test_configs_round_trip_through_json() -> None:
 def test_group_sizes_constraint_is_checked(sizes: object) -> None:
     with pytest.raises(QConfigError, match="group_sizes"):
         DTypeWithConstraints(dtype=torch.int8, group_sizes=sizes)  # type: ignore[arg-type]
+
+
+def test_gptq_method_gives_the_data_aware_observer() -> None:
+    obs = group_weight_only_qconfig(4, 128, symmetric=False, method="gptq").weight()
+    assert type(obs) is PerGroupGPTQObserver
+    assert isinstance(obs, PerGroupMinMaxObserver)
+    assert PerGroupGPTQObserver.data_aware is True
+    assert PerGroupMinMaxObserver.data_aware is False
+    assert (obs.group_size, obs.qscheme, obs.quant_min, obs.quant_max) == (
+        128, QScheme.PER_GROUP_AFFINE, 0, 15
+    )  # fmt: skip
+    assert (obs.damp, obs.act_order) == (0.01, False)
+    default = group_weight_only_qconfig(4, 32).weight()
+    assert type(default) is PerGroupMinMaxObserver
+    assert type(group_weight_only_qconfig(8, 32, method="minmax").weight()) is type(default)
+    for bad in ("GPTQ", "awq", None, ["gptq"]):
+        with pytest.raises(ValueError, match=r"method must be one of \['minmax', 'gptq'\]"):
+            group_weight_only_qconfig(4, 32, method=bad)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_gptq_observer_alone_is_the_min_max_observer(bits: int, symmetric: bool) -> None:
+    g = torch.Generator().manual_seed(bits + symmetric)
+    weight = torch.randn(16, 128, generator=g) * torch.rand(16, 1, generator=g)
+    weight[2, :32] = 0.0
+    gptq = group_weight_only_qconfig(bits, 32, symmetric=symmetric, method="gptq").weight()
+    minmax = group_weight_only_qconfig(bits, 32, symmetric=symmetric).weight()
+    gptq(weight)
+    minmax(weight)
+    scale, zero_point = gptq.calculate_qparams()
+    want_scale, want_zero_point = minmax.calculate_qparams()
+    assert torch.equal(scale, want_scale)
+    assert torch.equal(zero_point, want_zero_point)
+    fresh = PerGroupGPTQObserver(group_size=32)
+    fresh.load_state_dict(gptq.state_dict())
+    assert torch.equal(fresh.min_val, gptq.min_val)
+
+
+def test_gptq_observer_round_trips_through_json() -> None:
+    base = group_weight_only_qconfig(4, 32, method="gptq")
+    qconfig = QConfig(
+        activation=base.activation, weight=base.weight.with_args(damp=0.05, act_order=True)
+    )
+    mapping = (
+        QConfigMapping()
+        .set_object_type(torch.nn.Linear, group_weight_only_qconfig(4, 128, method="gptq"))
+        .set_module_name("model.layers.0.mlp.down_proj", qconfig)
+    )
+    text = mapping.to_json()
+    assert "quantbridge.qconfig.PerGroupGPTQObserver" in text
+    again = QConfigMapping.from_json(text)
+    assert again.to_json() == text
+    linear = again.object_type_qconfigs[torch.nn.Linear].weight()
+    assert type(linear) is PerGroupGPTQObserver
+    assert (linear.group_size, linear.damp, linear.act_order) == (128, 0.01, False)
+    down = again.module_name_qconfigs["model.layers.0.mlp.down_proj"].weight()
+    assert type(down) is PerGroupGPTQObserver
+    assert (down.group_size, down.damp, down.act_order) == (32, 0.05, True)
+    # a damaged file is refused when it is read, naming the bad value
+    with pytest.raises(QConfigError, match=r"damp must be a number in \(0, 1\].*got -0.05"):
+        QConfigMapping.from_json(text.replace('"damp": 0.05', '"damp": -0.05'))
+    with pytest.raises(QConfigError, match="act_order must be True or False, got 1"):
+        QConfigMapping.from_json(text.replace('"act_order": true', '"act_order": 1'))
+
+
+@pytest.mark.parametrize("damp", [0, 0.0, -0.01, 1.5, float("nan"), float("inf"), True, "0.01"])
+def test_gptq_observer_refuses_a_bad_damp(damp: object) -> None:
+    with pytest.raises(QConfigError, match=rf"damp must be a number in \(0, 1\].*got {damp!r}"):
+        PerGroupGPTQObserver(damp=damp)  # type: ignore[arg-type]
+    with pytest.raises(QConfigError, match="act_order must be True or False, got 'yes'"):
+        PerGroupGPTQObserver(act_order="yes")  # type: ignore[arg-type]
+    assert PerGroupGPTQObserver(damp=1).damp == 1.0
+    with pytest.raises(QConfigError, match="group_size must be one of"):
+        PerGroupGPTQObserver(group_size=16)

@@ -7,16 +7,23 @@ DTypeConfig for that module type that takes the qconfig's weight (dtype, range, 
 and replaces it with the reference module holding the codes. Nothing is traced, so the
 model's own ``forward`` and ``generate`` (its KV cache, sampling, stopping rules) run
 unchanged; torch.fx and torch.export capture a graph of one call and would lose them.
+
+A data-aware weight observer (``PerGroupGPTQObserver``, ``group_weight_only_qconfig(...,
+method="gptq")``) makes its Linears' codes come from GPTQ (``_gptq.py``): one calibration pass
+of the float model records each such Linear's input Hessian, then each is quantized.
 """
 
 from __future__ import annotations
 
 import copy
+import itertools
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
+from quantbridge.fx_quant._calibrate import calibrate
 from quantbridge.fx_quant._channel_max import replace_submodule
 from quantbridge.fx_quant._dtype_matching import (
     ObserverProbe,
@@ -25,6 +32,7 @@ from quantbridge.fx_quant._dtype_matching import (
     is_per_group_observer,
 )
 from quantbridge.fx_quant._errors import FxQuantError
+from quantbridge.fx_quant._gptq import HessianRecorder, gptq_linear
 from quantbridge.fx_quant.nn.reference._grouped import (
     GroupQuantizedEmbedding,
     GroupQuantizedLinear,
@@ -51,16 +59,34 @@ def quantize_weight_only(
     *,
     backend_config: BackendConfig,
     inplace: bool = False,
+    calibration_data: Iterable[Any] | None = None,
+    input_fn: Callable[[Any], Any] | None = None,
+    max_batches: int | None = None,
 ) -> nn.Module:
     """``model`` (a copy unless ``inplace``) with each ``nn.Linear`` / ``nn.Embedding`` whose
     qconfig is a per-group weight-only one (``group_weight_only_qconfig``) replaced by
     ``nn.reference.GroupQuantizedLinear`` / ``GroupQuantizedEmbedding``; modules whose
     qconfig is None stay float.
 
+    GPTQ: the Linears whose weight observer is data-aware (``group_weight_only_qconfig(...,
+    method="gptq")``) get their codes from GPTQ. ``calibration_data`` is then required: one
+    pass of the float model over it (batches, ``input_fn`` and ``max_batches`` as in
+    :func:`calibrate`) records each such Linear's inputs as ``H = sum x x^T`` (float32, one
+    ``[in_features, in_features]`` matrix per Linear, held until the Linear is quantized; at
+    most ``HESSIAN_BUDGET_BYTES``, 1 GiB, per pass: a model whose Hessians need more takes
+    several passes, and an iterator given as ``calibration_data`` is read into a list), and
+    each Linear is then quantized column by column, its rounding errors spread over the
+    columns not yet quantized. Embeddings with a data-aware observer get min/max codes: a
+    lookup returns the weights themselves, so there is no error for GPTQ to compensate and
+    its result would be round-to-nearest. Without data-aware observers ``calibration_data``
+    is not used.
+
     Raises FxQuantError naming the module when its qconfig is not weight-only per group, or
     when ``backend_config`` has no weight-only DTypeConfig for its type that takes the
-    qconfig's weight (the message lists what the backend takes). A backend lowers the result
-    (the numba backends: ``quantize_weights`` does both steps).
+    qconfig's weight (the message lists what the backend takes), or when it needs
+    calibration data and none was given, or saw none. Everything is checked, and GPTQ run,
+    before any module is swapped: an error leaves the model untouched. A backend lowers the
+    result (the numba backends: ``quantize_weights`` does both steps).
     """
     if not isinstance(model, nn.Module):
         raise FxQuantError(
@@ -88,16 +114,107 @@ def quantize_weight_only(
             continue
         _check_weight_only(name, module, qconfig, backend_config, probe)
         plan.append((name, module, qconfig))
-    # checked first, swapped after: a rejected module leaves the model untouched
+    gptq: list[tuple[str, nn.Module, QConfig]] = [
+        (name, module, qconfig)
+        for name, module, qconfig in plan
+        if type(module) is nn.Linear and getattr(probe(qconfig.weight), "data_aware", False)
+    ]
+    # GPTQ's modules first, then every swap: a rejected module leaves the model untouched.
+    # Hessians are recorded for as many Linears per calibration pass as fit the budget.
+    done: dict[str, nn.Module] = {}
+    passes = _hessian_passes(gptq)
+    if len(passes) > 1 and isinstance(calibration_data, Iterator):
+        calibration_data = list(itertools.islice(calibration_data, max_batches))
+    for linears in passes:
+        hessians = _record_hessians(result, linears, calibration_data, input_fn, max_batches)
+        for name, module, qconfig in linears:
+            assert isinstance(module, nn.Linear)
+            assert qconfig.weight is not None
+            recorder = hessians.pop(name)
+            done[name] = gptq_linear(module, qconfig.weight(), recorder, _where(name, module))
+            del recorder
     for name, module, qconfig in plan:
-        make_observer = qconfig.weight
-        assert make_observer is not None  # checked: a per-group weight observer
-        swapped = _SWAPPED[type(module)].from_float(module, make_observer())
+        swapped = done.pop(name, None)
+        if swapped is None:
+            make_observer = qconfig.weight
+            assert make_observer is not None  # checked: a per-group weight observer
+            swapped = _SWAPPED[type(module)].from_float(module, make_observer())
         if name:
             replace_submodule(result, name, swapped)
         else:
             result = swapped
     return result
+
+
+def _where(name: str, module: nn.Module) -> str:
+    return f"quantize_weight_only: {name or '<root>'} ({type(module).__name__})"
+
+
+# bytes of input Hessians (float32 [in_features, in_features] per Linear) one calibration pass
+# records: a 7B decoder's would need tens of GB at once; more passes over the data instead
+HESSIAN_BUDGET_BYTES = 1 << 30
+
+
+def _hessian_passes(
+    linears: list[tuple[str, nn.Module, QConfig]],
+) -> list[list[tuple[str, nn.Module, QConfig]]]:
+    """``linears`` cut, in order, into runs whose Hessians fit HESSIAN_BUDGET_BYTES (at least
+    one Linear a run)."""
+    passes: list[list[tuple[str, nn.Module, QConfig]]] = []
+    used = HESSIAN_BUDGET_BYTES
+    for entry in linears:
+        module = entry[1]
+        assert isinstance(module, nn.Linear)
+        size = 4 * module.in_features**2
+        if used + size > HESSIAN_BUDGET_BYTES:
+            passes.append([])
+            used = 0
+        passes[-1].append(entry)
+        used += size
+    return passes
+
+
+def _record_hessians(
+    model: nn.Module,
+    linears: list[tuple[str, nn.Module, QConfig]],
+    calibration_data: Iterable[Any] | None,
+    input_fn: Callable[[Any], Any] | None,
+    max_batches: int | None,
+) -> dict[str, HessianRecorder]:
+    """One calibration pass of the (still float) ``model``: the input Hessian of each of
+    ``linears``, by forward pre-hooks."""
+    if not linears:
+        return {}
+    if calibration_data is None:
+        name, module, _ = linears[0]
+        more = f" (and {len(linears) - 1} more Linears)" if len(linears) > 1 else ""
+        raise FxQuantError(
+            f"{_where(name, module)}{more}: its weight observer is data-aware (GPTQ) and "
+            "needs the layer's inputs: pass calibration_data=... (an iterable of model inputs, "
+            "as for calibrate), or use method='minmax'"
+        )
+    recorders: dict[str, HessianRecorder] = {}
+    handles = []
+    try:
+        for name, module, _ in linears:
+            assert isinstance(module, nn.Linear)
+            recorders[name] = HessianRecorder(module.in_features)
+            handles.append(
+                module.register_forward_pre_hook(recorders[name].pre_hook, with_kwargs=True)
+            )
+        calibrate(model, calibration_data, input_fn=input_fn, max_batches=max_batches,
+                  progress=False, sync=False)  # fmt: skip
+    finally:
+        for handle in handles:
+            handle.remove()
+    for name, module, _ in linears:
+        if recorders[name].tokens == 0:
+            raise FxQuantError(
+                f"{_where(name, module)}: it received no input in the calibration pass, so "
+                "GPTQ has nothing to fit; check that calibration_data runs it, or give it "
+                "method='minmax' (or qconfig None)"
+            )
+    return recorders
 
 
 def _check_weight_only(
@@ -108,7 +225,7 @@ def _check_weight_only(
     probe: ObserverProbe,
 ) -> None:
     kind = type(module)
-    where = f"quantize_weight_only: {name or '<root>'} ({kind.__name__})"
+    where = _where(name, module)
     activation = probe(qconfig.activation)
     weight = probe(qconfig.weight)
     if getattr(activation, "dtype", None) != torch.float32 or not is_per_group_observer(weight):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import copy
 import operator
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -233,6 +233,7 @@ class NumbaBackend(Backend):
         weight_only: bool = False,
         group_size: int = 32,
         symmetric: bool = True,
+        method: str = "minmax",
     ) -> QConfigMapping:
         """x86-style defaults for this backend's target (see the class docstring).
 
@@ -247,6 +248,9 @@ class NumbaBackend(Backend):
         8; ``group_size`` 32, 64 or 128), everything else stays float. Add
         ``.set_object_type(nn.Embedding, ...)`` to quantize embeddings too, or
         ``.set_module_name("lm_head", None)`` to keep the output projection float.
+        ``method="gptq"`` (weight-only only): the Linears' codes come from GPTQ on
+        calibration inputs (pass ``calibration_data`` to ``quantize_weights``); ``"minmax"``,
+        the default, rounds each weight to the nearest code.
 
         ``dynamic=True``: dynamic quantization instead: ``nn.Linear``, ``nn.LSTM`` and
         ``nn.GRU`` get int8 per-channel weights and activations quantized at run time; every
@@ -269,6 +273,11 @@ class NumbaBackend(Backend):
         ResNets (3.6 dB below torch.ao on ResNet-50). 8-bit activations with 8-bit weights
         are the most precise and run ~1.2-1.7x slower (mostly on 16-bit multiplies).
         """
+        if not weight_only and method != "minmax":
+            raise ValueError(
+                f"qconfig_mapping: method={method!r} chooses how weight-only codes are computed; "
+                "it needs weight_only=True"
+            )
         if weight_only:
             if qat or transformer or dynamic or activation_bits is not None:
                 raise ValueError(
@@ -280,7 +289,9 @@ class NumbaBackend(Backend):
                 raise ValueError(
                     f"qconfig_mapping: weight_only takes weight_bits 4 or 8, got {bits!r}"
                 )
-            qconfig = group_weight_only_qconfig(bits, group_size, symmetric=symmetric)
+            qconfig = group_weight_only_qconfig(
+                bits, group_size, symmetric=symmetric, method=method
+            )
             return QConfigMapping().set_object_type(nn.Linear, qconfig)
         if dynamic:
             if qat or transformer:
@@ -341,6 +352,8 @@ class NumbaBackend(Backend):
         model: nn.Module,
         qconfig_mapping: QConfigMapping | None = None,
         *,
+        calibration_data: Iterable[Any] | None = None,
+        input_fn: Callable[[Any], Any] | None = None,
         inplace: bool = False,
     ) -> nn.Module:
         """Weight-only quantization of ``model`` (a copy unless ``inplace``) by module swap,
@@ -352,13 +365,18 @@ class NumbaBackend(Backend):
         ``qconfig_mapping``: per-group weight-only qconfigs (``group_weight_only_qconfig``)
         by module name, regex, type or global; None means ``qconfig_mapping(weight_only=True)``
         (every Linear 4-bit, group 32, symmetric).
+
+        ``calibration_data`` / ``input_fn``: the model inputs GPTQ fits the Linears to, for a
+        mapping made with ``method="gptq"`` (required then; see
+        ``fx_quant.quantize_weight_only``).
         """
         mapping = (
             self.qconfig_mapping(weight_only=True) if qconfig_mapping is None else qconfig_mapping
         )
         reference = quantize_weight_only(
-            model, mapping, backend_config=self.backend_config, inplace=inplace
-        )
+            model, mapping, backend_config=self.backend_config, inplace=inplace,
+            calibration_data=calibration_data, input_fn=input_fn,
+        )  # fmt: skip
         return lower_weight_only(reference, self.target, inplace=True)
 
     @property

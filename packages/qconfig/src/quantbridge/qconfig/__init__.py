@@ -123,7 +123,11 @@ from quantbridge.qconfig._per_channel import (
     MovingAveragePerChannelMinMaxObserver,
     PerChannelMinMaxObserver,
 )
-from quantbridge.qconfig._per_group import GROUP_SIZES, PerGroupMinMaxObserver
+from quantbridge.qconfig._per_group import (
+    GROUP_SIZES,
+    PerGroupGPTQObserver,
+    PerGroupMinMaxObserver,
+)
 from quantbridge.qconfig._qconfig import QConfig, QConfigAny, qconfig_equals
 from quantbridge.qconfig._qconfig_mapping import QConfigMapping, QConfigMatch
 
@@ -246,6 +250,7 @@ __all__ = [
     "ReuseInputObserver",
     "MovingAveragePerChannelMinMaxObserver",
     "PerChannelMinMaxObserver",
+    "PerGroupGPTQObserver",
     "PerGroupMinMaxObserver",
     "GROUP_SIZES",
 ]

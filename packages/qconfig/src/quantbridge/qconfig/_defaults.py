@@ -55,7 +55,7 @@ from quantbridge.qconfig._fake_quantize import (
 from quantbridge.qconfig._histogram import HistogramObserver
 from quantbridge.qconfig._minmax import MinMaxObserver, MovingAverageMinMaxObserver
 from quantbridge.qconfig._passthrough import NoopObserver, PlaceholderObserver
-from quantbridge.qconfig._per_group import PerGroupMinMaxObserver
+from quantbridge.qconfig._per_group import PerGroupGPTQObserver, PerGroupMinMaxObserver
 from quantbridge.qconfig._qconfig import QConfig
 from quantbridge.qconfig._qconfig_mapping import QConfigMapping
 
@@ -343,8 +343,14 @@ def get_tensorrt_qconfig_mapping(is_qat: bool = False) -> QConfigMapping:
     )
 
 
+_GROUP_METHODS: dict[str, type[PerGroupMinMaxObserver]] = {
+    "minmax": PerGroupMinMaxObserver,
+    "gptq": PerGroupGPTQObserver,
+}
+
+
 def group_weight_only_qconfig(
-    bits: int = 4, group_size: int = 32, *, symmetric: bool = True
+    bits: int = 4, group_size: int = 32, *, symmetric: bool = True, method: str = "minmax"
 ) -> QConfig:
     """Weight-only quantization by groups (decoder LLMs): float activations, the weight in
     groups of ``group_size`` input features, each with its own scale (and zero point if not
@@ -354,8 +360,15 @@ def group_weight_only_qconfig(
       Q4_0 and torchao's int4); 4 bits, affine: uint8 codes in [0, 15];
     * 8 bits, symmetric: int8 codes in [-127, 127], ``scale = max|w| / 127`` (Q8_0);
       8 bits, affine: uint8 codes in [0, 255].
+
+    ``method``: ``"minmax"`` rounds each weight to the nearest code of its group
+    (``PerGroupMinMaxObserver``); ``"gptq"`` (``PerGroupGPTQObserver``) has
+    ``fx_quant.quantize_weight_only`` choose the codes of each ``nn.Linear`` by GPTQ from
+    calibration inputs (pass it ``calibration_data``), with the same qparams rule per group.
     """
     where = "group_weight_only_qconfig"
+    if not isinstance(method, str) or method not in _GROUP_METHODS:
+        raise QConfigError(f"{where}: method must be one of {list(_GROUP_METHODS)}, got {method!r}")
     if isinstance(bits, bool) or bits not in (4, 8):
         raise QConfigError(f"{where}: bits must be 4 or 8, got {bits!r}")
     if not isinstance(symmetric, bool):
@@ -366,8 +379,9 @@ def group_weight_only_qconfig(
     else:
         dtype, qscheme = torch.uint8, QScheme.PER_GROUP_AFFINE
         qmin, qmax = (0, 15) if bits == 4 else (0, 255)
-    weight = PerGroupMinMaxObserver.with_args(
+    observer = _GROUP_METHODS[method]
+    weight = observer.with_args(
         group_size=group_size, dtype=dtype, qscheme=qscheme, quant_min=qmin, quant_max=qmax
     )
-    PerGroupMinMaxObserver(group_size=group_size)  # checks the group size now
+    observer(group_size=group_size)  # checks the group size now
     return QConfig(activation=PlaceholderObserver.with_args(dtype=torch.float32), weight=weight)

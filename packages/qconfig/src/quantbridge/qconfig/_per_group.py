@@ -6,10 +6,15 @@ cut along its last axis into groups of ``group_size`` consecutive values, and ea
 its own qparams. The qparams are computed from each group's min and max by the per-channel
 rule (torch.ao's arithmetic, ``_qparams.compute_qparams``), so a group of a
 ``per_group_symmetric`` weight has ``scale = max|w| / ((quant_max - quant_min) / 2)``.
+
+PerGroupGPTQObserver asks for GPTQ (Frantar et al. 2022) instead: the same qparams rule, but
+applied by ``fx_quant.quantize_weight_only`` to weights it corrects column by column from
+calibration inputs (``data_aware = True``). Called alone on a weight it is the min/max observer.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -24,7 +29,7 @@ from quantbridge.qconfig._observer_base import (
 )
 from quantbridge.qconfig._qparams import compute_qparams
 
-__all__ = ["GROUP_SIZES", "PerGroupMinMaxObserver"]
+__all__ = ["GROUP_SIZES", "PerGroupGPTQObserver", "PerGroupMinMaxObserver"]
 
 # the group sizes the observer accepts (those of llama.cpp, torchao and OpenVINO)
 GROUP_SIZES = (32, 64, 128)
@@ -46,6 +51,9 @@ class PerGroupMinMaxObserver(UniformQuantizationObserverBase):
     fresh observer. 4-bit weights: ``dtype=torch.int8, quant_min=-8, quant_max=7`` (symmetric)
     or ``dtype=torch.uint8, quant_min=0, quant_max=15`` (affine).
     """
+
+    # whether weight-only quantization must compute the codes from calibration data (GPTQ)
+    data_aware: bool = False
 
     min_val: torch.Tensor
     max_val: torch.Tensor
@@ -153,3 +161,73 @@ class PerGroupMinMaxObserver(UniformQuantizationObserverBase):
     def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
         resize_for_state_dict(self, state_dict, prefix, ("min_val", "max_val"))
         super()._load_from_state_dict(state_dict, prefix, *args)
+
+
+class PerGroupGPTQObserver(PerGroupMinMaxObserver):
+    """GPTQ (Frantar et al. 2022) for per-group weights: the qconfig of a Linear whose codes
+    ``fx_quant.quantize_weight_only`` computes from calibration inputs.
+
+    There, the weight is quantized one input feature (column) at a time and each column's
+    rounding error is spread over the columns not yet quantized, weighted by the inverse of
+    the Hessian ``H = sum x x^T`` of the layer's calibration inputs, so the layer's outputs on
+    such inputs move as little as the codes allow. Each group's qparams are this class's
+    min/max rule on the group's weights as GPTQ has updated them when it reaches the group.
+
+    ``damp``: the fraction of H's mean diagonal added to its diagonal before inverting (the
+    paper's 1 %; raise it if a layer's Hessian is reported not positive definite), in (0, 1].
+    ``act_order``: quantize the columns in order of decreasing ``H_ii`` (the paper's
+    "act-order"), the qparams of each group still those of a contiguous group of input
+    features, computed from the weights before any update ("static groups", what the kernels'
+    packed format needs).
+
+    Called on a weight alone (no calibration data) it records min/max like its base class, so
+    its ``calculate_qparams`` are the min/max observer's.
+    """
+
+    data_aware = True
+
+    def __init__(
+        self,
+        group_size: int = 32,
+        dtype: object = torch.int8,
+        qscheme: object = QScheme.PER_GROUP_SYMMETRIC,
+        reduce_range: bool = False,
+        quant_min: int | None = None,
+        quant_max: int | None = None,
+        factory_kwargs: dict[str, Any] | None = None,
+        eps: float = _FLOAT32_EPS,
+        is_dynamic: bool = False,
+        damp: float = 0.01,
+        act_order: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        name = type(self).__name__
+        if (
+            isinstance(damp, bool)
+            or not isinstance(damp, (int, float))
+            or not math.isfinite(damp)
+            or not 0.0 < damp <= 1.0
+        ):
+            raise QConfigError(
+                f"{name}: damp must be a number in (0, 1] (a fraction of the Hessian's mean "
+                f"diagonal; GPTQ uses 0.01), got {damp!r}"
+            )
+        if not isinstance(act_order, bool):
+            raise QConfigError(f"{name}: act_order must be True or False, got {act_order!r}")
+        super().__init__(
+            group_size=group_size,
+            dtype=dtype,
+            qscheme=qscheme,
+            reduce_range=reduce_range,
+            quant_min=quant_min,
+            quant_max=quant_max,
+            factory_kwargs=factory_kwargs,
+            eps=eps,
+            is_dynamic=is_dynamic,
+            **kwargs,
+        )
+        self.damp = float(damp)
+        self.act_order = act_order
+
+    def extra_repr(self) -> str:
+        return f"damp={self.damp}, act_order={self.act_order}, {super().extra_repr()}"
