@@ -214,3 +214,57 @@ def test_gptq_errors_are_clear() -> None:
         BACKEND.qconfig_mapping(weight_only=True, method="awq")
     with pytest.raises(ValueError, match=r"method='gptq' .*needs weight_only=True"):
         BACKEND.qconfig_mapping(method="gptq")
+
+
+class _Conv1D(nn.Module):
+    """Hugging Face's ``transformers.pytorch_utils.Conv1D`` as GPT-2 uses it: a Linear whose
+    weight is stored transposed, ``[in, out]`` (transformers is not in the test env)."""
+
+    def __init__(self, nf: int, nx: int) -> None:
+        super().__init__()
+        self.nf = nf
+        self.weight = nn.Parameter(torch.randn(nx, nf) * 0.02)
+        self.bias = nn.Parameter(torch.randn(nf) * 0.02)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.addmm(self.bias, x.reshape(-1, x.size(-1)), self.weight)
+        return out.view(*x.shape[:-1], self.nf)
+
+
+def test_gpt2_conv1d_is_quantized_as_a_linear(monkeypatch: pytest.MonkeyPatch) -> None:
+    import types
+
+    utils = types.ModuleType("transformers.pytorch_utils")
+    utils.Conv1D = _Conv1D  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "transformers.pytorch_utils", utils)
+    torch.manual_seed(0)
+    mlp = nn.Sequential(_Conv1D(256, 128), nn.GELU(), _Conv1D(128, 256))
+    x = torch.randn(3, 5, 128)
+    mapping = BACKEND.qconfig_mapping(weight_only=True, weight_bits=4, group_size=32)
+    reference = quantize_weight_only(mlp, mapping, backend_config=BACKEND.backend_config)
+    assert all(isinstance(reference[i], GroupQuantizedLinear) for i in (0, 2))
+    with torch.no_grad():
+        # the reference is the float MLP on the dequantized (transposed back) weights
+        want = mlp(x)
+        dequantized = nn.Sequential(_Conv1D(256, 128), nn.GELU(), _Conv1D(128, 256))
+        dequantized.load_state_dict(mlp.state_dict())
+        for i in (0, 2):
+            dequantized[i].weight.copy_(reference[i].dequantized_rows().T)
+        torch.testing.assert_close(reference(x), dequantized(x), rtol=1e-5, atol=1e-6)
+        assert _sqnr(want, reference(x)) > 15.0
+        lowered = BACKEND.quantize_weights(mlp, mapping)
+        assert [type(lowered[i]).__name__ for i in (0, 2)] == ["WeightOnlyLinear"] * 2
+        assert _sqnr(reference(x), lowered(x)) > 25.0
+    # a mapping may name the type itself (kept float here); GPTQ reads its inputs too
+    assert isinstance(
+        quantize_weight_only(
+            mlp, BACKEND.qconfig_mapping(weight_only=True).set_object_type(_Conv1D, None),
+            backend_config=BACKEND.backend_config,
+        )[0],
+        _Conv1D,
+    )  # fmt: skip
+    gptq = BACKEND.qconfig_mapping(weight_only=True, method="gptq")
+    fitted = quantize_weight_only(
+        mlp, gptq, backend_config=BACKEND.backend_config, calibration_data=[x, x + 1]
+    )
+    assert isinstance(fitted[2], GroupQuantizedLinear)

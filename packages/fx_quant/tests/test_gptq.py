@@ -266,14 +266,14 @@ def test_hessians_past_the_budget_take_more_passes_with_the_same_codes(
     original = _weight_only._record_hessians
 
     def counted(*args: object) -> object:
-        passes.append(args[1])
+        passes.append(args[1])  # the Linears of this pass
         return original(*args)  # type: ignore[arg-type]
 
     # room for one Hessian a pass; a generator is read once, then kept for the next pass
     monkeypatch.setattr(_weight_only, "HESSIAN_BUDGET_BYTES", 4 * FEATURES**2)
     monkeypatch.setattr(_weight_only, "_record_hessians", counted)
     got = _quantize(model, qconfig, iter(batches), input_fn=lambda b: (b[0],), max_batches=4)
-    assert [[name for name, _, _ in linears] for linears in passes] == [["0"], ["2"]]
+    assert [[entry.name for entry in linears] for linears in passes] == [["0"], ["2"]]
     for index in (0, 2):
         assert torch.equal(got[index].weight_codes, want[index].weight_codes)
 

@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import copy
 import itertools
+import sys
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -104,20 +105,25 @@ def quantize_weight_only(
         )
     result = model if inplace else copy.deepcopy(model)
     probe = ObserverProbe()
-    plan: list[tuple[str, nn.Module, QConfig]] = []
+    plan: list[_Planned] = []
+    object_types = qconfig_mapping.object_type_qconfigs
     for name, module in result.named_modules():
-        kind = type(module)
-        if kind not in _SWAPPED:
+        weighted = _swappable(module)
+        if weighted is None:
             continue
+        # a transposed Linear takes nn.Linear's qconfig unless the mapping names its type
+        kind = type(module) if type(module) in object_types else type(weighted)
         qconfig = qconfig_mapping.qconfig_for(name, kind).qconfig
         if qconfig is None:
             continue
-        _check_weight_only(name, module, qconfig, backend_config, probe)
-        plan.append((name, module, qconfig))
-    gptq: list[tuple[str, nn.Module, QConfig]] = [
-        (name, module, qconfig)
-        for name, module, qconfig in plan
-        if type(module) is nn.Linear and getattr(probe(qconfig.weight), "data_aware", False)
+        entry = _Planned(name, module, weighted, qconfig)
+        _check_weight_only(entry, backend_config, probe)
+        plan.append(entry)
+    gptq = [
+        entry
+        for entry in plan
+        if type(entry.weighted) is nn.Linear
+        and getattr(probe(entry.qconfig.weight), "data_aware", False)
     ]
     # GPTQ's modules first, then every swap: a rejected module leaves the model untouched.
     # Hessians are recorded for as many Linears per calibration pass as fit the budget.
@@ -127,27 +133,60 @@ def quantize_weight_only(
         calibration_data = list(itertools.islice(calibration_data, max_batches))
     for linears in passes:
         hessians = _record_hessians(result, linears, calibration_data, input_fn, max_batches)
-        for name, module, qconfig in linears:
-            assert isinstance(module, nn.Linear)
-            assert qconfig.weight is not None
-            recorder = hessians.pop(name)
-            done[name] = gptq_linear(module, qconfig.weight(), recorder, _where(name, module))
+        for entry in linears:
+            assert isinstance(entry.weighted, nn.Linear)
+            assert entry.qconfig.weight is not None
+            recorder = hessians.pop(entry.name)
+            done[entry.name] = gptq_linear(
+                entry.weighted, entry.qconfig.weight(), recorder, _where(entry)
+            )
             del recorder
-    for name, module, qconfig in plan:
-        swapped = done.pop(name, None)
+    for entry in plan:
+        swapped = done.pop(entry.name, None)
         if swapped is None:
-            make_observer = qconfig.weight
+            make_observer = entry.qconfig.weight
             assert make_observer is not None  # checked: a per-group weight observer
-            swapped = _SWAPPED[type(module)].from_float(module, make_observer())
-        if name:
-            replace_submodule(result, name, swapped)
+            swapped = _SWAPPED[type(entry.weighted)].from_float(entry.weighted, make_observer())
+        if entry.name:
+            replace_submodule(result, entry.name, swapped)
         else:
             result = swapped
     return result
 
 
-def _where(name: str, module: nn.Module) -> str:
-    return f"quantize_weight_only: {name or '<root>'} ({type(module).__name__})"
+class _Planned(NamedTuple):
+    """A module to quantize: as it is in the model (hooks go there), the ``nn.Linear`` /
+    ``nn.Embedding`` it is quantized as (itself, or a transposed Linear's equivalent) and
+    its qconfig."""
+
+    name: str
+    module: nn.Module
+    weighted: nn.Module
+    qconfig: QConfig
+
+
+def _swappable(module: nn.Module) -> nn.Module | None:
+    """The ``nn.Linear`` / ``nn.Embedding`` ``module`` is quantized as: itself; for Hugging
+    Face's ``Conv1D`` (GPT-2's Linear, ``x @ weight + bias`` with ``weight [in, out]``) an
+    ``nn.Linear`` holding the transposed weight; None for anything else."""
+    if type(module) in _SWAPPED:
+        return module
+    utils = sys.modules.get("transformers.pytorch_utils")  # imported if the model holds one
+    conv1d = getattr(utils, "Conv1D", None)
+    if conv1d is None or type(module) is not conv1d:
+        return None
+    weight, bias = module.weight, getattr(module, "bias", None)
+    assert isinstance(weight, torch.Tensor)
+    linear = nn.Linear(weight.shape[0], weight.shape[1], bias is not None, device=weight.device)
+    with torch.no_grad():
+        linear.weight.copy_(weight.detach().T)
+        if isinstance(bias, torch.Tensor):
+            linear.bias.copy_(bias.detach())
+    return linear
+
+
+def _where(entry: _Planned) -> str:
+    return f"quantize_weight_only: {entry.name or '<root>'} ({type(entry.module).__name__})"
 
 
 # bytes of input Hessians (float32 [in_features, in_features] per Linear) one calibration pass
@@ -155,17 +194,14 @@ def _where(name: str, module: nn.Module) -> str:
 HESSIAN_BUDGET_BYTES = 1 << 30
 
 
-def _hessian_passes(
-    linears: list[tuple[str, nn.Module, QConfig]],
-) -> list[list[tuple[str, nn.Module, QConfig]]]:
+def _hessian_passes(linears: list[_Planned]) -> list[list[_Planned]]:
     """``linears`` cut, in order, into runs whose Hessians fit HESSIAN_BUDGET_BYTES (at least
     one Linear a run)."""
-    passes: list[list[tuple[str, nn.Module, QConfig]]] = []
+    passes: list[list[_Planned]] = []
     used = HESSIAN_BUDGET_BYTES
     for entry in linears:
-        module = entry[1]
-        assert isinstance(module, nn.Linear)
-        size = 4 * module.in_features**2
+        assert isinstance(entry.weighted, nn.Linear)
+        size = 4 * entry.weighted.in_features**2
         if used + size > HESSIAN_BUDGET_BYTES:
             passes.append([])
             used = 0
@@ -176,7 +212,7 @@ def _hessian_passes(
 
 def _record_hessians(
     model: nn.Module,
-    linears: list[tuple[str, nn.Module, QConfig]],
+    linears: list[_Planned],
     calibration_data: Iterable[Any] | None,
     input_fn: Callable[[Any], Any] | None,
     max_batches: int | None,
@@ -186,31 +222,30 @@ def _record_hessians(
     if not linears:
         return {}
     if calibration_data is None:
-        name, module, _ = linears[0]
         more = f" (and {len(linears) - 1} more Linears)" if len(linears) > 1 else ""
         raise FxQuantError(
-            f"{_where(name, module)}{more}: its weight observer is data-aware (GPTQ) and "
+            f"{_where(linears[0])}{more}: its weight observer is data-aware (GPTQ) and "
             "needs the layer's inputs: pass calibration_data=... (an iterable of model inputs, "
             "as for calibrate), or use method='minmax'"
         )
     recorders: dict[str, HessianRecorder] = {}
     handles = []
     try:
-        for name, module, _ in linears:
-            assert isinstance(module, nn.Linear)
-            recorders[name] = HessianRecorder(module.in_features)
+        for entry in linears:
+            assert isinstance(entry.weighted, nn.Linear)
+            recorder = recorders[entry.name] = HessianRecorder(entry.weighted.in_features)
             handles.append(
-                module.register_forward_pre_hook(recorders[name].pre_hook, with_kwargs=True)
+                entry.module.register_forward_pre_hook(recorder.pre_hook, with_kwargs=True)
             )
         calibrate(model, calibration_data, input_fn=input_fn, max_batches=max_batches,
                   progress=False, sync=False)  # fmt: skip
     finally:
         for handle in handles:
             handle.remove()
-    for name, module, _ in linears:
-        if recorders[name].tokens == 0:
+    for entry in linears:
+        if recorders[entry.name].tokens == 0:
             raise FxQuantError(
-                f"{_where(name, module)}: it received no input in the calibration pass, so "
+                f"{_where(entry)}: it received no input in the calibration pass, so "
                 "GPTQ has nothing to fit; check that calibration_data runs it, or give it "
                 "method='minmax' (or qconfig None)"
             )
@@ -218,14 +253,11 @@ def _record_hessians(
 
 
 def _check_weight_only(
-    name: str,
-    module: nn.Module,
-    qconfig: QConfig,
-    backend_config: BackendConfig,
-    probe: ObserverProbe,
+    entry: _Planned, backend_config: BackendConfig, probe: ObserverProbe
 ) -> None:
-    kind = type(module)
-    where = _where(name, module)
+    qconfig = entry.qconfig
+    kind = type(entry.weighted)
+    where = _where(entry)
     activation = probe(qconfig.activation)
     weight = probe(qconfig.weight)
     if getattr(activation, "dtype", None) != torch.float32 or not is_per_group_observer(weight):
@@ -235,7 +267,7 @@ def _check_weight_only(
             f"{type(weight).__name__}); use quantbridge.qconfig.group_weight_only_qconfig(...) "
             "for it, or set its qconfig to None to keep it float"
         )
-    weight_param = module.weight
+    weight_param = entry.weighted.weight
     assert isinstance(weight_param, torch.Tensor)
     features = int(weight_param.shape[-1])
     if features % weight.group_size:
