@@ -27,7 +27,7 @@ import shutil
 import sys
 import tempfile
 import zipfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import nox
@@ -354,6 +354,22 @@ LLAMA_CPP_CMAKE_ARGS = (
     "-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_EXAMPLES=OFF "
     "-DLLAMA_BUILD_SERVER=OFF"
 )
+# bench_llm ``--isa avx2`` / ``--isa avx_vnni`` (bench_peers' ISA_CAPS): llama.cpp built for
+# that level instead of this CPU, so every column runs the same instructions
+_LLAMA_CPP_AVX2 = "-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON"
+LLAMA_CPP_ISA_ARGS = {
+    "avx2": f"{_LLAMA_CPP_AVX2} -DGGML_AVX_VNNI=OFF -DGGML_AVX512=OFF",
+    "avx_vnni": f"{_LLAMA_CPP_AVX2} -DGGML_AVX_VNNI=ON -DGGML_AVX512=OFF",
+}
+
+
+def _llama_cpp_cmake_args(posargs: Sequence[str]) -> str:
+    """LLAMA_CPP_CMAKE_ARGS, held to the level ``--isa`` names in bench_llm's arguments."""
+    args = list(posargs)
+    isa = args[args.index("--isa") + 1] if "--isa" in args[:-1] else None
+    if isa not in LLAMA_CPP_ISA_ARGS:
+        return LLAMA_CPP_CMAKE_ARGS
+    return LLAMA_CPP_CMAKE_ARGS.replace("-DGGML_NATIVE=ON", LLAMA_CPP_ISA_ARGS[isa])
 
 
 def _llm_optional_peer(
@@ -395,7 +411,7 @@ def _llm_torchao(session: nox.Session) -> str:
     return "torchao installed already (the newest that resolves)"
 
 
-def _llm_llama_cpp_key() -> str:
+def _llm_llama_cpp_key(cmake_args: str) -> str:
     """The version, the CMake arguments and this CPU's flags (a native build)."""
     import platform
 
@@ -403,19 +419,19 @@ def _llm_llama_cpp_key() -> str:
     cpuinfo = Path("/proc/cpuinfo")
     if cpuinfo.exists():
         flags = next((x for x in cpuinfo.read_text().splitlines() if x.startswith("flags")), "")
-    text = "\0".join((LLAMA_CPP_PYTHON, LLAMA_CPP_CMAKE_ARGS, flags, platform.machine()))
+    text = "\0".join((LLAMA_CPP_PYTHON, cmake_args, flags, platform.machine()))
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def _llm_llama_cpp(session: nox.Session, key: str) -> str:
-    """llama-cpp-python built from source for this CPU, its wheel cached in the venv."""
+def _llm_llama_cpp(session: nox.Session, key: str, cmake_args: str) -> str:
+    """llama-cpp-python built from source (``cmake_args``), its wheel cached in the venv."""
     import time
 
     wheels = Path(session.virtualenv.location) / "llama-cpp-wheels" / key
     wheel = next(iter(sorted(wheels.glob("*.whl"))), None)
     if wheel is None:
         session.log(
-            f"building {LLAMA_CPP_PYTHON} from source for this CPU ({LLAMA_CPP_CMAKE_ARGS}): "
+            f"building {LLAMA_CPP_PYTHON} from source ({cmake_args}): "
             "minutes on 2 cores, once (the wheel is kept in the venv)"
         )
         build = wheels.with_name(key + ".tmp")
@@ -425,7 +441,7 @@ def _llm_llama_cpp(session: nox.Session, key: str) -> str:
             "python", "-m", "pip", "wheel", "--no-deps", "--no-binary", "llama-cpp-python",
             "--no-cache-dir", "--wheel-dir", str(build), LLAMA_CPP_PYTHON,
             env={
-                "CMAKE_ARGS": LLAMA_CPP_CMAKE_ARGS,
+                "CMAKE_ARGS": cmake_args,
                 "CMAKE_BUILD_PARALLEL_LEVEL": str(os.cpu_count() or 1),
             },
         )  # fmt: skip
@@ -451,9 +467,13 @@ def bench_llm(session: nox.Session) -> None:
     _install(session, "torch", *PEER_REQUIREMENTS, *LLM_REQUIREMENTS, *_editable(*PACKAGES))
     constraints = hashlib.sha256(CONSTRAINTS.read_bytes()).hexdigest()
     _llm_optional_peer(session, "torchao", constraints, lambda: _llm_torchao(session))
-    key = _llm_llama_cpp_key()
+    cmake_args = _llama_cpp_cmake_args(session.posargs)
+    key = _llm_llama_cpp_key(cmake_args)
     _llm_optional_peer(
-        session, "llama-cpp-python", f"{constraints}-{key}", lambda: _llm_llama_cpp(session, key)
+        session,
+        "llama-cpp-python",
+        f"{constraints}-{key}",
+        lambda: _llm_llama_cpp(session, key, cmake_args),
     )
     session.run(
         "python", str(ROOT / "packages" / "lowering" / "bench" / "bench_llm.py"), *session.posargs

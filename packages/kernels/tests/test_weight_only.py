@@ -478,3 +478,25 @@ def test_fuzz_pack(codes, scales, zero_points, bits, group_size):
     zp = 0 if zero_points is None else np.repeat(zero_points.astype(np.int16), group_size, 1)
     want = (codes.astype(np.int16) - zp).astype(F32) * np.repeat(scales, group_size, axis=1)
     assert_bytes_equal(packed.dequantize(), want)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("min_code", [False, True], ids=["codes_above_-128", "code_-128"])
+def test_symmetric_8bit_with_and_without_the_code_minus_128(target, min_code):
+    """8-bit symmetric codes in [-127, 127] (what the qconfigs make; random codes elsewhere
+    in this file nearly always hold -128), and the same with one -128."""
+    rng = np.random.default_rng(11)
+    n, k = 21, 128
+    codes = rng.integers(-127, 128, (n, k)).astype(np.int8)
+    codes[3, :32] = 127
+    codes[4, 32:64] = -127
+    if min_code:
+        codes[5, 70] = -128
+    scales = rng.uniform(0.001, 0.05, (n, k // 32)).astype(F32)
+    packed = pack_group_weight(codes, scales, None, bits=8, group_size=32, target=target)
+    x = rng.standard_normal((5, k)).astype(F32)
+    x[1, :32] = -np.abs(x[1, :32])  # every code of a group negative: -127 after rounding
+    x[2, 32:64] = np.abs(x[2, 32:64])
+    for rows in (x, x[:1]):  # prefill blocks and the decode row
+        assert_bytes_equal(linear_weight_only(rows, packed),
+                           reference(rows, codes, scales, None, 32))  # fmt: skip

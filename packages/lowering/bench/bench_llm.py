@@ -100,8 +100,8 @@ from pathlib import Path
 from typing import Any, Protocol
 
 # bench_peers applies ``--isa`` (its ISA_CAPS) when imported, before numba and the runtimes
-# load; llama.cpp is compiled for this CPU (``-DGGML_NATIVE=ON``): its column keeps the host's
-# ISA.
+# load; ``nox -s bench_llm`` builds llama.cpp for that level (``-DGGML_NATIVE=OFF`` and the
+# level's flags) instead of for this CPU.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import numpy as np
 import torch
@@ -1175,8 +1175,8 @@ def main() -> int:
     parser.add_argument(
         "--isa",
         choices=sorted(ISA_CAPS),
-        help="cap torch, OpenVINO and quantbridge at this instruction set (llama.cpp is "
-        "compiled for this CPU and keeps its instructions)",
+        help="cap torch, OpenVINO and quantbridge at this instruction set; under nox, "
+        "llama.cpp is built for it too",
     )
     args = parser.parse_args()
     args.openvino_config = dict(kv.split("=", 1) for kv in args.openvino_config)
