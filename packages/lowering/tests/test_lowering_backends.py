@@ -123,6 +123,11 @@ def test_numba_qconfig_mapping_activations_are_torch_ao_x86_on_avx2(target: str)
         weight = qconfig.weight()
         assert weight.dtype == torch.qint8 or weight.dtype == torch.int8
         assert (weight.quant_min, weight.quant_max) == (-127, 127)
+        # transformer mappings keep 8-bit activations on every target
+        transformer = backend.qconfig_mapping(qat=qat, transformer=True).global_qconfig
+        assert transformer is not None
+        act = transformer.activation()
+        assert (act.activation_post_process if qat else act).reduce_range is False
 
 
 @pytest.mark.parametrize("qat", [False, True])

@@ -240,7 +240,9 @@ class NumbaBackend(Backend):
         ``transformer=True``: the same, with elementwise add / sub / mul / div, the norms and
         ``torch.cat`` kept float (None), so the residual stream, LayerNorm and the
         attention-mask arithmetic (``(1 - mask) * finfo.min`` added to the scores) are never
-        observed: Linears, the attention matmuls and activations stay int8.
+        observed: Linears, the attention matmuls and activations stay int8. Activations keep
+        8 bits on every target: on ``avx2`` a trained-like BERT's embeddings reach 37.4 dB
+        against 34.5 dB with 7 bits, for 3 % more time.
 
         ``weight_only=True``: weight-only quantization by groups (decoder LLMs; see
         ``quantize_weights``): every ``nn.Linear`` gets ``group_weight_only_qconfig(
@@ -260,8 +262,9 @@ class NumbaBackend(Backend):
         symmetric. ``activation_bits`` (static and QAT): 8 (``reduce_range=False``) or 7
         (``reduce_range=True``: scale and zero point from [0, 127], as torch.ao's x86
         defaults; codes past 127 still occur for values past the calibrated range). None
-        picks, on the ``avx2`` target, 8-bit weights with 7-bit activations (dynamic: 7-bit
-        weights, the activations' codes span all 8 bits) and elsewhere 8 and 8.
+        picks, on the ``avx2`` target, 8-bit weights with 7-bit activations (transformer
+        mappings: 8-bit activations; dynamic: 7-bit weights, the activations' codes span all
+        8 bits) and elsewhere 8 and 8.
 
         Why: CPUs without VNNI multiply with ``vpmaddubsw``, which adds two uint8 x int8
         products in 16 bits. It is exact for every pair with 7-bit weights, and for a pair of
@@ -314,7 +317,7 @@ class NumbaBackend(Backend):
                 mapping.set_object_type(module, dyn)
             return mapping
         bits = _bits("weight_bits", weight_bits, 8)
-        narrow = self.target == "avx2" and bits == 8
+        narrow = self.target == "avx2" and bits == 8 and not transformer
         act_bits = _bits("activation_bits", activation_bits, 7 if narrow else 8)
         mapping = self._default_mapping(qat, bits, act_bits)
         if transformer:
