@@ -24,6 +24,7 @@ import quantbridge.lowering as L
 from quantbridge.fx_quant import (
     SmoothQuantConfig,
     calibrate,
+    explain,
     keep_outlier_channels_float,
     prepare_fx,
     smooth_quant,
@@ -103,6 +104,12 @@ def test_trained_statistics_need_the_outlier_split() -> None:
         assert isinstance(getattr(attention, name), OutlierSplitLinear), name
     fc1 = split.get_submodule("encoder.layers.encoder_layer_0.mlp.0")
     assert isinstance(fc1, OutlierSplitLinear)
+    backend_config = backend.backend_config
+    prepared = prepare_fx(split, mapping, _calibration()[0], backend_config=backend_config)
+    # explain names the rule: q, k and v's results observed, in every layer
+    splits = [row for row in explain(prepared) if "outlier split" in row.reason]
+    assert len(splits) == 3 * SMALL["layers"]
+    assert {row.status for row in splits} == {"quantized"}
     lowered = _lowered(split, mapping)
     recipe = _sqnr(lowered, model)
     done = " ".join(what for _, what in L.lowering_report(lowered).lowered)

@@ -497,6 +497,12 @@ def _capture_with_export(
     return lifted.graph_module, lifted.scope, swapped
 
 
+_SPLIT_OUTPUT = (
+    "an outlier split's result: observed with its Linear's activation observer, as it feeds "
+    "an attention core that runs on codes"
+)
+
+
 def _outlier_split_outputs(gm: GraphModule, scope: dict[str, tuple[str, Any]]) -> set[str]:
     """The nodes that return an ``OutlierSplitLinear``'s result: made in its scope, read
     only outside it."""
@@ -636,6 +642,8 @@ def _decisions(
         if node.name in integer_nodes:
             dtype = str(integer_nodes[node.name]).removeprefix("torch.")
             status, reason = "float", f"{_INTEGER_DATA} ({dtype})"
+        elif qconfig is None and node.name in observed:  # observe_split_output's
+            status, reason = "quantized", _SPLIT_OUTPUT
         elif qconfig is None:
             status, reason = "float", f"qconfig is None ({rule})"
         elif node.name not in observed and no_tensors(node):
