@@ -330,3 +330,16 @@ class _Skips(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out: torch.Tensor = self.used(x)
         return out
+
+
+def test_fitted_codes_are_checked() -> None:
+    module = GroupQuantizedLinear(64, 4, False, 32, "per_group_symmetric", -8, 7)
+    scale, zp = torch.ones(4, 2), torch.zeros(4, 2, dtype=torch.int32)
+    with pytest.raises(FxQuantError, match=r"lie in \[-8, 7\]"):
+        module.set_codes(torch.full((4, 64), 8, dtype=torch.int8), scale, zp)
+    with pytest.raises(FxQuantError, match=r"codes must be torch\.int8"):
+        module.set_codes(torch.zeros(4, 64, dtype=torch.uint8), scale, zp)
+    with pytest.raises(FxQuantError, match="qparams must be"):
+        module.set_codes(torch.zeros(4, 64, dtype=torch.int8), scale[:, :1], zp)
+    module.set_codes(torch.full((4, 64), -8, dtype=torch.int8), scale, zp)
+    assert torch.equal(module.dequantized_rows(), torch.full((4, 64), -8.0))

@@ -20,8 +20,8 @@ Dead inputs (``H_jj = 0``: the feature was 0 on every calibration token) are han
 paper's code does: ``H_jj = 1`` and the weights of that feature set to 0 before quantizing.
 ``H`` is accumulated in float32 (one ``[features, features]`` matrix per Linear, summed with
 ``addmm``); the damping, the Cholesky factorizations and the error updates run in float64,
-the rounding itself in float32 with the reference module's own quantize op, so the codes are
-exactly those ``GroupQuantizedLinear.set_weight`` gives for the dequantized result.
+the rounding itself in float32 with the reference module's own quantize op; the module takes
+the codes as they are (``GroupQuantizedLinear.from_float(..., fitted)``).
 """
 
 from __future__ import annotations
@@ -187,21 +187,5 @@ def gptq_linear(
             "fit; check that calibration_data runs it, or give it method='minmax' (or None)"
         )
     hessian = recorder.hessian / recorder.tokens
-    codes, scale, zero_point = gptq_quantize(linear.weight, hessian, observer, where)
-    module = GroupQuantizedLinear(
-        linear.in_features, linear.out_features, linear.bias is not None,
-        observer.group_size, observer.qscheme, observer.quant_min, observer.quant_max,
-    )  # fmt: skip
-    group = module.group_size
-    with torch.no_grad():
-        dequantized = _ops.dequantize_per_channel(
-            codes.reshape(-1, group), scale.reshape(-1), zero_point.reshape(-1), 0,
-            module.quant_min, module.quant_max, module.code_dtype,
-        ).reshape(codes.shape)  # fmt: skip
-        module.to(codes.device)
-        module.set_weight(dequantized, scale, zero_point)
-        if not torch.equal(module.weight_codes, codes):  # quantize(dequantize(q)) must be q
-            raise FxQuantError(f"{where}: GPTQ's codes did not survive set_weight (a bug)")
-        if linear.bias is not None and module.bias is not None:
-            module.bias.copy_(linear.bias.detach())
-    return module.to(linear.weight.device)
+    fitted = gptq_quantize(linear.weight, hessian, observer, where)
+    return GroupQuantizedLinear.from_float(linear, observer, fitted)

@@ -75,26 +75,48 @@ class GroupQuantizedWeight(nn.Module):
     ) -> None:
         """Quantize ``weight`` with the observer's ``scale`` / ``zero_point`` ([rows, groups])."""
         rows, features = self.weight_codes.shape
-        groups = features // self.group_size
         if tuple(weight.shape) != (rows, features):
             raise FxQuantError(
                 f"{type(self).__name__}: weight shape {tuple(weight.shape)} != {(rows, features)}"
             )
-        if tuple(scale.shape) != (rows, groups) or tuple(zero_point.shape) != (rows, groups):
-            raise FxQuantError(
-                f"{type(self).__name__}: qparams must be [{rows}, {groups}], got scale "
-                f"{tuple(scale.shape)} and zero_point {tuple(zero_point.shape)}"
-            )
-        flat_scale = scale.detach().reshape(-1).to(torch.float32)
-        flat_zp = zero_point.detach().reshape(-1).to(torch.int32)
+        flat_scale, flat_zp = self._flat_qparams(scale, zero_point)
         with torch.no_grad():
             codes = _ops.quantize_per_channel(
                 weight.detach().to(torch.float32).reshape(-1, self.group_size),
                 flat_scale, flat_zp, 0, self.quant_min, self.quant_max, self.code_dtype,
             )  # fmt: skip
-            self.weight_codes.copy_(codes.reshape(rows, features))
-            self.weight_scale.copy_(flat_scale.reshape(rows, groups))
-            self.weight_zero_point.copy_(flat_zp.reshape(rows, groups))
+        self.set_codes(codes.reshape(rows, features), scale, zero_point)
+
+    def set_codes(self, codes: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor) -> None:
+        """Take ``codes`` ([rows, features], this module's code dtype and range) with their
+        ``scale`` / ``zero_point`` ([rows, groups]) as they are (GPTQ chooses its own)."""
+        rows, features = self.weight_codes.shape
+        where = type(self).__name__
+        if tuple(codes.shape) != (rows, features) or codes.dtype != self.code_dtype:
+            raise FxQuantError(
+                f"{where}: codes must be {self.code_dtype} {[rows, features]}, got "
+                f"{codes.dtype} {list(codes.shape)}"
+            )
+        if bool((codes < self.quant_min).any() | (codes > self.quant_max).any()):
+            raise FxQuantError(f"{where}: codes must lie in [{self.quant_min}, {self.quant_max}]")
+        flat_scale, flat_zp = self._flat_qparams(scale, zero_point)
+        with torch.no_grad():
+            self.weight_codes.copy_(codes)
+            self.weight_scale.copy_(flat_scale.reshape(self.weight_scale.shape))
+            self.weight_zero_point.copy_(flat_zp.reshape(self.weight_zero_point.shape))
+
+    def _flat_qparams(
+        self, scale: torch.Tensor, zero_point: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``scale`` (float32) and ``zero_point`` (int32), checked to be [rows, groups], flat."""
+        want = tuple(self.weight_scale.shape)
+        if tuple(scale.shape) != want or tuple(zero_point.shape) != want:
+            raise FxQuantError(
+                f"{type(self).__name__}: qparams must be {list(want)}, got scale "
+                f"{list(scale.shape)} and zero_point {list(zero_point.shape)}"
+            )
+        flat_scale = scale.detach().reshape(-1).to(torch.float32)
+        return flat_scale, zero_point.detach().reshape(-1).to(torch.int32)
 
     def dequantized_rows(self, rows: torch.Tensor | None = None) -> torch.Tensor:
         """The float weight (or the ``rows`` of it), ``(code - zero_point) * scale``."""
@@ -149,15 +171,25 @@ class GroupQuantizedLinear(GroupQuantizedWeight):
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
 
     @classmethod
-    def from_float(cls, linear: nn.Linear, observer: Any) -> GroupQuantizedLinear:
-        """From ``linear`` and its per-group weight observer (run here on the weight)."""
-        observer(linear.weight.detach())
-        scale, zero_point = observer.calculate_qparams()
+    def from_float(
+        cls,
+        linear: nn.Linear,
+        observer: Any,
+        fitted: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    ) -> GroupQuantizedLinear:
+        """From ``linear`` and its per-group weight observer (run here on the weight), or
+        with ``fitted`` codes, scale and zero point chosen elsewhere (GPTQ) for that
+        observer's scheme and range."""
         module = cls(
             linear.in_features, linear.out_features, linear.bias is not None,
             observer.group_size, observer.qscheme, observer.quant_min, observer.quant_max,
         )  # fmt: skip
-        module.set_weight(linear.weight, scale, zero_point)
+        if fitted is None:
+            observer(linear.weight.detach())
+            scale, zero_point = observer.calculate_qparams()
+            module.set_weight(linear.weight, scale, zero_point)
+        else:
+            module.to(fitted[0].device).set_codes(*fitted)
         if linear.bias is not None and module.bias is not None:
             with torch.no_grad():
                 module.bias.copy_(linear.bias.detach())
