@@ -569,6 +569,25 @@ def test_depthwise_large_plane_two_threads(target, stride, monkeypatch):
         np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_depthwise_plan_takes_read_only_and_writeable_input(target, threads, monkeypatch):
+    # a plan calls its driver's compiled entry point, one per type of x: numba types a
+    # read-only array apart, and channels-last input reaches the driver as it is
+    monkeypatch.setattr(depthwise_module, "PARALLEL_MIN_MACS", 1)
+    rng = np.random.default_rng(threads)
+    x = _channels_last(rng.integers(0, 256, (1, 72, 12, 12), dtype=np.uint8))
+    frozen = x.copy(order="K")
+    frozen.flags.writeable = False
+    w = rng.integers(-100, 100, (72, 1, 3, 3), dtype=np.int8)
+    packed = PackedConvWeight(w, 0.01, 0, None, padding=1, groups=72, target=target)
+    want = reference_conv2d(x, 0.03, 7, w, 0.01, 0, None, 0.1, 3, (1, 1), (1, 1), (1, 1), 72)
+    for v in (x, frozen, x, frozen):
+        got = conv2d(v, packed, 0.03, 7, 0.1, 3, num_threads=threads)
+        np.testing.assert_array_equal(got, want)
+    assert len(packed._plans) == 1  # one plan ran both
+
+
 def test_depthwise_bad_input():
     packed = PackedConvWeight(np.ones((16, 1, 3, 3), np.int8), 0.1, groups=16, padding=1)
     assert packed.depthwise

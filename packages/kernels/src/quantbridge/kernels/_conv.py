@@ -34,11 +34,11 @@ from quantbridge.kernels import _depthwise as depthwise_module
 from quantbridge.kernels._block_kernels import block_lanes
 from quantbridge.kernels._checks import check_array, check_zero_point
 from quantbridge.kernels._depthwise import DRIVERS as DEPTHWISE_DRIVERS
-from quantbridge.kernels._depthwise import MAX_TAPS
-from quantbridge.kernels._dw_simd import LANES
+from quantbridge.kernels._depthwise import MAX_TAPS, DwGeometry
+from quantbridge.kernels._dw_simd import LANES, DwOutput, DwWeights
 from quantbridge.kernels._dw_vnni import CHANNELS as VNNI_CHANNELS
 from quantbridge.kernels._dw_vnni import GROUPS as VNNI_GROUPS
-from quantbridge.kernels._dw_vnni import permuted_order, split_weights
+from quantbridge.kernels._dw_vnni import Dw64Weights, permuted_order, split_weights
 from quantbridge.kernels._elementwise import _add_params, add_relu
 from quantbridge.kernels._elementwise import add as add_plain
 from quantbridge.kernels._epilogue_lut import NO_LUT, epilogue_lut
@@ -54,6 +54,7 @@ from quantbridge.kernels._gemm_simd import drive_vnni_u8t, serial_vnni_u8t
 from quantbridge.kernels._layout import InputLayout, InputPlan, channels_last_data
 from quantbridge.kernels._linear import PackedLinearWeight, _fast_zp
 from quantbridge.kernels._lut import apply_lut, apply_table, table_as_pass
+from quantbridge.kernels._numba_compat import compiled_entry_point
 from quantbridge.kernels._pack import (
     K_ALIGN,
     kernel_family,
@@ -598,22 +599,28 @@ def _depthwise_plan(packed: PackedConvWeight, geo: _Geometry, epi: _Epilogue) ->
     rows = n * oh
     serial, parallel = DEPTHWISE_DRIVERS[packed.target]
     if threads > 1 and rows * ow * c * packed.kh * packed.kw >= depthwise_module.PARALLEL_MIN_MACS:
-        drv, per_task = with_threads(parallel, threads), -(-rows // (4 * threads))
+        driver, per_task = parallel, -(-rows // (4 * threads))
     else:
-        drv, per_task = serial, rows
-    kh, kw = packed.kh, packed.kw
-    weights, cp = packed._dw_weight, packed._dw_cp
-    c64, w8 = packed._dw_c64, packed._dw_w8
-    acc0 = np.zeros(0, np.int32)
-    biasq64, mult64 = biasq[:0], mult[:0]
-    if c64:  # the 64-channel blocks' constants, in their accumulators' channel order
-        order = packed._dw_order
-        acc0 = (-a_zp * packed._dw_wsum[order]).astype(np.int32)  # exact: below 2**24
-        biasq64, mult64 = biasq[order], mult[order]
+        driver, per_task = serial, rows
+    threaded = driver is parallel
     xh, xw, xph, xpw = (hp, wp, 0, 0) if pad else (h, w, ph, pw)
-    zpf = float(a_zp)  # a Python float: numba's dispatcher types it faster than np.float32
+    geometry = DwGeometry(n, xh, xw, c, oh, ow, packed.kh, packed.kw, sh, sw, dh, dw, xph, xpw)
+    weights = DwWeights(packed._dw_weight, packed._dw_cp, corr, biasq, mult)
+    # the 64-channel blocks' constants, in their accumulators' channel order (none: empty)
+    c64 = packed._dw_c64
+    order = packed._dw_order if c64 else np.zeros(0, np.int64)
+    acc0 = (-a_zp * packed._dw_wsum[order]).astype(np.int32)  # exact: below 2**24
+    weights64 = Dw64Weights(
+        c64, packed._dw_group, packed._dw_w8, 4 * c64, acc0, biasq[order], mult[order]
+    )
     # with VBMI a pass over the output beats the driver's byte-by-byte row lookup (~20x)
     drive_table = NO_LUT if table_as_pass(table) else table
+    output = DwOutput(o_zp, qmin, qmax, drive_table)
+    zpf = float(a_zp)  # the input zero point as the float kernels subtract it
+    # x writeable (the one argument whose type can change) -> the driver's compiled entry,
+    # found through numba's dispatcher by the first call: later calls skip its type dispatch,
+    # slow for records (~1 us a call)
+    entries: dict[bool, Any] = {}
 
     def run(x4: npt.NDArray[np.uint8], _fused: Any) -> npt.NDArray[np.uint8]:
         if cl:
@@ -629,15 +636,20 @@ def _depthwise_plan(packed: PackedConvWeight, geo: _Geometry, epi: _Epilogue) ->
                 nhwc.reshape(-1), n, h, w, 1, c, c, ph, pw, wp, hp, a_zp, padded.reshape(-1)
             )
             nhwc = padded
-        out = np.empty((n, oh, ow, c), np.uint8)
-        drv(
-            nhwc.reshape(-1), n, xh, xw, c, oh, ow, kh, kw, sh, sw, dh, dw, xph, xpw, weights,
-            cp, corr, biasq, mult, zpf, o_zp, qmin, qmax, drive_table, out.reshape(-1),
-            per_task, c64, w8, 4 * c64, acc0, biasq64, mult64, packed._dw_group,
-        )  # fmt: skip
+        out = np.empty(n * oh * ow * c, np.uint8)  # NHWC
+        args = (nhwc.reshape(-1), zpf, geometry, weights, weights64, output, out, per_task)
+        writeable = nhwc.flags.writeable
+        entry = entries.get(writeable)
+        if entry is not None:
+            entry(*args)
+        else:
+            (with_threads(driver, threads) if threaded else driver)(*args)
+            entry = compiled_entry_point(driver, args)
+            if entry is not None:  # None after a dry run's record (targets/dry_run.py)
+                entries[writeable] = with_threads(entry, threads) if threaded else entry
         if drive_table is not table:  # VBMI: the table as one pass over the output
-            apply_table(out.reshape(-1), table, out.reshape(-1), threads)
-        return _to_nchw(out, channels_last)
+            apply_table(out, table, out, threads)
+        return _to_nchw(out.reshape(n, oh, ow, c), channels_last)
 
     return run
 

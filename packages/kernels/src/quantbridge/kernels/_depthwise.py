@@ -26,11 +26,16 @@ pass at all when there is none.
 
 Threads: output rows are split into tasks run by ``prange`` when the conv has at least
 ``PARALLEL_MIN_MACS`` multiply-adds; smaller ones run serially (no parallel-region launch).
+
+A driver takes the conv as named records (NamedTuples, which numba passes as their fields),
+made once per call plan: ``DwGeometry``, the float kernels' ``DwWeights`` (``_dw_simd.py``),
+the 64-channel kernels' ``Dw64Weights`` (``_dw_vnni.py``) and the ``DwOutput`` rule.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from enum import IntEnum
+from typing import Any, NamedTuple
 
 import numpy as np
 from numba import njit, prange
@@ -56,6 +61,36 @@ MAX_TAPS = 256
 # --crossover`` (kernels README, Threads) on this AMD Zen 3: 2 threads break even at ~170K
 # multiply-adds and gain 1.1-1.4x from ~0.7M.
 PARALLEL_MIN_MACS = 1 << 19
+
+
+class DwGeometry(NamedTuple):
+    """The conv a driver runs: input ``[n, h, w, c]`` and output ``[n, oh, ow, c]`` (flat
+    NHWC), kernel ``kh x kw``, stride, dilation and padding (0 on a zero-point-padded copy)."""
+
+    n: int
+    h: int
+    w: int
+    c: int
+    oh: int
+    ow: int
+    kh: int
+    kw: int
+    sh: int
+    sw: int
+    dh: int
+    dw: int
+    ph: int
+    pw: int
+
+
+class Interior(IntEnum):
+    """Which block kernels run a row's interior pixels: kernel width and stride along W."""
+
+    NONE = 0  # no block kernel: every pixel takes the tap-list path
+    K3_S1 = 1
+    K3_S2 = 2
+    K5_S1 = 3
+    K5_S2 = 4
 
 
 @njit(cache=True, nogil=True)
@@ -91,9 +126,10 @@ def _make_row(kw: int, sw: int, wide: int) -> Any:
     lanes = LANES
 
     def row(  # type: ignore[no-untyped-def]  # numba types the arguments
-        x, xrow, pw, c, cs, c16, c8, rowstep, kh, wf, cp, corr, biasq, mult, ozp, qmin, qmax,
-        out, obase, lo, hi,
+        x, xrow, geo, cs, c16, c8, weights, output, out, obase, lo, hi,
     ):  # fmt: skip
+        c, kh, pw = geo.c, geo.kh, geo.pw
+        rowstep = geo.dh * geo.w * c
         nbig, nalt, rem = _split_run(hi - lo, big, alt)
         # the three loops stay written out: one compiled helper per block size, called three
         # times, measured 3 % slower over the 13 shapes above
@@ -101,36 +137,30 @@ def _make_row(kw: int, sw: int, wide: int) -> Any:
             ox = min(lo + t * big, hi - big)
             xb, ob = xrow + (ox * sw - pw) * c, obase + ox * c
             for c0 in range(cs, c16, wide):
-                dw_block(wbig, x, xb + c0, rowstep, c, kh, wf, cp, c0, corr, biasq, mult,
-                         ozp, qmin, qmax, out, ob + c0)  # fmt: skip
+                dw_block(wbig, x, xb + c0, rowstep, c, kh, weights, c0, output, out, ob + c0)
             for c0 in range(c16, c8, lanes):
-                dw_block(kbig, x, xb + c0, rowstep, c, kh, wf, cp, c0, corr, biasq, mult,
-                         ozp, qmin, qmax, out, ob + c0)  # fmt: skip
+                dw_block(kbig, x, xb + c0, rowstep, c, kh, weights, c0, output, out, ob + c0)
         start = lo + nbig * big
         for t in range(nalt):
             ox = min(start + t * alt, hi - alt)
             xb, ob = xrow + (ox * sw - pw) * c, obase + ox * c
             for c0 in range(cs, c16, wide):
-                dw_block(walt, x, xb + c0, rowstep, c, kh, wf, cp, c0, corr, biasq, mult,
-                         ozp, qmin, qmax, out, ob + c0)  # fmt: skip
+                dw_block(walt, x, xb + c0, rowstep, c, kh, weights, c0, output, out, ob + c0)
             for c0 in range(c16, c8, lanes):
-                dw_block(kalt, x, xb + c0, rowstep, c, kh, wf, cp, c0, corr, biasq, mult,
-                         ozp, qmin, qmax, out, ob + c0)  # fmt: skip
+                dw_block(kalt, x, xb + c0, rowstep, c, kh, weights, c0, output, out, ob + c0)
         for ox in range(hi - rem, hi):
             xb, ob = xrow + (ox * sw - pw) * c, obase + ox * c
             for c0 in range(cs, c16, wide):
-                dw_block(wone, x, xb + c0, rowstep, c, kh, wf, cp, c0, corr, biasq, mult,
-                         ozp, qmin, qmax, out, ob + c0)  # fmt: skip
+                dw_block(wone, x, xb + c0, rowstep, c, kh, weights, c0, output, out, ob + c0)
             for c0 in range(c16, c8, lanes):
-                dw_block(kone, x, xb + c0, rowstep, c, kh, wf, cp, c0, corr, biasq, mult,
-                         ozp, qmin, qmax, out, ob + c0)  # fmt: skip
+                dw_block(kone, x, xb + c0, rowstep, c, kh, weights, c0, output, out, ob + c0)
 
     row.__name__ = row.__qualname__ = f"depthwise_row{wide}_{kw}x{kw}_s{sw}"
     return njit(cache=True, nogil=True)(row)
 
 
 def _make_row64(kw: int, sw: int, group: int) -> Any:
-    """``_make_row`` for channels ``0..c64-1`` through the ``vpdpbusd`` kinds of
+    """``_make_row`` for channels ``0..weights64.channels-1`` through the ``vpdpbusd`` kinds of
     ``_dw_vnni.py``, with their own block sizes. ``group`` > 1 (stride 1, C = 64 / group): a
     vector holds ``group`` pixels, blocks are counted in vectors, and a run that does not end
     on a whole vector ends with one vector moved back to ``hi`` (the run has at least
@@ -141,36 +171,33 @@ def _make_row64(kw: int, sw: int, group: int) -> Any:
     gbig, galt = big * group, alt * group
 
     def row64(  # type: ignore[no-untyped-def]  # numba types the arguments
-        x, xrow, pw, c, c64, rowstep, kh, w8, cp4, acc0, biasq, mult, ozp, qmin, qmax, out,
-        obase, lo, hi,
+        x, xrow, geo, weights64, output, out, obase, lo, hi,
     ):  # fmt: skip
+        c, kh, pw = geo.c, geo.kh, geo.pw
+        rowstep = geo.dh * geo.w * c
         nv = (hi - lo) // group
         end = lo + nv * group  # where the whole vectors end
         nbig, nalt, rem = _split_run(nv, big, alt)
         start = lo + nbig * gbig
         # blocks of 64 channels outermost: a block's weights (12 vectors for 3x3) stay in L1
         # along the row (measured no faster or slower than pixels outermost, 960x7x7 included)
-        for c0 in range(0, c64, step):
+        for c0 in range(0, weights64.channels, step):
             for t in range(nbig):
                 ox = min(lo + t * gbig, end - gbig)
                 xb, ob = xrow + (ox * sw - pw) * c + c0, obase + ox * c + c0
-                dw64_block(kbig, x, xb, rowstep, c, kh, w8, cp4, c0, acc0, biasq, mult, ozp,
-                           qmin, qmax, out, ob)  # fmt: skip
+                dw64_block(kbig, x, xb, rowstep, c, kh, weights64, c0, output, out, ob)
             for t in range(nalt):
                 ox = min(start + t * galt, end - galt)
                 xb, ob = xrow + (ox * sw - pw) * c + c0, obase + ox * c + c0
-                dw64_block(kalt, x, xb, rowstep, c, kh, w8, cp4, c0, acc0, biasq, mult, ozp,
-                           qmin, qmax, out, ob)  # fmt: skip
+                dw64_block(kalt, x, xb, rowstep, c, kh, weights64, c0, output, out, ob)
             for v in range(rem):
                 ox = end - (rem - v) * group
                 xb, ob = xrow + (ox * sw - pw) * c + c0, obase + ox * c + c0
-                dw64_block(kone, x, xb, rowstep, c, kh, w8, cp4, c0, acc0, biasq, mult, ozp,
-                           qmin, qmax, out, ob)  # fmt: skip
+                dw64_block(kone, x, xb, rowstep, c, kh, weights64, c0, output, out, ob)
             if end < hi:
                 ox = hi - group
                 xb, ob = xrow + (ox * sw - pw) * c + c0, obase + ox * c + c0
-                dw64_block(kone, x, xb, rowstep, c, kh, w8, cp4, c0, acc0, biasq, mult, ozp,
-                           qmin, qmax, out, ob)  # fmt: skip
+                dw64_block(kone, x, xb, rowstep, c, kh, weights64, c0, output, out, ob)
 
     suffix = "" if group == 1 else f"_g{group}"
     row64.__name__ = row64.__qualname__ = f"depthwise_row64_{kw}x{kw}_s{sw}{suffix}"
@@ -189,32 +216,52 @@ _ROWS_16 = tuple(_make_row(kw, sw, WIDE_LANES) for kw, sw in BLOCK_PIXELS)
 
 
 @njit(cache=True, nogil=True)
-def _vnni_interior(spec, group, args64):  # type: ignore[no-untyped-def]  # numba types them
-    """The 64-channel ``vpdpbusd`` blocks of a row's interior (``spec``: see the driver)."""
-    if group == 2:  # stride 1 (spec 1 or 3)
-        if spec == 1:
-            _row32_3s1(*args64)
-        else:
-            _row32_5s1(*args64)
-    elif spec == 1:
-        _row64_3s1(*args64)
-    elif spec == 2:
-        _row64_3s2(*args64)
-    elif spec == 3:
-        _row64_5s1(*args64)
-    else:
-        _row64_5s2(*args64)
+def _interior(geo):  # type: ignore[no-untyped-def]  # numba types the argument
+    """The block kernels of ``geo``'s interior pixels (none with a dilation along W)."""
+    if geo.dw != 1:
+        return Interior.NONE
+    if geo.kw == 3 and geo.sw == 1:
+        return Interior.K3_S1
+    if geo.kw == 3 and geo.sw == 2:
+        return Interior.K3_S2
+    if geo.kw == 5 and geo.sw == 1:
+        return Interior.K5_S1
+    if geo.kw == 5 and geo.sw == 2:
+        return Interior.K5_S2
+    return Interior.NONE
 
 
 @njit(cache=True, nogil=True)
-def _no_vnni_interior(spec, group, args64):  # type: ignore[no-untyped-def]  # numba types them
+def _vnni_interior(  # type: ignore[no-untyped-def]  # numba types them
+    interior, x, xrow, geo, weights64, output, out, obase, lo, hi,
+):  # fmt: skip
+    """The 64-channel ``vpdpbusd`` blocks of a row's interior."""
+    if weights64.group == 2:  # stride 1
+        if interior == Interior.K3_S1:
+            _row32_3s1(x, xrow, geo, weights64, output, out, obase, lo, hi)
+        else:
+            _row32_5s1(x, xrow, geo, weights64, output, out, obase, lo, hi)
+    elif interior == Interior.K3_S1:
+        _row64_3s1(x, xrow, geo, weights64, output, out, obase, lo, hi)
+    elif interior == Interior.K3_S2:
+        _row64_3s2(x, xrow, geo, weights64, output, out, obase, lo, hi)
+    elif interior == Interior.K5_S1:
+        _row64_5s1(x, xrow, geo, weights64, output, out, obase, lo, hi)
+    else:
+        _row64_5s2(x, xrow, geo, weights64, output, out, obase, lo, hi)
+
+
+@njit(cache=True, nogil=True)
+def _no_vnni_interior(  # type: ignore[no-untyped-def]  # numba types them
+    interior, x, xrow, geo, weights64, output, out, obase, lo, hi,
+):  # fmt: skip
     """Targets without AVX-512 VNNI: their packed weights have no 64-channel blocks."""
 
 
 @njit(cache=True, nogil=True)
-def _no_vnni_taps(  # type: ignore[no-untyped-def]  # numba types the arguments
-    x, base, aoffs, ains, ntap, w8, cp4, c0, acc0, biasq, mult, xzp, ozp, qmin, qmax, out, obase
-):
+def _no_vnni_taps(  # type: ignore[no-untyped-def]  # numba types them
+    x, base, aoffs, ains, ntap, weights64, c0, xzp, output, out, obase,
+):  # fmt: skip
     """Targets without AVX-512 VNNI: their packed weights have no 64-channel blocks."""
 
 
@@ -229,35 +276,29 @@ def _make_driver(vnni: bool, parallel: bool) -> Any:
     row_3s1, row_3s2, row_5s1, row_5s2 = _ROWS_16 if vnni else _ROWS_8
 
     def driver(  # type: ignore[no-untyped-def]  # numba types the arguments
-        x, n, h, w, c, oh, ow, kh, kw, sh, sw, dh, dw, ph, pw,
-        wf, cp, corr, biasq, mult, zpf, ozp, qmin, qmax, lut, out, rows_per_task,
-        c64, w8, cp4, acc0, biasq64, mult64, group,
+        x, zpf, geo, weights, weights64, output, out, rows_per_task,
     ):  # fmt: skip
-        """``out`` [N*OH*OW*C] from ``x`` [N*H*W*C] (both flat NHWC uint8).
+        """``out`` [N*OH*OW*C] from ``x`` [N*H*W*C] (both flat NHWC uint8, ``geo`` a
+        ``DwGeometry``), ``zpf`` the input zero point as a float.
 
-        Codes are clamped to ``[qmin, qmax]``, then mapped through ``lut`` (uint8[256], a fused
-        activation, ``_epilogue_lut.py``) unless it is empty. On the VNNI target the interior
-        blocks run 16 channels per vector.
-        ``c64`` (0, or a multiple of 64 on the VNNI target): the interior of channels
-        ``0..c64-1`` runs the 64-channel ``vpdpbusd`` blocks, with ``w8`` (``split_weights``, a
-        tap every ``cp4`` bytes) and ``acc0``, ``biasq64``, ``mult64`` in their channel order.
-        ``group`` > 1 (C = 64 / group, stride 1, ``c64`` = 64): those blocks carry ``group``
-        pixels a vector, the constants repeated per pixel; border pixels stay on the float
-        kernels.
+        Codes are clamped to ``output``'s ``[qmin, qmax]``, then mapped through its ``lut``
+        (uint8[256], a fused activation, ``_epilogue_lut.py``) unless it is empty. On the VNNI
+        target the interior blocks run 16 channels per vector.
+        ``weights64.channels`` (0, or a multiple of 64 on the VNNI target): the interior of
+        channels ``0..channels-1`` runs the 64-channel ``vpdpbusd`` blocks. With its ``group``
+        > 1 (C = 64 / group, stride 1, ``channels`` = 64) those blocks carry ``group`` pixels a
+        vector, the constants repeated per pixel; border pixels stay on the float kernels.
         """
+        n, h, w, c, oh, ow, kh, kw, sh, sw, dh, dw, ph, pw = geo
+        lut = output.lut
         mapped = lut.shape[0] > 0
         xzp = np.int64(zpf)
+        c64, group = weights64.channels, weights64.group
         step64 = VNNI_CHANNELS
-        spec = 0  # which block kernel serves the interior: 0 none, 1 3x3/s1, 2 3x3/s2, ...
-        if dw == 1:
-            if kw == 3:
-                spec = 1 if sw == 1 else (2 if sw == 2 else 0)
-            elif kw == 5:
-                spec = 3 if sw == 1 else (4 if sw == 2 else 0)
+        interior = _interior(geo)
         c8 = c - c % lanes
         c16 = c - c % wide
         ntap = kh * kw
-        rowstep = dh * w * c
         # tap offsets from the window origin, for interior pixels' channel tail
         full_offs = np.empty(ntap, np.int64)
         full_idx = np.empty(ntap, np.int64)
@@ -287,29 +328,30 @@ def _make_driver(vnni: bool, parallel: bool) -> Any:
                 if iy0 >= 0 and iy0 + (kh - 1) * dh < h:
                     rlo, rhi = lo, hi
                 xrow = img + iy0 * w * c
-                if spec != 0 and rlo < rhi:
+                if interior != Interior.NONE and rlo < rhi:
                     vnni_c = 0  # channels this row's interior runs on the vpdpbusd kinds
                     if c64 > 0 and (group == 1 or rhi - rlo >= group):
                         vnni_c = c64 if group == 1 else c
-                        args64 = (x, xrow, pw, c, c64, rowstep, kh, w8, cp4, acc0, biasq64,
-                                  mult64, ozp, qmin, qmax, out, obase, rlo, rhi)  # fmt: skip
-                        interior64(spec, group, args64)
-                    args = (x, xrow, pw, c, vnni_c, c16, c8, rowstep, kh, wf, cp, corr, biasq,
-                            mult, ozp, qmin, qmax, out, obase, rlo, rhi)  # fmt: skip
+                        interior64(interior, x, xrow, geo, weights64, output, out, obase, rlo,
+                                   rhi)  # fmt: skip
                     if vnni_c < c8:  # full vectors left after the vpdpbusd blocks
-                        if spec == 1:
-                            row_3s1(*args)
-                        elif spec == 2:
-                            row_3s2(*args)
-                        elif spec == 3:
-                            row_5s1(*args)
+                        if interior == Interior.K3_S1:
+                            row_3s1(x, xrow, geo, vnni_c, c16, c8, weights, output, out, obase,
+                                    rlo, rhi)  # fmt: skip
+                        elif interior == Interior.K3_S2:
+                            row_3s2(x, xrow, geo, vnni_c, c16, c8, weights, output, out, obase,
+                                    rlo, rhi)  # fmt: skip
+                        elif interior == Interior.K5_S1:
+                            row_5s1(x, xrow, geo, vnni_c, c16, c8, weights, output, out, obase,
+                                    rlo, rhi)  # fmt: skip
                         else:
-                            row_5s2(*args)
+                            row_5s2(x, xrow, geo, vnni_c, c16, c8, weights, output, out, obase,
+                                    rlo, rhi)  # fmt: skip
                     if c8 < c:  # the channel tail of the interior pixels
                         for ox in range(rlo, rhi):
                             dw_taps(x, xrow + (ox * sw - pw) * c + c8, full_offs, full_idx,
-                                    ntap, wf, cp, c8, zpf, biasq, mult, ozp, qmin, qmax,
-                                    out, obase + ox * c + c8, c - c8)  # fmt: skip
+                                    ntap, weights, c8, zpf, output, out, obase + ox * c + c8,
+                                    c - c8)  # fmt: skip
                 else:
                     rlo, rhi = 0, 0  # no block kernel: every pixel takes the tap-list path
                 for ox in range(ow):
@@ -329,13 +371,11 @@ def _make_driver(vnni: bool, parallel: bool) -> Any:
                                 tidx[nt] = i * kw + j
                                 nt += 1
                     for c0 in range(0, c64 if group == 1 else 0, step64):
-                        taps64(x, img + c0, aoffs, ains, ntap, w8, cp4, c0, acc0, biasq64,
-                                  mult64, xzp, ozp, qmin, qmax, out,
-                                  obase + ox * c + c0)  # fmt: skip
+                        taps64(x, img + c0, aoffs, ains, ntap, weights64, c0, xzp, output, out,
+                               obase + ox * c + c0)  # fmt: skip
                     for c0 in range(c64 if group == 1 else 0, c, lanes):
-                        dw_taps(x, img + c0, toffs, tidx, nt, wf, cp, c0, zpf, biasq, mult, ozp,
-                                qmin, qmax, out, obase + ox * c + c0,
-                                min(lanes, c - c0))  # fmt: skip
+                        dw_taps(x, img + c0, toffs, tidx, nt, weights, c0, zpf, output, out,
+                                obase + ox * c + c0, min(lanes, c - c0))  # fmt: skip
                 if mapped:  # the row is in L1: map it through the table before moving on
                     for k in range(obase, obase + ow * c):
                         out[k] = lut[out[k]]

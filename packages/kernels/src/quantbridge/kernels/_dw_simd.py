@@ -28,12 +28,18 @@ computes, ``sum (x - x_zp) * (w - w_zp)``, so the requantization matches conv2d'
 Epilogue (the rule of ``_requant.py``), per channel lane:
 ``clamp(rint(((v - corr) + biasq) * mult) + out_zp, qmin, qmax)``, upper bound last (a
 clamp-table activation narrows ``[qmin, qmax]``, ``_epilogue_lut.py``).
+
+Both kernels take their weights and constants as one ``DwWeights`` record and the output rule
+as one ``DwOutput`` record (NamedTuples: numba passes them as their fields), made once per
+call plan (``_conv._depthwise_plan``).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
+import numpy as np
+import numpy.typing as npt
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
@@ -43,6 +49,7 @@ from quantbridge.kernels._ir import (
     F32T,
     I8,
     I64,
+    array_data,
     arrays_data,
     clamp_round_splats,
     declare,
@@ -72,6 +79,45 @@ BLOCK_KINDS: list[tuple[int, int, int, int]] = [
     for p in (*sizes, 1)
 ]
 KIND_IDS = {kind: i for i, kind in enumerate(BLOCK_KINDS)}
+
+
+class DwWeights(NamedTuple):
+    """The float kernels' weights and requantization constants, ``cp`` (channels rounded up
+    to ``LANES``) per tap: vector loads stay inside."""
+
+    w: npt.NDArray[np.float32]  # [taps, cp]: w - w_zp
+    cp: int
+    corr: npt.NDArray[np.float32]  # [cp]: x_zp * sum(w - w_zp), subtracted by dw_block
+    biasq: npt.NDArray[np.float32]  # [cp], the rule of _requant.py
+    mult: npt.NDArray[np.float32]  # [cp]
+
+
+class DwOutput(NamedTuple):
+    """How sums become output codes: the zero point and clamp range the kernels apply, then
+    ``lut`` (uint8[256], a fused activation; empty: none), which the drivers apply per row."""
+
+    zero_point: int
+    qmin: int
+    qmax: int
+    lut: npt.NDArray[np.uint8]
+
+
+def record_fields(
+    context: Any, builder: ir.IRBuilder, ty: Any, value: ir.Value, names: tuple[str, ...]
+) -> list[ir.Value]:
+    """The fields ``names`` of a record argument (a NamedTuple of numba type ``ty``) of an
+    intrinsic; array fields as their data pointers."""
+    fields = []
+    for name in names:
+        i = ty.fields.index(name)
+        field = builder.extract_value(value, i)
+        if isinstance(ty.types[i], types.Array):
+            field = array_data(context, builder, ty.types[i], field)
+        fields.append(field)
+    return fields
+
+
+OUT_RULE = ("zero_point", "qmin", "qmax")  # the DwOutput fields the kernels read
 
 
 def _vf(lanes: int) -> ir.VectorType:
@@ -152,10 +198,12 @@ def _make_block(lanes: int, kw: int, sw: int, pix: int) -> Any:
     vf = _vf(lanes)
 
     def codegen(context: Any, builder: ir.IRBuilder, sig: Any, args: Any) -> ir.Value:
-        (_x, xbase, rowstep, c, kh, _w, cp, c0, _corr, _biasq, _mult, ozp, qmin, qmax, _out,
-         obase) = args  # fmt: skip
-        x_p, w_p, co_p, bq_p, mu_p, o_p = arrays_data(context, builder, sig, args,
-                                                      (0, 5, 8, 9, 10, 14))  # fmt: skip
+        _x, xbase, rowstep, c, kh, weights, c0, output, _out, obase = args
+        x_p, o_p = arrays_data(context, builder, sig, args, (0, 8))
+        w_p, cp, co_p, bq_p, mu_p = record_fields(
+            context, builder, sig.args[5], weights, ("w", "cp", "corr", "biasq", "mult")
+        )
+        ozp, qmin, qmax = record_fields(context, builder, sig.args[7], output, OUT_RULE)
         fma = _fmuladd(builder, lanes)
         accs = [stack_slot(builder, ir.Constant(vf, [0.0] * lanes)) for _ in range(pix)]
         with cgutils.for_range(builder, kh) as loop:
@@ -202,29 +250,23 @@ def _dw_block(
     rowstep: Any,
     c: Any,
     kh: Any,
-    w: Any,
-    cp: Any,
+    weights: Any,
     c0: Any,
-    corr: Any,
-    biasq: Any,
-    mult: Any,
-    ozp: Any,
-    qmin: Any,
-    qmax: Any,
+    output: Any,
     out: Any,
     obase: Any,
 ) -> Any:
-    """``dw_block(KIND_IDS[(lanes, kw, sw, pixels)], x, xbase, rowstep, c, kh, w, cp, c0, corr,
-    biasq, mult, ozp, qmin, qmax, out, obase)``.
+    """``dw_block(KIND_IDS[(lanes, kw, sw, pixels)], x, xbase, rowstep, c, kh, weights, c0,
+    output, out, obase)``, ``weights`` a ``DwWeights`` and ``output`` a ``DwOutput``.
 
     Pixel ``p``'s tap ``(i, j)`` reads ``x[xbase + i * rowstep + (p * sw + j) * c + 0..L-1]``
-    and weights ``w[(i * kw + j) * cp + c0 + 0..L-1]``; it writes ``out[obase + p * c +
+    and weights ``weights.w[(i * kw + j) * cp + c0 + 0..L-1]``; it writes ``out[obase + p * c +
     0..L-1]``, ``L = lanes``.
     ``corr``, ``biasq``, ``mult`` are read at ``c0``. All int arguments are int64.
     """
     if not isinstance(kind, types.IntegerLiteral):
         return None  # numba retries with the literal type when the value is a constant
-    inner = (x, xbase, rowstep, c, kh, w, cp, c0, corr, biasq, mult, ozp, qmin, qmax, out, obase)
+    inner = (x, xbase, rowstep, c, kh, weights, c0, output, out, obase)
     inner_sig = types.void(*inner)
     inner_codegen = _BLOCK_CODEGENS[kind.literal_value]
 
@@ -234,17 +276,19 @@ def _dw_block(
     return types.void(kind, *inner), codegen
 
 
-# typed Any: callers pass the 17 arguments, not numba's typing context
+# typed Any: callers pass the 11 arguments, not numba's typing context
 dw_block: Any = intrinsic(_dw_block)
 
 
 def _emit_taps(
     context: Any, builder: ir.IRBuilder, sig: Any, args: Any, masked: bool, nch: ir.Value
 ) -> None:
-    (_x, xbase, _toffs, _twidx, ntaps, _w, cp, c0, zpf, _biasq, _mult, ozp, qmin, qmax, _out,
-     obase) = args[:16]  # fmt: skip
-    x_p, to_p, tw_p, w_p, bq_p, mu_p, o_p = arrays_data(context, builder, sig, args,
-                                                        (0, 2, 3, 5, 9, 10, 14))  # fmt: skip
+    _x, xbase, _toffs, _twidx, ntaps, weights, c0, zpf, output, _out, obase = args[:11]
+    x_p, to_p, tw_p, o_p = arrays_data(context, builder, sig, args, (0, 2, 3, 9))
+    w_p, cp, bq_p, mu_p = record_fields(
+        context, builder, sig.args[5], weights, ("w", "cp", "biasq", "mult")
+    )
+    ozp, qmin, qmax = record_fields(context, builder, sig.args[8], output, OUT_RULE)
     mask = None
     if masked:
         lane = ir.Constant(ir.VectorType(I64, LANES), list(range(LANES)))
@@ -272,30 +316,25 @@ def _dw_taps(
     toffs: Any,
     twidx: Any,
     ntaps: Any,
-    w: Any,
-    cp: Any,
+    weights: Any,
     c0: Any,
     zpf: Any,
-    biasq: Any,
-    mult: Any,
-    ozp: Any,
-    qmin: Any,
-    qmax: Any,
+    output: Any,
     out: Any,
     obase: Any,
     nch: Any,
 ) -> Any:
-    """One output pixel x ``nch`` (1..8) channels over ``ntaps`` listed taps.
+    """One output pixel x ``nch`` (1..8) channels over ``ntaps`` listed taps, ``weights`` a
+    ``DwWeights`` and ``output`` a ``DwOutput``.
 
-    Tap ``t`` reads ``x[xbase + toffs[t] + 0..nch-1]`` and weights ``w[twidx[t] * cp + c0 +
-    0..7]``; the result goes to ``out[obase + 0..nch-1]``. ``zpf`` is the input zero point as a
-    float. Lanes past ``nch`` neither read nor write ``x``/``out``. All ints are int64.
+    Tap ``t`` reads ``x[xbase + toffs[t] + 0..nch-1]`` and weights ``weights.w[twidx[t] * cp +
+    c0 + 0..7]``; the result goes to ``out[obase + 0..nch-1]``. ``zpf`` is the input zero point
+    as a float. Lanes past ``nch`` neither read nor write ``x``/``out``. All ints are int64.
     """
-    head = (x, xbase, toffs, twidx, ntaps, w, cp, c0, zpf, biasq, mult, ozp, qmin, qmax, out)
-    sig = types.void(*head, obase, nch)
+    sig = types.void(x, xbase, toffs, twidx, ntaps, weights, c0, zpf, output, out, obase, nch)
 
     def codegen(context: Any, builder: ir.IRBuilder, sig: Any, args: Any) -> ir.Value:
-        nch = args[16]
+        nch = args[11]
         full = builder.icmp_signed(">=", nch, ir.Constant(I64, LANES))
         with builder.if_else(full, likely=True) as (then, otherwise):
             with then:
@@ -307,5 +346,5 @@ def _dw_taps(
     return sig, codegen
 
 
-# typed Any: callers pass the 17 arguments, not numba's typing context
+# typed Any: callers pass the 12 arguments, not numba's typing context
 dw_taps: Any = intrinsic(_dw_taps)

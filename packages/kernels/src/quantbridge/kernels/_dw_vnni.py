@@ -21,11 +21,14 @@ kernels, so the bytes are equal. Rounding leaves each code in the low byte of it
 (``_ir.rint_clamp_codes`` without its zero-point subtraction); two levels of byte shuffles put
 the four vectors' codes back in channel order, one byte add applies the zero point (exact mod
 256: every code is in [0, 255]) and one 64-byte store writes them.
+
+Both kernels take their weights and constants as one ``Dw64Weights`` record and the output
+rule as the float kernels' ``DwOutput``.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -34,6 +37,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from quantbridge.kernels._dw_simd import OUT_RULE, record_fields
 from quantbridge.kernels._ir import (
     F32T,
     I8,
@@ -73,6 +77,21 @@ BLOCK_KINDS: list[tuple[int, int, int, int]] = sorted(
     }
 )
 KIND_IDS = {kind: i for i, kind in enumerate(BLOCK_KINDS)}
+
+
+class Dw64Weights(NamedTuple):
+    """The 64-channel kernels' operands: channels ``0..channels-1`` (0: none; a multiple of
+    64) run them, ``group`` pixels a vector (``GROUPS``: then ``channels`` is 64). ``acc0``,
+    ``biasq`` and ``mult`` are in ``permuted_order``, repeated per pixel of a vector."""
+
+    channels: int
+    group: int
+    w: npt.NDArray[np.int8]  # split_weights, flat: a tap every cp4 bytes
+    cp4: int
+    acc0: npt.NDArray[np.int32]  # -x_zp * sum(w - w_zp): where the sums start
+    biasq: npt.NDArray[np.float32]
+    mult: npt.NDArray[np.float32]
+
 
 _VI32 = ir.VectorType(I32, _LANES)
 _VF32 = ir.VectorType(F32T, _LANES)
@@ -163,10 +182,12 @@ def _make_block(kw: int, sw: int, pix: int, group: int) -> Any:
     ncols = (pix - 1) * step + kw  # input vectors per kernel row
 
     def codegen(context: Any, builder: ir.IRBuilder, sig: Any, args: Any) -> ir.Value:
-        (_x, xbase, rowstep, c, kh, _w, cp4, c0, _acc0, _biasq, _mult, ozp, qmin, qmax, _out,
-         obase) = args  # fmt: skip
-        x_p, w_p, a0_p, bq_p, mu_p, o_p = arrays_data(context, builder, sig, args,
-                                                      (0, 5, 8, 9, 10, 14))  # fmt: skip
+        _x, xbase, rowstep, c, kh, weights, c0, output, _out, obase = args
+        x_p, o_p = arrays_data(context, builder, sig, args, (0, 8))
+        w_p, cp4, a0_p, bq_p, mu_p = record_fields(
+            context, builder, sig.args[5], weights, ("w", "cp4", "acc0", "biasq", "mult")
+        )
+        ozp, qmin, qmax = record_fields(context, builder, sig.args[7], output, OUT_RULE)
         dot = declare_dot(builder.module, _VI32, _VI32)
 
         def at(p: ir.Value, base: ir.Value, offset: int) -> ir.Value:
@@ -224,23 +245,17 @@ def _dw64_block(
     rowstep: Any,
     c: Any,
     kh: Any,
-    w: Any,
-    cp4: Any,
+    weights: Any,
     c0: Any,
-    acc0: Any,
-    biasq: Any,
-    mult: Any,
-    ozp: Any,
-    qmin: Any,
-    qmax: Any,
+    output: Any,
     out: Any,
     obase: Any,
 ) -> Any:
-    """``dw64_block(KIND_IDS[(kw, sw, pixels, group)], x, xbase, rowstep, c, kh, w, cp4, c0,
-    acc0, biasq, mult, ozp, qmin, qmax, out, obase)``.
+    """``dw64_block(KIND_IDS[(kw, sw, pixels, group)], x, xbase, rowstep, c, kh, weights, c0,
+    output, out, obase)``, ``weights`` a ``Dw64Weights`` and ``output`` a ``DwOutput``.
 
     Vector ``p``'s tap ``(i, j)`` reads ``x[xbase + i * rowstep + (p * sw * group + j) * c +
-    0..63]`` and the weight vectors ``w[(i * kw + j) * cp4 + 4 * c0 + 0..255]``
+    0..63]`` and the weight vectors ``weights.w[(i * kw + j) * cp4 + 4 * c0 + 0..255]``
     (``split_weights``); it writes ``out[obase + p * group * c + 0..63]``. ``acc0``, ``biasq``,
     ``mult`` are read at ``c0 .. c0 + 63`` in ``permuted_order``. With ``group`` > 1, ``c`` is
     ``64 / group`` and the weights and constants hold the ``c`` channels ``group`` times. All
@@ -248,7 +263,7 @@ def _dw64_block(
     """
     if not isinstance(kind, types.IntegerLiteral):
         return None  # numba retries with the literal type when the value is a constant
-    inner = (x, xbase, rowstep, c, kh, w, cp4, c0, acc0, biasq, mult, ozp, qmin, qmax, out, obase)
+    inner = (x, xbase, rowstep, c, kh, weights, c0, output, out, obase)
     inner_sig = types.void(*inner)
     inner_codegen = _BLOCK_CODEGENS[kind.literal_value]
 
@@ -258,7 +273,7 @@ def _dw64_block(
     return types.void(kind, *inner), codegen
 
 
-# typed Any: callers pass the 17 arguments, not numba's typing context
+# typed Any: callers pass the 11 arguments, not numba's typing context
 dw64_block: Any = intrinsic(_dw64_block)
 
 
@@ -269,16 +284,10 @@ def _dw64_taps(
     toffs: Any,
     inside: Any,
     ntaps: Any,
-    w: Any,
-    cp4: Any,
+    weights: Any,
     c0: Any,
-    acc0: Any,
-    biasq: Any,
-    mult: Any,
     xzp: Any,
-    ozp: Any,
-    qmin: Any,
-    qmax: Any,
+    output: Any,
     out: Any,
     obase: Any,
 ) -> Any:
@@ -286,19 +295,18 @@ def _dw64_taps(
     window reaches into the padding: tap ``t`` reads ``x[xbase + toffs[t] + 0..63]`` when
     ``inside[t]`` is nonzero, else 64 bytes of the input zero point ``xzp`` (what a
     zero-point-padded copy would hold there, never touching ``x``). Weights are tap ``t``'s
-    vectors ``w[t * cp4 + 4 * c0 + 0..255]``; ``acc0``, ``biasq``, ``mult`` as ``dw64_block``.
-    The result goes to ``out[obase + 0..63]``. All ints are int64.
+    vectors ``weights.w[t * cp4 + 4 * c0 + 0..255]``; ``acc0``, ``biasq``, ``mult`` as
+    ``dw64_block``. The result goes to ``out[obase + 0..63]``. All ints are int64.
     """
-    args = (x, xbase, toffs, inside, ntaps, w, cp4, c0, acc0, biasq, mult, xzp, ozp, qmin, qmax)
-    sig = types.void(*args, out, obase)
+    sig = types.void(x, xbase, toffs, inside, ntaps, weights, c0, xzp, output, out, obase)
 
     def codegen(context: Any, builder: ir.IRBuilder, sig: Any, cargs: Any) -> ir.Value:
-        (_x, xbase, _toffs, _inside, ntaps, _w, cp4, c0, _acc0, _biasq, _mult, xzp, ozp,
-         qmin, qmax) = cargs[:15]  # fmt: skip
-        _out, obase = cargs[15:]
-        x_p, to_p, in_p, w_p, a0_p, bq_p, mu_p, o_p = arrays_data(
-            context, builder, sig, cargs, (0, 2, 3, 5, 8, 9, 10, 15)
+        _x, xbase, _toffs, _inside, ntaps, weights, c0, xzp, output, _out, obase = cargs
+        x_p, to_p, in_p, o_p = arrays_data(context, builder, sig, cargs, (0, 2, 3, 9))
+        w_p, cp4, a0_p, bq_p, mu_p = record_fields(
+            context, builder, sig.args[5], weights, ("w", "cp4", "acc0", "biasq", "mult")
         )
+        ozp, qmin, qmax = record_fields(context, builder, sig.args[8], output, OUT_RULE)
         dot = declare_dot(builder.module, _VI32, _VI32)
         pad = vec_broadcast(builder, builder.trunc(xzp, I8), CHANNELS)
         pad_i32 = builder.bitcast(pad, _VI32)
@@ -330,5 +338,5 @@ def _dw64_taps(
     return sig, codegen
 
 
-# typed Any: callers pass the 17 arguments, not numba's typing context
+# typed Any: callers pass the 11 arguments, not numba's typing context
 dw64_taps: Any = intrinsic(_dw64_taps)
