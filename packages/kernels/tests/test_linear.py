@@ -448,6 +448,34 @@ def test_linear_float_adds_float_columns_and_quantizes_in_one_pass(target, activ
     np.testing.assert_array_equal(codes, quantize_per_tensor(got, 0.05, 60))
 
 
+@pytest.mark.skipif("avx2" not in TARGETS, reason="the pair guard serves the avx2 byte kernels")
+def test_linear_float_columns_and_codes_on_rows_the_pair_guard_redoes():
+    # 8-bit weights on AVX2's byte kernels: a few rows whose codes could saturate a pair are
+    # recomputed on the int16 kernels, and their float columns, activation and codes with them
+    rng = np.random.default_rng(5)
+    m, k, n = 64, 32, 40
+    w = rng.integers(-60, 61, (n, k), dtype=np.int8)
+    w[:, 0:2] = 127  # pair (0, 1) can saturate vpmaddubsw once both codes are high
+    a = rng.integers(0, 100, (m, k), dtype=np.uint8)
+    a[[5, 33, 62], 0:2] = 255  # three unsafe rows of 64: the guard redoes only those
+    floats = rng.normal(size=(m, k)).astype(F32) * 30
+    w_s = rng.uniform(0.002, 0.02, n)
+    bias = rng.normal(size=n).astype(F32)
+    channels = np.array([4, 9])
+    side = rng.normal(size=(n, 2)).astype(F32)
+    packed = PackedLinearWeight(w, w_s, 0, bias, target="avx2")
+    codes = np.empty((m, n), np.uint8)
+    got = linear_float(
+        a, packed, 0.03, 17, activation="relu", columns=FloatColumns(channels, side),
+        float_input=floats, codes=codes, codes_qparams=(0.05, 60), num_threads=1,
+    )  # fmt: skip
+    y = reference_float(a, 0.03, 17, w, w_s, 0, bias)
+    for s, c in enumerate(channels):
+        y = (floats[:, c : c + 1].astype(np.float64) * side[:, s] + y).astype(F32)
+    np.testing.assert_array_max_ulp(got, np.maximum(y, 0), maxulp=1)
+    np.testing.assert_array_equal(codes, quantize_per_tensor(got, 0.05, 60))
+
+
 def test_linear_float_refuses_mismatched_columns_and_codes():
     packed = PackedLinearWeight(np.ones((4, 8), np.int8), 0.1, 0, None)
     x, floats = np.zeros((2, 8), np.uint8), np.zeros((2, 8), F32)

@@ -29,13 +29,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import numpy.typing as npt
 from llvmlite import ir
-from numba import njit, prange, types
+from numba import njit, types
 from numba.core import cgutils
 from numba.core.extending import intrinsic
 
-from quantbridge.kernels._fma import fma32
 from quantbridge.kernels._ir import (
     declare,
     lanes_below,
@@ -46,7 +44,6 @@ from quantbridge.kernels._ir import (
     store_vec,
     vec_broadcast,
 )
-from quantbridge.kernels._threads import with_threads
 
 F32 = np.float32
 # fastmath flags for the float kernels: reassociation (vectorized sums), FMA contraction and
@@ -140,7 +137,7 @@ def gelu_tanh(x):  # type: ignore[no-untyped-def]
     return x / (_ONE + exp32(-_TWO * u))
 
 
-# activation codes of the dynamic linear epilogue (``post_rows``)
+# activation codes of the float GEMM epilogue (``_float_epilogue``)
 ACT_NONE, ACT_RELU, ACT_GELU, ACT_GELU_TANH = 0, 1, 2, 3
 
 _VLANES = 16  # floats per vector of ``gelu_vectors`` (a zmm register; two ymm elsewhere)
@@ -567,73 +564,6 @@ def _scaled_row(
     return types.void(x, xoff, scale, out, ooff, n, inv, zp), _scaled_row_codegen
 
 
-def _complete_row_codegen(mode: int, quantize_codes: bool) -> Any:
-    def codegen(context: Any, builder: ir.IRBuilder, sig: Any, args: Any) -> ir.Value:
-        _, _, y, yoff, n, vals, w, codes, coff, inv, zp = args
-        y_p = context.make_array(sig.args[2])(context, builder, y).data
-        side = context.make_array(sig.args[5])(context, builder, vals)
-        v_p, nside = side.data, builder.extract_value(side.shape, 0)
-        w_p = context.make_array(sig.args[6])(context, builder, w).data
-        c_p = context.make_array(sig.args[7])(context, builder, codes).data
-        row = RowSteps(builder, n)
-        vt = row.vt
-        fma = declare(builder.module, ir.FunctionType(vt, [vt, vt, vt]), f"llvm.fma.v{_VLANES}f32")
-        inv_v, zp_v = (vec_broadcast(builder, v, _VLANES) for v in (inv, zp))
-        acc_slot = stack_slot(builder, row.zero)
-
-        def add_columns(at: ir.Value, valid: ir.Value | None) -> None:
-            builder.store(row.load(y_p, yoff, at, valid), acc_slot)
-            # each float column in order, one fma each: the same rounding on every target
-            with cgutils.for_range(builder, nside) as loop:
-                v = vec_broadcast(builder, builder.load(builder.gep(v_p, [loop.index])), _VLANES)
-                wv = row.load(w_p, builder.mul(loop.index, n), at, valid)
-                builder.store(builder.call(fma, [v, wv, builder.load(acc_slot)]), acc_slot)
-            row.store(builder.load(acc_slot), y_p, yoff, at, valid)
-
-        def activate(at: ir.Value, valid: ir.Value | None) -> None:
-            acc = row.load(y_p, yoff, at, valid)
-            if mode == ACT_RELU:  # NaN stays NaN, as numpy's maximum
-                keep = builder.fcmp_unordered("une", acc, acc)
-                keep = builder.or_(keep, builder.fcmp_ordered(">", acc, row.zero))
-                acc = builder.select(keep, acc, row.zero)
-            elif mode in (ACT_GELU, ACT_GELU_TANH):
-                acc = _vgelu(builder, acc, mode)
-            if mode != ACT_NONE:
-                row.store(acc, y_p, yoff, at, valid)
-            if quantize_codes:
-                row.store_bytes(codes_lanes(builder, acc, inv_v, zp_v), c_p, coff, at, valid)
-
-        # two passes over the row while it is in cache: the columns' loop would keep the
-        # activation's constants from staying in registers
-        with builder.if_then(builder.icmp_signed(">", nside, ir.Constant(nside.type, 0))):
-            row.each(add_columns)
-        if mode != ACT_NONE or quantize_codes:
-            row.each(activate)
-        return context.get_dummy_value()
-
-    return codegen
-
-
-@intrinsic
-def _complete_row(
-    typingctx: Any, mode: Any, quantize: Any, y: Any, yoff: Any, n: Any, vals: Any, w: Any,
-    codes: Any, coff: Any, inv: Any, zp: Any,
-) -> Any:  # fmt: skip
-    """``y[yoff + j]`` for ``j < n``, 16 floats a vector, completed in place: plus
-    ``vals[s] * w[s * n + j]`` for each ``s`` in order (one fma each), then the activation
-    ``mode`` (a literal: ``ACT_NONE``, ``ACT_RELU``, ``ACT_GELU``, ``ACT_GELU_TANH``); with
-    ``quantize`` (a literal 0 or 1) 1, also the codes ``quantize_per_tensor`` makes
-    (``1 / scale = inv``, zero point ``zp``) into ``codes[coff + j]``."""
-    if not (isinstance(mode, types.IntegerLiteral) and isinstance(quantize, types.IntegerLiteral)):
-        return None
-    if not (flat_f32(y) and flat_f32(vals) and flat_f32(w) and flat_u8(codes)):
-        return None
-    if not inv == zp == types.float32:
-        return None
-    sig = types.void(mode, quantize, y, yoff, n, vals, w, codes, coff, inv, zp)
-    return sig, _complete_row_codegen(mode.literal_value, bool(quantize.literal_value))
-
-
 def flat_f32(t: Any) -> bool:
     """A C-contiguous 1-D float32 array type: what the IR vectors read and write."""
     return (
@@ -661,12 +591,6 @@ if TYPE_CHECKING:
     ) -> None:
         """See ``_scaled_row`` (numba code only)."""
 
-    def complete_row(
-        mode: int, quantize: int, y: Any, yoff: int, n: int, vals: Any, w: Any, codes: Any,
-        coff: int, inv: float, zp: float,
-    ) -> None:  # fmt: skip
-        """See ``_complete_row`` (numba code only)."""
-
     def layer_norm_row(
         flags: int, x: Any, xoff: int, xs: float, xz: int, r: Any, roff: int, w: Any, b: Any,
         out: Any, ooff: int, n: int, eps: float, codes: Any, coff: int, inv: float, zp: float,
@@ -678,60 +602,6 @@ else:
     softmax_row = _softmax_row
     layer_norm_row = _layer_norm_row
     scaled_row = _scaled_row
-    complete_row = _complete_row
 
 
 ACTIVATIONS = {"none": ACT_NONE, "relu": ACT_RELU, "gelu": ACT_GELU, "gelu_tanh": ACT_GELU_TANH}
-
-
-def _make_post(parallel: bool) -> Any:
-    def post(x, ldc, m, act, rowscale, has_rowscale, bias, out):  # type: ignore[no-untyped-def]
-        # out is a different array from x: written in place, LLVM's alias check between the
-        # two views of one buffer sends the loops to their scalar fallback (~6x slower)
-        for r in prange(m):  # a plain range when parallel=False
-            base = r * ldc
-            if has_rowscale:
-                s = rowscale[r]
-                for j in range(ldc):
-                    x[base + j] = fma32(x[base + j], s, bias[j])
-            if act == 1:
-                for j in range(ldc):
-                    out[base + j] = max(x[base + j], _ZERO)
-            elif act == 2:
-                for j in range(gelu_vectors(ACT_GELU, x, base, out, base, ldc), ldc):
-                    out[base + j] = gelu_erf(x[base + j])
-            elif act == 3:
-                for j in range(gelu_vectors(ACT_GELU_TANH, x, base, out, base, ldc), ldc):
-                    out[base + j] = gelu_tanh(x[base + j])
-            else:
-                for j in range(ldc):
-                    out[base + j] = x[base + j]
-
-    post.__name__ = post.__qualname__ = "post_parallel" if parallel else "post_serial"
-    return njit(cache=True, parallel=parallel, nogil=True, fastmath=FAST, error_model="numpy")(post)
-
-
-_POST = (_make_post(False), _make_post(True))
-PARALLEL_POST_MIN = 1 << 20
-
-
-def post_rows(
-    c: npt.NDArray[np.float32],
-    ldc: int,
-    m: int,
-    act: int,
-    rowscale: npt.NDArray[np.float32],
-    has_rowscale: bool,
-    bias: npt.NDArray[np.float32],
-    threads: int,
-) -> npt.NDArray[np.float32]:
-    """The float epilogue of ``m`` rows of flat ``c`` (row stride ``ldc``) into a new array:
-    with ``has_rowscale`` first ``y = fma(y, rowscale[r], bias[j])`` (per-row activation
-    scales, computed in ``c``), then the activation ``act`` (``ACTIVATIONS``)."""
-    out = np.empty_like(c)
-    # a parallel region costs more than it saves below ~1M elements (~1 ms of GELU)
-    if threads == 1 or m * ldc < PARALLEL_POST_MIN:
-        _POST[0](c, ldc, m, act, rowscale, has_rowscale, bias, out)
-    else:
-        with_threads(_POST[1], threads)(c, ldc, m, act, rowscale, has_rowscale, bias, out)
-    return out

@@ -9,7 +9,13 @@ import numpy.typing as npt
 
 from quantbridge.kernels._block_kernels import block_lanes
 from quantbridge.kernels._epilogue_lut import NO_LUT
-from quantbridge.kernels._float_math import post_rows
+from quantbridge.kernels._float_epilogue import (
+    FloatEpilogue,
+    finish_rows,
+    is_identity,
+    put_codes,
+    rows_of,
+)
 from quantbridge.kernels._gemm import drive_generic, serial_generic
 from quantbridge.kernels._gemm_simd import (
     drive_avx2_f32,
@@ -137,10 +143,10 @@ def gemm_runner(
     qmax: int = 255,
     guard: PairGuard | None = None,
 ) -> Any:
-    """``run(a, rowsum, residual, add_params, post) -> C[M, n]``: ``run_gemm`` with what does
-    not depend on the activations, their row sums, a fused add's operand or the float post
-    pass (the thread and driver choice and the argument tuple) made once; a conv's call plan
-    keeps it. ``guard`` (byte kernels on weights past 7 bits): rows a saturating pair could
+    """``run(a, rowsum, residual, add_params, epilogue) -> C[M, n]``: ``run_gemm`` with what
+    does not depend on the activations, their row sums, a fused add's operand or the float
+    epilogue (the thread and driver choice and the argument tuple) made once; a conv's call
+    plan keeps it. ``guard`` (byte kernels on weights past 7 bits): rows a saturating pair could
     spoil are recomputed on the int16 kernels (``_pair_guard``)."""
     if guard is not None and target == "avx2_byte":
 
@@ -185,9 +191,11 @@ def gemm_runner(
         rowsum: npt.NDArray[np.int32],
         residual: npt.NDArray[np.uint8] | None = None,
         add_params: npt.NDArray[np.float32] | None = None,
-        post: tuple[int, npt.NDArray[np.float32], bool, npt.NDArray[np.float32]] | None = None,
+        epilogue: FloatEpilogue | None = None,
     ) -> npt.NDArray[np.generic]:
         out = np.empty((m, ldc), dtype)
+        if epilogue is not None and is_identity(epilogue):
+            epilogue = None
         c = out.reshape(-1)
         if widen and a.dtype != np.int16:
             a = a.astype(np.int16)
@@ -201,9 +209,8 @@ def gemm_runner(
                   NO_ADD if add_params is None else add_params, drive_lut)  # fmt: skip
             if table_pass:
                 apply_table(c, lut, c, threads)
-        if post is not None:
-            # one vectorized pass after the GEMM (per block inside the drivers it ran scalar)
-            out = post_rows(c, np_, m, *post, threads).reshape(m, np_)
+        if epilogue is not None:
+            finish_rows(epilogue, c, ldc, m, threads)
         return out if ldc == n else np.ascontiguousarray(out[:, :n])
 
     return run
@@ -231,30 +238,31 @@ def _guarded_runner(
         rowsum: npt.NDArray[np.int32],
         residual: npt.NDArray[np.uint8] | None = None,
         add_params: npt.NDArray[np.float32] | None = None,
-        post: Any = None,
+        epilogue: FloatEpilogue | None = None,
     ) -> npt.NDArray[np.generic]:
         # the usual call has no code of 128 or more: one scan, then the byte kernels
         if not any_high_code(a, nbytes):
-            return run_byte(a, rowsum, residual, add_params, post)  # type: ignore[no-any-return]
+            return run_byte(a, rowsum, residual, add_params, epilogue)  # type: ignore[no-any-return]
         rows = unsafe_rows_of_high(a, guard, m)
         if rows is None:
-            return run_byte(a, rowsum, residual, add_params, post)  # type: ignore[no-any-return]
+            return run_byte(a, rowsum, residual, add_params, epilogue)  # type: ignore[no-any-return]
         if 4 * rows.shape[0] > m:  # mostly unsafe (e.g. full-range activations): int16 only
             if not exact:
                 exact.append(
                     runner("avx2", rowoffs, split_steps(koffs), guard.pack_exact(), threads)
                 )
-            return exact[0](a, rowsum, residual, add_params, post)  # type: ignore[no-any-return]
-        out: npt.NDArray[np.generic] = run_byte(a, rowsum, residual, add_params, post)
+            return exact[0](a, rowsum, residual, add_params, epilogue)  # type: ignore[no-any-return]
+        out: npt.NDArray[np.generic] = run_byte(a, rowsum, residual, add_params, epilogue)
         dense = gather_rows(a, rowoffs, rows, koffs)
         fix = runner(
             "avx2", np.arange(rows.shape[0], dtype=np.int64) * dense.shape[1],
             np.arange(steps, dtype=np.int64) * 2, guard.pack_exact(), 1,
         )  # fmt: skip
         res = None if residual is None else residual.reshape(m, -1)[rows].reshape(-1)
-        if post is not None and post[2]:  # per-row scales: the redone rows' own
-            post = (post[0], post[1][rows], True, post[3])
-        out[rows] = fix(dense.reshape(-1), rowsum[rows], res, add_params, post)
+        part = None if epilogue is None else rows_of(epilogue, rows)  # the redone rows' own
+        out[rows] = fix(dense.reshape(-1), rowsum[rows], res, add_params, part)
+        if epilogue is not None and part is not None:
+            put_codes(epilogue, part, rows)
         return out
 
     return run
@@ -278,7 +286,7 @@ def run_gemm(
     threads: int,
     residual: npt.NDArray[np.uint8] | None = None,
     add_params: npt.NDArray[np.float32] | None = None,
-    post: tuple[int, npt.NDArray[np.float32], bool, npt.NDArray[np.float32]] | None = None,
+    epilogue: FloatEpilogue | None = None,
     lut: npt.NDArray[np.uint8] = NO_LUT,
     qmax: int = 255,
     guard: PairGuard | None = None,
@@ -288,14 +296,14 @@ def run_gemm(
     ``a`` is flat uint8; every address the kernels form stays inside it (checked by the
     callers' construction of ``rowoffs`` and ``koffs``). With ``residual`` (flat uint8 laid out
     like C, so ``n`` must be the padded width) and ``add_params``, the u8 result goes through
-    the fused add of mode ``u8add`` (``_vnni.py``); IR targets only. With ``post``
-    (``f32_out`` only): ``(activation code, rowscale [M], has_rowscale, bias [Np])`` applied
-    by ``_float_math.post_rows`` to the float output in one pass after the GEMM. ``a`` may
+    the fused add of mode ``u8add`` (``_vnni.py``); IR targets only. ``epilogue``
+    (``f32_out`` only, ``_float_epilogue``): what follows ``fma(acc, mult, bias)`` on the
+    float output (row scales, float columns, activation, codes), block by block. ``a`` may
     arrive already widened to int16 for ``avx2``. ``lut`` (uint8[256] or
     empty, see ``_epilogue_lut``) maps the u8 codes, clamped to ``[qmin, qmax]``, before the
     store. ``guard``: see ``gemm_runner``.
     """
     run = gemm_runner(target, rowoffs, koffs, bp, n, colcorr, wzp, biasq, mult, out_zero_point,
                       qmin, f32_out, threads, residual is not None, lut, qmax, guard)  # fmt: skip
-    out: npt.NDArray[np.generic] = run(a, rowsum, residual, add_params, post)
+    out: npt.NDArray[np.generic] = run(a, rowsum, residual, add_params, epilogue)
     return out

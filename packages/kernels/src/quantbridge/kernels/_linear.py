@@ -16,7 +16,6 @@ from typing import Any
 import numba
 import numpy as np
 import numpy.typing as npt
-from numba import prange
 
 from quantbridge.kernels._checks import (
     F32_MAX,
@@ -36,16 +35,8 @@ from quantbridge.kernels._dynamic_act import (
 )
 from quantbridge.kernels._epilogue_lut import NO_LUT, epilogue_lut
 from quantbridge.kernels._errors import KernelError
-from quantbridge.kernels._float_math import (
-    ACT_GELU,
-    ACT_GELU_TANH,
-    ACT_NONE,
-    ACT_RELU,
-    ACTIVATIONS,
-    FAST,
-    PARALLEL_POST_MIN,
-    complete_row,
-)
+from quantbridge.kernels._float_epilogue import FloatEpilogue, float_epilogue, gather_columns
+from quantbridge.kernels._float_math import ACTIVATIONS
 from quantbridge.kernels._gemm import quantize_u8_fma
 from quantbridge.kernels._gemm_run import NO_ADD, NO_RESIDUAL, SERIAL_BELOW, run_gemm, serial_driver
 from quantbridge.kernels._lut import apply_table, table_as_pass
@@ -62,10 +53,9 @@ from quantbridge.kernels._pack import (
     weight_zero_points,
 )
 from quantbridge.kernels._pair_guard import PairGuard, split_steps, unsafe_rows
-from quantbridge.kernels._quantize import f32_params
 from quantbridge.kernels._requant import multipliers, scaled_bias
 from quantbridge.kernels._targets import check_unpickled_target, resolve_target
-from quantbridge.kernels._threads import apply_num_threads, max_threads, with_threads
+from quantbridge.kernels._threads import apply_num_threads, max_threads
 
 _CACHE_LIMIT = 64
 # One thread walks the weight panels over a block of activation rows, block after block. The
@@ -570,48 +560,6 @@ class FloatColumns:
         return f"FloatColumns(channels={self.channels.tolist()}, N={self.n})"
 
 
-def _make_finish(parallel: bool) -> Any:
-    def finish(y, n, m, act, xf, k, channels, weight_t, codes, scale, zp):  # type: ignore[no-untyped-def]  # fmt: skip
-        # y: flat float32 [m * n], completed in place: + the float columns, the activation;
-        # codes (unless empty): y also quantized as quantize_per_tensor does
-        quantize = codes.shape[0] > 0
-        inv, zpf, _, _ = f32_params(scale, zp, 0, 255)
-        nside = channels.shape[0]
-        vals = np.empty(max(m * nside, 1), np.float32)  # each row's float column values
-        for r in range(m):
-            for s in range(nside):
-                vals[r * nside + s] = xf[r * k + channels[s]]
-        for r in prange(m):  # a plain range when parallel=False
-            v, at = vals[r * nside : (r + 1) * nside], r * n
-            # (the mode and whether to quantize are literals of the row kernel)
-            if quantize:
-                if act == ACT_RELU:
-                    complete_row(ACT_RELU, 1, y, at, n, v, weight_t, codes, at, inv, zpf)
-                elif act == ACT_GELU:
-                    complete_row(ACT_GELU, 1, y, at, n, v, weight_t, codes, at, inv, zpf)
-                elif act == ACT_GELU_TANH:
-                    complete_row(ACT_GELU_TANH, 1, y, at, n, v, weight_t, codes, at, inv, zpf)
-                else:
-                    complete_row(ACT_NONE, 1, y, at, n, v, weight_t, codes, at, inv, zpf)
-            elif act == ACT_RELU:
-                complete_row(ACT_RELU, 0, y, at, n, v, weight_t, codes, 0, inv, zpf)
-            elif act == ACT_GELU:
-                complete_row(ACT_GELU, 0, y, at, n, v, weight_t, codes, 0, inv, zpf)
-            elif act == ACT_GELU_TANH:
-                complete_row(ACT_GELU_TANH, 0, y, at, n, v, weight_t, codes, 0, inv, zpf)
-            else:
-                complete_row(ACT_NONE, 0, y, at, n, v, weight_t, codes, 0, inv, zpf)
-
-    finish.__name__ = finish.__qualname__ = "finish_parallel" if parallel else "finish_serial"
-    return numba.njit(cache=True, parallel=parallel, nogil=True, fastmath=FAST,
-                      error_model="numpy")(finish)  # fmt: skip
-
-
-_FINISH = (_make_finish(False), _make_finish(True))
-_NO_COLUMNS = (np.zeros(0, np.float32), np.zeros(0, np.int64), np.zeros(0, np.float32))
-_NO_CODES = np.zeros(0, np.uint8)
-
-
 def linear_float(
     x: npt.NDArray[np.uint8],
     packed: PackedLinearWeight,
@@ -650,31 +598,26 @@ def linear_float(
     biasq, mult = packed.epilogue(check_scale("x_scale", x_scale), None)
     threads = apply_num_threads(num_threads, "linear_float")
     a, m, lead = _activation_rows(x, packed, "x")
-    finish = _finish_arguments(packed, x.shape, columns, float_input, codes, codes_qparams)
+    epilogue = _float_epilogue(packed, act, x.shape, columns, float_input, codes, codes_qparams)
     rowoffs, rowsum = _rows_and_sums(a, m, packed)
-    post = None if act == 0 or finish is not None else (act, _NO_ROWSCALE, False, biasq)
     out = run_gemm(packed.kernel, a, rowoffs, packed.koffs, packed.packed, packed.n,
                    packed.colcorr(a_zp), packed.zero_points, rowsum, biasq, mult, 0, 0, True,
-                   threads, post=post, guard=packed.guard(m, packed.lda, True, None))  # fmt: skip
-    if finish is not None:
-        y = out.reshape(-1)
-        run = _FINISH[0]
-        if threads > 1 and m * packed.n >= PARALLEL_POST_MIN:
-            run = with_threads(_FINISH[1], threads)
-        run(y, packed.n, m, act, *finish)
+                   threads, epilogue=epilogue,
+                   guard=packed.guard(m, packed.lda, True, None))  # fmt: skip
     return out.reshape((*lead, packed.n))  # type: ignore[return-value]
 
 
-def _finish_arguments(
+def _float_epilogue(
     packed: PackedLinearWeight,
+    act: int,
     shape: tuple[int, ...],
     columns: FloatColumns | None,
     float_input: npt.NDArray[np.float32] | None,
     codes: npt.NDArray[np.uint8] | None,
     codes_qparams: tuple[float, int] | None,
-) -> tuple[Any, ...] | None:
-    """``linear_float``'s completing pass arguments after ``act``: (float input, K, channels,
-    columns' weight, codes, scale, zero point), or None when there is nothing to complete."""
+) -> FloatEpilogue:
+    """``linear_float``'s work after ``fma(acc, mult, bias)``: the float columns, ``act``
+    and the codes."""
     if (columns is None) != (float_input is None):
         raise KernelError(
             "columns, float_input: give both (the float columns and the float values x's codes "
@@ -682,9 +625,8 @@ def _finish_arguments(
         )
     if (codes is None) != (codes_qparams is None):
         raise KernelError("codes, codes_qparams: give both (the array and its qparams) or neither")
-    if columns is None and codes is None:
-        return None
-    xf, channels, weight_t = _NO_COLUMNS
+    n = packed.n
+    fields: dict[str, Any] = {}
     if columns is not None:
         if type(columns) is not FloatColumns:
             raise KernelError(f"columns: expected FloatColumns, got {type(columns).__name__}")
@@ -696,9 +638,10 @@ def _finish_arguments(
         xf = check_array("float_input", float_input, np.float32, None)
         if xf.shape != shape:
             raise KernelError(f"float_input: expected x's shape {shape}, got {xf.shape}")
-        xf, channels, weight_t = xf.reshape(-1), columns.channels, columns.weight_t.reshape(-1)
-    scale, zp = 1.0, 0
-    out_codes = _NO_CODES
+        m = xf.size // packed.k
+        vals = np.empty(m * columns.channels.shape[0], np.float32)
+        gather_columns(xf.reshape(-1), packed.k, m, columns.channels, vals)
+        fields.update(vals=vals, weight_t=columns.weight_t.reshape(-1))
     if codes is not None and codes_qparams is not None:
         want = (*shape[:-1], packed.n)
         if type(codes) is not np.ndarray or codes.dtype != np.uint8 or codes.shape != want:
@@ -708,8 +651,9 @@ def _finish_arguments(
             raise KernelError("codes: must be C-contiguous and writeable (the pass fills it)")
         scale = check_scale("codes_qparams scale", codes_qparams[0])
         zp = check_zero_point("codes_qparams zero point", codes_qparams[1], 0, 255)
-        out_codes = codes.reshape(-1)
-    return xf, packed.k, channels, weight_t, out_codes, scale, zp
+        # quantize_per_tensor's float32 1 / scale
+        fields.update(codes=codes.reshape(-1), inv=np.float32(1.0) / np.float32(scale), zp=zp)
+    return float_epilogue(n, act, **fields)
 
 
 def qparams_from_range(lo: float, hi: float) -> tuple[float, int]:
@@ -784,7 +728,6 @@ def linear_dynamic(
     if packed.guarded:
         kernel, bp, koffs = "avx2", packed.exact_packed(), packed._exact_koffs
     a: npt.NDArray[Any] = np.empty((m, packed.lda), np.int16 if kernel == "avx2" else np.uint8)
-    post: tuple[int, npt.NDArray[np.float32], bool, npt.NDArray[np.float32]] | None
     rowoffs, _ = packed.rows(m)
     if per_row:
         scales = np.empty(m, np.float32)
@@ -795,7 +738,7 @@ def linear_dynamic(
         colcorr = packed.zero_colcorr
         wzp = packed.colsum32
         biasq, mult = packed.epilogue_unit()
-        post = (act, scales, True, packed.bias_padded)
+        epilogue = float_epilogue(packed.n, act, rowscale=scales, bias=packed.bias_padded)
     else:
         lo, hi, bad = tensor_range(xf.reshape(-1))
         if bad:
@@ -813,12 +756,11 @@ def linear_dynamic(
         colcorr = packed.colcorr(a_zp)
         wzp = packed.zero_points
         biasq, mult = packed.dynamic_epilogue(a_s)
-        post = None if act == 0 else (act, _NO_ROWSCALE, False, biasq)
+        epilogue = float_epilogue(packed.n, act)
     out = run_gemm(kernel, a.reshape(-1), rowoffs, koffs, bp, packed.n,
                    colcorr, wzp, rowsum, biasq, mult, 0, 0, True, threads,
-                   post=post)  # fmt: skip
+                   epilogue=epilogue)  # fmt: skip
     return out.reshape((*lead, packed.n))
 
 
 _NON_FINITE = "x: contains NaN or infinity; dynamic quantization needs finite input"
-_NO_ROWSCALE = np.zeros(1, np.float32)
