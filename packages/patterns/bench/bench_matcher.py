@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.fx import Graph, GraphModule
 
-from quantbridge.patterns import MatchAllNode, find_matches
+from quantbridge.patterns import MatchAllNode, Nested, find_matches
 
 
 def build_graph(target_nodes: int) -> GraphModule:
@@ -94,7 +94,8 @@ def native_patterns() -> tuple[list[Any], list[Any]]:
         return MatchAllNode if p is AoMatchAllNode else p
 
     ao = list(get_native_backend_config()._pattern_complex_format_to_config)
-    return ao, [ours(p) for p in ao]
+    # find_matches refuses bare tuples (ambiguous order): torch.ao's are root-first
+    return ao, [Nested.from_tuple(ours(p)) if isinstance(p, tuple) else ours(p) for p in ao]
 
 
 class _Handler:

@@ -8,22 +8,30 @@ arguments are matched by position and their count must equal the pattern's; ``Ma
 accepts any argument.
 
 What differs is the cost: patterns are indexed by the operator at their anchor (last node),
-so a node is only tried against the patterns that can end there.
+so a node is only tried against the patterns that can end there. Patterns are compiled and
+matched as the rewriter's are (``_compiled``), read with torch.ao's rules.
 """
 
 from __future__ import annotations
 
-import builtins
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Generic, Literal, TypeAlias, TypeVar
+from typing import Any, Literal, TypeAlias
 
-import torch
 from torch.fx import GraphModule, Node
-from torch.nn.utils.parametrize import type_before_parametrizations
 
+from quantbridge.patterns._compiled import (
+    AnchorIndex,
+    Binding,
+    Compiled,
+    Op,
+    Resolver,
+    compile_complex,
+    complex_priority,
+    torch_ao_arguments,
+)
 from quantbridge.patterns._errors import PatternError
-from quantbridge.patterns._forms import MatchAllNode, Pattern
+from quantbridge.patterns._forms import Pattern
 from quantbridge.patterns._typed import Chain, Nested, as_complex
 
 # Nested structure of matched nodes as torch.ao records it: a list at the top, tuples for
@@ -31,13 +39,6 @@ from quantbridge.patterns._typed import Chain, Nested, as_complex
 NodePattern: TypeAlias = Any
 RootNodeGetter: TypeAlias = Callable[[Any], Any]
 MatchMode: TypeAlias = Literal["prepare", "fuse"]
-
-
-# Anchor kinds of the index.
-_MODULE = 0
-_FUNCTION = 1
-_METHOD = 2
-_ANY = 3
 
 
 @dataclass(frozen=True, eq=False)
@@ -87,73 +88,6 @@ def default_root_node_getter(node_pattern: NodePattern) -> Any:
     return current
 
 
-class _Compiled:
-    """A pattern compiled for matching: what one node must be and what its arguments must be."""
-
-    __slots__ = ("args", "attr", "ident", "is_getattr", "kind", "size")
-
-    def __init__(
-        self,
-        kind: int,
-        ident: object,
-        args: tuple[_Compiled, ...] | None,
-        is_getattr: bool = False,
-        attr: object = None,
-    ) -> None:
-        self.kind = kind
-        self.ident = ident
-        self.args = args
-        self.is_getattr = is_getattr
-        self.attr = attr
-
-
-def _element_key(element: Pattern) -> tuple[int, object]:
-    if element is MatchAllNode:
-        return (_ANY, None)
-    if isinstance(element, type) and issubclass(element, torch.nn.Module):
-        return (_MODULE, element)
-    if callable(element):
-        # Identity, as torch.ao compares call_function targets with ``is``.
-        return (_FUNCTION, id(element))
-    if isinstance(element, str):
-        return (_METHOD, element)
-    raise PatternError(f"unsupported pattern element {element!r}")  # pragma: no cover
-
-
-def _compile(pattern: Pattern) -> _Compiled:
-    if not isinstance(pattern, tuple):
-        kind, ident = _element_key(pattern)
-        return _Compiled(kind, ident, None)
-    op, *rest = pattern
-    kind, ident = _element_key(op)
-    if kind == _ANY:
-        raise PatternError(
-            f"pattern {pattern!r}: MatchAllNode stands for one input and cannot take argument "
-            "patterns; put it in an argument position, e.g. (torch.add, nn.Conv2d, MatchAllNode)"
-        )
-    if op is builtins.getattr:
-        if len(pattern) != 2:
-            raise PatternError(
-                f"pattern {pattern!r}: a getattr pattern is (getattr, attribute_name), "
-                f"got {len(pattern) - 1} items after getattr"
-            )
-        return _Compiled(kind, ident, None, is_getattr=True, attr=pattern[1])
-    return _Compiled(kind, ident, tuple(_compile(arg) for arg in rest))
-
-
-def _pattern_size(pattern: Pattern) -> int:
-    if isinstance(pattern, tuple):
-        return sum(_pattern_size(item) for item in pattern)
-    return 1
-
-
-def complex_priority(complex_form: Pattern) -> int:
-    """Sort key of the one priority rule of matcher and rewriter, on a complex-format
-    pattern: larger patterns first (``-size``, where ``MatchAllNode`` counts), single
-    operators last."""
-    return -_pattern_size(complex_form) if isinstance(complex_form, tuple) else 1
-
-
 def sort_patterns(patterns: Iterable[Pattern]) -> list[Pattern]:
     """Patterns in matching priority: larger patterns first, then single operators.
 
@@ -163,167 +97,34 @@ def sort_patterns(patterns: Iterable[Pattern]) -> list[Pattern]:
     return sorted(patterns, key=lambda p: complex_priority(as_complex(p)))
 
 
-class _Resolver:
-    """Maps a node to the anchor key the pattern index is keyed by."""
-
-    def __init__(self, graph_module: GraphModule) -> None:
-        self.modules = dict(graph_module.named_modules(remove_duplicate=False))
-        self.module_types: dict[str, type] = {}
-
-    def module_type(self, node: Node) -> type:
-        target = node.target
-        assert isinstance(target, str)
-        cached = self.module_types.get(target)
-        if cached is None:
-            module = self.modules.get(target)
-            if module is None:
-                raise PatternError(
-                    f"node {node.name!r} calls module {target!r}, which the GraphModule does "
-                    "not have; the graph and its owning module are out of sync (recompile or "
-                    "rebuild the GraphModule)"
-                )
-            # Only parametrized modules need the slower lookup of their original class.
-            if "parametrizations" in module._modules:
-                cached = type_before_parametrizations(module)
-            else:
-                cached = type(module)
-            self.module_types[target] = cached
-        return cached
-
-    def key(self, node: Node) -> tuple[int, object] | None:
-        op = node.op
-        if op == "call_function":
-            return (_FUNCTION, id(node.target))
-        if op == "call_method":
-            return (_METHOD, node.target)
-        if op == "call_module":
-            return (_MODULE, self.module_type(node))
-        return None
+def _matches(resolver: Resolver, node: Node, pattern: Compiled, inner: bool) -> Binding | None:
+    """torch.ao's decision for one pattern at one node (``inner``: the node is an argument
+    inside an enclosing match): what the pattern bound there, or None."""
+    binding = Binding(resolver, torch_ao=True)
+    return binding if binding.match(node, pattern, inner) else None
 
 
-_Key: TypeAlias = "tuple[int, object]"
-_T = TypeVar("_T")
-
-
-class AnchorIndex(Generic[_T]):
-    """Patterns by the operator at their anchor, and by the operator their first argument
-    must be (when the pattern names one): a node is only tried against the patterns that
-    can match it, in priority order. Matcher and rewriter share it."""
-
-    def __init__(self, resolver: _Resolver) -> None:
-        self._resolver = resolver
-        self._by_anchor: dict[_Key, list[tuple[int, _Key | None, _T]]] = {}
-        self._wildcard: list[tuple[int, _Key | None, _T]] = []  # anchors matching any node
-        self._needs_first: set[_Key] = set()  # anchors with a first-argument condition
-        self._merged: dict[tuple[_Key | None, _Key | None], list[_T]] = {}
-
-    def add(self, priority: int, anchor: _Key | None, first: _Key | None, item: _T) -> None:
-        """``anchor`` None: the pattern's anchor is MatchAllNode (matches any node)."""
-        entry = (priority, first, item)
-        if anchor is None:
-            if first is not None:
-                raise PatternError("a MatchAllNode anchor takes no argument patterns")
-            self._wildcard.append(entry)
-        else:
-            self._by_anchor.setdefault(anchor, []).append(entry)
-            if first is not None:
-                self._needs_first.add(anchor)
-        self._merged.clear()
-
-    def candidates(self, node: Node) -> list[_T]:
-        key = self._resolver.key(node)
-        first_key = None
-        if key in self._needs_first:
-            first = node.args[0] if node.args else None
-            first_key = self._resolver.key(first) if isinstance(first, Node) else None
-        found = self._merged.get((key, first_key))
-        if found is None:
-            own = self._by_anchor.get(key, []) if key is not None else []
-            entries = sorted(own + self._wildcard, key=lambda e: e[0])
-            found = [item for _, want, item in entries if want is None or want == first_key]
-            self._merged[(key, first_key)] = found
-        return found
-
-
-def _node_fits(resolver: _Resolver, node: Node, c: _Compiled) -> bool:
-    """Does ``node`` itself (not its arguments) fit the pattern operator ``c``?"""
-    kind = c.kind
-    if kind == _FUNCTION:
-        if node.op != "call_function" or id(node.target) != c.ident:
-            return False
-        if c.is_getattr:
-            return len(node.args) > 1 and bool(node.args[1] == c.attr)
-        return True
-    if kind == _MODULE:
-        return node.op == "call_module" and resolver.module_type(node) is c.ident
-    return node.op == "call_method" and node.target == c.ident
-
-
-def _matches(resolver: _Resolver, value: object, c: _Compiled, inner: bool) -> bool:
-    if c.kind == _ANY:
-        return True
-    if not isinstance(value, Node):
-        return False
-    if inner and len(value.users) > 1:
-        return False
-    if not _node_fits(resolver, value, c):
-        return False
-    args = c.args
+def _records(pattern: Compiled, value: Any, prepare: list[Any]) -> Any:
+    """torch.ao's records of the values one matched (sub)pattern bound: appends the
+    prepare-time record to ``prepare`` (a single nested argument becomes a tuple, several
+    arguments are spliced flat) and returns the fusion-time one (a tuple per operator with
+    argument patterns)."""
+    prepare.append(value)
+    args = torch_ao_arguments(pattern) if isinstance(pattern, Op) else ()
     if not args:
-        return True
-    node_args = value.args
-    if len(args) != len(node_args):
-        return False
-    # A plain loop: measurably cheaper than all() over a generator on this hot path.
-    for sub, arg in zip(args, node_args, strict=True):  # noqa: SIM110
-        if not _matches(resolver, arg, sub, True):
-            return False
-    return True
-
-
-def _collect(
-    c: _Compiled,
-    value: Any,
-    nodes: list[Node],
-    inputs: list[Any],
-    prepare_structure: list[Any],
-) -> Any:
-    """Gather the matched values of one (sub)pattern; returns its fusion-style structure.
-
-    ``prepare_structure`` receives the prepare-style record (torch.ao's nesting rule: a
-    single nested argument becomes a tuple, several arguments are spliced flat).
-    """
-    if c.kind == _ANY:
-        inputs.append(value)
-        prepare_structure.append(value)
-        return value
-    nodes.append(value)
-    prepare_structure.append(value)
-    if not c.args:
         return value
     below: list[Any] = []
     fused: list[Any] = [value]
-    for sub, arg in zip(c.args, value.args, strict=True):
-        fused.append(_collect(sub, arg, nodes, inputs, below))
+    for sub, arg in zip(args, value.args, strict=True):
+        fused.append(_records(sub, arg, below))
     if len(below) > 1:
-        if len(c.args) == 1:
-            prepare_structure.append(tuple(below))
+        if len(args) == 1:
+            prepare.append(tuple(below))
         else:
-            prepare_structure.extend(below)
+            prepare.extend(below)
     else:
-        prepare_structure.append(below[0])
+        prepare.append(below[0])
     return tuple(fused)
-
-
-def _record(
-    c: _Compiled, anchor: Node, pattern: Pattern
-) -> tuple[list[Node], list[Any], list[Any], list[Any]]:
-    nodes: list[Node] = []
-    inputs: list[Any] = []
-    prepare: list[Any] = []
-    fused = _collect(c, anchor, nodes, inputs, prepare)
-    fused_top = list(fused) if isinstance(fused, tuple) else [fused]
-    return nodes, inputs, prepare, fused_top
 
 
 def _normalize_patterns(
@@ -404,14 +205,11 @@ def find_matches(
         ordered = sorted(ordered, key=lambda entry: complex_priority(entry[1]))
     getters = dict(root_node_getters or {})
 
-    resolver = _Resolver(graph_module)
-    index: AnchorIndex[tuple[int, Pattern, _Compiled]] = AnchorIndex(resolver)
+    resolver = Resolver(graph_module)
+    index: AnchorIndex[tuple[int, Pattern, Compiled, int]] = AnchorIndex(resolver)
     for priority, (pattern, complex_form) in enumerate(ordered):
-        compiled = _compile(complex_form)
-        anchor = None if compiled.kind == _ANY else (compiled.kind, compiled.ident)
-        first = compiled.args[0] if compiled.args else None
-        first_key = None if first is None or first.kind == _ANY else (first.kind, first.ident)
-        index.add(priority, anchor, first_key, (priority, pattern, compiled))
+        compiled, num_inputs = compile_complex(complex_form)
+        index.add(priority, compiled, (priority, pattern, compiled, num_inputs))
 
     claimed: set[Node] = set()
     claim_inputs = mode == "prepare"
@@ -421,12 +219,17 @@ def find_matches(
             continue
         if is_ignored is not None and is_ignored(node):
             continue
-        for priority, pattern, compiled in index.candidates(node):
-            if not _matches(resolver, node, compiled, False):
+        for priority, pattern, compiled, num_inputs in index.candidates(node):
+            binding = _matches(resolver, node, compiled, inner=False)
+            if binding is None:
                 continue
-            nodes, inputs, prepare, fused = _record(compiled, node, pattern)
+            nodes = binding.order
             if is_ignored is not None and any(is_ignored(n) for n in nodes[1:]):
                 continue
+            inputs = [binding.inputs[i] for i in range(num_inputs)]
+            prepare: list[Any] = []
+            nested = _records(compiled, node, prepare)
+            fused = list(nested) if isinstance(nested, tuple) else [nested]  # a list on top
             # Getters get the fusion-style structure in both modes: BackendConfig root node
             # getters are written for it (torch.ao's prepare passes its flattened
             # structure instead, on which e.g. onednn's conv-bn-add getters fail).

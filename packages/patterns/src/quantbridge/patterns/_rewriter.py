@@ -13,7 +13,6 @@ linted and the module recompiled; new nodes inherit the replaced anchor's meta.
 
 from __future__ import annotations
 
-import builtins
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeAlias
@@ -21,17 +20,18 @@ from typing import Any, TypeAlias
 import torch
 from torch.fx import Graph, GraphModule, Node, symbolic_trace
 
-from quantbridge.patterns._errors import PatternError
-from quantbridge.patterns._forms import MatchAllNode, Pattern
-from quantbridge.patterns._matcher import (
-    _FUNCTION,
-    _METHOD,
-    _MODULE,
+from quantbridge.patterns._compiled import (
     AnchorIndex,
-    _element_key,
-    _Resolver,
+    Binding,
+    Op,
+    Resolver,
+    compile_complex,
+    compile_traced,
     complex_priority,
+    operators,
 )
+from quantbridge.patterns._errors import PatternError
+from quantbridge.patterns._forms import Pattern
 from quantbridge.patterns._typed import as_complex
 
 _NO_VALUE: Any = object()
@@ -123,7 +123,7 @@ class ReplacementPattern:
     constraints: Sequence[ArgConstraint] = ()
     match_filter: Callable[[RewriteMatch], bool] | None = None
     name: str = ""
-    _compiled: _ROp = field(init=False, repr=False, compare=False)
+    _compiled: Op = field(init=False, repr=False, compare=False)
     _num_inputs: int = field(init=False, repr=False, compare=False)
     _num_ops: int = field(init=False, repr=False, compare=False)
     _priority: int = field(init=False, repr=False, compare=False)
@@ -143,12 +143,16 @@ class ReplacementPattern:
             )
         if self.pattern is not None:
             pattern = as_complex(self.pattern, where=f"{label}.pattern")
-            compiled, num_inputs = _compile_complex(pattern)
+            compiled, num_inputs = compile_complex(pattern)
+            if not isinstance(compiled, Op):
+                raise PatternError(
+                    "a rewrite pattern cannot be MatchAllNode alone: it would match all"
+                )
             priority = complex_priority(pattern)
         else:
             assert self.pattern_fn is not None
-            compiled, num_inputs = _compile_traced(_trace(self.pattern_fn, label, "pattern_fn"))
-        num_ops = len(_operators(compiled))
+            compiled, num_inputs = compile_traced(_trace(self.pattern_fn, label, "pattern_fn"))
+        num_ops = len(operators(compiled))
         if self.pattern is None:  # the size rule of complex patterns: operators and inputs
             priority = 1 if num_ops == 1 and num_inputs == 0 else -(num_ops + num_inputs)
         for i, constraint in enumerate(self.constraints):
@@ -186,78 +190,6 @@ class ReplacementPattern:
         object.__setattr__(self, "_replacement_graph", replacement_graph)
 
 
-# --- compiled rewrite patterns -----------------------------------------------------------
-
-
-class _RInput:
-    """Binds any value; the same input seen twice must bind the same value."""
-
-    __slots__ = ("index",)
-
-    def __init__(self, index: int) -> None:
-        self.index = index
-
-
-class _RLiteral:
-    __slots__ = ("value",)
-
-    def __init__(self, value: Any) -> None:
-        self.value = value
-
-
-class _RSeq:
-    __slots__ = ("items", "kind")
-
-    def __init__(self, kind: type, items: tuple[_RArg, ...]) -> None:
-        self.kind = kind
-        self.items = items
-
-
-class _ROp:
-    """An operator node; ``args``/``kwargs`` None means "any"."""
-
-    __slots__ = ("args", "attr", "ident", "kind", "kwargs")
-
-    def __init__(
-        self,
-        kind: int,
-        ident: object,
-        args: tuple[_RArg, ...] | None,
-        kwargs: dict[str, _RArg] | None,
-    ) -> None:
-        self.kind = kind
-        self.ident = ident
-        self.args = args
-        self.kwargs = kwargs
-
-
-_RArg: TypeAlias = "_ROp | _RInput | _RLiteral | _RSeq"
-_Key: TypeAlias = tuple[int, object]
-
-
-def _compile_complex(pattern: Pattern) -> tuple[_ROp, int]:
-    counter = [0]
-
-    def walk(p: Pattern) -> _RArg:
-        op = p[0] if isinstance(p, tuple) else p
-        if op is MatchAllNode:
-            if isinstance(p, tuple):
-                raise PatternError(f"{p!r}: MatchAllNode cannot take argument patterns")
-            counter[0] += 1
-            return _RInput(counter[0] - 1)
-        kind, ident = _element_key(op)
-        if not isinstance(p, tuple):
-            return _ROp(kind, ident, None, None)
-        if op is builtins.getattr:
-            return _ROp(kind, ident, (_RInput(-1), _RLiteral(p[1])), None)
-        return _ROp(kind, ident, tuple(walk(a) for a in p[1:]), None)
-
-    root = walk(pattern)
-    if not isinstance(root, _ROp):
-        raise PatternError("a rewrite pattern cannot be MatchAllNode alone: it would match all")
-    return root, counter[0]
-
-
 def _trace(fn: Callable[..., Any], label: str, what: str) -> GraphModule:
     if isinstance(fn, GraphModule):
         return fn
@@ -272,147 +204,11 @@ def _trace(fn: Callable[..., Any], label: str, what: str) -> GraphModule:
         ) from exc
 
 
-def _compile_traced(gm: GraphModule) -> tuple[_ROp, int]:
-    placeholders = {n: i for i, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")}
-    outputs = [n for n in gm.graph.nodes if n.op == "output"]
-    result = outputs[0].args[0]
-    if not isinstance(result, Node) or result.op not in (
-        "call_function",
-        "call_method",
-        "call_module",
-    ):
-        raise PatternError(
-            "pattern_fn must return the result of one operation (a single output node); got "
-            f"{result!r}"
-        )
-    modules = dict(gm.named_modules(remove_duplicate=False))
-    memo: dict[Node, _ROp] = {}
-
-    def arg(value: Any) -> _RArg:
-        if isinstance(value, Node):
-            if value.op == "placeholder":
-                return _RInput(placeholders[value])
-            if value.op in ("call_function", "call_method", "call_module"):
-                return op(value)
-            raise PatternError(
-                f"pattern_fn: node {value.format_node()} ({value.op}) is not supported in a "
-                "pattern; pass tensors and constants as function parameters"
-            )
-        if isinstance(value, (tuple, list)):
-            return _RSeq(type(value), tuple(arg(v) for v in value))
-        return _RLiteral(value)
-
-    def op(node: Node) -> _ROp:
-        found = memo.get(node)
-        if found is not None:
-            return found
-        ident: object
-        if node.op == "call_module":
-            kind, ident = _MODULE, type(modules[str(node.target)])
-        elif node.op == "call_method":
-            kind, ident = _METHOD, node.target
-        else:
-            kind, ident = _FUNCTION, id(node.target)
-        compiled = _ROp(kind, ident, None, None)
-        memo[node] = compiled
-        compiled.args = tuple(arg(a) for a in node.args)
-        compiled.kwargs = {k: arg(v) for k, v in node.kwargs.items()}
-        return compiled
-
-    return op(result), len(placeholders)
-
-
-def _operators(root: _ROp) -> list[_ROp]:
-    seen: list[_ROp] = []
-
-    def walk(a: _RArg) -> None:
-        if isinstance(a, _ROp):
-            if any(a is s for s in seen):
-                return
-            seen.append(a)
-            for sub in a.args or ():
-                walk(sub)
-            for sub in (a.kwargs or {}).values():
-                walk(sub)
-        elif isinstance(a, _RSeq):
-            for sub in a.items:
-                walk(sub)
-
-    walk(root)
-    return seen
-
-
-class _Binder:
-    """State of one match attempt."""
-
-    def __init__(self, resolver: _Resolver) -> None:
-        self.resolver = resolver
-        self.inputs: dict[int, Any] = {}
-        self.ops: dict[int, Node] = {}  # id(_ROp) -> node
-        self.order: list[Node] = []
-
-    def match(self, value: Any, p: _RArg) -> bool:
-        if isinstance(p, _RInput):
-            if p.index < 0:
-                return True
-            if p.index in self.inputs:
-                bound = self.inputs[p.index]
-                return bound is value or (
-                    not isinstance(bound, Node)
-                    and not isinstance(value, Node)
-                    and type(bound) is type(value)
-                    and bool(bound == value)
-                )
-            self.inputs[p.index] = value
-            return True
-        if isinstance(p, _RLiteral):
-            if isinstance(value, Node):
-                return False
-            expected = p.value
-            return value is expected or (type(value) is type(expected) and bool(value == expected))
-        if isinstance(p, _RSeq):
-            return (
-                isinstance(value, (tuple, list))
-                and type(value) is p.kind
-                and len(value) == len(p.items)
-                and all(self.match(v, s) for v, s in zip(value, p.items, strict=True))
-            )
-        if not isinstance(value, Node):
-            return False
-        previous = self.ops.get(id(p))
-        if previous is not None:
-            return previous is value
-        if not self._fits(value, p):
-            return False
-        self.ops[id(p)] = value
-        self.order.append(value)
-        if p.args is not None:
-            if len(p.args) != len(value.args):
-                return False
-            for sub, a in zip(p.args, value.args, strict=True):
-                if not self.match(a, sub):
-                    return False
-        if p.kwargs is not None:
-            if set(p.kwargs) != set(value.kwargs):
-                return False
-            for key, sub in p.kwargs.items():
-                if not self.match(value.kwargs[key], sub):
-                    return False
-        return True
-
-    def _fits(self, node: Node, p: _ROp) -> bool:
-        if p.kind == _FUNCTION:
-            return node.op == "call_function" and id(node.target) == p.ident
-        if p.kind == _METHOD:
-            return node.op == "call_method" and node.target == p.ident
-        return node.op == "call_module" and self.resolver.module_type(node) is p.ident
-
-
-def _try(rule: ReplacementPattern, node: Node, resolver: _Resolver) -> RewriteMatch | None:
-    binder = _Binder(resolver)
-    if not binder.match(node, rule._compiled):
+def _try(rule: ReplacementPattern, node: Node, resolver: Resolver) -> RewriteMatch | None:
+    binding = Binding(resolver, torch_ao=False)
+    if not binding.match(node, rule._compiled):
         return None
-    nodes = tuple(binder.order)
+    nodes = tuple(binding.order)
     # Inner nodes may only feed the pattern itself, or replacing the anchor would leave
     # other users without their inputs.
     inside = set(nodes)
@@ -422,7 +218,7 @@ def _try(rule: ReplacementPattern, node: Node, resolver: _Resolver) -> RewriteMa
     for constraint in rule.constraints:
         if not constraint.holds(nodes[constraint.op]):
             return None
-    inputs = tuple(binder.inputs.get(i) for i in range(rule._num_inputs))
+    inputs = tuple(binding.inputs.get(i) for i in range(rule._num_inputs))
     found = RewriteMatch(rule=rule, nodes=nodes, anchor=node, inputs=inputs)
     if rule.match_filter is not None and not rule.match_filter(found):
         return None
@@ -449,13 +245,10 @@ def find_rewrite_matches(
             raise PatternError(
                 f"rules[{i}]: expected a ReplacementPattern, got {type(rule).__name__}"
             )
-    resolver = _Resolver(graph_module)
+    resolver = Resolver(graph_module)
     index: AnchorIndex[ReplacementPattern] = AnchorIndex(resolver)
     for position, rule in enumerate(sorted(rule_list, key=lambda r: r._priority)):
-        root = rule._compiled
-        first = root.args[0] if root.args else None
-        first_key = (first.kind, first.ident) if isinstance(first, _ROp) else None
-        index.add(position, (root.kind, root.ident), first_key, rule)
+        index.add(position, rule._compiled, rule)
     claimed: set[Node] = set()
     found: list[RewriteMatch] = []
     for node in reversed(graph_module.graph.nodes):
