@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from quantbridge.lowering._lowered_ops import conv_arrays
+from quantbridge import kernels as K
 from quantbridge.lowering._modules import QuantizedConv
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # its sibling, however it is run
@@ -35,9 +35,9 @@ from bench_array_forward import lowered_cnn, main
 
 def _through_conv2d(module: QuantizedConv) -> Callable[..., Any]:
     def forward_arrays(*arrays: Any) -> Any:
-        return conv_arrays(
-            arrays[0], module._packed, module.input_qparams, module.conv_qparams, module.relu,
-            module._act_table,
+        return K.conv2d(
+            arrays[0], module._packed, *module.input_qparams, *module.conv_qparams,
+            relu=module.relu, channels_last=True, lut=module._act_table,
         )  # fmt: skip
 
     return forward_arrays

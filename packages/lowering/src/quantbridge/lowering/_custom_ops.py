@@ -1,13 +1,13 @@
 """The torch.library path: lowered ops as ``torch.ops.quantbridge_lowering.*`` custom ops.
 
-Eager forward calls the numba kernels directly on numpy views (fastest, no dispatcher). While
-``torch.export``/``torch.compile`` traces (``torch.compiler.is_compiling()``, which is also
-true while exporting, or any input is not a plain ``torch.Tensor``: fake, functional or proxy
-tensors) the lowered modules call these custom ops instead: each has a fake (meta)
-implementation giving the output shape and dtype, so the graph captures one opaque node per
-lowered op. Running the exported program eagerly executes the real implementation, which
-calls the same kernels; packed weights are rebuilt from the int8 weight tensors there and
-cached per weight tensor.
+Eager forward calls each module's op object (``_lowered_ops``) on numpy views (fastest, no
+dispatcher). While ``torch.export``/``torch.compile`` traces (``torch.compiler.is_compiling()``,
+which is also true while exporting, or any input is not a plain ``torch.Tensor``: fake,
+functional or proxy tensors) the lowered modules call these custom ops instead: each has a
+fake (meta) implementation giving the output shape and dtype, so the graph captures one opaque
+node per lowered op. Running the exported program eagerly executes the real implementation:
+it builds the module's op object from the op's tensors and arguments (cached per weight
+tensor and arguments, so the weight is packed once) and calls it.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from quantbridge.lowering import _lowered_ops as lowered
 __all__ = ["is_tracing"]
 
 _NS = "quantbridge_lowering"
-_pack_cache: dict[tuple[Any, ...], Any] = {}
-_pack_lock = threading.Lock()
+_op_cache: dict[tuple[Any, ...], Any] = {}
+_op_lock = threading.Lock()
 
 # Lowered ops (these and the eager modules) run on torch's intra-op thread count, read at
 # every kernel call; an explicit quantbridge.kernels.set_num_threads still wins.
@@ -43,13 +43,14 @@ def is_tracing(*tensors: torch.Tensor) -> bool:
 
 
 def _cached(key: tuple[Any, ...], build: Any) -> Any:
-    with _pack_lock:
-        found = _pack_cache.get(key)
+    """The op object for ``key``, built once (``key`` names everything it is built from)."""
+    with _op_lock:
+        found = _op_cache.get(key)
         if found is None:
-            if len(_pack_cache) > 256:
-                _pack_cache.clear()
+            if len(_op_cache) > 256:
+                _op_cache.clear()
             found = build()
-            _pack_cache[key] = found
+            _op_cache[key] = found
         return found
 
 
@@ -57,41 +58,9 @@ def _wkey(kind: str, w: torch.Tensor, *rest: Any) -> tuple[Any, ...]:
     return (kind, w.data_ptr(), w._version, tuple(w.shape), *rest)
 
 
-def _wqp(scale: torch.Tensor, zero_point: torch.Tensor) -> tuple[Any, Any]:
-    """Per-tensor weight qparams as Python numbers, per-channel as arrays."""
-    if scale.numel() == 1:
-        return float(scale.reshape(-1)[0]), int(zero_point.reshape(-1)[0])
-    return lowered.numpy_view(scale), lowered.numpy_view(zero_point)
-
-
-def _bias(b: torch.Tensor | None) -> Any:
-    return None if b is None else lowered.numpy_view(b.detach().to(torch.float32))
-
-
-def _view(t: torch.Tensor | None) -> Any:
-    return None if t is None else lowered.numpy_view(t)
-
-
 def _qp(values: list[float], at: int = 0) -> tuple[float, int]:
     """(scale, zero point) at ``values[at : at + 2]``: schemas carry qparams as float lists."""
     return values[at], int(values[at + 1])
-
-
-def _packed_linear(
-    weight: torch.Tensor,
-    w_scale: torch.Tensor,
-    w_zero_point: torch.Tensor,
-    bias: torch.Tensor | None,
-    target: str,
-) -> K.PackedLinearWeight:
-    """The packed linear weight (static and dynamic share it), built once per weight tensor."""
-    packed: K.PackedLinearWeight = _cached(
-        _wkey("linear", weight, target),
-        lambda: K.PackedLinearWeight(
-            lowered.numpy_view(weight), *_wqp(w_scale, w_zero_point), _bias(bias), target=target
-        ),
-    )
-    return packed
 
 
 @torch.library.custom_op(f"{_NS}::linear", mutates_args=())
@@ -108,8 +77,15 @@ def linear_op(
     relu: bool,
     target: str,
 ) -> torch.Tensor:
-    packed = _packed_linear(weight, w_scale, w_zero_point, bias, target)
-    return lowered.linear(x, packed, (x_scale, x_zero_point), (out_scale, out_zero_point), relu)
+    in_qp, out_qp = (x_scale, x_zero_point), (out_scale, out_zero_point)
+    op = _cached(
+        _wkey("linear", weight, target, in_qp, out_qp, relu),
+        lambda: lowered.LinearOp(
+            lowered.pack_linear(weight, w_scale, w_zero_point, bias, target), in_qp, out_qp,
+            relu=relu,
+        ),
+    )  # fmt: skip
+    return torch.from_numpy(op(lowered.numpy_view(x)))
 
 
 @linear_op.register_fake
@@ -134,25 +110,30 @@ def linear_float_op(
     codes_qparams: list[float] | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(float result, its codes when ``codes_qparams`` is given, else an empty tensor)."""
-    packed = _packed_linear(weight, w_scale, w_zero_point, bias, target)
-    columns, floats = None, None
-    if float_input is not None and channels is not None and column_weight is not None:
-        floats = lowered.numpy_view(float_input)
-        columns = _cached(
-            _wkey("float_columns", column_weight, target),
-            lambda: K.FloatColumns(lowered.numpy_view(channels), lowered.numpy_view(column_weight)),
-        )
     c_qp = None if codes_qparams is None else _qp(codes_qparams)
-    codes = None
-    if c_qp is not None:
-        codes = np.empty((*x.shape[:-1], weight.shape[0]), np.uint8)
-    out = K.linear_float(
-        lowered.numpy_view(x), packed, x_scale, x_zero_point, activation=activation,
-        columns=columns, float_input=floats,
-        codes=codes, codes_qparams=c_qp,
-    )  # fmt: skip
-    empty = torch.empty(0, dtype=torch.uint8)
-    return torch.from_numpy(out), empty if codes is None else torch.from_numpy(codes)
+    floats, columns, columns_key = None, None, None
+    if float_input is not None and channels is not None and column_weight is not None:
+        floats, columns = lowered.numpy_view(float_input), (channels, column_weight)
+        columns_key = _wkey("columns", column_weight)
+
+    def build() -> lowered.LinearFloatOp:
+        float_columns = None
+        if columns is not None:
+            float_columns = K.FloatColumns(*(lowered.numpy_view(t) for t in columns))
+        return lowered.LinearFloatOp(
+            lowered.pack_linear(weight, w_scale, w_zero_point, bias, target),
+            (x_scale, x_zero_point), activation=activation, columns=float_columns,
+            codes_qparams=c_qp,
+        )  # fmt: skip
+
+    op = _cached(
+        _wkey("linear_float", weight, target, x_scale, x_zero_point, activation, c_qp, columns_key),
+        build,
+    )
+    got = op(lowered.numpy_view(x), floats)
+    if c_qp is None:
+        return torch.from_numpy(got), torch.empty(0, dtype=torch.uint8)
+    return torch.from_numpy(got[0]), torch.from_numpy(got[1])
 
 
 @linear_float_op.register_fake
@@ -173,8 +154,14 @@ def linear_dynamic_op(
     activation: str = "none",
     per_row: bool = False,
 ) -> torch.Tensor:
-    packed = _packed_linear(weight, w_scale, w_zero_point, bias, target)
-    return lowered.linear_dynamic(x, packed, activation, per_row)
+    op = _cached(
+        _wkey("linear_dynamic", weight, target, activation, per_row),
+        lambda: lowered.DynamicLinearOp(
+            lowered.pack_linear(weight, w_scale, w_zero_point, bias, target),
+            activation=activation, per_row=per_row,
+        ),
+    )  # fmt: skip
+    return torch.from_numpy(op(lowered.numpy_view(x.to(torch.float32))))
 
 
 @linear_dynamic_op.register_fake
@@ -200,21 +187,16 @@ def conv_op(
     relu: bool,
     target: str,
 ) -> torch.Tensor:
-    packed = _cached(
-        _wkey("conv", weight, target, tuple(stride), tuple(padding), tuple(dilation), groups),
-        lambda: K.PackedConvWeight(
-            lowered.numpy_view(weight),
-            *_wqp(w_scale, w_zero_point),
-            _bias(bias),
-            stride=tuple(stride),
-            padding=tuple(padding),
-            dilation=tuple(dilation),
-            groups=groups,
-            target=target,
-        ),
-    )
     in_qp, out_qp = (x_scale, x_zero_point), (out_scale, out_zero_point)
-    return lowered.conv(x, packed, in_qp, out_qp, relu).contiguous()  # NCHW, as the fake
+    geometry = (tuple(stride), tuple(padding), tuple(dilation), groups)
+    op = _cached(
+        _wkey("conv", weight, target, geometry, in_qp, out_qp, relu),
+        lambda: K.PreparedConv(
+            lowered.pack_conv(weight, w_scale, w_zero_point, bias, *geometry, target), in_qp,
+            out_qp, relu=relu, channels_last=True,
+        ),
+    )  # fmt: skip
+    return torch.from_numpy(op(lowered.dense_view(x))).contiguous()  # NCHW, as the fake
 
 
 @conv_op.register_fake
@@ -248,10 +230,11 @@ def binary_op(
     kind: str,
     target: str,
 ) -> torch.Tensor:
-    return lowered.binary(
-        kind, a, (a_scale, a_zero_point), b, (b_scale, b_zero_point),
-        (out_scale, out_zero_point), target,
-    )  # fmt: skip
+    qparams = ((a_scale, a_zero_point), (b_scale, b_zero_point), (out_scale, out_zero_point))
+    op = _cached(
+        ("binary", kind, *qparams, target), lambda: lowered.BinaryOp(kind, *qparams, target)
+    )
+    return torch.from_numpy(op(lowered.dense_view(a), lowered.dense_view(b)))
 
 
 @binary_op.register_fake
@@ -261,7 +244,8 @@ def _(a: torch.Tensor, a_scale: float, a_zero_point: int, b: torch.Tensor, *args
 
 @torch.library.custom_op(f"{_NS}::lut", mutates_args=())
 def lut_op(x: torch.Tensor, table: torch.Tensor, target: str) -> torch.Tensor:
-    return lowered.lookup_table(x, lowered.numpy_view(table), target)
+    op = lowered.LookupTableOp(lowered.numpy_view(table), target)  # (a view: nothing to cache)
+    return torch.from_numpy(op(lowered.dense_view(x)))
 
 
 @lut_op.register_fake
@@ -278,7 +262,12 @@ def requantize_op(
     out_zero_point: int,
     target: str,
 ) -> torch.Tensor:
-    return lowered.requantize(x, (in_scale, in_zero_point), (out_scale, out_zero_point), target)
+    in_qp, out_qp = (in_scale, in_zero_point), (out_scale, out_zero_point)
+    op = _cached(
+        ("requantize", in_qp, out_qp, target),
+        lambda: K.PreparedRequantize(in_qp, out_qp, target=target),
+    )
+    return torch.from_numpy(op(lowered.dense_view(x)))
 
 
 @requantize_op.register_fake
@@ -296,7 +285,8 @@ def max_pool2d_op(
     ceil_mode: bool,
     target: str,
 ) -> torch.Tensor:
-    return lowered.max_pool2d(x, kernel_size, stride, padding, dilation, ceil_mode, target)
+    op = lowered.MaxPool2dOp(kernel_size, stride, padding, dilation, ceil_mode, target)
+    return torch.from_numpy(op(lowered.dense_view(x)))
 
 
 @max_pool2d_op.register_fake
@@ -328,10 +318,11 @@ def avg_pool2d_op(
     out_zero_point: int,
     target: str,
 ) -> torch.Tensor:
-    return lowered.avg_pool2d(
-        x, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override,
+    op = lowered.AvgPool2dOp(
+        kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override,
         (scale, zero_point), (out_scale, out_zero_point), target,
     )  # fmt: skip
+    return torch.from_numpy(op(lowered.dense_view(x)))
 
 
 @avg_pool2d_op.register_fake
@@ -359,9 +350,12 @@ def adaptive_avg_pool2d_op(
     out_zero_point: int,
     target: str,
 ) -> torch.Tensor:
-    return lowered.adaptive_avg_pool2d(
-        x, output_size, (scale, zero_point), (out_scale, out_zero_point), target
+    in_qp, out_qp = (scale, zero_point), (out_scale, out_zero_point)
+    op = _cached(
+        ("adaptive_avg_pool2d", tuple(output_size), in_qp, out_qp, target),
+        lambda: lowered.adaptive_avg_pool2d_op(output_size, in_qp, out_qp, target),
     )
+    return torch.from_numpy(op(lowered.dense_view(x)))
 
 
 @adaptive_avg_pool2d_op.register_fake
@@ -381,9 +375,10 @@ def matmul_op(
     out_zero_point: int,
     target: str,
 ) -> torch.Tensor:
-    return lowered.matmul(
-        a, (a_scale, a_zero_point), b, (b_scale, b_zero_point), (out_scale, out_zero_point), target
+    op = lowered.MatmulOp(
+        (a_scale, a_zero_point), (b_scale, b_zero_point), (out_scale, out_zero_point), target
     )
+    return torch.from_numpy(op(lowered.numpy_view(a), lowered.numpy_view(b)))
 
 
 @matmul_op.register_fake
@@ -403,19 +398,14 @@ def embedding_bag_op(
     include_last_offset: bool,
     target: str,
 ) -> torch.Tensor:
-    packed = _cached(
-        _wkey("embedding", weight),
-        lambda: K.PackedEmbedding(
-            lowered.numpy_view(weight),
-            lowered.numpy_view(row_scale),
-            lowered.numpy_view(row_bias),
-            8,
-            int(weight.shape[1]),
+    op = _cached(
+        _wkey("embedding_bag", weight, mode, include_last_offset, target),
+        lambda: lowered.EmbeddingBagOp(
+            lowered.pack_embedding(weight, row_scale, row_bias), mode, include_last_offset, target
         ),
     )
-    return lowered.embedding_bag(
-        packed, indices, offsets, mode, per_sample_weights, include_last_offset, target
-    )
+    return torch.from_numpy(op(*(None if t is None else lowered.numpy_view(t)
+                                 for t in (indices, offsets, per_sample_weights))))  # fmt: skip
 
 
 @embedding_bag_op.register_fake
@@ -437,6 +427,16 @@ def _(
     return weight.new_empty((bags, weight.shape[1]), dtype=torch.float32)
 
 
+def _view(t: torch.Tensor | None) -> Any:
+    return None if t is None else lowered.numpy_view(t)
+
+
+def _float_views(x: torch.Tensor, residual: torch.Tensor | None) -> tuple[Any, Any]:
+    """(x, residual as float32) as C-contiguous arrays, as a LayerNorm takes them."""
+    r = None if residual is None else lowered.numpy_view(residual.to(torch.float32))
+    return lowered.numpy_view(x), r
+
+
 @torch.library.custom_op(f"{_NS}::layer_norm", mutates_args=())
 def layer_norm_op(
     x: torch.Tensor,
@@ -445,7 +445,8 @@ def layer_norm_op(
     bias: torch.Tensor | None,
     eps: float,
 ) -> torch.Tensor:
-    return lowered.layer_norm(x, residual, _view(weight), _view(bias), eps)
+    out, _ = K.PreparedLayerNorm(_view(weight), _view(bias), eps)(*_float_views(x, residual))
+    return torch.from_numpy(out)
 
 
 @layer_norm_op.register_fake
@@ -465,7 +466,11 @@ def layer_norm_codes_op(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     x_qp = None if x_qparams is None else _qp(x_qparams)
     c_qp = None if codes_qparams is None else _qp(codes_qparams)
-    return lowered.layer_norm_codes(x, residual, _view(weight), _view(bias), eps, x_qp, c_qp)
+    op = K.PreparedLayerNorm(_view(weight), _view(bias), eps, x_qparams=x_qp, codes_qparams=c_qp)
+    out, codes = op(*_float_views(x, residual))
+    return torch.from_numpy(out), torch.from_numpy(
+        np.empty(0, np.uint8) if codes is None else codes
+    )
 
 
 @layer_norm_codes_op.register_fake
@@ -477,7 +482,8 @@ def _(x: torch.Tensor, residual: Any, weight: Any, bias: Any, eps: float, x_qpar
 
 @torch.library.custom_op(f"{_NS}::softmax", mutates_args=())
 def softmax_op(x: torch.Tensor, scale: float, mask: torch.Tensor | None) -> torch.Tensor:
-    return lowered.softmax(x, scale, mask)
+    m = None if mask is None else mask.detach().numpy()  # strided views are fine: it is copied
+    return torch.from_numpy(lowered.SoftmaxOp(scale)(lowered.numpy_view(x), m))
 
 
 @softmax_op.register_fake
@@ -499,7 +505,9 @@ def attention_op(
 ) -> torch.Tensor:
     qp = (_qp(qparams), _qp(qparams, 2), _qp(qparams, 4))
     out_qp = None if out_qparams is None else _qp(out_qparams)
-    return lowered.attention(q, k, v, qp, out_qp, scale, mask, target, causal)
+    op = lowered.AttentionOp(qp, out_qp, scale, causal, target)
+    m = None if mask is None else mask.detach().numpy()  # strided (expanded) masks: no copy
+    return torch.from_numpy(op(q.detach().numpy(), k.detach().numpy(), v.detach().numpy(), m))
 
 
 @attention_op.register_fake

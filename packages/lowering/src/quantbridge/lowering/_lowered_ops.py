@@ -1,17 +1,26 @@
-"""Each lowered op, once: tensors (and packed weights) in, a kernel call, a tensor out.
+"""Each lowered op once: the object a lowered module calls, which calls one kernel.
 
-The lowered modules call these in eager mode; the torch.library custom ops (``_custom_ops``,
-what torch.export and torch.compile capture) call them as their real implementation. Codes
-may arrive C-contiguous or channels-last; convs return channels-last codes.
+A lowered module builds its op object in ``_sync`` (at lowering, after ``load_state_dict``,
+after unpickling, when a setting changes) from its buffers and settings: the packed weight,
+qparams as Python numbers, flags, tables. Its ``forward_arrays``, its eager ``forward``
+(``forward_arrays`` between array views and ``torch.from_numpy``) and the torch.library
+custom op torch.export captures (``_custom_ops``: the same object, built from the op's
+tensors and cached) all call that object, so each op's logic is written here once.
 
-The ops that a lowered model chains (convs, linears, elementwise, pools, quantize) also come
-as ``*_arrays`` functions on numpy arrays; the tensor op is that function between
-``dense_view`` (or ``numpy_view``) and ``torch.from_numpy``, so a model can pass arrays from
-op to op (``_array_forward``) and get the same numbers.
+Where the kernels package has a prepared call (``kernels.PreparedConv``, ``PreparedConvAdd``,
+``PreparedLayerNorm``, ``PreparedAdaptiveAvgPool2d``, ``PreparedQuantize`` /
+``PreparedDequantize`` / ``PreparedRequantize``), that is the op object. The classes here are
+the op objects of the other kernels, whose functions take their prepared state (packed
+weights, Python numbers) as arguments: each holds those arguments and makes the call.
+
+Op objects take numpy arrays (the helpers below make them from tensors): codes C-contiguous
+or channels-last (``dense_view``) where the kernel takes either, else C-contiguous
+(``numpy_view``); convs return channels-last codes.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -89,310 +98,317 @@ def pair(v: Any) -> tuple[int, int]:
     return (v[0], v[1]) if len(v) > 1 else (v[0], v[0])
 
 
-def linear(
-    x: torch.Tensor,
-    packed: K.PackedLinearWeight,
-    in_qp: QParams,
-    out_qp: QParams,
-    relu: bool,
-    lut: Any = None,
-) -> torch.Tensor:
-    """``lut``: an activation table fused into the epilogue (uint8[256] numpy) or None."""
-    return torch.from_numpy(linear_arrays(numpy_view(x), packed, in_qp, out_qp, relu, lut))
+# --- packed weights, from the tensors a module holds and its custom op receives ---
 
 
-def linear_arrays(
-    a: Any, packed: K.PackedLinearWeight, in_qp: QParams, out_qp: QParams, relu: bool, lut: Any
-) -> Any:
-    """``linear`` on a C-contiguous array."""
-    return K.linear(a, packed, *in_qp, *out_qp, relu=relu, lut=lut)
+def _weight_args(
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    zero_point: torch.Tensor,
+    bias: torch.Tensor | None,
+) -> tuple[Any, Any, Any, Any]:
+    """(int8 weight, its qparams: Python numbers per tensor, arrays per channel, float bias)."""
+    if scale.numel() == 1:
+        ws, wz = float(scale.reshape(-1)[0]), int(zero_point.reshape(-1)[0])
+    else:
+        ws, wz = numpy_view(scale), numpy_view(zero_point)
+    b = None if bias is None else numpy_view(bias.to(torch.float32))
+    return numpy_view(weight), ws, wz, b
 
 
-def linear_dynamic(
-    x: torch.Tensor, packed: K.PackedLinearWeight, activation: str = "none", per_row: bool = False
-) -> torch.Tensor:
-    if x.dtype != torch.float32:
-        x = x.to(torch.float32)
-    out = K.linear_dynamic(numpy_view(x), packed, per_row=per_row, activation=activation)
-    return torch.from_numpy(out)
-
-
-def layer_norm(
-    x: torch.Tensor, residual: torch.Tensor | None, weight: Any, bias: Any, eps: float
-) -> torch.Tensor:
-    r = None if residual is None else numpy_view(residual.to(torch.float32))
-    return torch.from_numpy(K.layer_norm(numpy_view(x), weight, bias, eps, residual=r))
-
-
-def layer_norm_codes(
-    x: torch.Tensor,
-    residual: torch.Tensor | None,
-    weight: Any,
-    bias: Any,
-    eps: float,
-    x_qp: QParams | None,
-    codes_qp: QParams | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``layer_norm`` reading uint8 codes (``x_qp``) and/or also returning its result quantized
-    (``codes_qp``; else an empty uint8 tensor)."""
-    r = None if residual is None else numpy_view(residual.to(torch.float32))
-    xa = numpy_view(x)
-    codes = np.empty(xa.shape if codes_qp is not None else (0,), np.uint8)
-    out = K.layer_norm(xa, weight, bias, eps, residual=r, x_qparams=x_qp,
-                       codes=codes if codes_qp is not None else None,
-                       codes_qparams=codes_qp)  # fmt: skip
-    return torch.from_numpy(out), torch.from_numpy(codes)
-
-
-def softmax(x: torch.Tensor, scale: float, mask: torch.Tensor | None) -> torch.Tensor:
-    m = None if mask is None else mask.detach().numpy()  # strided views are fine: it is copied
-    return torch.from_numpy(K.softmax(numpy_view(x), scale=scale, mask=m))
-
-
-def attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    qparams: tuple[QParams, QParams, QParams],
-    out_qp: QParams | None,
-    scale: float | None,
-    mask: torch.Tensor | None,
+def pack_linear(
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    zero_point: torch.Tensor,
+    bias: torch.Tensor | None,
     target: str,
-    causal: bool = False,
-) -> torch.Tensor:
-    """``kernels.attention`` on uint8 codes [B, H, S, D] (any strides: read in place)."""
-    m = None if mask is None else mask.detach().numpy()  # strided (expanded) masks: no copy
-    out = K.attention(q.detach().numpy(), k.detach().numpy(), v.detach().numpy(), *qparams,
-                      mask=m, scale=scale, causal=causal, out_qparams=out_qp,
-                      target=target)  # fmt: skip
-    return torch.from_numpy(out)
+) -> K.PackedLinearWeight:
+    """The packed weight of a linear (static, float-output and dynamic share it)."""
+    return K.PackedLinearWeight(*_weight_args(weight, scale, zero_point, bias), target=target)
 
 
-def conv(
-    x: torch.Tensor,
-    packed: K.PackedConvWeight,
-    in_qp: QParams,
-    out_qp: QParams,
-    relu: bool,
-    lut: Any = None,
-) -> torch.Tensor:
-    return torch.from_numpy(conv_arrays(dense_view(x), packed, in_qp, out_qp, relu, lut))
-
-
-def conv_arrays(
-    a: Any, packed: K.PackedConvWeight, in_qp: QParams, out_qp: QParams, relu: bool, lut: Any
-) -> Any:
-    """``conv`` on a dense array (``dense_array``): channels-last codes out."""
-    fn = K.conv2d if packed.dims == 2 else K.conv1d
-    return fn(a, packed, *in_qp, *out_qp, relu=relu, channels_last=True, lut=lut)
-
-
-def conv_add(
-    x: torch.Tensor,
-    packed: K.PackedConvWeight,
-    in_qp: QParams,
-    conv_qp: QParams,
-    other: torch.Tensor,
-    other_qp: QParams,
-    out_qp: QParams,
-    relu_conv: bool,
-    relu: bool,
-    lut: Any = None,
-) -> torch.Tensor:
-    return torch.from_numpy(conv_add_arrays(
-        dense_view(x), packed, in_qp, conv_qp, dense_view(other), other_qp, out_qp, relu_conv,
-        relu, lut,
-    ))  # fmt: skip
-
-
-def conv_add_arrays(
-    a: Any,
-    packed: K.PackedConvWeight,
-    in_qp: QParams,
-    conv_qp: QParams,
-    other: Any,
-    other_qp: QParams,
-    out_qp: QParams,
-    relu_conv: bool,
-    relu: bool,
-    lut: Any,
-) -> Any:
-    """``conv_add`` on dense arrays."""
-    return K.conv2d_add(
-        a, packed, in_qp, conv_qp, other, other_qp, out_qp, relu_conv=relu_conv, relu=relu,
-        lut=lut,
-    )  # fmt: skip
-
-
-def binary(
-    kind: str,
-    a: torch.Tensor,
-    a_qp: QParams,
-    b: torch.Tensor,
-    b_qp: QParams,
-    out_qp: QParams,
-    target: str,
-) -> torch.Tensor:
-    """``kind``: add, add_relu, mul or mul_relu; shapes broadcast first, except a mul by one
-    value per (image, channel) (squeeze-excite), which ``kernels.mul_channels`` runs without
-    the broadcast (same numbers; the product does not depend on the operand order)."""
-    return torch.from_numpy(
-        binary_arrays(kind, dense_view(a), a_qp, dense_view(b), b_qp, out_qp, target)
-    )
-
-
-def binary_arrays(
-    kind: str, a: Any, a_qp: QParams, b: Any, b_qp: QParams, out_qp: QParams, target: str
-) -> Any:
-    """``binary`` on dense arrays."""
-    if kind in ("mul", "mul_relu") and a.shape != b.shape:
-        for x, x_qp, s, s_qp in ((a, a_qp, b, b_qp), (b, b_qp, a, a_qp)):
-            if per_channel_operand(x.shape, s.shape):
-                return K.mul_channels(
-                    x, x_qp, np.ascontiguousarray(s), s_qp, out_qp, relu=kind == "mul_relu",
-                    target=target,
-                )  # fmt: skip
-    if a.shape != b.shape:  # the kernels take equal shapes
-        a, b = (dense_array(v) for v in np.broadcast_arrays(a, b))
-    return getattr(K, kind)(a, a_qp, b, b_qp, out_qp, target=target)
-
-
-def matmul(
-    a: torch.Tensor, a_qp: QParams, b: torch.Tensor, b_qp: QParams, out_qp: QParams, target: str
-) -> torch.Tensor:
-    """2-D or batched; leading dims broadcast and run as one [B, M, K] x [B, K, N] call."""
-    if a.dim() == b.dim() and a.dim() in (2, 3) and a.shape[:-2] == b.shape[:-2]:
-        out = K.matmul(numpy_view(a), a_qp, numpy_view(b), b_qp, out_qp, target=target)
-        return torch.from_numpy(out)
-    if a.dim() < 2 or b.dim() < 2:
-        raise LoweringError(
-            f"quantized matmul: operands need at least 2 dims, got {tuple(a.shape)} and "
-            f"{tuple(b.shape)}"
-        )
-    lead = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])  # type: ignore[no-untyped-call]
-    a3 = a.expand(*lead, *a.shape[-2:]).reshape(-1, *a.shape[-2:])
-    b3 = b.expand(*lead, *b.shape[-2:]).reshape(-1, *b.shape[-2:])
-    out = K.matmul(numpy_view(a3), a_qp, numpy_view(b3), b_qp, out_qp, target=target)
-    return torch.from_numpy(np.asarray(out)).reshape(*lead, a.shape[-2], b.shape[-1])
-
-
-def lookup_table(x: torch.Tensor, table: Any, target: str) -> torch.Tensor:
-    return torch.from_numpy(lookup_table_arrays(dense_view(x), table, target))
-
-
-def lookup_table_arrays(a: Any, table: Any, target: str) -> Any:
-    return K.apply_lut(a, table, target=target)
-
-
-def requantize(x: torch.Tensor, in_qp: QParams, out_qp: QParams, target: str) -> torch.Tensor:
-    return torch.from_numpy(requantize_arrays(dense_view(x), in_qp, out_qp, target))
-
-
-def requantize_arrays(a: Any, in_qp: QParams, out_qp: QParams, target: str) -> Any:
-    return K.requantize(a, *in_qp, *out_qp, target=target)
-
-
-def max_pool2d(
-    x: torch.Tensor,
-    kernel_size: Any,
+def pack_conv(
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    zero_point: torch.Tensor,
+    bias: torch.Tensor | None,
     stride: Any,
     padding: Any,
     dilation: Any,
-    ceil_mode: bool,
+    groups: int,
     target: str,
-) -> torch.Tensor:
-    return torch.from_numpy(max_pool2d_arrays(
-        dense_view(x), kernel_size, stride, padding, dilation, ceil_mode, target
-    ))  # fmt: skip
-
-
-def max_pool2d_arrays(
-    a: Any, kernel_size: Any, stride: Any, padding: Any, dilation: Any, ceil_mode: bool,
-    target: str,
-) -> Any:  # fmt: skip
-    return K.max_pool2d(
-        a, pair(kernel_size), pair(stride), pair(padding), pair(dilation), ceil_mode,
-        target=target,
+) -> K.PackedConvWeight:
+    return K.PackedConvWeight(
+        *_weight_args(weight, scale, zero_point, bias), stride=tuple(stride),
+        padding=tuple(padding), dilation=tuple(dilation), groups=groups, target=target,
     )  # fmt: skip
 
 
-def avg_pool2d(
-    x: torch.Tensor,
-    kernel_size: Any,
-    stride: Any,
-    padding: Any,
-    ceil_mode: bool,
-    count_include_pad: bool,
-    divisor_override: int | None,
-    in_qp: QParams,
-    out_qp: QParams,
-    target: str,
-) -> torch.Tensor:
-    return torch.from_numpy(avg_pool2d_arrays(
-        dense_view(x), kernel_size, stride, padding, ceil_mode, count_include_pad,
-        divisor_override, in_qp, out_qp, target,
-    ))  # fmt: skip
-
-
-def avg_pool2d_arrays(
-    a: Any,
-    kernel_size: Any,
-    stride: Any,
-    padding: Any,
-    ceil_mode: bool,
-    count_include_pad: bool,
-    divisor_override: int | None,
-    in_qp: QParams,
-    out_qp: QParams,
-    target: str,
-) -> Any:
-    return K.avg_pool2d(
-        a, pair(kernel_size), pair(stride), pair(padding), ceil_mode, count_include_pad,
-        divisor_override, scale=in_qp[0], zero_point=in_qp[1], out_scale=out_qp[0],
-        out_zero_point=out_qp[1], target=target,
-    )  # fmt: skip
-
-
-def adaptive_avg_pool2d(
-    x: torch.Tensor, output_size: Any, in_qp: QParams, out_qp: QParams, target: str
-) -> torch.Tensor:
-    return torch.from_numpy(
-        adaptive_avg_pool2d_arrays(dense_view(x), output_size, in_qp, out_qp, target)
+def pack_embedding(
+    codes: torch.Tensor, row_scale: torch.Tensor, row_bias: torch.Tensor
+) -> K.PackedEmbedding:
+    """8-bit rows, a float32 scale and bias per row."""
+    return K.PackedEmbedding(
+        numpy_view(codes), numpy_view(row_scale), numpy_view(row_bias), 8, int(codes.shape[1])
     )
 
 
-def adaptive_avg_pool2d_arrays(
-    a: Any, output_size: Any, in_qp: QParams, out_qp: QParams, target: str
-) -> Any:
-    return prepared_adaptive_avg_pool2d(pair(output_size), in_qp, out_qp, target)(a)
+# --- the op objects of kernels without a prepared call: each a record of its kernels
+# call's prepared arguments (slots: a call reads them as fast as locals' neighbours) ---
 
 
-def prepared_adaptive_avg_pool2d(
-    output_size: tuple[int, int], in_qp: QParams, out_qp: QParams, target: str
-) -> Any:
-    """The kernel for one pool: the input's qparams kept when ``in_qp == out_qp``."""
+@dataclass(slots=True)
+class LinearOp:
+    """``kernels.linear``: uint8 ``[..., K]`` (C-contiguous) → uint8 ``[..., N]``, relu and
+    an activation table (``lut``, uint8[256]) fused into the epilogue if given."""
+
+    packed: K.PackedLinearWeight
+    in_qparams: QParams
+    out_qparams: QParams
+    relu: bool = False
+    lut: Any = None
+
+    def __call__(self, a: Any) -> Any:
+        return K.linear(
+            a, self.packed, *self.in_qparams, *self.out_qparams, relu=self.relu, lut=self.lut
+        )
+
+
+@dataclass(slots=True)
+class LinearFloatOp:
+    """``kernels.linear_float``: uint8 ``[..., K]`` → float32 ``[..., N]``, ``activation`` in
+    the float epilogue. With ``columns`` (an outlier split's ``kernels.FloatColumns``) a call
+    given the float input also adds its columns' products; with ``codes_qparams`` it returns
+    ``(float result, its codes)``."""
+
+    packed: K.PackedLinearWeight
+    in_qparams: QParams
+    activation: str = "none"
+    columns: K.FloatColumns | None = None
+    codes_qparams: QParams | None = None
+
+    def __call__(self, a: Any, floats: Any = None) -> Any:
+        columns = self.columns if floats is not None else None
+        codes = None
+        if self.codes_qparams is not None:
+            codes = np.empty((*a.shape[:-1], self.packed.n), np.uint8)
+        out = K.linear_float(
+            a, self.packed, *self.in_qparams, activation=self.activation, columns=columns,
+            float_input=None if columns is None else floats, codes=codes,
+            codes_qparams=self.codes_qparams,
+        )  # fmt: skip
+        return out if codes is None else (out, codes)
+
+
+@dataclass(slots=True)
+class DynamicLinearOp:
+    """``kernels.linear_dynamic``: float32 ``[..., K]`` (C-contiguous) → float32, the input
+    quantized per call (per row with ``per_row``), ``activation`` in the float epilogue."""
+
+    packed: K.PackedLinearWeight
+    activation: str = "none"
+    per_row: bool = False
+
+    def __call__(self, a: Any) -> Any:
+        return K.linear_dynamic(a, self.packed, per_row=self.per_row, activation=self.activation)
+
+
+@dataclass(slots=True)
+class WeightOnlyLinearOp:
+    """``kernels.linear_weight_only``: float32 ``[..., K]`` → float32 ``[..., N]``."""
+
+    packed: K.PackedGroupWeight
+    bias: Any
+
+    def __call__(self, a: Any) -> Any:
+        return K.linear_weight_only(a, self.packed, self.bias)
+
+
+@dataclass(slots=True)
+class BinaryOp:
+    """``kernels.add`` / ``add_relu`` / ``mul`` / ``mul_relu`` (``kind``) on two dense uint8
+    arrays. Shapes broadcast first, except a mul by one value per (image, channel)
+    (squeeze-excite), which a ``kernels.PreparedMulChannels`` runs without the broadcast (same
+    numbers: the product does not depend on the operand order)."""
+
+    kind: str
+    a_qparams: QParams
+    b_qparams: QParams
+    out_qparams: QParams
+    target: str
+    _fn: Any = field(init=False, repr=False)
+    # made at the first squeeze-excite call (its checks are mul_channels'), with the operand
+    # shapes it was last called with
+    _mul_channels: Any = field(init=False, repr=False, default=None)
+    _channel_shapes: Any = field(init=False, repr=False, default=None)
+
+    def __post_init__(self) -> None:
+        self._fn = getattr(K, self.kind)
+
+    def __call__(self, a: Any, b: Any) -> Any:
+        if a.shape != b.shape:
+            if (a.shape, b.shape) == self._channel_shapes or self._per_channel(a.shape, b.shape):
+                return self._mul_channels(a, b)
+            a, b = (dense_array(v) for v in np.broadcast_arrays(a, b))  # kernels: equal shapes
+        return self._fn(a, self.a_qparams, b, self.b_qparams, self.out_qparams, target=self.target)
+
+    def _per_channel(self, a_shape: tuple[int, ...], b_shape: tuple[int, ...]) -> bool:
+        """A squeeze-excite mul (then ``_mul_channels`` is made, for these shapes)."""
+        if self.kind not in ("mul", "mul_relu") or not (
+            per_channel_operand(a_shape, b_shape) or per_channel_operand(b_shape, a_shape)
+        ):
+            return False
+        if self._mul_channels is None:
+            self._mul_channels = K.PreparedMulChannels(
+                self.a_qparams, self.b_qparams, self.out_qparams, relu=self.kind == "mul_relu",
+                target=self.target,
+            )  # fmt: skip
+        self._channel_shapes = (a_shape, b_shape)
+        return True
+
+
+@dataclass(slots=True)
+class MatmulOp:
+    """``kernels.matmul``: uint8 ``a @ b``, C-contiguous; 2-D or batched, leading dims
+    broadcast and run as one [B, M, K] x [B, K, N] call."""
+
+    a_qparams: QParams
+    b_qparams: QParams
+    out_qparams: QParams
+    target: str
+
+    def __call__(self, a: Any, b: Any) -> Any:
+        qp = (self.a_qparams, self.b_qparams, self.out_qparams)
+        if a.ndim == b.ndim and a.ndim in (2, 3) and a.shape[:-2] == b.shape[:-2]:
+            return K.matmul(a, qp[0], b, qp[1], qp[2], target=self.target)
+        if a.ndim < 2 or b.ndim < 2:
+            raise LoweringError(
+                f"quantized matmul: operands need at least 2 dims, got {tuple(a.shape)} and "
+                f"{tuple(b.shape)}"
+            )
+        lead = np.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+        a3, b3 = (
+            np.ascontiguousarray(
+                np.broadcast_to(x, (*lead, *x.shape[-2:])).reshape(-1, *x.shape[-2:])
+            )
+            for x in (a, b)
+        )
+        out = K.matmul(a3, qp[0], b3, qp[1], qp[2], target=self.target)
+        return out.reshape(*lead, a.shape[-2], b.shape[-1])
+
+
+@dataclass(slots=True)
+class LookupTableOp:
+    """``kernels.apply_lut``: a 256-entry table on dense uint8 codes."""
+
+    table: Any
+    target: str
+
+    def __call__(self, a: Any) -> Any:
+        return K.apply_lut(a, self.table, target=self.target)
+
+
+@dataclass(slots=True)
+class MaxPool2dOp:
+    """``kernels.max_pool2d`` on dense uint8 NCHW codes (qparams unchanged); sizes are ints
+    or 1- or 2-sequences, kept as pairs."""
+
+    kernel_size: Any
+    stride: Any
+    padding: Any
+    dilation: Any
+    ceil_mode: bool
+    target: str
+
+    def __post_init__(self) -> None:
+        self.kernel_size, self.stride = pair(self.kernel_size), pair(self.stride)
+        self.padding, self.dilation = pair(self.padding), pair(self.dilation)
+
+    def __call__(self, a: Any) -> Any:
+        return K.max_pool2d(
+            a, self.kernel_size, self.stride, self.padding, self.dilation, self.ceil_mode,
+            target=self.target,
+        )  # fmt: skip
+
+
+@dataclass(slots=True)
+class AvgPool2dOp:
+    """``kernels.avg_pool2d`` on dense uint8 NCHW codes (torch's quantized numerics); sizes
+    as ``MaxPool2dOp``'s."""
+
+    kernel_size: Any
+    stride: Any
+    padding: Any
+    ceil_mode: bool
+    count_include_pad: bool
+    divisor_override: int | None
+    in_qparams: QParams
+    out_qparams: QParams
+    target: str
+
+    def __post_init__(self) -> None:
+        self.kernel_size, self.stride = pair(self.kernel_size), pair(self.stride)
+        self.padding = pair(self.padding)
+
+    def __call__(self, a: Any) -> Any:
+        (scale, zero_point), (out_scale, out_zero_point) = self.in_qparams, self.out_qparams
+        return K.avg_pool2d(
+            a, self.kernel_size, self.stride, self.padding, self.ceil_mode,
+            self.count_include_pad, self.divisor_override, scale=scale, zero_point=zero_point,
+            out_scale=out_scale, out_zero_point=out_zero_point, target=self.target,
+        )  # fmt: skip
+
+
+def adaptive_avg_pool2d_op(
+    output_size: Any, in_qparams: QParams, out_qparams: QParams, target: str
+) -> K.PreparedAdaptiveAvgPool2d:
+    """The op object of one adaptive pool (a kernels prepared call): the input's qparams kept
+    when they are the output's."""
     return K.PreparedAdaptiveAvgPool2d(
-        output_size, scale=in_qp[0], zero_point=in_qp[1], out_scale=out_qp[0],
-        out_zero_point=out_qp[1], target=target,
+        pair(output_size), scale=in_qparams[0], zero_point=in_qparams[1],
+        out_scale=out_qparams[0], out_zero_point=out_qparams[1], target=target,
     )  # fmt: skip
 
 
-def embedding_bag(
-    packed: K.PackedEmbedding,
-    indices: torch.Tensor,
-    offsets: torch.Tensor | None,
-    mode: str,
-    per_sample_weights: torch.Tensor | None,
-    include_last_offset: bool,
-    target: str,
-) -> torch.Tensor:
-    out = K.embedding_bag(
-        packed,
-        numpy_view(indices),
-        None if offsets is None else numpy_view(offsets),
-        mode,
-        None if per_sample_weights is None else numpy_view(per_sample_weights),
-        include_last_offset,
-        target=target,
-    )
-    return torch.from_numpy(out)
+@dataclass(slots=True)
+class SoftmaxOp:
+    """``kernels.softmax`` of ``x * scale (+ mask)`` over the last dimension, float32."""
+
+    scale: float
+
+    def __call__(self, x: Any, mask: Any = None) -> Any:
+        return K.softmax(x, scale=self.scale, mask=mask)
+
+
+@dataclass(slots=True)
+class AttentionOp:
+    """``kernels.attention`` on uint8 codes q, k, v [B, H, S, D] (any strides: read in
+    place), to uint8 codes (``out_qparams``) or float32 (None)."""
+
+    qparams: tuple[QParams, QParams, QParams]
+    out_qparams: QParams | None
+    scale: float | None
+    causal: bool
+    target: str
+
+    def __call__(self, q: Any, k: Any, v: Any, mask: Any = None) -> Any:
+        return K.attention(
+            q, k, v, *self.qparams, mask=mask, scale=self.scale, causal=self.causal,
+            out_qparams=self.out_qparams, target=self.target,
+        )  # fmt: skip
+
+
+@dataclass(slots=True)
+class EmbeddingBagOp:
+    """``kernels.embedding_bag``: float32 bags of 8-bit rows."""
+
+    packed: K.PackedEmbedding
+    mode: str
+    include_last_offset: bool
+    target: str
+
+    def __call__(self, indices: Any, offsets: Any = None, per_sample_weights: Any = None) -> Any:
+        return K.embedding_bag(
+            self.packed, indices, offsets, self.mode, per_sample_weights,
+            self.include_last_offset, target=self.target,
+        )  # fmt: skip

@@ -1,9 +1,13 @@
 """Lowered modules: what the nodes of a lowered graph call.
 
 Every module takes and returns plain ``torch.uint8`` tensors (dynamic linear and embedding_bag:
-float32) and calls a ``quantbridge.kernels`` function on zero-copy numpy views. Quantization
-parameters are buffers (``input_scale``/``input_zero_point``, ``scale``/``zero_point`` for the
-output, float64/int64 scalars) mirrored into Python numbers for the hot path.
+float32). Quantization parameters are buffers (``input_scale``/``input_zero_point``,
+``scale``/``zero_point`` for the output, float64/int64 scalars) mirrored into Python numbers.
+
+Each module runs one op object (``_prepared``: a ``kernels.Prepared*`` call or one of
+``_lowered_ops``), built in ``_sync`` from its buffers and settings and rebuilt whenever they
+change. ``forward_arrays``, the eager ``forward`` and, while torch.export traces, the module's
+custom op (``_custom_ops``, which builds the same object) all call it.
 
 How weights are stored: the int8 weight, its scale/zero point (per tensor or per output
 channel) and the float bias are buffers, so ``state_dict()`` holds only plain tensors and loads
@@ -123,13 +127,21 @@ class LoweredModule(nn.Module):
             self.target = best
         self._sync()
 
-    # the kernels package's prepared call (K.Prepared*) of forward_arrays, planned for one
-    # input layout: made on first use, dropped whenever the buffers change (_sync) and not
-    # pickled
+    # the op object (a kernels.Prepared* call or one of _lowered_ops) every path of the
+    # module calls: built by _sync from the buffers and settings, not pickled
     _prepared: Any = None
+    # the settings (plain attributes) the op object is built from: assigning one after
+    # construction rebuilds it, so the op's calls never check them
+    _settings: tuple[str, ...] = ("target",)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        super().__setattr__(name, value)
+        if name in self._settings and "_prepared" in self.__dict__:
+            self._sync()
 
     def _sync(self) -> None:
-        """Refresh the Python mirrors of the buffers (and repack weights in subclasses)."""
+        """Refresh the Python mirrors of the buffers; subclasses then build their op object
+        (packing weights) from them."""
         self._prepared = None
         b = dict(self.named_buffers(recurse=False))
         self._in_scale = float(b["input_scale"]) if "input_scale" in b else 1.0
@@ -278,12 +290,15 @@ class _WeightedBase(LoweredModule):
             return base
         return f"{base}, activation_out={_qp(self._act_qparams)}"
 
-    def _weight_args(self) -> tuple[Any, Any, Any, Any]:
-        ws, wz = lowered.numpy_view(self.weight_scale), lowered.numpy_view(self.weight_zero_point)
-        if ws.shape[0] == 1:
-            ws, wz = float(ws[0]), int(wz[0])
-        bias = None if self.bias is None else lowered.numpy_view(self.bias)
-        return lowered.numpy_view(self.weight), ws, wz, bias
+    def _pack_linear(self) -> K.PackedLinearWeight:
+        return lowered.pack_linear(
+            self.weight, self.weight_scale, self.weight_zero_point, self.bias, self.target
+        )
+
+    @property
+    def _packed(self) -> Any:
+        """The packed weight the op object holds."""
+        return self._prepared.packed
 
     def _pack_details(self) -> str:
         per = "per_channel" if self.weight_scale.numel() > 1 else "per_tensor"
@@ -295,6 +310,7 @@ class QuantizedLinear(_WeightedBase):
 
     kernel = "kernels.linear"
     array_input = "c"
+    _settings = (*_WeightedBase._settings, "relu")
 
     def __init__(self, *args: Any, relu: bool = False, **kwargs: Any) -> None:
         self.relu = relu
@@ -303,8 +319,10 @@ class QuantizedLinear(_WeightedBase):
     def _sync(self) -> None:
         super()._sync()
         self._sync_activation()
-        w, ws, wz, bias = self._weight_args()
-        self._packed = K.PackedLinearWeight(w, ws, wz, bias, target=self.target)
+        self._prepared = lowered.LinearOp(
+            self._pack_linear(), self.input_qparams, (self._out_scale, self._out_zero_point),
+            relu=self.relu, lut=self._act_table,
+        )  # fmt: skip
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if is_tracing(x):
@@ -316,10 +334,7 @@ class QuantizedLinear(_WeightedBase):
         return self._eager(x)
 
     def forward_arrays(self, *arrays: Any) -> Any:
-        return lowered.linear_arrays(
-            arrays[0], self._packed, self.input_qparams, (self._out_scale, self._out_zero_point),
-            self.relu, self._act_table,
-        )  # fmt: skip
+        return self._prepared(arrays[0])
 
     def _details(self) -> str:
         return f"relu={self.relu}{self._activation_details()}, {self._pack_details()}"
@@ -337,6 +352,7 @@ class QuantizedLinearFloat(_WeightedBase):
 
     kernel = "kernels.linear_float"
     array_input = "c"
+    _settings = (*_WeightedBase._settings, "epilogue")
 
     side_channels: torch.Tensor | None
     side_weight: torch.Tensor | None
@@ -356,19 +372,21 @@ class QuantizedLinearFloat(_WeightedBase):
 
     def _sync(self) -> None:
         super()._sync()
-        w, ws, wz, bias = self._weight_args()
-        self._packed = K.PackedLinearWeight(w, ws, wz, bias, target=self.target)
         side, channels = getattr(self, "side_weight", None), getattr(self, "side_channels", None)
-        self._columns = None
+        columns = None
         if side is not None and channels is not None:
-            self._columns = K.FloatColumns(lowered.numpy_view(channels), lowered.numpy_view(side))
+            columns = K.FloatColumns(lowered.numpy_view(channels), lowered.numpy_view(side))
         names = dict(self.named_buffers(recurse=False))
         self._codes_qp = self.output_qparams if "scale" in names else None
+        self._prepared = lowered.LinearFloatOp(
+            self._pack_linear(), self.input_qparams, activation=self.epilogue, columns=columns,
+            codes_qparams=self._codes_qp,
+        )  # fmt: skip
 
     def forward(self, x: torch.Tensor, floats: torch.Tensor | None = None) -> Any:
         if is_tracing(x) if floats is None else is_tracing(x, floats):
             codes_qp = None if self._codes_qp is None else [float(v) for v in self._codes_qp]
-            with_columns = floats is not None and self._columns is not None
+            with_columns = floats is not None and self._prepared.columns is not None
             out, codes = ops.linear_float_op(
                 x, self.weight, self.weight_scale, self.weight_zero_point, self.bias,
                 self._in_scale, self._in_zero_point, self.target, self.epilogue,
@@ -385,16 +403,7 @@ class QuantizedLinearFloat(_WeightedBase):
         return torch.from_numpy(got[0]), torch.from_numpy(got[1])
 
     def forward_arrays(self, *arrays: Any) -> Any:
-        columns = self._columns if len(arrays) > 1 else None
-        codes = None
-        if self._codes_qp is not None:
-            codes = np.empty((*arrays[0].shape[:-1], self._packed.n), np.uint8)
-        out = K.linear_float(
-            arrays[0], self._packed, *self.input_qparams, activation=self.epilogue,
-            columns=columns, float_input=None if columns is None else arrays[1],
-            codes=codes, codes_qparams=self._codes_qp,
-        )  # fmt: skip
-        return out if codes is None else (out, codes)
+        return self._prepared(*arrays)
 
     def _details(self) -> str:
         extra = "" if self.epilogue == "none" else f"activation={self.epilogue}, "
@@ -413,6 +422,7 @@ class QuantizedDynamicLinear(_WeightedBase):
     """
 
     kernel = "kernels.linear_dynamic"
+    _settings = (*_WeightedBase._settings, "epilogue", "per_row")
 
     def __init__(
         self, *args: Any, activation: str = "none", per_row: bool = False, **kwargs: Any
@@ -429,8 +439,9 @@ class QuantizedDynamicLinear(_WeightedBase):
 
     def _sync(self) -> None:
         super()._sync()
-        w, ws, wz, bias = self._weight_args()
-        self._packed = K.PackedLinearWeight(w, ws, wz, bias, target=self.target)
+        self._prepared = lowered.DynamicLinearOp(
+            self._pack_linear(), activation=self.epilogue, per_row=self.per_row
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if is_tracing(x):
@@ -438,7 +449,9 @@ class QuantizedDynamicLinear(_WeightedBase):
                 x, self.weight, self.weight_scale, self.weight_zero_point, self.bias, self.target,
                 self.epilogue, self.per_row,
             ))  # fmt: skip
-        return lowered.linear_dynamic(x, self._packed, self.epilogue, self.per_row)
+        if x.dtype != torch.float32:
+            x = x.to(torch.float32)
+        return torch.from_numpy(self._prepared(lowered.numpy_view(x)))
 
     def _details(self) -> str:
         extra = "" if self.epilogue == "none" else f"activation={self.epilogue}, "
@@ -497,8 +510,13 @@ class WeightOnlyLinear(LoweredModule):
         if packed is None or packed.target != self.target:
             buffers = {k: v for k, v in self.named_buffers(recurse=False) if v is not None}
             packed = K.PackedGroupWeight.from_arrays(self._arrays(buffers), target=self.target)
-        self._packed = packed
-        self._bias = None if self.bias is None else lowered.numpy_view(self.bias)
+        bias = None if self.bias is None else lowered.numpy_view(self.bias)
+        self._prepared = lowered.WeightOnlyLinearOp(packed, bias)
+
+    @property
+    def _packed(self) -> K.PackedGroupWeight:
+        packed: K.PackedGroupWeight = self._prepared.packed
+        return packed
 
     def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
         # the entries, then the kernels' rules for codes, scales and zero points together,
@@ -536,8 +554,7 @@ class WeightOnlyLinear(LoweredModule):
             weight = torch.from_numpy(self._packed.dequantize()).to(x.device, x.dtype)
             bias = None if self.bias is None else self.bias.to(x.device, x.dtype)
             return torch.nn.functional.linear(x, weight, bias)
-        out = K.linear_weight_only(x.detach().numpy(), self._packed, self._bias)
-        return torch.from_numpy(out)
+        return torch.from_numpy(self._prepared(x.detach().numpy()))
 
     def _details(self) -> str:
         kind = "symmetric" if self._packed.symmetric else "asymmetric"
@@ -557,6 +574,7 @@ class FloatLayerNorm(LoweredModule):
 
     kernel = "kernels.layer_norm"
     array_input = "strided"  # the prepared call takes any layout (a copy when not C-contiguous)
+    _settings = (*LoweredModule._settings, "eps")
     weight: torch.Tensor | None
     bias: torch.Tensor | None
 
@@ -647,7 +665,8 @@ class FloatLayerNorm(LoweredModule):
             return _as_tensor(ops.layer_norm_op(x, other, self.weight, self.bias, self.eps))
         if self._x_qp is None and self._codes_qp is None:  # the prepared call is this one
             return torch.from_numpy(self._prepared_call(x, other)[0])
-        return lowered.layer_norm(x, other, self._w, self._b, self.eps)
+        # a module on codes whose residual broadcast: x is that sum, dequantized, here
+        return torch.from_numpy(K.layer_norm(lowered.numpy_view(x), self._w, self._b, self.eps))
 
     def _details(self) -> str:
         parts = [f"eps={self.eps:g}"]
@@ -664,12 +683,17 @@ class FloatSoftmax(LoweredModule):
     """float32 ``softmax(x * scale + mask)`` over the last dimension (``kernels.softmax``)."""
 
     kernel = "kernels.softmax"
+    _settings = (*LoweredModule._settings, "scale", "divide")
 
     def __init__(self, scale: float, divide: bool, masked: bool, target: str) -> None:
         nn.Module.__init__(self)
         # a graph's ``x / c`` becomes ``x * float32(1 / c)``: the kernel multiplies
         self.scale, self.divide, self.masked = float(scale), divide, masked
         super().__init__(target, None, None)
+
+    def _sync(self) -> None:
+        super()._sync()
+        self._prepared = lowered.SoftmaxOp(1.0 / self.scale if self.divide else self.scale)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         ok = mask is None or (
@@ -681,10 +705,10 @@ class FloatSoftmax(LoweredModule):
         if x.dtype != torch.float32 or x.dim() > 4 or not ok or x.requires_grad:
             v = x / self.scale if self.divide else x * self.scale
             return torch.softmax(v if mask is None else v + mask, -1)
-        scale = 1.0 / self.scale if self.divide else self.scale
         if is_tracing(x) if mask is None else is_tracing(x, mask):
-            return _as_tensor(ops.softmax_op(x, scale, mask))
-        return lowered.softmax(x, scale, mask)
+            return _as_tensor(ops.softmax_op(x, self._prepared.scale, mask))
+        m = None if mask is None else mask.detach().numpy()  # strided views are fine: it is copied
+        return torch.from_numpy(self._prepared(lowered.numpy_view(x), m))
 
     def _details(self) -> str:
         op = "/" if self.divide else "*"
@@ -702,6 +726,7 @@ class QuantizedAttention(LoweredModule):
 
     kernel = "kernels.attention"
     array_input = "strided"  # per-head views of the projections' rows, read in place
+    _settings = (*LoweredModule._settings, "attention_scale", "causal")
 
     def __init__(
         self,
@@ -748,6 +773,9 @@ class QuantizedAttention(LoweredModule):
             (float(b["input3_scale"]), int(b["input3_zero_point"])),
         )
         self._out_qp = (self._out_scale, self._out_zero_point) if "scale" in b else None
+        self._prepared = lowered.AttentionOp(
+            self._qparams, self._out_qp, self.attention_scale, self.causal, self.target
+        )
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None
@@ -789,18 +817,12 @@ class QuantizedAttention(LoweredModule):
         if self.heads and q.ndim != 4:  # [B, S, H * D] (4-D: the per-head views of _attend)
             if not (q.ndim == k.ndim == v.ndim == 3 and q.shape[-1] % self.heads == 0):
                 return self.forward(*(torch.from_numpy(np.ascontiguousarray(a)) for a in arrays))
-            return self._merge(K.attention(
-                self._split(q), self._split(k), self._split(v), *self._qparams, mask=mask,
-                scale=self.attention_scale, causal=self.causal, out_qparams=self._out_qp,
-                target=self.target,
-            ))  # fmt: skip
+            return self._merge(self._prepared(self._split(q), self._split(k), self._split(v), mask))
         if not (q.ndim == k.ndim == v.ndim == 4) or q.shape[:2] != k.shape[:2]:
             return self._reference(*(torch.from_numpy(a) for a in arrays)).numpy()
         if mask is not None and mask.dtype not in (np.bool_, np.float32):
             mask = mask.astype(np.float32)  # (as forward: an additive mask of other floats)
-        return K.attention(q, k, v, *self._qparams, mask=mask, scale=self.attention_scale,
-                           causal=self.causal, out_qparams=self._out_qp,
-                           target=self.target)  # fmt: skip
+        return self._prepared(q, k, v, mask)
 
     def _reference(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
@@ -839,6 +861,7 @@ class QuantizedConv(_WeightedBase):
     """
 
     array_input = "dense"
+    _settings = (*_WeightedBase._settings, "relu", "stride", "padding", "dilation", "groups")
 
     def __init__(
         self,
@@ -859,18 +882,18 @@ class QuantizedConv(_WeightedBase):
     def _sync(self) -> None:
         super()._sync()
         self._sync_activation()
-        w, ws, wz, bias = self._weight_args()
-        self._packed = K.PackedConvWeight(
-            w,
-            ws,
-            wz,
-            bias,
-            stride=tuple(self.stride),
-            padding=tuple(self.padding),
-            dilation=tuple(self.dilation),
-            groups=self.groups,
-            target=self.target,
-        )
+        self._prepared = self._prepare(lowered.pack_conv(
+            self.weight, self.weight_scale, self.weight_zero_point, self.bias, self.stride,
+            self.padding, self.dilation, self.groups, self.target,
+        ))  # fmt: skip
+
+    def _prepare(self, packed: K.PackedConvWeight) -> Any:
+        """The op object around the packed weight: everything but the input fixed; it plans
+        the call for the input layout a model gives it, once."""
+        return K.PreparedConv(
+            packed, self.input_qparams, self.conv_qparams, relu=self.relu, channels_last=True,
+            lut=self._act_table,
+        )  # fmt: skip
 
     @property
     def conv_qparams(self) -> tuple[float, int]:
@@ -891,15 +914,7 @@ class QuantizedConv(_WeightedBase):
         return self._eager(x)
 
     def forward_arrays(self, *arrays: Any) -> Any:
-        # the conv with everything but the input fixed: a model calls it on one input layout
-        # again and again (remade when the packed weight, qparams or table are, see _sync)
-        prepared = self._prepared
-        if prepared is None or prepared.relu is not self.relu:
-            prepared = self._prepared = K.PreparedConv(
-                self._packed, self.input_qparams, self.conv_qparams, relu=self.relu,
-                channels_last=True, lut=self._act_table,
-            )  # fmt: skip
-        return prepared(arrays[0])
+        return self._prepared(arrays[0])
 
     def _details(self) -> str:
         dw = ", depthwise" if self.groups > 1 and self.groups == self.weight.shape[0] else ""
@@ -922,6 +937,7 @@ class QuantizedConvAdd(QuantizedConv):
     """
 
     kernel = "kernels.conv2d_add"
+    _settings = (*QuantizedConv._settings, "add_relu")
     input2_scale: torch.Tensor
     input2_zero_point: torch.Tensor
     add_scale: torch.Tensor
@@ -961,7 +977,6 @@ class QuantizedConvAdd(QuantizedConv):
         self._sync()
 
     def _sync(self) -> None:
-        super()._sync()
         b = dict(self.named_buffers(recurse=False))
         if "add_scale" in b:  # absent while the base class initializes
             self._other_scale, self._other_zero_point = (
@@ -969,6 +984,15 @@ class QuantizedConvAdd(QuantizedConv):
                 int(b["input2_zero_point"]),
             )
             self._add_scale, self._add_zero_point = float(b["add_scale"]), int(b["add_zero_point"])
+        super()._sync()
+
+    def _prepare(self, packed: K.PackedConvWeight) -> Any:
+        if "add_scale" not in self._buffers:  # the base class initializing: the conv alone
+            return super()._prepare(packed)
+        return K.PreparedConvAdd(
+            packed, self.input_qparams, self.conv_qparams, self.other_qparams, self.add_qparams,
+            relu_conv=self.relu, relu=self.add_relu, lut=self._act_table,
+        )  # fmt: skip
 
     @property
     def output_qparams(self) -> tuple[float, int]:
@@ -993,18 +1017,7 @@ class QuantizedConvAdd(QuantizedConv):
         return self._eager(x, other)
 
     def forward_arrays(self, *arrays: Any) -> Any:
-        # as QuantizedConv's: the block with everything but its two inputs fixed
-        prepared = self._prepared
-        if (
-            not isinstance(prepared, K.PreparedConvAdd)
-            or prepared.relu_conv is not self.relu
-            or prepared.relu is not self.add_relu
-        ):
-            prepared = self._prepared = K.PreparedConvAdd(
-                self._packed, self.input_qparams, self.conv_qparams, self.other_qparams,
-                self.add_qparams, relu_conv=self.relu, relu=self.add_relu, lut=self._act_table,
-            )  # fmt: skip
-        return prepared(arrays[0], arrays[1])
+        return self._prepared(arrays[0], arrays[1])
 
     def _qparams_repr(self) -> str:
         act = "" if self._act_qparams is None else f", activation_out={_qp(self._act_qparams)}"
@@ -1018,9 +1031,11 @@ class QuantizedConvAdd(QuantizedConv):
 
 
 class QuantizedBinary(LoweredModule):
-    """Two uint8 tensors of equal shape → uint8: add, add_relu, mul or mul_relu."""
+    """Two uint8 tensors → uint8: add, add_relu, mul or mul_relu (``lowered_ops.BinaryOp``:
+    shapes broadcast, a squeeze-excite mul runs without the broadcast)."""
 
     array_input: str | None = "dense"
+    _settings = (*LoweredModule._settings, "kind")
 
     input2_scale: torch.Tensor
     input2_zero_point: torch.Tensor
@@ -1040,14 +1055,17 @@ class QuantizedBinary(LoweredModule):
         self.register_buffer("input2_zero_point", torch.tensor(b_qparams[1], dtype=torch.int64))
         super().__init__(target, a_qparams, out_qparams)
 
-    # the operand shapes the K.PreparedMulChannels of a squeeze-excite mul was made for
-    _prepared_shapes: Any = None
-
     def _sync(self) -> None:
         super()._sync()
         self._other_scale, self._other_zero_point = (
             float(self.input2_scale),
             int(self.input2_zero_point),
+        )
+        self._prepared = self._make_op()
+
+    def _make_op(self) -> Any:
+        return lowered.BinaryOp(
+            self.kind, self.input_qparams, self.other_qparams, self.output_qparams, self.target
         )
 
     def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -1060,29 +1078,7 @@ class QuantizedBinary(LoweredModule):
         return self._eager(a, b)
 
     def forward_arrays(self, *arrays: Any) -> Any:
-        a, b = arrays[0], arrays[1]
-        prepared = self._prepared
-        if prepared is not None and (a.shape, b.shape) == self._prepared_shapes:
-            return prepared(a, b)
-        if (
-            self.kind in ("mul", "mul_relu")
-            and a.shape != b.shape
-            and (
-                lowered.per_channel_operand(a.shape, b.shape)
-                or lowered.per_channel_operand(b.shape, a.shape)
-            )
-        ):
-            # squeeze-excite: one value per (image, channel), planned once for its layout
-            prepared = self._prepared = K.PreparedMulChannels(
-                self.input_qparams, self.other_qparams, self.output_qparams,
-                relu=self.kind == "mul_relu", target=self.target,
-            )  # fmt: skip
-            self._prepared_shapes = (a.shape, b.shape)
-            return prepared(a, b)
-        return lowered.binary_arrays(
-            self.kind, a, self.input_qparams, b, self.other_qparams, self.output_qparams,
-            self.target,
-        )  # fmt: skip
+        return self._prepared(arrays[0], arrays[1])
 
     def _qparams_repr(self) -> str:
         return (
@@ -1092,9 +1088,9 @@ class QuantizedBinary(LoweredModule):
 
 
 class QuantizedMatmul(QuantizedBinary):
-    """uint8 ``a @ b`` (2-D or batched 3-D): ``kernels.matmul``."""
+    """uint8 ``a @ b`` (2-D, or batched with broadcast leading dims): ``kernels.matmul``."""
 
-    array_input = None  # broadcasts through tensor views
+    array_input = "c"
 
     def __init__(
         self,
@@ -1105,15 +1101,18 @@ class QuantizedMatmul(QuantizedBinary):
     ) -> None:
         super().__init__("matmul", target, a_qparams, b_qparams, out_qparams)
 
+    def _make_op(self) -> Any:
+        return lowered.MatmulOp(
+            self.input_qparams, self.other_qparams, self.output_qparams, self.target
+        )
+
     def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         if is_tracing(a, b):
             return _as_tensor(ops.matmul_op(
                 a, self._in_scale, self._in_zero_point, b, self._other_scale,
                 self._other_zero_point, self._out_scale, self._out_zero_point, self.target,
             ))  # fmt: skip
-        return lowered.matmul(
-            a, self.input_qparams, b, self.other_qparams, self.output_qparams, self.target
-        )
+        return self._eager(a, b)
 
 
 class QuantizedLookupTable(LoweredModule):
@@ -1142,7 +1141,7 @@ class QuantizedLookupTable(LoweredModule):
 
     def _sync(self) -> None:
         super()._sync()
-        self._table = lowered.numpy_view(self.table)
+        self._prepared = lowered.LookupTableOp(lowered.numpy_view(self.table), self.target)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if is_tracing(x):
@@ -1150,24 +1149,25 @@ class QuantizedLookupTable(LoweredModule):
         return self._eager(x)
 
     def forward_arrays(self, *arrays: Any) -> Any:
-        return lowered.lookup_table_arrays(arrays[0], self._table, self.target)
+        return self._prepared(arrays[0])
 
     def _details(self) -> str:
         return f"fn={self.what}"
 
 
 class _PreparedConversion(LoweredModule):
-    """A per-tensor conversion whose ``forward_arrays`` runs a kernels prepared call (the
-    checks and plan made once per input layout, see ``LoweredModule._prepared``)."""
+    """A per-tensor conversion: its op object is a kernels prepared call (the checks and plan
+    made once per input layout)."""
 
     def _make_prepared(self) -> Any:
         raise NotImplementedError
 
+    def _sync(self) -> None:
+        super()._sync()
+        self._prepared = self._make_prepared()
+
     def forward_arrays(self, *arrays: Any) -> Any:
-        prepared = self._prepared
-        if prepared is None or prepared.target != self.target:
-            prepared = self._prepared = self._make_prepared()
-        return prepared(arrays[0])
+        return self._prepared(arrays[0])
 
 
 class Quantize(_PreparedConversion):
@@ -1240,6 +1240,8 @@ class QuantizedMaxPool2d(LoweredModule):
 
     kernel = "kernels.max_pool2d"
     array_input = "dense"
+    _settings = (*LoweredModule._settings, "kernel_size", "stride", "padding", "dilation",
+                 "ceil_mode")  # fmt: skip
 
     def __init__(
         self,
@@ -1254,6 +1256,12 @@ class QuantizedMaxPool2d(LoweredModule):
         self.padding, self.dilation, self.ceil_mode = list(padding), list(dilation), ceil_mode
         super().__init__(target, None, None)
 
+    def _sync(self) -> None:
+        super()._sync()
+        self._prepared = lowered.MaxPool2dOp(
+            self.kernel_size, self.stride, self.padding, self.dilation, self.ceil_mode, self.target
+        )
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if is_tracing(x):
             return _as_tensor(ops.max_pool2d_op(
@@ -1263,10 +1271,7 @@ class QuantizedMaxPool2d(LoweredModule):
         return self._eager(x)
 
     def forward_arrays(self, *arrays: Any) -> Any:
-        return lowered.max_pool2d_arrays(
-            arrays[0], self.kernel_size, self.stride, self.padding, self.dilation,
-            self.ceil_mode, self.target,
-        )  # fmt: skip
+        return self._prepared(arrays[0])
 
     def _details(self) -> str:
         return f"kernel_size={tuple(self.kernel_size)}, stride={tuple(self.stride)}"
@@ -1277,6 +1282,8 @@ class QuantizedAvgPool2d(LoweredModule):
 
     kernel = "kernels.avg_pool2d"
     array_input = "dense"
+    _settings = (*LoweredModule._settings, "kernel_size", "stride", "padding", "ceil_mode",
+                 "count_include_pad", "divisor_override")  # fmt: skip
 
     def __init__(
         self,
@@ -1299,6 +1306,13 @@ class QuantizedAvgPool2d(LoweredModule):
         self.divisor_override = divisor_override
         super().__init__(target, in_qparams, out_qparams)
 
+    def _sync(self) -> None:
+        super()._sync()
+        self._prepared = lowered.AvgPool2dOp(
+            self.kernel_size, self.stride, self.padding, self.ceil_mode, self.count_include_pad,
+            self.divisor_override, self.input_qparams, self.output_qparams, self.target,
+        )  # fmt: skip
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if is_tracing(x):
             return _as_tensor(ops.avg_pool2d_op(
@@ -1309,11 +1323,7 @@ class QuantizedAvgPool2d(LoweredModule):
         return self._eager(x)
 
     def forward_arrays(self, *arrays: Any) -> Any:
-        return lowered.avg_pool2d_arrays(
-            arrays[0], self.kernel_size, self.stride, self.padding, self.ceil_mode,
-            self.count_include_pad, self.divisor_override, self.input_qparams,
-            self.output_qparams, self.target,
-        )  # fmt: skip
+        return self._prepared(arrays[0])
 
     def _details(self) -> str:
         return f"kernel_size={tuple(self.kernel_size)}, stride={tuple(self.stride)}"
@@ -1325,6 +1335,7 @@ class QuantizedAdaptiveAvgPool2d(LoweredModule):
 
     kernel = "kernels.adaptive_avg_pool2d"
     array_input = "dense"
+    _settings = (*LoweredModule._settings, "output_size")
 
     def __init__(
         self,
@@ -1338,6 +1349,12 @@ class QuantizedAdaptiveAvgPool2d(LoweredModule):
             in_qparams = out_qparams = None
         super().__init__(target, in_qparams, out_qparams)
 
+    def _sync(self) -> None:
+        super()._sync()
+        self._prepared = lowered.adaptive_avg_pool2d_op(
+            self.output_size, self.input_qparams, self.output_qparams, self.target
+        )
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if is_tracing(x):
             return _as_tensor(ops.adaptive_avg_pool2d_op(
@@ -1347,14 +1364,7 @@ class QuantizedAdaptiveAvgPool2d(LoweredModule):
         return self._eager(x)
 
     def forward_arrays(self, *arrays: Any) -> Any:
-        # planned once for the input's layout, as the conv modules' calls are
-        size = lowered.pair(self.output_size)
-        prepared = self._prepared
-        if prepared is None or prepared.output_size != size or prepared.target != self.target:
-            prepared = self._prepared = lowered.prepared_adaptive_avg_pool2d(
-                size, self.input_qparams, self.output_qparams, self.target
-            )
-        return prepared(arrays[0])
+        return self._prepared(arrays[0])
 
     def _details(self) -> str:
         return f"output_size={tuple(self.output_size)}"
@@ -1368,6 +1378,7 @@ class QuantizedEmbeddingBag(LoweredModule):
     """
 
     kernel = "kernels.embedding_bag"
+    _settings = (*LoweredModule._settings, "mode", "include_last_offset")
     weight: torch.Tensor
     row_scale: torch.Tensor
     row_bias: torch.Tensor
@@ -1390,13 +1401,10 @@ class QuantizedEmbeddingBag(LoweredModule):
 
     def _sync(self) -> None:
         super()._sync()
-        self._packed = K.PackedEmbedding(
-            lowered.numpy_view(self.weight),
-            lowered.numpy_view(self.row_scale),
-            lowered.numpy_view(self.row_bias),
-            8,
-            int(self.weight.shape[1]),
-        )
+        self._prepared = lowered.EmbeddingBagOp(
+            lowered.pack_embedding(self.weight, self.row_scale, self.row_bias), self.mode,
+            self.include_last_offset, self.target,
+        )  # fmt: skip
 
     def forward(
         self,
@@ -1409,10 +1417,9 @@ class QuantizedEmbeddingBag(LoweredModule):
                 self.weight, self.row_scale, self.row_bias, indices, offsets, per_sample_weights,
                 self.mode, self.include_last_offset, self.target,
             ))  # fmt: skip
-        return lowered.embedding_bag(
-            self._packed, indices, offsets, self.mode, per_sample_weights,
-            self.include_last_offset, self.target,
-        )  # fmt: skip
+        arrays = (None if t is None else lowered.numpy_view(t)
+                  for t in (indices, offsets, per_sample_weights))  # fmt: skip
+        return torch.from_numpy(self._prepared(*arrays))
 
     def _details(self) -> str:
         return f"mode={self.mode}, weight={tuple(self.weight.shape)} uint8 per-row"
