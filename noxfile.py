@@ -3,6 +3,7 @@
     nox -s tests        every package's tests and the cross-package tests in tests/, in one
                         virtualenv, two pytest-xdist workers; `-- packages/qconfig/tests` runs one
     nox -s tests_targets  the target matrix: kernels and model zoo at every x86 level
+    nox -s tests_aarch64  the kernels suite on an emulated Arm64 CPU (qemu-user), Arm targets
     nox -s lint         ruff check + ruff format --check
     nox -s typecheck    mypy --strict, one package at a time
     nox -s build        wheels + sdists; each wheel installed alone in a fresh venv and imported
@@ -140,6 +141,85 @@ def tests_targets(session: nox.Session) -> None:
     """
     _install(session, *TEST_REQUIREMENTS, *_editable(*PACKAGES), *TEST_EXTRAS)
     session.run("pytest", str(ROOT / "targets"), "-v", *session.posargs)
+
+
+# tests_aarch64: an arm64 Python from Debian's packages (the release whose Python is 3.11, as
+# the host's wheels are pinned for), its wheels installed by the host's pip, everything run
+# by qemu-user. qemu-user shows LLVM a featureless "generic" CPU, so numba is told the CPU's
+# features (as a user would for a cache that travels, see kernels/_targets.py); -cpu max
+# makes qemu execute them.
+AARCH64_DEBIAN = ("bookworm", "python3.11")
+AARCH64_PACKAGES = "python3,libpython3.11,libstdc++6,libgcc-s1,zlib1g"
+AARCH64_FEATURES = "+neon,+dotprod,+i8mm"
+AARCH64_WHEELS = ("numpy", "numba", "llvmlite", "pytest", "pytest-xdist", "hypothesis")
+# the families with Arm kernels (GEMM: linear, float and dynamic linear, conv, matmul,
+# recurrent) and the target rules; the other families run the portable code every target
+# shares, which tests_targets covers
+AARCH64_SUITE = (
+    "test_targets.py", "test_gemm.py", "test_linear.py", "test_linear_dynamic_fused.py",
+    "test_matmul.py", "test_conv.py", "test_sequence.py", "test_weight_only.py",
+)  # fmt: skip
+
+
+@nox.session
+def tests_aarch64(session: nox.Session) -> None:
+    """The kernels suite on an emulated Arm64 CPU: targets ``aarch64_i8mm`` and
+    ``aarch64_dotprod`` (``usdot`` / ``sdot``) against the same integer references.
+
+    Installs what it needs: Debian's ``qemu-user-static`` and ``mmdebstrap`` (apt-get, as
+    root) when missing, an arm64 root file system with Python (in the session's directory),
+    and the arm64 wheels. Emulation says nothing about speed (README: Arm64). Arguments after
+    ``--`` go to pytest (``-k conv``).
+    """
+    tools = ("qemu-aarch64-static", "mmdebstrap")
+    if any(shutil.which(tool) is None for tool in tools):
+        env = {"DEBIAN_FRONTEND": "noninteractive"}
+        session.run("apt-get", "update", "-qq", external=True, env=env)
+        session.run("apt-get", "install", "-y", "-qq", "qemu-user-static", "mmdebstrap",
+                    external=True, env=env)  # fmt: skip
+    home = Path(session.virtualenv.location)
+    release, python = AARCH64_DEBIAN
+    root = home / "arm64-root"
+    if not (root / "usr" / "bin" / python).exists():
+        shutil.rmtree(root, ignore_errors=True)
+        session.run("mmdebstrap", "--variant=extract", "--arch=arm64",
+                    f"--include={AARCH64_PACKAGES}", release, str(root),
+                    "http://deb.debian.org/debian", external=True)  # fmt: skip
+    site = home / "arm64-site"
+    stamp = site / ".quantbridge-wheels"
+    want = CONSTRAINTS.read_text() + " ".join(AARCH64_WHEELS)
+    if not stamp.exists() or stamp.read_text() != want:
+        shutil.rmtree(site, ignore_errors=True)
+        session.run("python", "-m", "pip", "install", "--quiet", "--only-binary=:all:",
+                    "--platform", "manylinux_2_28_aarch64", "--platform", "manylinux_2_17_aarch64",
+                    "--python-version", python.removeprefix("python"), "--implementation", "cp",
+                    "--target", str(site), "-c", str(CONSTRAINTS), *AARCH64_WHEELS)  # fmt: skip
+        stamp.write_text(want)
+    # the interpreter as a program on this host: a subprocess of a test (sys.executable)
+    # runs under qemu too
+    interpreter = home / "python-aarch64"
+    interpreter.write_text(
+        "#!/bin/sh\n"
+        f'exec qemu-aarch64-static -cpu max -L "{root}" -0 "{interpreter}" '
+        f'"{root}/usr/bin/{python}" "$@"\n'
+    )
+    interpreter.chmod(0o755)
+    tests = ROOT / "packages" / "kernels" / "tests"
+    # the CPU tables are checked against LLVM on x86 hosts (each Arm probe is a process,
+    # slow under emulation)
+    session.run(
+        str(interpreter), "-m", "pytest", "-p", "no:cacheprovider", "-n", TEST_WORKERS,
+        "-k", "not cpu_table", *(str(tests / name) for name in AARCH64_SUITE), *session.posargs,
+        external=True,
+        env={
+            "PYTHONHOME": str(root / "usr"),
+            "PYTHONPATH": f"{site}{os.pathsep}{ROOT / 'packages' / 'kernels' / 'src'}",
+            "NUMBA_CPU_NAME": "generic",
+            "NUMBA_CPU_FEATURES": AARCH64_FEATURES,
+            "NUMBA_CACHE_DIR": str(home / "numba-cache"),
+            "QUANTBRIDGE_TEST_TARGETS": "aarch64_i8mm,aarch64_dotprod",
+        },
+    )  # fmt: skip
 
 
 @nox.session

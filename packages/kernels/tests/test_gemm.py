@@ -189,3 +189,44 @@ def test_fuzz_wrappers_raise_kernel_error_or_succeed(x, s, zp, target):
         except (TypeError, ValueError, OverflowError) as exc:  # pragma: no cover - a bug
             if not isinstance(exc, KernelError):
                 raise AssertionError(f"non-KernelError {type(exc).__name__}: {exc}") from exc
+
+
+# instruction (regex over the assembly) each SIMD target's GEMM drivers multiply with
+_GEMM_PRODUCTS = {
+    "avx512_vnni": r"vpdpbusd\s+[^\n]*%zmm",
+    "avx_vnni": r"vpdpbusd\s+[^\n]*%ymm",
+    "avx2": r"vpmaddubsw\s+[^\n]*%ymm",
+    "aarch64_i8mm": r"\busdot\s+v\d+\.4s",
+    "aarch64_dotprod": r"\bsdot\s+v\d+\.4s",
+}
+
+
+@pytest.mark.parametrize("target", [t for t in TARGETS if t in _GEMM_PRODUCTS])
+@pytest.mark.parametrize("mode", ["u8", "f32"])
+def test_gemm_drivers_multiply_with_the_targets_instruction(target, mode):
+    """Each target's serial driver, compiled here without the disk cache (numba keeps no
+    assembly of cached code), holds its product instruction and no other target's."""
+    import re
+
+    import numba
+
+    from quantbridge.kernels._gemm_run import serial_driver
+
+    rng = np.random.default_rng(0)
+    packed = PackedLinearWeight(rng.integers(-60, 60, (40, 64), dtype=np.int8), 0.01,
+                                target=target)  # fmt: skip
+    x = rng.integers(0, 128, (9, 64), dtype=np.uint8)
+    if mode == "u8":
+        qk.linear(x, packed, 0.1, 3, 0.2, 5, num_threads=1)
+    else:
+        qk.linear_float(x, packed, 0.1, 3, num_threads=1)
+    driver = serial_driver(packed.kernel, mode)
+    options = {k: v for k, v in driver.targetoptions.items() if k not in ("cache", "nopython")}
+    fresh = numba.njit(**options)(driver.py_func)
+    sig = driver.signatures[0]
+    fresh.compile(sig)
+    asm = fresh.inspect_asm(sig)
+    assert re.search(_GEMM_PRODUCTS[target], asm)
+    for other, pattern in _GEMM_PRODUCTS.items():
+        if other != target and not (target == "aarch64_i8mm" and other == "aarch64_dotprod"):
+            assert not re.search(pattern, asm), other

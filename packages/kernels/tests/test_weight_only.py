@@ -26,6 +26,7 @@ from quantbridge.kernels import (
     linear_weight_only,
     pack_group_weight,
 )
+from quantbridge.kernels._targets import ARM_TARGETS
 from quantbridge.kernels._wo_kernels import DRIVERS
 
 HERE = Path(__file__).resolve().parent
@@ -406,7 +407,8 @@ def _assembly(target, bits, parallel):
     packed = pack_group_weight(np.ones((300, 256), np.int8), np.ones((300, 8), F32), bits=bits,
                                group_size=32, target=target)  # fmt: skip
     linear_weight_only(np.ones((3, 256), F32), packed, num_threads=2 if parallel else 1)
-    driver = DRIVERS[(target, 0 if target == "generic" else bits, parallel)]
+    family = "generic" if target in ARM_TARGETS else target  # no Arm kernels yet: portable
+    driver = DRIVERS[(family, 0 if family == "generic" else bits, parallel)]
     options = {k: v for k, v in driver.targetoptions.items() if k not in ("cache", "nopython")}
     fresh = numba.njit(**options)(driver.py_func)
     sig = driver.signatures[0]

@@ -6,7 +6,7 @@ of C over the whole reduction in vector registers and requantizes it in register
 single store (a separate requantization pass costs ~20 %).
 
 Each target module (``_vnni``: AVX-512 VNNI, ``_avx_vnni``: AVX-VNNI, ``_avx2`` and
-``_avx2_byte``: AVX2) gives its packed-B layout and
+``_avx2_byte``: AVX2, ``_arm_i8mm`` and ``_arm_dotprod``: AArch64) gives its packed-B layout and
 emits its multiply-accumulate step (``_pack.py`` builds the layouts); this module emits the
 rest: the block loop, the prefetches and the requantizing epilogue.
 
@@ -45,7 +45,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from quantbridge.kernels import _avx2, _avx2_byte, _avx_vnni, _vnni
+from quantbridge.kernels import _arm_dotprod, _arm_i8mm, _avx2, _avx2_byte, _avx_vnni, _vnni
 from quantbridge.kernels._ir import (
     F32T,
     I8,
@@ -84,6 +84,8 @@ _TARGETS: dict[str, ModuleType] = {
     "avx2": _avx2,
     "avx2_byte": _avx2_byte,
     "avx_vnni": _avx_vnni,
+    "aarch64_i8mm": _arm_i8mm,
+    "aarch64_dotprod": _arm_dotprod,
 }
 
 
@@ -91,6 +93,13 @@ def block_cols(target: str) -> int:
     """Columns one micro-kernel call produces (the packed panel width NR)."""
     spec = _TARGETS[target]
     return int(spec.LANES * spec.VECTORS_PER_ROW)
+
+
+def activation_offset(family: str) -> int:
+    """What ``family``'s kernels subtract from every activation code (``_arm_dotprod``: 128);
+    the column corrections add ``offset * sum(w)`` back, so the results are every target's."""
+    spec = _TARGETS.get(family)
+    return int(getattr(spec, "ACTIVATION_OFFSET", 0))
 
 
 def block_lanes(target: str) -> int:
@@ -544,6 +553,9 @@ _BLOCKS = [
         ("avx2", ((6, 1), (4, 1), (3, 2), (1, 4)), ("u8", "f32", "u8add"), 2),
         ("avx2_byte", ((6, 1), (4, 1), (3, 2), (1, 4)), ("u8", "f32", "u8add"), 2),
         ("avx_vnni", ((6, 1), (4, 1), (3, 2), (1, 4)), ("u8", "f32", "u8add"), 2),
+        # NEON: 32 registers of 4 lanes; 6 rows x 4 vectors = 24 accumulators
+        ("aarch64_i8mm", ((6, 1), (4, 1), (3, 2), (1, 4)), ("u8", "f32", "u8add"), 4),
+        ("aarch64_dotprod", ((6, 1), (4, 1), (3, 2), (1, 4)), ("u8", "f32", "u8add"), 4),
     )
     for mode in modes
     for mr, ku in sizes

@@ -394,5 +394,7 @@ DRIVERS = {
     "avx512_vnni": _VNNI_DRIVERS,
     "avx_vnni": _FLOAT_DRIVERS,
     "avx2": _FLOAT_DRIVERS,
+    "aarch64_i8mm": _FLOAT_DRIVERS,
+    "aarch64_dotprod": _FLOAT_DRIVERS,
     "generic": _FLOAT_DRIVERS,
 }

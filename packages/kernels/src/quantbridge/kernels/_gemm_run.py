@@ -7,6 +7,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from quantbridge.kernels import _gemm_simd
 from quantbridge.kernels._block_kernels import block_lanes
 from quantbridge.kernels._epilogue_lut import NO_LUT
 from quantbridge.kernels._float_epilogue import (
@@ -17,32 +18,6 @@ from quantbridge.kernels._float_epilogue import (
     rows_of,
 )
 from quantbridge.kernels._gemm import drive_generic, serial_generic
-from quantbridge.kernels._gemm_simd import (
-    drive_avx2_f32,
-    drive_avx2_u8,
-    drive_avx2_u8add,
-    drive_avx2b_f32,
-    drive_avx2b_u8,
-    drive_avx2b_u8add,
-    drive_avxvnni_f32,
-    drive_avxvnni_u8,
-    drive_avxvnni_u8add,
-    drive_vnni_f32,
-    drive_vnni_u8,
-    drive_vnni_u8add,
-    serial_avx2_f32,
-    serial_avx2_u8,
-    serial_avx2_u8add,
-    serial_avx2b_f32,
-    serial_avx2b_u8,
-    serial_avx2b_u8add,
-    serial_avxvnni_f32,
-    serial_avxvnni_u8,
-    serial_avxvnni_u8add,
-    serial_vnni_f32,
-    serial_vnni_u8,
-    serial_vnni_u8add,
-)
 from quantbridge.kernels._lut import apply_table, table_as_pass
 from quantbridge.kernels._pack import layout, round_up
 from quantbridge.kernels._pair_guard import (
@@ -54,34 +29,18 @@ from quantbridge.kernels._pair_guard import (
 )
 from quantbridge.kernels._threads import with_threads
 
+# (kernel family, output mode) -> its tile driver, parallel and (one thread: plain loops, no
+# parallel-region launch, which costs ~20 us per call) serial
+_FAMILIES = ("avx512_vnni", "avx2", "avx2_byte", "avx_vnni", "aarch64_i8mm", "aarch64_dotprod")
 _DRIVERS = {
-    ("avx512_vnni", "u8"): drive_vnni_u8,
-    ("avx512_vnni", "f32"): drive_vnni_f32,
-    ("avx2", "u8"): drive_avx2_u8,
-    ("avx2", "f32"): drive_avx2_f32,
-    ("avx512_vnni", "u8add"): drive_vnni_u8add,
-    ("avx2", "u8add"): drive_avx2_u8add,
-    ("avx2_byte", "u8"): drive_avx2b_u8,
-    ("avx2_byte", "f32"): drive_avx2b_f32,
-    ("avx2_byte", "u8add"): drive_avx2b_u8add,
-    ("avx_vnni", "u8"): drive_avxvnni_u8,
-    ("avx_vnni", "f32"): drive_avxvnni_f32,
-    ("avx_vnni", "u8add"): drive_avxvnni_u8add,
+    (f, mode): getattr(_gemm_simd, f"drive_{_gemm_simd.SHORT_NAMES[f]}_{mode}")
+    for f in _FAMILIES
+    for mode in ("u8", "f32", "u8add")
 }
-# one thread: plain loops, no parallel-region launch (it costs ~20 us per call)
 _SERIAL = {
-    ("avx512_vnni", "u8"): serial_vnni_u8,
-    ("avx512_vnni", "f32"): serial_vnni_f32,
-    ("avx2", "u8"): serial_avx2_u8,
-    ("avx2", "f32"): serial_avx2_f32,
-    ("avx512_vnni", "u8add"): serial_vnni_u8add,
-    ("avx2", "u8add"): serial_avx2_u8add,
-    ("avx2_byte", "u8"): serial_avx2b_u8,
-    ("avx2_byte", "f32"): serial_avx2b_f32,
-    ("avx2_byte", "u8add"): serial_avx2b_u8add,
-    ("avx_vnni", "u8"): serial_avxvnni_u8,
-    ("avx_vnni", "f32"): serial_avxvnni_f32,
-    ("avx_vnni", "u8add"): serial_avxvnni_u8add,
+    (f, mode): getattr(_gemm_simd, f"serial_{_gemm_simd.SHORT_NAMES[f]}_{mode}")
+    for f in _FAMILIES
+    for mode in ("u8", "f32", "u8add")
 }
 # what the drivers get for ``res``/``addp`` when no residual add is fused
 NO_RESIDUAL = np.zeros(0, np.uint8)
@@ -99,11 +58,11 @@ NO_ADD = np.zeros(0, np.float32)
 # Every caller reads this one dict, so the crossover bench lifts it everywhere.
 SERIAL_BELOW = {
     "avx512_vnni": 1 << 19, "avx_vnni": 1 << 19, "avx2": 1 << 19, "avx2_byte": 1 << 19,
-    "generic": 1 << 22,
+    "aarch64_i8mm": 1 << 19, "aarch64_dotprod": 1 << 19, "generic": 1 << 22,
 }  # fmt: skip
 
-_NR = {t: layout(t)[0] for t in ("avx512_vnni", "avx_vnni", "avx2", "avx2_byte", "generic")}
-_LANES = {t: block_lanes(t) for t in ("avx512_vnni", "avx_vnni", "avx2", "avx2_byte")}
+_NR = {t: layout(t)[0] for t in (*_FAMILIES, "generic")}
+_LANES = {t: block_lanes(t) for t in _FAMILIES}
 
 
 def serial_driver(target: str, mode: str) -> Any:

@@ -35,8 +35,15 @@ from quantbridge.kernels._targets import needs_features, target_features
 # target -> rows of its (big, quad, mid) blocks; the 1-row kernel ends every tail. AVX2's
 # 4-row block (0: none) splits 4, 5, 7 and 8 remaining rows without computing a wasted row
 # (an M = 8 GEMM ran 6 + 3 rows)
-_ROWS = {"avx512_vnni": (8, 0, 4), "avx2": (6, 4, 3), "avx2_byte": (6, 4, 3), "avx_vnni": (6, 4, 3)}
-_SHORT = {"avx512_vnni": "vnni", "avx2": "avx2", "avx2_byte": "avx2b", "avx_vnni": "avxvnni"}
+_ROWS = {
+    "avx512_vnni": (8, 0, 4), "avx2": (6, 4, 3), "avx2_byte": (6, 4, 3), "avx_vnni": (6, 4, 3),
+    "aarch64_i8mm": (6, 4, 3), "aarch64_dotprod": (6, 4, 3),
+}  # fmt: skip
+# each family's name in its drivers' names (drive_<short>_<mode>, serial_<short>_<mode>)
+SHORT_NAMES = {
+    "avx512_vnni": "vnni", "avx2": "avx2", "avx2_byte": "avx2b", "avx_vnni": "avxvnni",
+    "aarch64_i8mm": "a64i8mm", "aarch64_dotprod": "a64dot",
+}  # fmt: skip
 # rows of the narrow (1-vector) blocks: 16 accumulators, as the 2-vector blocks' 8 rows
 _NARROW_ROWS = 16
 # rows of VNNI's 2-panel blocks (4 vectors a row: 24 accumulators). Per vpdpbusd they load
@@ -220,7 +227,7 @@ def _make_driver(target: str, mode: str, parallel: bool) -> Any:
 
     prefix = "drive" if parallel else "serial"
     # a distinct module-level qualname per driver: its own cache index file, stable across runs
-    driver.__name__ = driver.__qualname__ = f"{prefix}_{_SHORT[target]}_{mode}"
+    driver.__name__ = driver.__qualname__ = f"{prefix}_{SHORT_NAMES[target]}_{mode}"
     return needs_features(
         target_features(target), njit(cache=True, parallel=parallel, nogil=True)(driver)
     )
@@ -299,7 +306,7 @@ def _make_batched_driver(target: str, parallel: bool) -> Any:
                     i += 1
 
     prefix = "batched_drive" if parallel else "batched_serial"
-    driver.__name__ = driver.__qualname__ = f"{prefix}_{_SHORT[target]}_u8"
+    driver.__name__ = driver.__qualname__ = f"{prefix}_{SHORT_NAMES[target]}_u8"
     return needs_features(
         target_features(target), njit(cache=True, parallel=parallel, nogil=True)(driver)
     )
@@ -339,3 +346,19 @@ drive_avxvnni_f32 = _make_driver("avx_vnni", "f32", True)
 serial_avxvnni_f32 = _make_driver("avx_vnni", "f32", False)
 batched_drive_avxvnni_u8 = _make_batched_driver("avx_vnni", True)
 batched_serial_avxvnni_u8 = _make_batched_driver("avx_vnni", False)
+drive_a64i8mm_u8 = _make_driver("aarch64_i8mm", "u8", True)
+serial_a64i8mm_u8 = _make_driver("aarch64_i8mm", "u8", False)
+drive_a64i8mm_u8add = _make_driver("aarch64_i8mm", "u8add", True)
+serial_a64i8mm_u8add = _make_driver("aarch64_i8mm", "u8add", False)
+drive_a64i8mm_f32 = _make_driver("aarch64_i8mm", "f32", True)
+serial_a64i8mm_f32 = _make_driver("aarch64_i8mm", "f32", False)
+batched_drive_a64i8mm_u8 = _make_batched_driver("aarch64_i8mm", True)
+batched_serial_a64i8mm_u8 = _make_batched_driver("aarch64_i8mm", False)
+drive_a64dot_u8 = _make_driver("aarch64_dotprod", "u8", True)
+serial_a64dot_u8 = _make_driver("aarch64_dotprod", "u8", False)
+drive_a64dot_u8add = _make_driver("aarch64_dotprod", "u8add", True)
+serial_a64dot_u8add = _make_driver("aarch64_dotprod", "u8add", False)
+drive_a64dot_f32 = _make_driver("aarch64_dotprod", "f32", True)
+serial_a64dot_f32 = _make_driver("aarch64_dotprod", "f32", False)
+batched_drive_a64dot_u8 = _make_batched_driver("aarch64_dotprod", True)
+batched_serial_a64dot_u8 = _make_batched_driver("aarch64_dotprod", False)

@@ -17,6 +17,7 @@ import numba
 import numpy as np
 import numpy.typing as npt
 
+from quantbridge.kernels._block_kernels import activation_offset
 from quantbridge.kernels._checks import (
     F32_MAX,
     F32_TINY,
@@ -81,11 +82,12 @@ PRODUCT_CEILING = 0.5 * F32_MAX
 
 
 @numba.njit(cache=True, nogil=True)
-def column_corrections(zp, colsum, wzp, k_true, out):  # type: ignore[no-untyped-def]
-    """``out[j] = -zp * colsum[j] + k_true * zp * wzp[j]``, wrapped to int32: the activation
-    zero point's share of each output column (``PackedLinearWeight.colcorr``)."""
+def column_corrections(zp, colsum, wzp, k_true, offset, out):  # type: ignore[no-untyped-def]
+    """``out[j] = (offset - zp) * colsum[j] + k_true * zp * wzp[j]``, wrapped to int32: the
+    activation zero point's share of each output column (``PackedLinearWeight.colcorr``), and
+    what kernels that subtract ``offset`` from the codes (``activation_offset``) take away."""
     for j in range(out.shape[0]):
-        out[j] = np.int32(-zp * colsum[j] + k_true * zp * np.int64(wzp[j]))
+        out[j] = np.int32((offset - zp) * colsum[j] + k_true * zp * np.int64(wzp[j]))
 
 
 class PackedLinearWeight:
@@ -154,7 +156,8 @@ class PackedLinearWeight:
         self._exact: npt.NDArray[np.int16] | None = None
         self._exact_koffs = self.koffs  # the int16 kernels' k steps, set with ``_exact``
         # the byte kernels read uint8 activations directly; AVX2's int16 ones want them widened
-        byte_kernel = self.kernel in ("avx512_vnni", "avx_vnni", "avx2_byte")
+        byte_kernel = self.kernel not in ("avx2", "generic")
+        self.act_offset = activation_offset(self.kernel)
         self.serial_u8 = serial_driver(self.kernel, "u8") if byte_kernel else None
         self._fast: dict[tuple[float, float, int], Any] = {}
         self._entry: dict[bool, Any] = {}
@@ -182,13 +185,10 @@ class PackedLinearWeight:
 
     @property
     def zero_colcorr(self) -> npt.NDArray[np.int32]:
-        """All-zero column corrections (per-row activation zero points go through the
-        kernels' weight-zero-point term instead, see ``linear_dynamic``)."""
-        got = self._colcorr.get(-1)
-        if got is None:
-            got = np.zeros(self.n_padded, np.int32)
-            self._colcorr[-1] = got
-        return got
+        """The column corrections of activation zero point 0 (per-row activation zero points
+        go through the kernels' weight-zero-point term instead, see ``linear_dynamic``): all
+        zero, but on kernels that offset the codes (``activation_offset``)."""
+        return self.colcorr(0)
 
     @property
     def colsum32(self) -> npt.NDArray[np.int32]:
@@ -239,7 +239,9 @@ class PackedLinearWeight:
         got = self._colcorr.get(act_zero_point)
         if got is None:
             got = np.empty(self.n_padded, np.int32)
-            column_corrections(act_zero_point, self.colsum, self.zero_points, self.k_true, got)
+            column_corrections(
+                act_zero_point, self.colsum, self.zero_points, self.k_true, self.act_offset, got
+            )
             if len(self._colcorr) < _CACHE_LIMIT:
                 self._colcorr[act_zero_point] = got
         return got

@@ -19,6 +19,7 @@ import numpy as np
 import numpy.typing as npt
 from numba import njit, prange
 
+from quantbridge.kernels._block_kernels import activation_offset
 from quantbridge.kernels._checks import (
     check_accumulation_fits_int32,
     check_array,
@@ -31,9 +32,13 @@ from quantbridge.kernels._errors import KernelError
 from quantbridge.kernels._gemm import batched_drive_generic, batched_serial_generic
 from quantbridge.kernels._gemm_run import NO_ADD, NO_RESIDUAL, SERIAL_BELOW
 from quantbridge.kernels._gemm_simd import (
+    batched_drive_a64dot_u8,
+    batched_drive_a64i8mm_u8,
     batched_drive_avx2_u8,
     batched_drive_avxvnni_u8,
     batched_drive_vnni_u8,
+    batched_serial_a64dot_u8,
+    batched_serial_a64i8mm_u8,
     batched_serial_avx2_u8,
     batched_serial_avxvnni_u8,
     batched_serial_vnni_u8,
@@ -48,13 +53,15 @@ _BATCHED = {
     "avx512_vnni": (batched_serial_vnni_u8, batched_drive_vnni_u8),
     "avx_vnni": (batched_serial_avxvnni_u8, batched_drive_avxvnni_u8),
     "avx2": (batched_serial_avx2_u8, batched_drive_avx2_u8),
+    "aarch64_i8mm": (batched_serial_a64i8mm_u8, batched_drive_a64i8mm_u8),
+    "aarch64_dotprod": (batched_serial_a64dot_u8, batched_drive_a64dot_u8),
     "generic": (batched_serial_generic, batched_drive_generic),
 }
 
 
 def _make_prepare(parallel: bool) -> Any:
     def prepare(  # type: ignore[no-untyped-def]  # numba types the arguments
-        a3, b3, shift, nr, ks, kp, lda, a_zp, wzp, abuf, bp, colcorr, rowsum, widen, sums
+        a3, b3, shift, nr, ks, kp, lda, a_zp, offset, wzp, abuf, bp, colcorr, rowsum, widen, sums
     ):
         """Per batch g: pack ``b3[g] - shift`` (as ``w[j, k] = b[k, j]``) into ``bp``, its
         column corrections into ``colcorr``, copy/widen ``a3[g]`` into ``abuf`` (``widen``)
@@ -81,7 +88,7 @@ def _make_prepare(parallel: bool) -> Any:
                         col[j0 + jj] += v
             for j in range(np_):
                 cs = col[j] if j < n else 0
-                colcorr[g * np_ + j] = np.int32(-a_zp * cs + k * a_zp * np.int64(wzp[j]))
+                colcorr[g * np_ + j] = np.int32((offset - a_zp) * cs + k * a_zp * np.int64(wzp[j]))
             if widen:
                 for i in range(m):
                     o = (g * m + i) * lda
@@ -182,7 +189,8 @@ def _batched_u8(
     colcorr = np.empty(nb * np_, np.int32)
     rowsum = np.zeros(nb * m, np.int32)
     prepare = _prepare_serial if threads == 1 else with_threads(_prepare_parallel, threads)
-    prepare(a3c, np.ascontiguousarray(b3), shift, nr, ks, kp, lda, a_zp, wzp,
+    offset = activation_offset(target)
+    prepare(a3c, np.ascontiguousarray(b3), shift, nr, ks, kp, lda, a_zp, offset, wzp,
             abuf if abuf is not None else np.zeros(1, np.uint8), bp, colcorr, rowsum, widen,
             w_zp != 0)  # fmt: skip
     a_flat = abuf if abuf is not None else a3c.reshape(-1)

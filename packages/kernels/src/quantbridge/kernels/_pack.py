@@ -33,6 +33,8 @@ _LAYOUT: dict[str, tuple[int, int, type[np.integer]]] = {
     "avx2": (16, 2, np.int16),
     "avx2_byte": (16, 4, np.int8),
     "avx_vnni": (16, 4, np.int8),
+    "aarch64_i8mm": (16, 4, np.int8),
+    "aarch64_dotprod": (16, 4, np.int8),
 }
 
 

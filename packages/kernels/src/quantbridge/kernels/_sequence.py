@@ -20,6 +20,7 @@ import numpy.typing as npt
 from numba import njit, types
 from numba.extending import overload
 
+from quantbridge.kernels._block_kernels import activation_offset
 from quantbridge.kernels._checks import F32_TINY, check_array
 from quantbridge.kernels._dynamic_act import dynamic_qparams, quantize_rows_fixed, tensor_range
 from quantbridge.kernels._epilogue_lut import NO_LUT
@@ -46,7 +47,7 @@ from quantbridge.kernels._threads import apply_num_threads, with_threads
 F32 = npt.NDArray[np.float32]
 
 # kernel family -> driver number of ``_gemm_f32`` (generic has no IR driver: Python steps)
-_FAMILIES = ("avx2_byte", "avx2", "avx512_vnni", "avx_vnni")
+_FAMILIES = ("avx2_byte", "avx2", "avx512_vnni", "avx_vnni", "aarch64_i8mm", "aarch64_dotprod")
 _DRIVERS = [serial_driver(f, "f32") for f in _FAMILIES] + [
     parallel_driver(f, "f32") for f in _FAMILIES
 ]
@@ -78,6 +79,8 @@ def _gemm_f32_impl(  # type: ignore[no-untyped-def]  # numba's types, not values
 
 def _make_loop(which: int, lstm: bool) -> Any:
     """The compiled time loop on driver ``which`` for an LSTM (``lstm``) or a GRU."""
+    family = _FAMILIES[which % len(_FAMILIES)]
+    offset = activation_offset(family)  # a constant of the compiled loop
 
     def loop(  # type: ignore[no-untyped-def]  # numba types the arguments
         gi, gi_t, gi_b, steps, first, reverse, h, c, fresh, out, a, rowoffs, koffs, bp,
@@ -103,7 +106,7 @@ def _make_loop(which: int, lstm: bool) -> Any:
                 return s
             inv = np.float32(np.float32(1.0) / np.float32(scale))
             quantize_rows_fixed(h, inv, zp, a, rowsum, has_wzp)
-            column_corrections(zp, colsum, wzp, k_true, colcorr)
+            column_corrections(zp, colsum, wzp, k_true, offset, colcorr)
             fs = np.float32(scale)
             for j in range(mult.shape[0]):
                 mult[j] = scales[j] * fs
@@ -123,7 +126,6 @@ def _make_loop(which: int, lstm: bool) -> Any:
 
     kind = "lstm" if lstm else "gru"
     loop.__name__ = loop.__qualname__ = f"sequence_{kind}_{which}"
-    family = _FAMILIES[which % len(_FAMILIES)]
     return needs_features(target_features(family), njit(cache=True, nogil=True)(loop))
 
 

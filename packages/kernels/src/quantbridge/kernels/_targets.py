@@ -2,9 +2,11 @@
 
 Targets, best first: ``avx512_vnni`` (vpdpbusd on zmm), ``avx_vnni`` (VEX vpdpbusd on ymm: AVX2
 CPUs with AVX-VNNI, such as Intel's Alder Lake and later client cores), ``avx2`` (vpmaddubsw +
-vpmaddwd), ``generic`` (portable numba loops). Selection order: an explicit ``target=``
-argument, then the ``QUANTBRIDGE_KERNEL_TARGET`` environment variable, then the best target
-this CPU runs.
+vpmaddwd); on Arm64 ``aarch64_i8mm`` (``usdot``: Armv8.6 int8 matrix multiply, as Graviton 3
+and 4, Neoverse V1/V2/N2, Apple M2 and later) and ``aarch64_dotprod`` (``sdot``: Armv8.2 dot
+product, as Graviton 2, Neoverse N1, Apple M1); ``generic`` (portable numba loops) everywhere.
+Selection order: an explicit ``target=`` argument, then the ``QUANTBRIDGE_KERNEL_TARGET``
+environment variable, then the best target this CPU runs.
 
 "This CPU" is the CPU numba compiles for, not only the host: numba's ``NUMBA_CPU_NAME`` and
 ``NUMBA_CPU_FEATURES`` (set, for instance, to build a cache that travels between machines)
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import os
+import platform
 from typing import Any, TypeVar
 
 import llvmlite.binding as llvm
@@ -27,7 +30,9 @@ from quantbridge.kernels._errors import KernelError, TargetUnavailableError
 
 _K = TypeVar("_K")
 
-TARGETS: tuple[str, ...] = ("avx512_vnni", "avx_vnni", "avx2", "generic")
+TARGETS: tuple[str, ...] = (
+    "avx512_vnni", "avx_vnni", "avx2", "aarch64_i8mm", "aarch64_dotprod", "generic",
+)  # fmt: skip
 ENV_VAR = "QUANTBRIDGE_KERNEL_TARGET"
 
 # CPU features (LLVM names) each target's compiled code uses.
@@ -35,8 +40,12 @@ _REQUIRED_FEATURES: dict[str, tuple[str, ...]] = {
     "avx512_vnni": ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512vnni", "avx2", "fma"),
     "avx_vnni": ("avx2", "fma", "avxvnni"),
     "avx2": ("avx2", "fma"),
+    "aarch64_i8mm": ("neon", "dotprod", "i8mm"),
+    "aarch64_dotprod": ("neon", "dotprod"),
     "generic": (),
 }
+# the targets whose compiled code is AArch64's (the others but generic are x86's)
+ARM_TARGETS = frozenset({"aarch64_i8mm", "aarch64_dotprod"})
 
 # The features the kernels care about that LLVM enables by default for a named x86 CPU (its
 # X86.td processor definitions). A name not listed counts as having none of them: a target
@@ -49,6 +58,24 @@ _CASCADELAKE = _AVX512 | {"avx512vnni"}
 _ICELAKE = _CANNONLAKE | {"avx512vnni", "avx512vbmi2", "avx512bitalg", "avx512vpopcntdq"}
 _SAPPHIRERAPIDS = _ICELAKE | {"avx512bf16", "avx512fp16", "avxvnni", "amx-tile", "amx-int8"}
 _ZNVER4 = _ICELAKE | {"avx512bf16"}
+_DOTPROD_CPUS = (
+    "neoverse-n1", "neoverse-e1", "cortex-a76", "cortex-a77", "cortex-a78", "cortex-x1",
+    "apple-m1", "apple-a14",
+)  # fmt: skip
+_I8MM_CPUS = (
+    "neoverse-v1", "neoverse-n2", "neoverse-v2", "neoverse-n3", "neoverse-v3", "cortex-a710",
+    "cortex-x2", "cortex-x3", "cortex-x4", "apple-m2", "apple-m3", "apple-m4", "apple-a15",
+    "apple-a16", "apple-a17", "ampere1", "ampere1a", "ampere1b", "grace",
+)  # fmt: skip
+_DOTPROD_CPUS = (
+    "neoverse-n1", "neoverse-e1", "cortex-a76", "cortex-a77", "cortex-a78", "cortex-x1",
+    "apple-m1", "apple-a14",
+)  # fmt: skip
+_I8MM_CPUS = (
+    "neoverse-v1", "neoverse-n2", "neoverse-v2", "neoverse-n3", "neoverse-v3", "cortex-a710",
+    "cortex-x2", "cortex-x3", "cortex-x4", "apple-m2", "apple-m3", "apple-m4", "apple-a15",
+    "apple-a16", "apple-a17", "ampere1", "ampere1a", "ampere1b", "grace",
+)  # fmt: skip
 _CPU_DEFAULTS: dict[str, frozenset[str]] = {
     **dict.fromkeys(("sandybridge", "ivybridge"), frozenset({"avx"})),
     **dict.fromkeys(
@@ -79,6 +106,9 @@ _CPU_DEFAULTS: dict[str, frozenset[str]] = {
     ),
     "znver4": _ZNVER4,
     "znver5": _ZNVER4 | {"avxvnni"},
+    # AArch64 (LLVM's AArch64Processors.td); "generic" there has NEON, and x86's none of these
+    **dict.fromkeys(_DOTPROD_CPUS, frozenset({"neon", "dotprod"})),
+    **dict.fromkeys(_I8MM_CPUS, frozenset({"neon", "dotprod", "i8mm"})),
 }
 # feature -> the features it needs (LLVM turns these on with it, and it off with any of them)
 _NEEDS: dict[str, tuple[str, ...]] = {
@@ -102,6 +132,8 @@ _NEEDS: dict[str, tuple[str, ...]] = {
     **{f: ("avx512bw",) for f in ("avx512vbmi", "avx512vbmi2", "avx512bitalg", "avx512bf16")},
     "avx512fp16": ("avx512bw", "avx512dq", "avx512vl"),
     "amx-int8": ("amx-tile",),
+    "dotprod": ("neon",),
+    "i8mm": ("neon",),
 }
 
 
@@ -162,7 +194,10 @@ def _features(name: str, spec: str | None, enable_avx: bool) -> frozenset[str]:
         found = llvm.get_host_cpu_features()
         features = frozenset(f for f, present in found.items() if present)
     else:
-        features = apply_feature_string(_CPU_DEFAULTS.get(name.lower(), frozenset()), spec)
+        defaults = _CPU_DEFAULTS.get(name.lower(), frozenset())
+        if name.lower() == "generic" and platform.machine().lower() in ("aarch64", "arm64"):
+            defaults = frozenset({"neon"})
+        features = apply_feature_string(defaults, spec)
     if not enable_avx:  # NUMBA_ENABLE_AVX=0: numba turns off every avx* feature
         features = frozenset(f for f in features if not f.startswith("avx"))
     return features

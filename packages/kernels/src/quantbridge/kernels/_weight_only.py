@@ -30,7 +30,7 @@ import numpy.typing as npt
 from quantbridge.kernels._checks import check_array, f32_problem, plain_array
 from quantbridge.kernels._errors import KernelError
 from quantbridge.kernels._numba_compat import compiled_entry_point
-from quantbridge.kernels._targets import resolve_target
+from quantbridge.kernels._targets import ARM_TARGETS, resolve_target
 from quantbridge.kernels._threads import apply_num_threads, with_threads
 from quantbridge.kernels._wo_kernels import DRIVERS, PANEL, ROWS
 
@@ -41,6 +41,12 @@ _PARALLEL_MIN = 1 << 16
 # activation rows per tile: a chunk of int8 rows this large stays in L2 beside the panel
 _ROW_CHUNK_BYTES = 1 << 18
 _ARRAY_KEYS = ("codes", "scales", "zero_points", "bits", "group_size")
+
+
+def _family(target: str) -> str:
+    """The kernels that serve ``target``: the Arm targets have none of their own in this
+    family yet and run the portable ones."""
+    return "generic" if target in ARM_TARGETS else target
 
 
 def code_shift(target: str, bits: int, symmetric: bool) -> int:
@@ -158,7 +164,7 @@ class PackedGroupWeight:
         target: str,
     ) -> PackedGroupWeight:
         self = object.__new__(cls)
-        nr = PANEL[target]
+        nr = PANEL[_family(target)]
         npanels = -(-n // nr)
         fields = {
             "_bits": bits,
@@ -457,7 +463,7 @@ def pack_group_weight(
                 f"{bits}-bit asymmetric codes; clip the zero points to it"
             )
         zps = z.astype(np.uint8)
-    nr = PANEL[target]
+    nr = PANEL[_family(target)]
     shift = code_shift(target, bits, symmetric)
     npad = -(-n // nr) * nr
     stored = np.full((npad, k), shift, np.int16)
@@ -516,7 +522,7 @@ def linear_weight_only(
         bias_p[:n] = b
         bias_p.flags.writeable = False  # one array type for the drivers
     threads = apply_num_threads(num_threads, "linear_weight_only")
-    target, bits = packed._target, packed._bits
+    target, bits = _family(packed._target), packed._bits
     rows = ROWS.get(target, 1)
     mchunk = min(m, max(rows, _ROW_CHUNK_BYTES // k // rows * rows))
     tiles = npanels * -(-m // mchunk)
