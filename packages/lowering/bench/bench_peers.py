@@ -738,7 +738,12 @@ def profile_suite(suite: Suite, threads: int, rounds: int) -> dict[str, Any]:
     round (``--profile``)."""
     samples: dict[str, dict[str, list[float]]] = {}
     with torch_threads(threads), torch.no_grad():
-        runners = {name: make(threads) for name, make in suite.profiles.items()}
+        runners = {}
+        for name, make in suite.profiles.items():
+            try:
+                runners[name] = make(threads)
+            except Exception as e:  # a peer that cannot run here (its table says why)
+                print(f"profile: {name} skipped: {type(e).__name__}: {str(e).splitlines()[0]}")
         for runner in runners.values():
             runner()  # first-call costs outside the figures
         for _ in range(rounds):
