@@ -58,15 +58,7 @@ _CASCADELAKE = _AVX512 | {"avx512vnni"}
 _ICELAKE = _CANNONLAKE | {"avx512vnni", "avx512vbmi2", "avx512bitalg", "avx512vpopcntdq"}
 _SAPPHIRERAPIDS = _ICELAKE | {"avx512bf16", "avx512fp16", "avxvnni", "amx-tile", "amx-int8"}
 _ZNVER4 = _ICELAKE | {"avx512bf16"}
-_DOTPROD_CPUS = (
-    "neoverse-n1", "neoverse-e1", "cortex-a76", "cortex-a77", "cortex-a78", "cortex-x1",
-    "apple-m1", "apple-a14",
-)  # fmt: skip
-_I8MM_CPUS = (
-    "neoverse-v1", "neoverse-n2", "neoverse-v2", "neoverse-n3", "neoverse-v3", "cortex-a710",
-    "cortex-x2", "cortex-x3", "cortex-x4", "apple-m2", "apple-m3", "apple-m4", "apple-a15",
-    "apple-a16", "apple-a17", "ampere1", "ampere1a", "ampere1b", "grace",
-)  # fmt: skip
+# Arm CPUs by the int8 instructions LLVM gives them (the dot product, then also i8mm)
 _DOTPROD_CPUS = (
     "neoverse-n1", "neoverse-e1", "cortex-a76", "cortex-a77", "cortex-a78", "cortex-x1",
     "apple-m1", "apple-a14",
