@@ -25,12 +25,16 @@ everywhere gives zeros, as torch's ``scaled_dot_product_attention`` does.
 
 The output is a [B, H, Sq, Dv] view of a [B, Sq, H, Dv] buffer: ``out.transpose(1, 2)`` is
 C-contiguous, so merging the heads back into [B, Sq, H * Dv] copies nothing.
+
+The compiled driver takes the call as named records (NamedTuples, which numba passes as their
+fields), made once per call: ``AttnCodes``, ``AttnLogits`` and ``AttnOutput``; the
+``vpdpbusd`` block reads a head's packed keys as one ``VnniKeys``.
 """
 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -40,9 +44,11 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from quantbridge.kernels._checks import check_array, check_scale, check_zero_point
+from quantbridge.kernels._dw_simd import record_fields
 from quantbridge.kernels._errors import KernelError
 from quantbridge.kernels._float_math import FAST, RowSteps, flat_f32, scaled_row, vexp
 from quantbridge.kernels._ir import declare, load_vec, stack_slot, store_vec, vec_broadcast
+from quantbridge.kernels._numba_compat import compiled_entry_point
 from quantbridge.kernels._qparams import QParams, as_qparams
 from quantbridge.kernels._targets import needs_features, resolve_target, target_features
 from quantbridge.kernels._threads import apply_num_threads, with_threads
@@ -55,6 +61,60 @@ EXACT_HEAD_SIZE = (1 << 24) // (255 * 255)
 # the float block: rows x (vectors of 16 floats); 16 accumulators of the 32 zmm registers
 _ROWS, _VECS, _VL = 8, 2, 16
 _COLS = _VECS * _VL
+
+U8 = npt.NDArray[np.uint8]
+F32 = npt.NDArray[np.float32]
+
+
+class AttnCodes(NamedTuple):
+    """The inputs: q, k and v codes [B, H, Sq, D], [B, H, Sk, D], [B, H, Sk, Dv] (any strides)
+    and their zero points."""
+
+    q: U8
+    k: U8
+    v: U8
+    zq: int
+    zk: int
+    zv: int
+
+
+class AttnLogits(NamedTuple):
+    """How ``q . k`` becomes logits: ``dot * scale + add[row, j]``, ``add`` the compact
+    mask's rows (``_compact_mask``, flat) for (batch, head, query) sizes ``(mb, mh, mq)``,
+    each 1 where it broadcasts; ``kend[row]``: one past the row's last key not hidden."""
+
+    scale: np.float32  # q_scale * k_scale * the attention's scale
+    add: F32
+    kend: npt.NDArray[np.int64]
+    mb: int
+    mh: int
+    mq: int
+
+
+class AttnOutput(NamedTuple):
+    """How the weighted sums of ``v - zv`` become the result, [B, Sq, H, Dv] flat: times
+    ``v_scale / sum(p)``, then into ``codes`` by quantize_per_tensor's rule (``inv`` = 1 /
+    scale, zero point ``zp``) when ``quantized``, else into ``floats``; the other is empty."""
+
+    v_scale: np.float32
+    quantized: bool
+    inv: np.float32
+    zp: np.float32
+    codes: U8
+    floats: F32
+
+
+class VnniKeys(NamedTuple):
+    """One head's keys as ``qk_vnni`` reads them: ``kp``, k as int8 (``k - 128``), the four
+    head values ``4g .. 4g + 3`` of key ``j`` at ``kp[(g * skp + j) * 4]``; ``ngroups`` such
+    groups, ``skp`` keys rounded up to 32; the corrections that turn ``sum q (k - 128)`` into
+    ``sum (q - zq)(k - zk)``: ``colc`` per key, ``rowc`` per query row."""
+
+    kp: npt.NDArray[np.int8]
+    colc: npt.NDArray[np.int32]
+    rowc: npt.NDArray[np.int32]
+    skp: int
+    ngroups: int
 
 
 def _block_codegen(context: Any, builder: ir.IRBuilder, sig: Any, args: Any) -> ir.Value:
@@ -115,13 +175,19 @@ else:
 
 
 def _qk_vnni_codegen(context: Any, builder: ir.IRBuilder, sig: Any, args: Any) -> ir.Value:
-    (q, qoff, qld, mvalid, kp, koff, gstride, ngroups, out, ooff, ldo, colc, coff, rowc,
-     roff) = args  # fmt: skip
-    q_p, kp_p, o_p, cc_p, rc_p = (
-        context.make_array(sig.args[i])(context, builder, arr).data
-        for i, arr in ((0, q), (4, kp), (8, out), (11, colc), (13, rowc))
+    q, qoff, qld, mvalid, keys, i0, j0, out = args
+    q_p, o_p = (
+        context.make_array(sig.args[i])(context, builder, arr).data for i, arr in ((0, q), (7, out))
+    )
+    kp_p, cc_p, rc_p, skp, ngroups = record_fields(
+        context, builder, sig.args[4], keys, ("kp", "colc", "rowc", "skp", "ngroups")
     )
     i64, i32 = ir.IntType(64), ir.IntType(32)
+    # block (i0, j0): keys j0.. at byte 4 * j0 of each group of skp keys, logits row r at
+    # out[j0 + r * skp], the corrections at colc[j0..] and rowc[i0..]
+    koff = builder.mul(j0, ir.Constant(i64, 4))
+    gstride = builder.mul(skp, ir.Constant(i64, 4))
+    ooff, ldo, coff, roff = j0, skp, j0, i0
     vi32 = ir.VectorType(i32, _VL)
     vf32 = ir.VectorType(ir.FloatType(), _VL)
     bvt = ir.VectorType(ir.IntType(8), 4 * _VL)
@@ -168,17 +234,21 @@ def _qk_vnni_codegen(context: Any, builder: ir.IRBuilder, sig: Any, args: Any) -
 
 @intrinsic
 def _qk_vnni(
-    typingctx: Any, q: Any, qoff: Any, qld: Any, mvalid: Any, kp: Any, koff: Any, gstride: Any,
-    ngroups: Any, out: Any, ooff: Any, ldo: Any, colc: Any, coff: Any, rowc: Any, roff: Any,
+    typingctx: Any, q: Any, qoff: Any, qld: Any, mvalid: Any, keys: Any, i0: Any, j0: Any,
+    out: Any,
 ) -> Any:  # fmt: skip
-    """An 8 x 32 block of integer ``q . k`` logits with ``vpdpbusd`` (AVX-512 VNNI only).
+    """The 8 x 32 block ``(i0, j0)`` of integer ``q . k`` logits with ``vpdpbusd`` (AVX-512
+    VNNI only), the keys a ``VnniKeys``.
 
     Row ``r`` of q: ``ngroups * 4`` uint8 codes at byte ``qoff + min(r, mvalid - 1) * qld`` of
-    ``q``'s data; k packed int8 (``k - 128``), four head values of 16 keys per 64 bytes,
-    group ``g`` of these 32 keys at ``kp[koff + g * gstride]``. ``out[ooff + r * ldo + j]``
-    (float32, exact) = ``acc + colc[coff + j] + rowc[roff + r]``: the corrections that make
-    it ``sum (q - zq)(k - zk)``."""
+    ``q``'s data (query ``i0 + r``). ``out[j0 + r * skp + j]`` (float32, exact) = ``acc +
+    colc[j0 + j] + rowc[i0 + r]``: the corrections make it ``sum (q - zq)(k - zk)``."""
     if not (isinstance(q, types.Array) and q.dtype == types.uint8):
+        return None
+    if not (isinstance(keys, types.NamedTuple) and keys.fields == VnniKeys._fields):
+        return None
+    kp, colc, rowc, skp, ngroups = keys.types
+    if not (skp == ngroups == i0 == j0 == types.int64):  # the codegen's i64 values
         return None
     if not (isinstance(kp, types.Array) and kp.dtype == types.int8 and kp.layout == "C"):
         return None
@@ -187,17 +257,14 @@ def _qk_vnni(
             return None
     if not flat_f32(out):
         return None
-    sig = types.void(q, qoff, qld, mvalid, kp, koff, gstride, ngroups, out, ooff, ldo, colc,
-                     coff, rowc, roff)  # fmt: skip
-    return sig, _qk_vnni_codegen
+    return types.void(q, qoff, qld, mvalid, keys, i0, j0, out), _qk_vnni_codegen
 
 
 if TYPE_CHECKING:
 
     def qk_vnni(
-        q: Any, qoff: int, qld: int, mvalid: int, kp: Any, koff: int, gstride: int,
-        ngroups: int, out: Any, ooff: int, ldo: int, colc: Any, coff: int, rowc: Any, roff: int,
-    ) -> None:  # fmt: skip
+        q: Any, qoff: int, qld: int, mvalid: int, keys: VnniKeys, i0: int, j0: int, out: Any
+    ) -> None:
         """See ``_qk_vnni`` (numba code only)."""
 
 else:
@@ -283,10 +350,11 @@ else:
 
 
 def _make_heads(parallel: bool, vnni: bool) -> Any:
-    def heads(  # type: ignore[no-untyped-def]  # numba types the arguments
-        q, k, v, zq, zk, zv, logit_scale, v_scale, madd, kend, mb, mh, mq, quantized, inv, ozp,
-        outq, outf, nchunks,
-    ):  # fmt: skip
+    def heads(codes, logits, output, nchunks):  # type: ignore[no-untyped-def]
+        """Every (batch, head) pair, in ``nchunks`` runs."""
+        q, k, v, zq, zk, zv = codes
+        logit_scale, madd, kend, mb, mh, mq = logits
+        v_scale, quantized, inv, ozp, outq, outf = output
         nb, nh, sq, d = q.shape
         sk = k.shape[2]
         dv = v.shape[3]
@@ -309,6 +377,7 @@ def _make_heads(parallel: bool, vnni: bool) -> Any:
             o = np.empty(8 * dvp, np.float32)
             sums = np.empty(8, np.float32)
             moffs = np.zeros(8, np.int64)
+            keys = VnniKeys(kp, colc, rowc, skp, ng)
             for t in range(chunk * ntasks // nchunks, (chunk + 1) * ntasks // nchunks):
                 b = t // nh
                 h = t - b * nh
@@ -359,8 +428,7 @@ def _make_heads(parallel: bool, vnni: bool) -> Any:
                     kb = min(skp, max(32, (seen + 31) // 32 * 32))
                     for j0 in range(0, kb, 32):
                         if vnni:
-                            qk_vnni(q, qoff + i0 * qld, qld, rows, kp, j0 * 4, skp * 4, ng,
-                                    probs, j0, skp, colc, j0, rowc, i0)  # fmt: skip
+                            qk_vnni(q, qoff + i0 * qld, qld, rows, keys, i0, j0, probs)
                         else:
                             f32_block(qf, i0 * d, d, kt, j0, skp, probs, j0, skp, d)
                     exp_block(probs, 0, skp, madd, moffs, min(kb, sk), logit_scale, sums)
@@ -387,6 +455,13 @@ def _make_heads(parallel: bool, vnni: bool) -> Any:
 # [vnni][parallel]: the VNNI ones compile on first use only, on CPUs that have it
 _HEADS = ((_make_heads(False, False), _make_heads(True, False)),
           (_make_heads(False, True), _make_heads(True, True)))  # fmt: skip
+# the array flags in numba's type of q, k and v: C / F contiguous (the layout), writeable
+_TYPE_FLAGS = 0x1 | 0x2 | 0x400  # NPY_ARRAY_C_CONTIGUOUS | F_CONTIGUOUS | WRITEABLE
+# the output a call does not write (AttnOutput): empty, shared
+_NO_CODES = np.empty(0, np.uint8)
+_NO_FLOATS = np.empty(0, np.float32)
+# the compiled entry points by (vnni, parallel, q, k and v's flags & _TYPE_FLAGS)
+_ENTRIES: dict[tuple[bool, bool, int, int, int], Any] = {}
 
 
 def _codes(name: str, x: object) -> npt.NDArray[np.uint8]:
@@ -405,7 +480,7 @@ def _compact_mask(
     e.g. an ``expand``-ed padding mask), so nothing is copied per head or query."""
     sk = shape[3]
     if mask is None:
-        return np.zeros((1, sk), np.float32), np.full(1, sk, np.int64), (1, 1, 1)
+        return np.zeros((1, sk), np.float32), np.array([sk], np.int64), (1, 1, 1)
     m = check_array("mask", mask, (np.float32, np.bool_), None, contiguous=False)
     if not 1 <= m.ndim <= 4:
         raise KernelError(f"mask: expected 1 to 4 dimensions, got shape {m.shape}")
@@ -499,26 +574,26 @@ def attention(
     if not math.isfinite(sc):
         raise KernelError(f"scale: expected a finite number, got {scale!r}")
     logit_scale = np.float32(params[0][0] * params[1][0] * sc)
-    if not np.isfinite(logit_scale):
+    v_scale = np.float32(params[2][0])
+    if not math.isfinite(logit_scale):  # math's: a tenth of numpy's cost on a scalar
         raise KernelError(f"q_scale * k_scale * scale = {logit_scale} is not a finite float32")
     if causal:
         if mask is not None:
             raise KernelError("mask and causal: give one (fold the causal part into the mask)")
         mask = np.tri(sq, sk, dtype=np.bool_)[None, None]
     madd, kend, (mb, mh, mq) = _compact_mask(mask, (nb, nh, sq, sk))
-    outq: npt.NDArray[np.uint8]
-    outf: npt.NDArray[np.float32]
+    out: npt.NDArray[Any]  # [B, Sq, H, Dv]
     if out_qparams is None:
-        outq = np.empty(0, np.uint8)
-        outf = np.empty((nb, sq, nh, dv), np.float32)
-        inv, ozp = np.float32(1.0), np.float32(0.0)
+        out = np.empty((nb, sq, nh, dv), np.float32)
+        output = AttnOutput(v_scale, False, np.float32(1.0), np.float32(0.0), _NO_CODES,
+                            out.reshape(-1))  # fmt: skip
     else:
         so, zo = as_qparams("out_qparams", out_qparams)
         so = check_scale("out_qparams.scale", so)
         zo = check_zero_point("out_qparams.zero_point", zo, 0, 255)
-        outq = np.empty((nb, sq, nh, dv), np.uint8)
-        outf = np.empty(0, np.float32)
-        inv, ozp = np.float32(1.0) / np.float32(so), np.float32(zo)
+        out = np.empty((nb, sq, nh, dv), np.uint8)
+        output = AttnOutput(v_scale, True, np.float32(1.0) / np.float32(so), np.float32(zo),
+                            out.reshape(-1), _NO_FLOATS)  # fmt: skip
     # q . k on vpdpbusd where the CPU has it (q read 4 codes at a time: a head size of a
     # multiple of 4, each row contiguous); float32 FMA blocks otherwise
     vnni = resolve_target(target) == "avx512_vnni" and d % 4 == 0
@@ -526,14 +601,25 @@ def attention(
         qa = np.ascontiguousarray(qa)
     threads = apply_num_threads(num_threads, "attention")
     work = nb * nh * sq * sk * (d + dv)
-    serial, parallel = _HEADS[vnni]
-    if threads == 1 or work < PARALLEL_MIN_ATTENTION_WORK or nb * nh < 2:
-        fn, chunks = serial, 1
-    else:
-        fn, chunks = with_threads(parallel, threads), min(nb * nh, threads)
-    fn(qa, ka, va, params[0][1], params[1][1], params[2][1], logit_scale,
-       np.float32(params[2][0]), madd.reshape(-1), kend, mb, mh, mq, out_qparams is not None,
-       inv, ozp, outq.reshape(-1), outf.reshape(-1), chunks)  # fmt: skip
-    out: npt.NDArray[Any] = outq if out_qparams is not None else outf
+    parallel = not (threads == 1 or work < PARALLEL_MIN_ATTENTION_WORK or nb * nh < 2)
+    chunks = min(nb * nh, threads) if parallel else 1
+    args = (
+        AttnCodes(qa, ka, va, params[0][1], params[1][1], params[2][1]),
+        AttnLogits(logit_scale, madd.reshape(-1), kend, mb, mh, mq),
+        output,
+        chunks,
+    )
+    # every argument but q, k and v has one type: their layouts and writeability pick the
+    # driver's compiled entry point, found through numba's dispatcher by the first call;
+    # later calls skip its type dispatch, which types records in Python (+8 us a call)
+    key = (vnni, parallel, qa.flags.num & _TYPE_FLAGS, ka.flags.num & _TYPE_FLAGS,
+           va.flags.num & _TYPE_FLAGS)  # fmt: skip
+    entry = _ENTRIES.get(key)
+    fn = _HEADS[vnni][parallel] if entry is None else entry
+    (with_threads(fn, threads) if parallel else fn)(*args)
+    if entry is None:
+        entry = compiled_entry_point(fn, args)
+        if entry is not None:  # None after a dry run's record (targets/dry_run.py)
+            _ENTRIES[key] = entry
     heads_view: npt.NDArray[Any] = out.transpose(0, 2, 1, 3)
     return heads_view

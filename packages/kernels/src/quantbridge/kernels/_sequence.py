@@ -9,11 +9,16 @@ around the kernels took about a sixth of the time.
 A step the compiled loop does not take (a non-finite hidden state, a range too small for a
 float32 scale, scale products near float32's limits) is handed back and run through
 ``linear_dynamic`` itself, which computes it or raises its error; the loop then resumes.
+
+The loop takes its arguments as named records (NamedTuples, which numba passes as their
+fields): ``SeqInputs``, ``SeqState``, the hidden weight's ``SeqWeight`` (made once per weight)
+and the per-step buffers' ``SeqScratch``, made once per call.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import weakref
+from typing import Any, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -40,6 +45,7 @@ from quantbridge.kernels._linear import (
     column_corrections,
     linear_dynamic,
 )
+from quantbridge.kernels._numba_compat import compiled_entry_point
 from quantbridge.kernels._recurrent import _gru_rows, _lstm_rows, gru_cell, lstm_cell
 from quantbridge.kernels._targets import needs_features, target_features
 from quantbridge.kernels._threads import apply_num_threads, with_threads
@@ -54,25 +60,76 @@ _DRIVERS = [serial_driver(f, "f32") for f in _FAMILIES] + [
 _TINY = np.float64(F32_TINY)
 
 
-def _gemm_f32(which: int, *args: Any) -> None:
-    """Compiled code only: float-output GEMM on driver number ``which`` (a constant)."""
+class SeqInputs(NamedTuple):
+    """The input projections, biases included: ``gi[t, b, j]`` is ``gi[t * step + b * row + j]``
+    of this flat view (``_flat_view``). ``steps`` steps, run last to first when ``reverse``."""
+
+    gi: F32
+    step: int
+    row: int
+    steps: int
+    reverse: bool
+
+
+class SeqState(NamedTuple):
+    """The state, updated in place step by step (a GRU's ``c`` is its ``h``), and the
+    outputs: ``out[t] = h`` after step ``t``."""
+
+    h: F32  # [B, H]
+    c: F32  # [B, H]
+    out: F32  # [T, B, H]
+
+
+class SeqWeight(NamedTuple):
+    """The packed hidden weight as its float-output driver reads it, and the constants a
+    step's dynamic scale is checked and folded with."""
+
+    bp: npt.NDArray[Any]  # the packed panels
+    koffs: npt.NDArray[np.int64]  # activation offset of each k step
+    npanels: int
+    colsum: npt.NDArray[np.int64]  # the column corrections' terms (``column_corrections``)
+    wzp: npt.NDArray[np.int32]
+    k_true: int
+    has_wzp: bool
+    scales: F32  # weight scales, zero-padded to n_padded
+    span_lo: float  # the smallest and largest weight scale
+    span_hi: float
+    bias: F32  # zero-padded to n_padded
+
+
+class SeqScratch(NamedTuple):
+    """One step's buffers: the hidden state's codes ``a`` (rows at ``rowoffs``, their sums),
+    the step's column corrections and scale products, the GEMM's result ``gh`` and the new
+    state ``fresh``; ``mchunk``: the driver's rows per task."""
+
+    a: npt.NDArray[Any]  # [B, lda]: uint8 codes, int16 for the avx2 kernels
+    rowoffs: npt.NDArray[np.int64]
+    rowsum: npt.NDArray[np.int32]
+    colcorr: npt.NDArray[np.int32]  # [n_padded]
+    mult: F32  # [n_padded]
+    gh: F32  # [B, n_padded]
+    fresh: F32  # [B * H]
+    mchunk: int
+
+
+def _gemm_f32(which: int, a: Any, gh: F32, m: int, weight: SeqWeight, scratch: SeqScratch) -> None:
+    """Compiled code only: ``gh = a @ weight`` on the float-output driver number ``which`` (a
+    constant), ``a`` and ``gh`` being ``scratch.a`` and ``scratch.gh`` flat (``m`` rows), made
+    once per sequence: a reshape costs a helper call."""
     raise NotImplementedError
 
 
 @overload(_gemm_f32, prefer_literal=True)
-def _gemm_f32_impl(  # type: ignore[no-untyped-def]  # numba's types, not values
-    which, a, rowoffs, m, koffs, nk, bp, npanels, c, ldc, colcorr, wzp, rowsum, bias, mult, mchunk
-):
+def _gemm_f32_impl(which, a, gh, m, weight, scratch):  # type: ignore[no-untyped-def]  # numba's types
     if not isinstance(which, types.IntegerLiteral):
         return None
     drive = _DRIVERS[which.literal_value]
 
-    def impl(  # type: ignore[no-untyped-def]
-        which, a, rowoffs, m, koffs, nk, bp, npanels, c, ldc, colcorr, wzp, rowsum, bias, mult,
-        mchunk,
-    ):  # fmt: skip
-        drive(a, rowoffs, m, koffs, nk, bp, npanels, c, ldc, colcorr, wzp, rowsum, bias, mult,
-              0, 0, 255, mchunk, NO_RESIDUAL, NO_ADD, NO_LUT)  # fmt: skip
+    def impl(which, a, gh, m, weight, scratch):  # type: ignore[no-untyped-def]
+        w, s = weight, scratch
+        drive(a, s.rowoffs, m, w.koffs, w.koffs.shape[0], w.bp, w.npanels, gh, s.gh.shape[1],
+              s.colcorr, w.wzp, s.rowsum, w.bias, s.mult, 0, 0, 255, s.mchunk, NO_RESIDUAL,
+              NO_ADD, NO_LUT)  # fmt: skip
 
     return impl
 
@@ -82,46 +139,45 @@ def _make_loop(which: int, lstm: bool) -> Any:
     family = _FAMILIES[which % len(_FAMILIES)]
     offset = activation_offset(family)  # a constant of the compiled loop
 
-    def loop(  # type: ignore[no-untyped-def]  # numba types the arguments
-        gi, gi_t, gi_b, steps, first, reverse, h, c, fresh, out, a, rowoffs, koffs, bp,
-        npanels, gh, colsum, wzp, k_true, has_wzp, rowsum, scales, span_lo, span_hi, bias,
-        mult, colcorr, mchunk,
-    ):  # fmt: skip
+    def loop(first, inputs, state, weight, scratch):  # type: ignore[no-untyped-def]
+        """Steps ``first ..`` of the sequence; returns the first step not taken."""
+        gi, h, wt, sc = inputs.gi, state.h, weight, scratch
         batch, hidden = h.shape
-        ldc = gh.shape[1]
-        nk = koffs.shape[0]
+        ldc = sc.gh.shape[1]
         flat_h = h.reshape(-1)
-        flat_c = c.reshape(-1)
-        flat_a = a.reshape(-1)
-        flat_gh = gh.reshape(-1)
+        flat_c = state.c.reshape(-1)
+        flat_a = sc.a.reshape(-1)
+        flat_gh = sc.gh.reshape(-1)
+        fresh = sc.fresh
+        steps = inputs.steps
         for s in range(first, steps):
-            t = steps - 1 - s if reverse else s
+            t = steps - 1 - s if inputs.reverse else s
             lo, hi, bad = tensor_range(flat_h)
             if bad:
                 return s
             scale, zp = dynamic_qparams(np.float64(lo), np.float64(hi))
             # the cases ``linear_dynamic`` refuses or checks element by element
-            if not (scale >= _TINY and scale * span_lo > PRODUCT_FLOOR and
-                    scale * span_hi < PRODUCT_CEILING):  # fmt: skip
+            if not (scale >= _TINY and scale * wt.span_lo > PRODUCT_FLOOR and
+                    scale * wt.span_hi < PRODUCT_CEILING):  # fmt: skip
                 return s
             inv = np.float32(np.float32(1.0) / np.float32(scale))
-            quantize_rows_fixed(h, inv, zp, a, rowsum, has_wzp)
-            column_corrections(zp, colsum, wzp, k_true, offset, colcorr)
+            quantize_rows_fixed(h, inv, zp, sc.a, sc.rowsum, wt.has_wzp)
+            column_corrections(zp, wt.colsum, wt.wzp, wt.k_true, offset, sc.colcorr)
             fs = np.float32(scale)
-            for j in range(mult.shape[0]):
-                mult[j] = scales[j] * fs
-            _gemm_f32(which, flat_a, rowoffs, batch, koffs, nk, bp, npanels, flat_gh, ldc,
-                      colcorr, wzp, rowsum, bias, mult, mchunk)  # fmt: skip
+            for j in range(sc.mult.shape[0]):
+                sc.mult[j] = wt.scales[j] * fs
+            _gemm_f32(which, flat_a, flat_gh, batch, wt, sc)
             # new state into ``fresh``, then copied back: an output that aliases an input
             # keeps the cell's loop scalar
             if lstm:
-                _lstm_rows(gi, t * gi_t, gi_b, flat_gh, ldc, flat_c, flat_h, fresh, batch,
-                           hidden)  # fmt: skip
+                _lstm_rows(gi, t * inputs.step, inputs.row, flat_gh, ldc, flat_c, flat_h, fresh,
+                           batch, hidden)  # fmt: skip
                 flat_c[:] = fresh
             else:
-                _gru_rows(gi, t * gi_t, gi_b, flat_gh, ldc, flat_h, fresh, batch, hidden)
+                _gru_rows(gi, t * inputs.step, inputs.row, flat_gh, ldc, flat_h, fresh, batch,
+                          hidden)  # fmt: skip
                 flat_h[:] = fresh
-            out[t] = h
+            state.out[t] = h
         return steps
 
     kind = "lstm" if lstm else "gru"
@@ -169,15 +225,47 @@ def _flat_view(gi: F32) -> tuple[F32, int, int]:
     A view with non-negative strides (e.g. one direction's columns of a wider array) is read in
     place through a flat view spanning its elements: every address between two elements of an
     array lies in its one buffer, and the bytes between rows are never used. Anything else is
-    copied."""
+    copied. Either way read-only: one argument type for the compiled loop."""
     st, sb, sj = gi.strides
     if sj == 4 and st >= 0 and sb >= 0 and st % 4 == 0 and sb % 4 == 0:
         steps, batch, width = gi.shape
         extent = (steps - 1) * (st // 4) + (batch - 1) * (sb // 4) + width
         flat = np.lib.stride_tricks.as_strided(gi, (extent,), (4,), writeable=False)
         return flat, st // 4, sb // 4
-    dense = np.ascontiguousarray(gi)
-    return dense.reshape(-1), gi.shape[1] * gi.shape[2], gi.shape[2]
+    dense = np.ascontiguousarray(gi).reshape(-1)
+    dense.flags.writeable = False
+    return dense, gi.shape[1] * gi.shape[2], gi.shape[2]
+
+
+class _WeightPlan(NamedTuple):
+    """A hidden weight's kernel family, its ``SeqWeight`` record and the compiled loops'
+    entry points by ``(which, lstm)``."""
+
+    family: str
+    record: SeqWeight
+    entries: dict[tuple[int, bool], Any]
+
+
+# per hidden weight, made by its first sequence. The weight's arrays never change and every
+# other argument is made here with fixed types (``_run``), so a loop's argument types, and so
+# its compiled entry point, are fixed per weight
+_PLANS: weakref.WeakKeyDictionary[PackedLinearWeight, _WeightPlan] = weakref.WeakKeyDictionary()
+
+
+def _weight_plan(packed: PackedLinearWeight) -> _WeightPlan:
+    plan = _PLANS.get(packed)
+    if plan is None:
+        family, bp, koffs = packed.kernel, packed.packed, packed.koffs
+        if packed.guarded:  # 8-bit weights: dynamic codes span [0, 255], the int16 kernels
+            family, bp, koffs = "avx2", packed.exact_packed(), packed._exact_koffs
+        span_lo, span_hi = packed._scale_span
+        record = SeqWeight(
+            bp, koffs, packed.npanels, packed.colsum, packed.zero_points, packed.k_true,
+            packed.has_weight_zp, packed.epilogue_unit()[1], span_lo, span_hi,
+            packed.bias_padded,
+        )  # fmt: skip
+        plan = _PLANS[packed] = _WeightPlan(family, record, {})
+    return plan
 
 
 def _run(
@@ -192,36 +280,36 @@ def _run(
     """Run every step, updating ``h``/``c`` in place; returns the [T, B, H] outputs."""
     steps, batch, hidden = gi.shape[0], h.shape[0], h.shape[1]
     out = np.empty((steps, batch, hidden), np.float32)
-    family = packed.kernel
     step = 0
-    if family in _FAMILIES:
-        bp, koffs = packed.packed, packed.koffs
-        if packed.guarded:  # 8-bit weights: dynamic codes span [0, 255], the int16 kernels
-            family, bp, koffs = "avx2", packed.exact_packed(), packed._exact_koffs
-        npanels = packed.npanels
-        parallel = threads > 1 and batch * packed.n_padded * koffs.shape[0] >= SERIAL_BELOW[family]
+    if packed.kernel in _FAMILIES:
+        family, weight, entries = _weight_plan(packed)
+        n = packed.n_padded
+        parallel = threads > 1 and batch * n * weight.koffs.shape[0] >= SERIAL_BELOW[family]
         which = _FAMILIES.index(family) + (len(_FAMILIES) if parallel else 0)
-        loop = _LOOPS[(which, lstm)]
-        if parallel:
-            loop = with_threads(loop, threads)
-        mchunk = row_chunk(batch, npanels, threads) if parallel else batch
-        a = np.empty((batch, packed.lda), np.int16 if family == "avx2" else np.uint8)
-        gh = np.empty((batch, packed.n_padded), np.float32)
-        rowoffs, _ = packed.rows(batch)
-        rowsum = np.empty(batch, np.int32)
-        scales = packed.epilogue_unit()[1]
-        span_lo, span_hi = packed._scale_span
-        mult = np.empty(packed.n_padded, np.float32)
-        colcorr = np.empty(packed.n_padded, np.int32)
-        flat, gi_t, gi_b = _flat_view(gi)
-        fresh = np.empty(batch * hidden, np.float32)
+        key = (which, lstm)
+        scratch = SeqScratch(
+            np.empty((batch, packed.lda), np.int16 if family == "avx2" else np.uint8),
+            packed.rows(batch)[0],
+            np.empty(batch, np.int32),
+            np.empty(n, np.int32),
+            np.empty(n, np.float32),
+            np.empty((batch, n), np.float32),
+            np.empty(batch * hidden, np.float32),
+            row_chunk(batch, weight.npanels, threads) if parallel else batch,
+        )
+        inputs = SeqInputs(*_flat_view(gi), steps, reverse)
+        state = SeqState(h, c, out)
+        # after the first call on this weight, the loop's compiled entry point: numba types
+        # record arguments in Python on every call (+2.5 us a call, measured)
+        entry = entries.get(key)
         while step < steps:
-            step = loop(
-                flat, gi_t, gi_b, steps, step, reverse, h, c, fresh, out, a, rowoffs, koffs, bp,
-                npanels, gh, packed.colsum, packed.zero_points, packed.k_true,
-                packed.has_weight_zp, rowsum, scales, span_lo, span_hi, packed.bias_padded, mult,
-                colcorr, mchunk,
-            )  # fmt: skip
+            args = (step, inputs, state, weight, scratch)
+            loop = _LOOPS[key] if entry is None else entry
+            step = (with_threads(loop, threads) if parallel else loop)(*args)
+            if entry is None:
+                entry = compiled_entry_point(_LOOPS[key], args)
+                if entry is not None:  # None after a dry run's record (targets/dry_run.py)
+                    entries[key] = entry
             if step < steps:  # a step the loop hands back: the checked path
                 _python_step(gi, packed, h, c, out, step, lstm, reverse, threads)
                 step += 1
