@@ -43,10 +43,10 @@ from quantbridge.kernels._threads import with_threads
 
 
 class FloatEpilogue(NamedTuple):
-    """What :func:`finish_block` does to a float GEMM output after ``fma(acc, mult, bias)``.
+    """What :func:`finish_rows` does to a float GEMM output after ``fma(acc, mult, bias)``.
 
     Empty arrays switch a step off. Build it with :func:`float_epilogue`, which fixes the
-    field types (numba compiles one driver per record type).
+    field types (numba compiles the pass once per record type).
     """
 
     act: int  # ACT_NONE, ACT_RELU, ACT_GELU or ACT_GELU_TANH
@@ -89,9 +89,6 @@ def float_epilogue(
 def is_identity(e: FloatEpilogue) -> bool:
     """True when ``e`` leaves the output as it is."""
     return e.act == ACT_NONE and not e.rowscale.shape[0] and not e.nside and not e.codes.shape[0]
-
-
-NO_EPILOGUE = float_epilogue(0)
 
 
 def _array_data(context: Any, builder: ir.IRBuilder, typ: Any, value: ir.Value) -> Any:

@@ -13,7 +13,6 @@ from quantbridge.kernels._epilogue_lut import NO_LUT
 from quantbridge.kernels._float_epilogue import (
     FloatEpilogue,
     finish_rows,
-    is_identity,
     put_codes,
     rows_of,
 )
@@ -153,8 +152,6 @@ def gemm_runner(
         epilogue: FloatEpilogue | None = None,
     ) -> npt.NDArray[np.generic]:
         out = np.empty((m, ldc), dtype)
-        if epilogue is not None and is_identity(epilogue):
-            epilogue = None
         c = out.reshape(-1)
         if widen and a.dtype != np.int16:
             a = a.astype(np.int16)

@@ -37,7 +37,7 @@ from quantbridge.kernels._dynamic_act import (
 from quantbridge.kernels._epilogue_lut import NO_LUT, epilogue_lut
 from quantbridge.kernels._errors import KernelError
 from quantbridge.kernels._float_epilogue import FloatEpilogue, float_epilogue, gather_columns
-from quantbridge.kernels._float_math import ACTIVATIONS
+from quantbridge.kernels._float_math import ACT_NONE, ACTIVATIONS
 from quantbridge.kernels._gemm import quantize_u8_fma
 from quantbridge.kernels._gemm_run import NO_ADD, NO_RESIDUAL, SERIAL_BELOW, run_gemm, serial_driver
 from quantbridge.kernels._lut import apply_table, table_as_pass
@@ -617,9 +617,9 @@ def _float_epilogue(
     float_input: npt.NDArray[np.float32] | None,
     codes: npt.NDArray[np.uint8] | None,
     codes_qparams: tuple[float, int] | None,
-) -> FloatEpilogue:
+) -> FloatEpilogue | None:
     """``linear_float``'s work after ``fma(acc, mult, bias)``: the float columns, ``act``
-    and the codes."""
+    and the codes (None when there is none)."""
     if (columns is None) != (float_input is None):
         raise KernelError(
             "columns, float_input: give both (the float columns and the float values x's codes "
@@ -655,6 +655,8 @@ def _float_epilogue(
         zp = check_zero_point("codes_qparams zero point", codes_qparams[1], 0, 255)
         # quantize_per_tensor's float32 1 / scale
         fields.update(codes=codes.reshape(-1), inv=np.float32(1.0) / np.float32(scale), zp=zp)
+    if act == ACT_NONE and not fields:
+        return None  # nothing after the GEMM's own epilogue (no record built per call)
     return float_epilogue(n, act, **fields)
 
 
@@ -731,6 +733,7 @@ def linear_dynamic(
         kernel, bp, koffs = "avx2", packed.exact_packed(), packed._exact_koffs
     a: npt.NDArray[Any] = np.empty((m, packed.lda), np.int16 if kernel == "avx2" else np.uint8)
     rowoffs, _ = packed.rows(m)
+    epilogue: FloatEpilogue | None
     if per_row:
         scales = np.empty(m, np.float32)
         zps = np.empty(m, np.int32)
@@ -758,7 +761,7 @@ def linear_dynamic(
         colcorr = packed.colcorr(a_zp)
         wzp = packed.zero_points
         biasq, mult = packed.dynamic_epilogue(a_s)
-        epilogue = float_epilogue(packed.n, act)
+        epilogue = float_epilogue(packed.n, act) if act != ACT_NONE else None
     out = run_gemm(kernel, a.reshape(-1), rowoffs, koffs, bp, packed.n,
                    colcorr, wzp, rowsum, biasq, mult, 0, 0, True, threads,
                    epilogue=epilogue)  # fmt: skip
