@@ -44,10 +44,16 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from quantbridge.kernels._checks import check_array, check_scale, check_zero_point
-from quantbridge.kernels._dw_simd import record_fields
 from quantbridge.kernels._errors import KernelError
 from quantbridge.kernels._float_math import FAST, RowSteps, flat_f32, scaled_row, vexp
-from quantbridge.kernels._ir import declare, load_vec, stack_slot, store_vec, vec_broadcast
+from quantbridge.kernels._ir import (
+    declare,
+    load_vec,
+    record_fields,
+    stack_slot,
+    store_vec,
+    vec_broadcast,
+)
 from quantbridge.kernels._numba_compat import compiled_entry_point
 from quantbridge.kernels._qparams import QParams, as_qparams
 from quantbridge.kernels._targets import needs_features, resolve_target, target_features

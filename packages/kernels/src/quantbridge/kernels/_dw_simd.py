@@ -49,13 +49,13 @@ from quantbridge.kernels._ir import (
     F32T,
     I8,
     I64,
-    array_data,
     arrays_data,
     clamp_round_splats,
     declare,
     load_vec,
     masked_load,
     masked_store,
+    record_fields,
     rint_clamp_codes,
     stack_slot,
     store_vec,
@@ -100,21 +100,6 @@ class DwOutput(NamedTuple):
     qmin: int
     qmax: int
     lut: npt.NDArray[np.uint8]
-
-
-def record_fields(
-    context: Any, builder: ir.IRBuilder, ty: Any, value: ir.Value, names: tuple[str, ...]
-) -> list[ir.Value]:
-    """The fields ``names`` of a record argument (a NamedTuple of numba type ``ty``) of an
-    intrinsic; array fields as their data pointers."""
-    fields = []
-    for name in names:
-        i = ty.fields.index(name)
-        field = builder.extract_value(value, i)
-        if isinstance(ty.types[i], types.Array):
-            field = array_data(context, builder, ty.types[i], field)
-        fields.append(field)
-    return fields
 
 
 OUT_RULE = ("zero_point", "qmin", "qmax")  # the DwOutput fields the kernels read

@@ -37,7 +37,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from quantbridge.kernels._dw_simd import OUT_RULE, record_fields
+from quantbridge.kernels._dw_simd import OUT_RULE
 from quantbridge.kernels._ir import (
     F32T,
     I8,
@@ -46,6 +46,7 @@ from quantbridge.kernels._ir import (
     arrays_data,
     clamp_round_splats,
     load_vec,
+    record_fields,
     rint_clamp_codes,
     stack_slot,
     store_vec,

@@ -38,7 +38,7 @@ from quantbridge.kernels._float_math import (
     _vgelu,
     codes_lanes,
 )
-from quantbridge.kernels._ir import declare, stack_slot, vec_broadcast
+from quantbridge.kernels._ir import array_data, declare, record_fields, stack_slot, vec_broadcast
 from quantbridge.kernels._threads import with_threads
 
 
@@ -91,35 +91,35 @@ def is_identity(e: FloatEpilogue) -> bool:
     return e.act == ACT_NONE and not e.rowscale.shape[0] and not e.nside and not e.codes.shape[0]
 
 
-def _array_data(context: Any, builder: ir.IRBuilder, typ: Any, value: ir.Value) -> Any:
-    return context.make_array(typ)(context, builder, value)
-
-
 # rows whose float columns run together (8 ymm accumulators on AVX2)
 _ROW_GROUP = 4
 
 
 def _complete_block_codegen(context: Any, builder: ir.IRBuilder, sig: Any, args: Any) -> ir.Value:
     fe, y, ldc, first, rows, j0, count = args
-    members = [builder.extract_value(fe, i) for i in range(len(FloatEpilogue._fields))]
-    f = dict(zip(FloatEpilogue._fields, members, strict=True))
-    t = dict(zip(FloatEpilogue._fields, sig.args[0].types, strict=True))
-    data = {
-        name: _array_data(context, builder, t[name], f[name])
-        for name in ("rowscale", "bias", "vals", "weight_t", "codes")
-    }
+    fe_type = sig.args[0]
+    rowscale_p, bias_p, vals_p, w_p, codes_p = record_fields(
+        context, builder, fe_type, fe, ("rowscale", "bias", "vals", "weight_t", "codes")
+    )
+    act, n, nside, inv, zp = record_fields(
+        context, builder, fe_type, fe, ("act", "n", "nside", "inv", "zp")
+    )
     i64 = ir.IntType(64)
     zero64 = ir.Constant(i64, 0)
-    y_p = _array_data(context, builder, sig.args[1], y).data
-    n, nside = f["n"], f["nside"]
+    y_p = array_data(context, builder, sig.args[1], y)
+
+    def present(name: str) -> ir.Value:  # an optional array field is not empty
+        i = FloatEpilogue._fields.index(name)
+        arr = context.make_array(fe_type.types[i])(context, builder, builder.extract_value(fe, i))
+        return builder.icmp_signed(">", builder.extract_value(arr.shape, 0), zero64)
+
     row = RowSteps(builder, count)
     vt, lanes = row.vt, row.vt.count
     fma = declare(builder.module, ir.FunctionType(vt, [vt, vt, vt]), f"llvm.fma.v{lanes}f32")
-    w_p = builder.gep(data["weight_t"].data, [j0])
-    bias_p = builder.gep(data["bias"].data, [j0])
-    scaled = builder.icmp_signed(">", builder.extract_value(data["rowscale"].shape, 0), zero64)
-    quantize = builder.icmp_signed(">", builder.extract_value(data["codes"].shape, 0), zero64)
-    inv_v, zp_v = (vec_broadcast(builder, f[k], lanes) for k in ("inv", "zp"))
+    w_p = builder.gep(w_p, [j0])
+    bias_p = builder.gep(bias_p, [j0])
+    scaled, quantize = present("rowscale"), present("codes")
+    inv_v, zp_v = (vec_broadcast(builder, v, lanes) for v in (inv, zp))
     slots = [stack_slot(builder, row.zero) for _ in range(_ROW_GROUP)]
 
     def y_at(r: ir.Value) -> ir.Value:
@@ -141,7 +141,7 @@ def _complete_block_codegen(context: Any, builder: ir.IRBuilder, sig: Any, args:
                     r = builder.add(r0, ir.Constant(i64, k))
                     acc = row.load(y_p, y_at(r), at, valid)
                     if with_scale:
-                        s = builder.load(builder.gep(data["rowscale"].data, [r]))
+                        s = builder.load(builder.gep(rowscale_p, [r]))
                         b = row.load(bias_p, zero64, at, valid)
                         acc = builder.call(fma, [acc, vec_broadcast(builder, s, lanes), b])
                     builder.store(acc, slots[k])
@@ -154,7 +154,7 @@ def _complete_block_codegen(context: Any, builder: ir.IRBuilder, sig: Any, args:
                             vals_at,
                             builder.add(builder.mul(ir.Constant(i64, k), nside), loop.index),
                         )
-                        v = builder.load(builder.gep(data["vals"].data, [at_v]))
+                        v = builder.load(builder.gep(vals_p, [at_v]))
                         acc = builder.call(fma, [vec_broadcast(builder, v, lanes), wv,
                                                  builder.load(slots[k])])  # fmt: skip
                         builder.store(acc, slots[k])
@@ -183,7 +183,7 @@ def _complete_block_codegen(context: Any, builder: ir.IRBuilder, sig: Any, args:
                     row.store(acc, y_p, yoff, at, valid)
                 if with_codes:
                     codes = codes_lanes(builder, acc, inv_v, zp_v)
-                    row.store_bytes(codes, data["codes"].data, coff, at, valid)
+                    row.store_bytes(codes, codes_p, coff, at, valid)
 
             row.each(step)
 
@@ -196,7 +196,6 @@ def _complete_block_codegen(context: Any, builder: ir.IRBuilder, sig: Any, args:
             for_rows(columns(True), _ROW_GROUP)
         with otherwise, builder.if_then(builder.icmp_signed(">", nside, zero64)):
             for_rows(columns(False), _ROW_GROUP)
-    act = f["act"]
     for mode in (ACT_NONE, ACT_RELU, ACT_GELU, ACT_GELU_TANH):
         is_mode = builder.icmp_signed("==", act, ir.Constant(act.type, mode))
         with builder.if_then(is_mode), builder.if_else(quantize) as (then, otherwise):

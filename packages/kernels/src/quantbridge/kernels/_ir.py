@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from llvmlite import ir
+from numba import types
 from numba.core import cgutils
 
 I8 = ir.IntType(8)
@@ -22,6 +23,21 @@ def declare(module: ir.Module, fnty: ir.FunctionType, name: str) -> ir.Function:
 def array_data(context: Any, builder: ir.IRBuilder, ty: Any, value: ir.Value) -> ir.Value:
     """The data pointer of a numba array argument ``value`` of numba type ``ty``."""
     return context.make_array(ty)(context, builder, value).data
+
+
+def record_fields(
+    context: Any, builder: ir.IRBuilder, ty: Any, value: ir.Value, names: tuple[str, ...]
+) -> list[ir.Value]:
+    """The fields ``names`` of a record argument (a NamedTuple of numba type ``ty``) of an
+    intrinsic; array fields as their data pointers."""
+    fields = []
+    for name in names:
+        i = ty.fields.index(name)
+        field = builder.extract_value(value, i)
+        if isinstance(ty.types[i], types.Array):
+            field = array_data(context, builder, ty.types[i], field)
+        fields.append(field)
+    return fields
 
 
 def arrays_data(
